@@ -1,0 +1,232 @@
+//! The NATS ingest path: a durable pull consumer on `TALLY_INGEST` feeding the same
+//! appender as HTTP.
+//!
+//! A message is acknowledged only after the transaction that appends its events has
+//! committed; if tally dies first, JetStream redelivers it and the event id makes the
+//! second append a duplicate, so nothing is counted twice. A message that can never be
+//! appended (invalid, or an id reused with other content) is copied to `TALLY_DLQ` with
+//! the error in headers and then acknowledged, so it cannot loop. A message that failed
+//! for a passing reason (database down, queue full) is nak'ed and retried later.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, consumer::pull, AckKind, Message};
+use async_nats::HeaderMap;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::Names;
+use crate::event::parse::{parse_body, BodyKind};
+use crate::event::TimeBounds;
+use crate::ledger::{AppendError, Appender};
+
+/// The durable consumer's name.
+pub const CONSUMER_NAME: &str = "tally-ingest";
+/// Headers on a dead-lettered message.
+pub const ERROR_CODE_HEADER: &str = "Tally-Error-Code";
+pub const ERROR_HEADER: &str = "Tally-Error";
+pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
+/// How long JetStream waits for an ack before redelivering: well above a group commit.
+const ACK_WAIT_SECONDS: u64 = 30;
+/// Unacknowledged messages the server lets this consumer hold: two full fetches.
+const MAX_ACK_PENDING: i64 = 20_000;
+/// How long one fetch waits for messages when the stream is idle.
+const FETCH_EXPIRES_MS: u64 = 500;
+/// Delay before a message that failed for a passing reason is redelivered.
+const RETRY_DELAY_MS: u64 = 1_000;
+/// Longest error text put in a header.
+const ERROR_HEADER_LENGTH_MAX: usize = 1_024;
+
+#[derive(Debug, Clone)]
+pub struct IngestSettings {
+    pub fetch_max: usize,
+    pub batch_events_max: usize,
+    pub backdate_max: chrono::Duration,
+}
+
+/// Runs until `shutdown`, finishing the batch in hand; errors are logged and retried.
+pub async fn run(
+    context: jetstream::Context,
+    names: Names,
+    appender: Appender,
+    settings: IngestSettings,
+    shutdown: CancellationToken,
+) {
+    while !shutdown.is_cancelled() {
+        if let Err(error) = consume(&context, &names, &appender, &settings, &shutdown).await {
+            tracing::warn!(error = format!("{error:#}"), "ingest consumer interrupted; will resume");
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
+                _ = shutdown.cancelled() => {}
+            }
+        }
+    }
+    tracing::info!("ingest consumer stopped");
+}
+
+async fn consume(
+    context: &jetstream::Context,
+    names: &Names,
+    appender: &Appender,
+    settings: &IngestSettings,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    super::apply_streams(context, names).await?;
+    let stream = context.get_stream(names.ingest_stream()).await?;
+    let consumer = stream
+        .get_or_create_consumer(
+            CONSUMER_NAME,
+            pull::Config {
+                durable_name: Some(CONSUMER_NAME.to_owned()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(ACK_WAIT_SECONDS),
+                max_ack_pending: MAX_ACK_PENDING,
+                ..Default::default()
+            },
+        )
+        .await
+        .context("cannot create the ingest consumer")?;
+    while !shutdown.is_cancelled() {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(settings.fetch_max)
+            .expires(Duration::from_millis(FETCH_EXPIRES_MS))
+            .messages()
+            .await?;
+        let mut messages = Vec::new();
+        while let Some(message) = batch.next().await {
+            messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
+        }
+        if !messages.is_empty() {
+            handle_batch(context, names, appender, settings, messages).await?;
+        }
+    }
+    Ok(())
+}
+
+/// What to do with one message once its append has been tried.
+enum Verdict {
+    Stored(usize),
+    DeadLetter { code: &'static str, message: String },
+    Retry(AppendError),
+}
+
+async fn handle_batch(
+    context: &jetstream::Context,
+    names: &Names,
+    appender: &Appender,
+    settings: &IngestSettings,
+    messages: Vec<Message>,
+) -> anyhow::Result<()> {
+    let bounds = TimeBounds {
+        now: chrono::Utc::now(),
+        backdate_max: settings.backdate_max,
+    };
+    // All appends are queued before any is awaited, so the batch shares group commits.
+    let verdicts = futures::future::join_all(messages.iter().map(|message| async move {
+        let kind = message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Content-Type"))
+            .map(|v| BodyKind::from_content_type(v.as_str()));
+        let kind = match kind {
+            None => BodyKind::Native,
+            Some(Some(kind)) => kind,
+            Some(None) => {
+                return Verdict::DeadLetter {
+                    code: "unsupported_media_type",
+                    message: "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json".into(),
+                }
+            }
+        };
+        let events = match parse_body(kind, &message.payload, bounds, settings.batch_events_max) {
+            Ok(events) => events,
+            Err(error) => {
+                return Verdict::DeadLetter {
+                    code: error.code(),
+                    message: error.describe(),
+                }
+            }
+        };
+        let count = events.len();
+        match appender.append(events).await {
+            Ok(_) => Verdict::Stored(count),
+            Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
+                code: "idempotency_conflict",
+                message: format!("event {index}: id {id} was stored before with different content"),
+            },
+            Err(error) => Verdict::Retry(error),
+        }
+    }))
+    .await;
+
+    for (message, verdict) in messages.iter().zip(verdicts) {
+        match verdict {
+            Verdict::Stored(count) => {
+                message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+                metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "stored")
+                    .increment(count as u64);
+            }
+            Verdict::DeadLetter { code, message: text } => {
+                dead_letter(context, names, message, code, &text).await?;
+                message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+                metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "dead_lettered")
+                    .increment(1);
+                tracing::info!(subject = %message.subject, code, error = text, "ingest message dead-lettered");
+            }
+            Verdict::Retry(error) => {
+                tracing::warn!(error = %error, "ingest message will be redelivered");
+                message
+                    .ack_with(AckKind::Nak(Some(Duration::from_millis(RETRY_DELAY_MS))))
+                    .await
+                    .map_err(|e| anyhow::anyhow!(e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A header value cannot hold line breaks; keep it short too.
+fn header_text(text: &str) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    flat.chars().take(ERROR_HEADER_LENGTH_MAX).collect()
+}
+
+async fn dead_letter(
+    context: &jetstream::Context,
+    names: &Names,
+    message: &Message,
+    code: &str,
+    text: &str,
+) -> anyhow::Result<()> {
+    let suffix = message
+        .subject
+        .as_str()
+        .strip_prefix(&names.ingest_prefix())
+        .unwrap_or("unknown");
+    let subject = format!("{}{suffix}", names.dlq_prefix());
+    let mut headers = HeaderMap::new();
+    if let Some(original) = &message.headers {
+        for (name, values) in original.iter() {
+            for value in values {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+    }
+    headers.insert(ERROR_CODE_HEADER, code);
+    headers.insert(ERROR_HEADER, header_text(text).as_str());
+    headers.insert(ORIGINAL_SUBJECT_HEADER, message.subject.as_str());
+    // A redelivered message (its ack was lost) must not be dead-lettered twice.
+    let sequence = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+    headers.insert("Nats-Msg-Id", format!("ingest-{sequence}").as_str());
+    context
+        .publish_with_headers(subject, headers, message.payload.clone())
+        .await?
+        .await
+        .context("cannot publish to the dead-letter stream")?;
+    Ok(())
+}

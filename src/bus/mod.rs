@@ -1,0 +1,159 @@
+//! NATS JetStream: the streams of `streams/*.json` (created or updated at start-up), the
+//! relay that publishes the committed ledger, and the ingest consumer.
+
+pub mod ingest;
+pub mod relay;
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, stream};
+
+/// The stream definitions, in the `nats stream add --config` format, built into the binary
+/// so that what runs is what was reviewed.
+const STREAM_FILES: [(&str, &str); 3] = [
+    ("TALLY_LEDGER", include_str!("../../streams/TALLY_LEDGER.json")),
+    ("TALLY_INGEST", include_str!("../../streams/TALLY_INGEST.json")),
+    ("TALLY_DLQ", include_str!("../../streams/TALLY_DLQ.json")),
+];
+
+/// How long one JetStream API request may take before it counts as failed.
+pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
+
+/// Stream names and subject prefixes, with the optional namespace applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    namespace: String,
+}
+
+impl Names {
+    /// `namespace` must be empty or a single subject token of `[A-Za-z0-9_-]`.
+    pub fn new(namespace: &str) -> anyhow::Result<Names> {
+        if !namespace.is_empty() {
+            crate::event::OrgId::parse(namespace)
+                .map_err(|e| anyhow::anyhow!("TALLY_NATS_NAMESPACE {e}"))?;
+        }
+        Ok(Names {
+            namespace: namespace.to_owned(),
+        })
+    }
+
+    pub fn stream(&self, name: &str) -> String {
+        if self.namespace.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{}_{name}", self.namespace)
+        }
+    }
+
+    pub fn subject(&self, subject: &str) -> String {
+        if self.namespace.is_empty() {
+            subject.to_owned()
+        } else {
+            format!("{}.{subject}", self.namespace)
+        }
+    }
+
+    pub fn ledger_stream(&self) -> String {
+        self.stream("TALLY_LEDGER")
+    }
+    pub fn ingest_stream(&self) -> String {
+        self.stream("TALLY_INGEST")
+    }
+    pub fn dlq_stream(&self) -> String {
+        self.stream("TALLY_DLQ")
+    }
+    /// `tally.ledger.<org_id>.<type>`
+    pub fn ledger_subject(&self, org_id: &str, event_type: &str) -> String {
+        self.subject(&format!("tally.ledger.{org_id}.{event_type}"))
+    }
+    pub fn ingest_prefix(&self) -> String {
+        self.subject("tally.ingest.")
+    }
+    pub fn dlq_prefix(&self) -> String {
+        self.subject("tally.dlq.")
+    }
+
+    /// The stream configurations from `streams/`, renamed into the namespace.
+    pub fn stream_configs(&self) -> anyhow::Result<Vec<stream::Config>> {
+        STREAM_FILES
+            .iter()
+            .map(|(name, text)| {
+                let mut config: stream::Config = serde_json::from_str(text)
+                    .with_context(|| format!("streams/{name}.json is not a stream config"))?;
+                config.name = self.stream(&config.name);
+                config.subjects = config.subjects.iter().map(|s| self.subject(s)).collect();
+                Ok(config)
+            })
+            .collect()
+    }
+}
+
+/// Connects without waiting for the server: when NATS is down at start-up the client keeps
+/// retrying in the background and HTTP ingest works meanwhile.
+pub async fn connect(url: &str) -> anyhow::Result<async_nats::Client> {
+    async_nats::ConnectOptions::new()
+        .name("tally")
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(5))
+        .request_timeout(Some(Duration::from_millis(REQUEST_TIMEOUT_MS)))
+        .connect(url)
+        .await
+        .with_context(|| format!("cannot use NATS at {url}"))
+}
+
+pub fn jetstream(client: async_nats::Client) -> jetstream::Context {
+    let mut context = jetstream::new(client);
+    context.set_timeout(Duration::from_millis(REQUEST_TIMEOUT_MS));
+    context
+}
+
+/// Creates each stream, or updates it to the definition when it differs.
+#[tracing::instrument(skip_all)]
+pub async fn apply_streams(context: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
+    for config in names.stream_configs()? {
+        let name = config.name.clone();
+        context
+            .create_or_update_stream(config)
+            .await
+            .with_context(|| format!("cannot create or update stream {name}"))?;
+        tracing::info!(stream = name, "stream applied");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stream_files_parse_and_cover_the_three_subject_spaces() {
+        let configs = Names::new("").unwrap().stream_configs().unwrap();
+        let found: Vec<_> = configs
+            .iter()
+            .map(|c| (c.name.as_str(), c.subjects.clone()))
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                ("TALLY_LEDGER", vec!["tally.ledger.>".to_string()]),
+                ("TALLY_INGEST", vec!["tally.ingest.>".to_string()]),
+                ("TALLY_DLQ", vec!["tally.dlq.>".to_string()]),
+            ]
+        );
+        assert_eq!(configs[0].max_age, Duration::ZERO, "the ledger stream keeps everything");
+    }
+
+    #[test]
+    fn a_namespace_prefixes_streams_and_subjects() {
+        let names = Names::new("bench1").unwrap();
+        let configs = names.stream_configs().unwrap();
+        assert_eq!(configs[0].name, "bench1_TALLY_LEDGER");
+        assert_eq!(configs[0].subjects, vec!["bench1.tally.ledger.>".to_string()]);
+        assert_eq!(
+            names.ledger_subject("org_1", "container.created"),
+            "bench1.tally.ledger.org_1.container.created"
+        );
+        assert!(Names::new("a.b").is_err());
+    }
+}

@@ -1,0 +1,170 @@
+//! The relay: carries the committed ledger to `TALLY_LEDGER`, in position order, each event
+//! exactly once.
+//!
+//! The stream itself is the relay's checkpoint: at start (and after any error) the relay
+//! reads the last message of the stream and its `Tally-Position` header, and continues
+//! with the next position. Every publish carries `Nats-Expected-Last-Sequence`, so the
+//! stream refuses a message unless everything before it is stored: a publish that failed
+//! can never be skipped over by a later one that succeeded, and a second relay that
+//! raced this one is refused rather than duplicating. `Nats-Msg-Id` (the event id) adds
+//! the server's duplicate window on top. Only one instance relays at a time, elected by a
+//! Postgres session advisory lock.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, context::PublishAckFuture};
+use async_nats::HeaderMap;
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::Names;
+use crate::ledger::read;
+
+/// Header carrying the ledger position of a relayed event.
+pub const POSITION_HEADER: &str = "Tally-Position";
+/// The session advisory lock that elects the one relaying instance.
+pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
+/// Pause after an error before re-synchronizing with the stream.
+const RETRY_DELAY_MS: u64 = 500;
+
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    pub batch_max: usize,
+    pub poll: Duration,
+}
+
+/// Runs until `shutdown`; errors are logged and retried, never fatal.
+pub async fn run(
+    pool: PgPool,
+    context: jetstream::Context,
+    names: Names,
+    settings: RelaySettings,
+    mut head: watch::Receiver<i64>,
+    shutdown: CancellationToken,
+) {
+    while !shutdown.is_cancelled() {
+        if let Err(error) = lead(&pool, &context, &names, &settings, &mut head, &shutdown).await {
+            tracing::warn!(error = format!("{error:#}"), "relay interrupted; will resume");
+            metrics::counter!("tally_relay_errors_total").increment(1);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
+                _ = shutdown.cancelled() => {}
+            }
+        }
+    }
+    tracing::info!("relay stopped");
+}
+
+/// Waits to become the relaying instance, then relays until an error or shutdown.
+async fn lead(
+    pool: &PgPool,
+    context: &jetstream::Context,
+    names: &Names,
+    settings: &RelaySettings,
+    head: &mut watch::Receiver<i64>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let mut connection = pool.acquire().await?;
+    loop {
+        let leader: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(RELAY_LOCK_KEY)
+            .fetch_one(&mut *connection)
+            .await?;
+        if leader {
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(settings.poll * 4) => {}
+            _ = shutdown.cancelled() => return Ok(()),
+        }
+    }
+    let result = relay(pool, context, names, settings, head, shutdown).await;
+    // Release leadership explicitly; if this fails the connection is dropped by the pool.
+    let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(RELAY_LOCK_KEY)
+        .execute(&mut *connection)
+        .await;
+    result
+}
+
+/// Where the stream ends: (last ledger position in it, last stream sequence).
+async fn stream_position(
+    context: &jetstream::Context,
+    names: &Names,
+) -> anyhow::Result<(i64, u64)> {
+    let mut stream = context.get_stream(names.ledger_stream()).await?;
+    let last_sequence = stream.info().await?.state.last_sequence;
+    if last_sequence == 0 {
+        return Ok((0, 0));
+    }
+    let message = stream
+        .get_raw_message(last_sequence)
+        .await
+        .context("cannot read the last message of the ledger stream")?;
+    let position = message
+        .headers
+        .get(POSITION_HEADER)
+        .and_then(|v| v.as_str().parse::<i64>().ok())
+        .with_context(|| format!("message {last_sequence} has no {POSITION_HEADER} header"))?;
+    Ok((position, last_sequence))
+}
+
+async fn relay(
+    pool: &PgPool,
+    context: &jetstream::Context,
+    names: &Names,
+    settings: &RelaySettings,
+    head: &mut watch::Receiver<i64>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    super::apply_streams(context, names).await?;
+    let (mut published, mut sequence) = stream_position(context, names).await?;
+    tracing::info!(position = published, sequence, "relay resuming");
+    loop {
+        let rows = read::read_after(pool, published, settings.batch_max).await?;
+        if rows.is_empty() {
+            metrics::gauge!("tally_relay_lag_events").set(0.0);
+            tokio::select! {
+                _ = head.changed() => {}
+                _ = tokio::time::sleep(settings.poll) => {}
+                _ = shutdown.cancelled() => return Ok(()),
+            }
+            continue;
+        }
+        let mut acks: Vec<(i64, PublishAckFuture)> = Vec::with_capacity(rows.len());
+        for row in &rows {
+            assert_eq!(row.position, published + acks.len() as i64 + 1, "relay reads in order");
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
+            headers.insert(
+                "Nats-Expected-Last-Sequence",
+                (sequence + acks.len() as u64).to_string().as_str(),
+            );
+            headers.insert(POSITION_HEADER, row.position.to_string().as_str());
+            let payload = serde_json::to_vec(&row.to_message())?;
+            let subject = names.ledger_subject(&row.org_id, &row.event_type);
+            let ack = context
+                .publish_with_headers(subject, headers, payload.into())
+                .await?;
+            acks.push((row.position, ack));
+        }
+        for (position, ack) in acks {
+            let ack = ack.await.with_context(|| format!("publishing position {position}"))?;
+            anyhow::ensure!(
+                !ack.duplicate && ack.sequence == sequence + 1,
+                "position {position} landed at sequence {} (duplicate: {}), expected {}",
+                ack.sequence,
+                ack.duplicate,
+                sequence + 1
+            );
+            sequence = ack.sequence;
+            published = position;
+        }
+        metrics::counter!("tally_relay_published_total").increment(rows.len() as u64);
+        metrics::gauge!("tally_relay_published_position").set(published as f64);
+        let (head_position, _) = read::head(pool).await?;
+        metrics::gauge!("tally_relay_lag_events").set((head_position - published).max(0) as f64);
+    }
+}

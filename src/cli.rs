@@ -1,0 +1,68 @@
+//! The command line: `tally serve | migrate | verify | bench`.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+use crate::ledger::{db, verify};
+use crate::startup::Service;
+
+#[derive(Debug, Parser)]
+#[command(name = "tally", version, about = "An event-sourced usage and billing ledger")]
+pub struct Cli {
+    #[command(flatten)]
+    pub config: Config,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Migrate, apply the JetStream streams, serve the API until SIGINT or SIGTERM.
+    Serve,
+    /// Create the database if needed and apply the migrations.
+    Migrate,
+    /// Recompute the ledger's hash chain: exit 0 when intact, 1 when broken.
+    Verify,
+    /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
+    Bench(crate::bench::BenchArgs),
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve => {
+            Service::start(cli.config).await?.run_until_signal().await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate => {
+            let pool = db::prepare(&cli.config).await?;
+            pool.close().await;
+            println!("migrated");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify => {
+            let pool = db::prepare(&cli.config).await?;
+            let report = verify::verify(&pool).await?;
+            pool.close().await;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            match report.first_bad_position {
+                None => {
+                    eprintln!("ledger intact: {} events checked", report.events_checked);
+                    Ok(ExitCode::SUCCESS)
+                }
+                Some(position) => {
+                    eprintln!(
+                        "ledger broken at position {position}: {}",
+                        report.problem.as_deref().unwrap_or("")
+                    );
+                    Ok(ExitCode::from(1))
+                }
+            }
+        }
+        Command::Bench(args) => {
+            crate::bench::run(cli.config, args).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! Configuration: every setting comes from the environment (or the matching flag), has a
+//! default that works on a developer machine, and carries its unit in its name.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Postgres pool size: the appender needs one connection, the relay one, reads the rest.
+/// Postgres itself defaults to 100 connections; several instances must fit under that.
+pub const DB_POOL_MAX: u32 = 16;
+/// How long a request waits for a pool connection before failing with 503: long enough to
+/// ride out a burst, short enough that a dead database fails requests fast.
+pub const DB_ACQUIRE_TIMEOUT_MS: u64 = 3_000;
+/// Upper bound on any one statement, so that a stuck query cannot hold the ledger lock.
+pub const DB_STATEMENT_TIMEOUT_MS: u64 = 15_000;
+/// Largest request body, in bytes: a full batch of 1 000 events at maximal field lengths
+/// is about 3 MiB.
+pub const BODY_MAX_BYTES: usize = 4 * 1024 * 1024;
+/// Events per ingest batch (DESIGN §6).
+pub const BATCH_EVENTS_MAX: usize = 1_000;
+/// Append requests waiting for the appender; past it, producers get 503 and retry
+/// rather than queueing without bound.
+pub const APPEND_QUEUE_MAX: usize = 8_192;
+/// Events in one group commit: large enough to amortize the commit, small enough that one
+/// transaction stays in the low tens of milliseconds.
+pub const APPEND_GROUP_EVENTS_MAX: usize = 10_000;
+/// Whole-request deadline, in milliseconds.
+pub const REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// Default backdate bound (DESIGN §2).
+pub const BACKDATE_DAYS: u32 = 35;
+/// Ledger rows the relay reads and publishes per round.
+pub const RELAY_BATCH_MAX: usize = 1_000;
+/// How often the relay looks for events appended by other instances when nothing woke it.
+pub const RELAY_POLL_MS: u64 = 250;
+/// Messages the ingest consumer pulls per fetch.
+pub const INGEST_FETCH_MAX: usize = 1_000;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// Postgres URL; the database is created when missing.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/tally"
+    )]
+    pub database_url: String,
+
+    /// NATS server URL (JetStream enabled).
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+
+    /// Address the HTTP API listens on.
+    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    /// The admin bearer token for `/v1/*`. Without it every `/v1/*` request is refused.
+    #[arg(long, env = "TALLY_BOOTSTRAP_TOKEN", hide_env_values = true)]
+    pub bootstrap_token: Option<String>,
+
+    /// Prefix for JetStream stream names and subjects, to share one NATS server between
+    /// several tally deployments (the benchmark uses it). Empty in production.
+    #[arg(long, env = "TALLY_NATS_NAMESPACE", default_value = "")]
+    pub nats_namespace: String,
+
+    /// Events older than this many days are refused (outside the correction flow).
+    #[arg(long, env = "TALLY_BACKDATE_DAYS", default_value_t = BACKDATE_DAYS)]
+    pub backdate_days: u32,
+
+    #[arg(long, env = "TALLY_DB_POOL_MAX", default_value_t = DB_POOL_MAX)]
+    pub db_pool_max: u32,
+
+    #[arg(long, env = "TALLY_DB_ACQUIRE_TIMEOUT_MS", default_value_t = DB_ACQUIRE_TIMEOUT_MS)]
+    pub db_acquire_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_DB_STATEMENT_TIMEOUT_MS", default_value_t = DB_STATEMENT_TIMEOUT_MS)]
+    pub db_statement_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_BODY_MAX_BYTES", default_value_t = BODY_MAX_BYTES)]
+    pub body_max_bytes: usize,
+
+    #[arg(long, env = "TALLY_BATCH_EVENTS_MAX", default_value_t = BATCH_EVENTS_MAX)]
+    pub batch_events_max: usize,
+
+    #[arg(long, env = "TALLY_APPEND_QUEUE_MAX", default_value_t = APPEND_QUEUE_MAX)]
+    pub append_queue_max: usize,
+
+    #[arg(long, env = "TALLY_APPEND_GROUP_EVENTS_MAX", default_value_t = APPEND_GROUP_EVENTS_MAX)]
+    pub append_group_events_max: usize,
+
+    #[arg(long, env = "TALLY_REQUEST_TIMEOUT_MS", default_value_t = REQUEST_TIMEOUT_MS)]
+    pub request_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_RELAY_BATCH_MAX", default_value_t = RELAY_BATCH_MAX)]
+    pub relay_batch_max: usize,
+
+    #[arg(long, env = "TALLY_RELAY_POLL_MS", default_value_t = RELAY_POLL_MS)]
+    pub relay_poll_ms: u64,
+
+    #[arg(long, env = "TALLY_INGEST_FETCH_MAX", default_value_t = INGEST_FETCH_MAX)]
+    pub ingest_fetch_max: usize,
+}
+
+impl Config {
+    /// The defaults, for a given database and NATS server (tests and the benchmark).
+    pub fn new(database_url: impl Into<String>, nats_url: impl Into<String>) -> Config {
+        Config {
+            database_url: database_url.into(),
+            nats_url: nats_url.into(),
+            listen: "127.0.0.1:0".parse().expect("a literal address"),
+            bootstrap_token: None,
+            nats_namespace: String::new(),
+            backdate_days: BACKDATE_DAYS,
+            db_pool_max: DB_POOL_MAX,
+            db_acquire_timeout_ms: DB_ACQUIRE_TIMEOUT_MS,
+            db_statement_timeout_ms: DB_STATEMENT_TIMEOUT_MS,
+            body_max_bytes: BODY_MAX_BYTES,
+            batch_events_max: BATCH_EVENTS_MAX,
+            append_queue_max: APPEND_QUEUE_MAX,
+            append_group_events_max: APPEND_GROUP_EVENTS_MAX,
+            request_timeout_ms: REQUEST_TIMEOUT_MS,
+            relay_batch_max: RELAY_BATCH_MAX,
+            relay_poll_ms: RELAY_POLL_MS,
+            ingest_fetch_max: INGEST_FETCH_MAX,
+        }
+    }
+
+    pub fn backdate_max(&self) -> chrono::Duration {
+        chrono::Duration::days(i64::from(self.backdate_days))
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+}

@@ -1,0 +1,169 @@
+//! Identifiers that appear in events: parsed once at the edge, valid from then on.
+//!
+//! Organization, container and plan ids travel into NATS subjects (`tally.ledger.<org_id>.…`)
+//! and CSV exports, so the alphabet is kept to `[A-Za-z0-9_-]`: no dots, spaces, wildcards
+//! or quotes can ever reach a subject or a cell.
+
+use std::fmt;
+
+use uuid::Uuid;
+
+/// The longest org, container or plan id we accept, in characters.
+/// Long enough for any provider's resource ids; short enough to keep NATS subjects small.
+pub const NAME_LENGTH_MAX: usize = 64;
+
+/// Why an identifier was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error("must not be empty")]
+    Empty,
+    #[error("must be at most {NAME_LENGTH_MAX} characters, got {0}")]
+    TooLong(usize),
+    #[error("may only contain A-Z, a-z, 0-9, '_' and '-', found {0:?}")]
+    BadCharacter(char),
+    #[error("must be a hyphenated UUID such as 0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55")]
+    NotUuid,
+    #[error("must not be the nil UUID")]
+    NilUuid,
+}
+
+fn check_name(value: &str) -> Result<(), IdError> {
+    if value.is_empty() {
+        return Err(IdError::Empty);
+    }
+    let length = value.chars().count();
+    if length > NAME_LENGTH_MAX {
+        return Err(IdError::TooLong(length));
+    }
+    match value
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-'))
+    {
+        Some(bad) => Err(IdError::BadCharacter(bad)),
+        None => Ok(()),
+    }
+}
+
+macro_rules! name_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(String);
+
+        impl $name {
+            pub fn parse(value: &str) -> Result<Self, IdError> {
+                check_name(value)?;
+                Ok(Self(value.to_owned()))
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
+name_id!(
+    /// The organization an event belongs to; the unit of billing.
+    OrgId
+);
+name_id!(
+    /// A sandbox container, as the container provider names it.
+    ContainerId
+);
+name_id!(
+    /// A plan, such as `free`.
+    PlanId
+);
+
+/// The producer-chosen idempotency key of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(Uuid);
+
+impl EventId {
+    /// Accepts only the hyphenated form, so that one id has one spelling in the ledger,
+    /// in `Nats-Msg-Id` headers and in audit queries.
+    pub fn parse(value: &str) -> Result<Self, IdError> {
+        if value.len() != 36 {
+            return Err(IdError::NotUuid);
+        }
+        let uuid = Uuid::try_parse(value).map_err(|_| IdError::NotUuid)?;
+        Self::from_uuid(uuid)
+    }
+
+    pub fn from_uuid(uuid: Uuid) -> Result<Self, IdError> {
+        if uuid.is_nil() {
+            return Err(IdError::NilUuid);
+        }
+        Ok(Self(uuid))
+    }
+
+    pub fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.hyphenated().fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_accept_the_safe_alphabet_up_to_sixty_four_characters() {
+        assert!(OrgId::parse("org_8f2k").is_ok());
+        assert!(ContainerId::parse("ctr-51x_A").is_ok());
+        assert!(OrgId::parse(&"a".repeat(64)).is_ok());
+    }
+
+    #[test]
+    fn names_reject_empty_long_and_unsafe_values() {
+        let cases = [
+            ("", IdError::Empty),
+            (&"a".repeat(65)[..], IdError::TooLong(65)),
+            ("org.1", IdError::BadCharacter('.')),
+            ("org 1", IdError::BadCharacter(' ')),
+            ("org*", IdError::BadCharacter('*')),
+            ("org>", IdError::BadCharacter('>')),
+            ("orgé", IdError::BadCharacter('é')),
+            ("org,1", IdError::BadCharacter(',')),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(OrgId::parse(input), Err(expected), "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn event_ids_must_be_hyphenated_non_nil_uuids() {
+        assert!(EventId::parse("0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55").is_ok());
+        assert_eq!(
+            EventId::parse("0193a5f07c1e7d2a9b1e2f0c6a1d4e55"),
+            Err(IdError::NotUuid)
+        );
+        assert_eq!(
+            EventId::parse("{0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e5}"),
+            Err(IdError::NotUuid)
+        );
+        assert_eq!(
+            EventId::parse("00000000-0000-0000-0000-000000000000"),
+            Err(IdError::NilUuid)
+        );
+        assert_eq!(EventId::parse("not-a-uuid"), Err(IdError::NotUuid));
+    }
+
+    #[test]
+    fn event_ids_print_in_lowercase_hyphenated_form() {
+        let id = EventId::parse("0193A5F0-7C1E-7D2A-9B1E-2F0C6A1D4E55").unwrap();
+        assert_eq!(id.to_string(), "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55");
+    }
+}

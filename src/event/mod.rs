@@ -1,0 +1,453 @@
+//! The event: what producers send, and the rules an event must meet before the ledger takes
+//! it (DESIGN §2). Pure: no I/O, the clock is passed in.
+//!
+//! Flow: bytes → [`parse`] (native JSON or CloudEvents) → [`Event`] → ledger appender.
+
+pub mod canonical;
+pub mod ids;
+pub mod parse;
+
+use chrono::{DateTime, Duration, SubsecRound, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+pub use ids::{ContainerId, EventId, IdError, OrgId, PlanId};
+
+/// How far ahead of the server clock an `occurred_at` may be: producers' clocks drift,
+/// but an event from the future would let a caller pre-book runtime.
+pub const FUTURE_SKEW_MAX_SECONDS: i64 = 5 * 60;
+
+/// Longest `container.created` name, in characters (DESIGN §2).
+pub const CONTAINER_NAME_LENGTH_MAX: usize = 128;
+/// Longest `container.created` image reference, in characters (DESIGN §2).
+pub const IMAGE_LENGTH_MAX: usize = 256;
+/// Longest `command_id`, in characters (DESIGN §2).
+pub const COMMAND_ID_LENGTH_MAX: usize = 128;
+/// Longest published-port URL, in bytes (DESIGN §2).
+pub const URL_LENGTH_MAX: usize = 2048;
+/// Longest command duration we accept: a year. No command outlives a billing year, and
+/// the bound keeps every sum of durations far inside `i64` milliseconds.
+pub const COMMAND_DURATION_MAX_MS: u64 = 366 * 24 * 60 * 60 * 1000;
+
+/// The eight kinds of event of DESIGN §2. Names are past tense: each records a fact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventType {
+    ContainerCreated,
+    ContainerCommandRan,
+    ContainerStopped,
+    ContainerResumed,
+    ContainerPortPublished,
+    OrgPlanChanged,
+    OrgVerificationChanged,
+    OrgBillingEligibilityChanged,
+}
+
+impl EventType {
+    pub const ALL: [EventType; 8] = [
+        EventType::ContainerCreated,
+        EventType::ContainerCommandRan,
+        EventType::ContainerStopped,
+        EventType::ContainerResumed,
+        EventType::ContainerPortPublished,
+        EventType::OrgPlanChanged,
+        EventType::OrgVerificationChanged,
+        EventType::OrgBillingEligibilityChanged,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::ContainerCreated => "container.created",
+            EventType::ContainerCommandRan => "container.command_ran",
+            EventType::ContainerStopped => "container.stopped",
+            EventType::ContainerResumed => "container.resumed",
+            EventType::ContainerPortPublished => "container.port_published",
+            EventType::OrgPlanChanged => "org.plan_changed",
+            EventType::OrgVerificationChanged => "org.verification_changed",
+            EventType::OrgBillingEligibilityChanged => "org.billing_eligibility_changed",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<EventType> {
+        EventType::ALL.into_iter().find(|t| t.as_str() == value)
+    }
+
+    /// Container events name their container; org events must not.
+    pub fn is_container_event(self) -> bool {
+        self.as_str().starts_with("container.")
+    }
+}
+
+/// Why a producer stopped a container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StopReason {
+    User,
+    Idle,
+    Admin,
+    Provider,
+}
+
+/// The type-specific payload, already checked against its schema.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum EventData {
+    ContainerCreated(ContainerCreated),
+    ContainerCommandRan(ContainerCommandRan),
+    ContainerStopped(ContainerStopped),
+    ContainerResumed(ContainerResumed),
+    ContainerPortPublished(ContainerPortPublished),
+    OrgPlanChanged(OrgPlanChanged),
+    OrgVerificationChanged(OrgVerificationChanged),
+    OrgBillingEligibilityChanged(OrgBillingEligibilityChanged),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerCreated {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerCommandRan {
+    pub command_id: String,
+    pub exit_code: i32,
+    pub duration_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timed_out: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerStopped {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<StopReason>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerResumed {}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerPortPublished {
+    pub port: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrgPlanChanged {
+    pub plan: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrgVerificationChanged {
+    pub verified: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrgBillingEligibilityChanged {
+    pub eligible: bool,
+}
+
+/// Where a CloudEvent came from: kept for audit, since its ledger id is derived from them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloudEventOrigin {
+    pub source: String,
+    pub id: String,
+}
+
+/// A valid event, ready for the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub id: EventId,
+    pub event_type: EventType,
+    pub org_id: OrgId,
+    pub container_id: Option<ContainerId>,
+    /// Truncated to milliseconds.
+    pub occurred_at: DateTime<Utc>,
+    pub data: EventData,
+    pub origin: Option<CloudEventOrigin>,
+}
+
+impl Event {
+    /// The payload as the ledger stores it: only the fields that were given.
+    pub fn data_json(&self) -> serde_json::Value {
+        serde_json::to_value(&self.data).expect("event data always serializes")
+    }
+}
+
+/// A rejected event: a stable `code` for machines and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct EventError {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl EventError {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Clock and bounds that decide whether a timestamp is acceptable.
+#[derive(Debug, Clone, Copy)]
+pub struct TimeBounds {
+    pub now: DateTime<Utc>,
+    /// Events older than this are refused (outside the admin correction flow).
+    pub backdate_max: Duration,
+}
+
+/// The fields every event has, before they are checked (the native and CloudEvents
+/// envelopes both reduce to this).
+pub struct Unchecked<'a> {
+    pub id: EventId,
+    pub event_type: &'a str,
+    pub org_id: &'a str,
+    pub container_id: Option<&'a str>,
+    pub occurred_at: &'a str,
+    pub data: Option<&'a RawValue>,
+    pub origin: Option<CloudEventOrigin>,
+    /// Field names as this envelope spells them, so that errors point at what was sent.
+    pub names: FieldNames,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct FieldNames {
+    pub org_id: &'static str,
+    pub container_id: &'static str,
+    pub occurred_at: &'static str,
+}
+
+impl Unchecked<'_> {
+    /// Applies every rule of DESIGN §2 and returns the event as the ledger will store it.
+    pub fn check(self, bounds: TimeBounds) -> Result<Event, EventError> {
+        let names = self.names;
+        let event_type = EventType::parse(self.event_type).ok_or_else(|| {
+            EventError::new(
+                "unknown_type",
+                format!("unknown event type {:?}", self.event_type),
+            )
+        })?;
+        let org_id = OrgId::parse(self.org_id).map_err(|e| {
+            EventError::new("invalid_org_id", format!("{}: {e}", names.org_id))
+        })?;
+        let container_id = match (event_type.is_container_event(), self.container_id) {
+            (true, None) => {
+                return Err(EventError::new(
+                    "missing_container_id",
+                    format!(
+                        "{}: is required for {}",
+                        names.container_id,
+                        event_type.as_str()
+                    ),
+                ))
+            }
+            (true, Some(raw)) => Some(ContainerId::parse(raw).map_err(|e| {
+                EventError::new(
+                    "invalid_container_id",
+                    format!("{}: {e}", names.container_id),
+                )
+            })?),
+            (false, Some(_)) => {
+                return Err(EventError::new(
+                    "unexpected_container_id",
+                    format!(
+                        "{}: must be absent for {}",
+                        names.container_id,
+                        event_type.as_str()
+                    ),
+                ))
+            }
+            (false, None) => None,
+        };
+        let occurred_at = check_occurred_at(self.occurred_at, names.occurred_at, bounds)?;
+        let data = check_data(event_type, self.data)?;
+        Ok(Event {
+            id: self.id,
+            event_type,
+            org_id,
+            container_id,
+            occurred_at,
+            data,
+            origin: self.origin,
+        })
+    }
+}
+
+fn check_occurred_at(
+    value: &str,
+    field: &str,
+    bounds: TimeBounds,
+) -> Result<DateTime<Utc>, EventError> {
+    let parsed = DateTime::parse_from_rfc3339(value).map_err(|e| {
+        EventError::new(
+            "invalid_timestamp",
+            format!("{field}: {value:?} is not an RFC 3339 time with an offset ({e})"),
+        )
+    })?;
+    let occurred_at = parsed.with_timezone(&Utc).trunc_subsecs(3);
+    if occurred_at > bounds.now + Duration::seconds(FUTURE_SKEW_MAX_SECONDS) {
+        return Err(EventError::new(
+            "occurred_at_in_future",
+            format!(
+                "{field}: {value} is more than {FUTURE_SKEW_MAX_SECONDS} s ahead of the server clock"
+            ),
+        ));
+    }
+    if occurred_at < bounds.now - bounds.backdate_max {
+        return Err(EventError::new(
+            "occurred_at_too_old",
+            format!(
+                "{field}: {value} is older than the backdate bound of {} days; use the admin correction flow",
+                bounds.backdate_max.num_days()
+            ),
+        ));
+    }
+    Ok(occurred_at)
+}
+
+/// Serde's messages already name the field and the problem; the code says which kind.
+fn data_error(error: serde_json::Error) -> EventError {
+    let message = error.to_string();
+    let code = if message.starts_with("unknown field") {
+        "unknown_field"
+    } else if message.starts_with("missing field") {
+        "missing_field"
+    } else {
+        "invalid_data"
+    };
+    EventError::new(code, format!("data: {message}"))
+}
+
+fn parse_data<T: for<'de> Deserialize<'de>>(raw: Option<&RawValue>) -> Result<T, EventError> {
+    let text = raw.map(RawValue::get).unwrap_or("{}");
+    serde_json::from_str(text).map_err(data_error)
+}
+
+fn check_length(field: &str, value: &str, max: usize) -> Result<(), EventError> {
+    let length = value.chars().count();
+    if length > max {
+        return Err(EventError::new(
+            "invalid_data",
+            format!("data.{field}: must be at most {max} characters, got {length}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData, EventError> {
+    Ok(match event_type {
+        EventType::ContainerCreated => {
+            let data: ContainerCreated = parse_data(raw)?;
+            if let Some(name) = &data.name {
+                check_length("name", name, CONTAINER_NAME_LENGTH_MAX)?;
+            }
+            if let Some(image) = &data.image {
+                check_length("image", image, IMAGE_LENGTH_MAX)?;
+            }
+            EventData::ContainerCreated(data)
+        }
+        EventType::ContainerCommandRan => {
+            let data: ContainerCommandRan = parse_data(raw)?;
+            if data.command_id.is_empty() {
+                return Err(EventError::new(
+                    "invalid_data",
+                    "data.command_id: must not be empty",
+                ));
+            }
+            check_length("command_id", &data.command_id, COMMAND_ID_LENGTH_MAX)?;
+            if data.duration_ms > COMMAND_DURATION_MAX_MS {
+                return Err(EventError::new(
+                    "invalid_data",
+                    format!("data.duration_ms: must be at most {COMMAND_DURATION_MAX_MS}"),
+                ));
+            }
+            EventData::ContainerCommandRan(data)
+        }
+        EventType::ContainerStopped => EventData::ContainerStopped(parse_data(raw)?),
+        EventType::ContainerResumed => EventData::ContainerResumed(parse_data(raw)?),
+        EventType::ContainerPortPublished => {
+            let data: ContainerPortPublished = parse_data(raw)?;
+            if data.port == 0 {
+                return Err(EventError::new(
+                    "invalid_data",
+                    "data.port: must be between 1 and 65535",
+                ));
+            }
+            if let Some(url) = &data.url {
+                check_url(url)?;
+            }
+            EventData::ContainerPortPublished(data)
+        }
+        EventType::OrgPlanChanged => {
+            let data: OrgPlanChanged = parse_data(raw)?;
+            PlanId::parse(&data.plan).map_err(|e| {
+                EventError::new("invalid_data", format!("data.plan: {e}"))
+            })?;
+            EventData::OrgPlanChanged(data)
+        }
+        EventType::OrgVerificationChanged => EventData::OrgVerificationChanged(parse_data(raw)?),
+        EventType::OrgBillingEligibilityChanged => {
+            EventData::OrgBillingEligibilityChanged(parse_data(raw)?)
+        }
+    })
+}
+
+fn check_url(value: &str) -> Result<(), EventError> {
+    if value.len() > URL_LENGTH_MAX {
+        return Err(EventError::new(
+            "invalid_data",
+            format!("data.url: must be at most {URL_LENGTH_MAX} bytes"),
+        ));
+    }
+    let url = url::Url::parse(value)
+        .map_err(|e| EventError::new("invalid_data", format!("data.url: {e}")))?;
+    if url.scheme() != "https" || url.host().is_none() {
+        return Err(EventError::new(
+            "invalid_data",
+            "data.url: must be an https URL with a host",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_type_name_round_trips() {
+        for event_type in EventType::ALL {
+            assert_eq!(EventType::parse(event_type.as_str()), Some(event_type));
+        }
+        assert_eq!(EventType::parse("container.deleted"), None);
+    }
+
+    #[test]
+    fn data_serializes_only_the_given_fields() {
+        let data = EventData::ContainerCommandRan(ContainerCommandRan {
+            command_id: "c1".into(),
+            exit_code: -1,
+            duration_ms: 5,
+            timed_out: None,
+        });
+        assert_eq!(
+            serde_json::to_string(&data).unwrap(),
+            r#"{"command_id":"c1","exit_code":-1,"duration_ms":5}"#
+        );
+        let resumed = EventData::ContainerResumed(ContainerResumed {});
+        assert_eq!(serde_json::to_string(&resumed).unwrap(), "{}");
+    }
+}

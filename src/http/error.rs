@@ -1,0 +1,169 @@
+//! The one place where errors become HTTP responses.
+//!
+//! Every error body is `{"error": {"code", "message", "details"}}`. Client errors carry a
+//! stable snake_case code; server errors are opaque to the caller and logged with their
+//! whole cause chain here.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::event::parse::BodyError;
+use crate::ledger::AppendError;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub details: Vec<Value>,
+    /// Seconds, for 503s that a client should retry.
+    pub retry_after_seconds: Option<u64>,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorContent,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorContent {
+    /// Stable, snake_case.
+    pub code: String,
+    pub message: String,
+    /// For batches: `{"index", "code", "message"}` per offending event.
+    pub details: Vec<Value>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            details: Vec::new(),
+            retry_after_seconds: None,
+        }
+    }
+
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            retry_after_seconds: Some(1),
+            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        }
+    }
+
+    /// A bug or an outage we cannot name to the caller: logged in full, answered opaquely.
+    pub fn internal(error: &(dyn std::error::Error + 'static)) -> Self {
+        let mut chain = error.to_string();
+        let mut source = error.source();
+        while let Some(cause) = source {
+            chain.push_str(": ");
+            chain.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        tracing::error!(error = chain, "internal error");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error; it has been logged",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message, "details": self.details}});
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after_seconds {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+impl From<BodyError> for ApiError {
+    fn from(error: BodyError) -> Self {
+        let code = error.code();
+        match error {
+            BodyError::Malformed(message) => ApiError::new(StatusCode::BAD_REQUEST, code, message),
+            BodyError::BatchTooLarge { .. } => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, code, error.to_string())
+            }
+            BodyError::Shape(_) | BodyError::EmptyBatch => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string())
+            }
+            BodyError::Invalid(ref errors) => ApiError {
+                details: errors
+                    .iter()
+                    .map(|e| json!({"index": e.index, "code": e.error.code, "message": e.error.message}))
+                    .collect(),
+                ..ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    code,
+                    format!("{}; nothing was stored", error),
+                )
+            },
+        }
+    }
+}
+
+/// Is this a database we cannot reach (503, retry) rather than a bug (500)?
+pub fn is_unavailable(error: &sqlx::Error) -> bool {
+    matches!(
+        error,
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) | sqlx::Error::Tls(_)
+    ) || matches!(error, sqlx::Error::Database(e) if e.code().is_some_and(|c| c.starts_with("57") || c.starts_with("08")))
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> Self {
+        if is_unavailable(&error) {
+            tracing::warn!(error = %error, "database unavailable");
+            ApiError::unavailable("database_unavailable", "the database is unavailable; retry later")
+        } else {
+            ApiError::internal(&error)
+        }
+    }
+}
+
+impl From<AppendError> for ApiError {
+    fn from(error: AppendError) -> Self {
+        match error {
+            AppendError::IdempotencyConflict { index, id } => ApiError {
+                details: vec![json!({
+                    "index": index,
+                    "code": "idempotency_conflict",
+                    "message": format!("id {id} was stored before with different content"),
+                })],
+                ..ApiError::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_conflict",
+                    format!("event {index} reuses id {id} with different content; nothing was stored"),
+                )
+            },
+            AppendError::Overloaded => {
+                ApiError::unavailable("overloaded", "the append queue is full; retry later")
+            }
+            AppendError::Stopped => {
+                ApiError::unavailable("shutting_down", "the service is stopping; retry later")
+            }
+            AppendError::Store(error) => ApiError::from_store(&error),
+        }
+    }
+}
+
+impl ApiError {
+    fn from_store(error: &sqlx::Error) -> Self {
+        if is_unavailable(error) {
+            tracing::warn!(error = %error, "database unavailable");
+            ApiError::unavailable("database_unavailable", "the database is unavailable; retry later")
+        } else {
+            ApiError::internal(error)
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! `POST /v1/events`: one event, `{"events": [...]}`, or CloudEvents (DESIGN §2, §6).
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::error::{ApiError, ErrorBody};
+use super::AppState;
+use crate::event::parse::{parse_body, BodyKind};
+use crate::event::TimeBounds;
+
+pub fn router() -> Router<AppState> {
+    Router::new().route(
+        "/v1/events",
+        post(post_events).layer(axum::extract::DefaultBodyLimit::disable()),
+    )
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct EventsResponse {
+    /// One per input event, in input order.
+    pub results: Vec<EventResult>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct EventResult {
+    pub id: Uuid,
+    /// The event's ledger position (the original one for a duplicate).
+    pub position: i64,
+    /// True when the event was already stored with the same content.
+    pub duplicate: bool,
+}
+
+/// Append events to the ledger. Acknowledged only after they are committed; a batch is
+/// atomic.
+#[utoipa::path(
+    post,
+    path = "/v1/events",
+    tag = "events",
+    request_body(
+        content = crate::http::ops::EventInput,
+        description = "One event, `{\"events\": [...]}` (1–1000), or CloudEvents 1.0 (`application/cloudevents+json`, `application/cloudevents-batch+json`)",
+        content_type = "application/json"
+    ),
+    responses(
+        (status = 200, body = EventsResponse, description = "stored (or already stored)"),
+        (status = 400, body = ErrorBody, description = "not JSON"),
+        (status = 401, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "an id was stored before with other content"),
+        (status = 413, body = ErrorBody, description = "body or batch too large"),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "invalid event(s), with per-index details"),
+        (status = 503, body = ErrorBody, description = "overloaded or database unavailable; retry"),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<EventsResponse>, ApiError> {
+    let kind = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(BodyKind::from_content_type)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json",
+            )
+        })?;
+    let bytes = read_body(&headers, body, state.body_max_bytes).await?;
+    let bounds = TimeBounds {
+        now: chrono::Utc::now(),
+        backdate_max: state.backdate_max,
+    };
+    let events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {
+        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code())
+            .increment(1);
+    })?;
+    let appended = state.appender.append(events).await.inspect_err(|e| {
+        let code = match e {
+            crate::ledger::AppendError::IdempotencyConflict { .. } => "idempotency_conflict",
+            _ => "unavailable",
+        };
+        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => code)
+            .increment(1);
+    })?;
+    let duplicates = appended.iter().filter(|a| a.duplicate).count() as u64;
+    metrics::counter!("tally_ingest_events_total", "source" => "http", "outcome" => "stored")
+        .increment(appended.len() as u64 - duplicates);
+    metrics::counter!("tally_ingest_events_total", "source" => "http", "outcome" => "duplicate")
+        .increment(duplicates);
+    Ok(Json(EventsResponse {
+        results: appended
+            .into_iter()
+            .map(|a| EventResult {
+                id: a.id.as_uuid(),
+                position: a.position,
+                duplicate: a.duplicate,
+            })
+            .collect(),
+    }))
+}
+
+/// Reads the whole body, refusing it as soon as it passes `limit` bytes.
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the body must be at most {limit} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|error| {
+        let is_limit = std::error::Error::source(&error)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        if is_limit {
+            too_large()
+        } else {
+            ApiError::new(StatusCode::BAD_REQUEST, "unreadable_body", format!("cannot read the body: {error}"))
+        }
+    })
+}

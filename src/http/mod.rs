@@ -1,0 +1,94 @@
+//! The HTTP API (DESIGN §6, §7): `app(state)` builds the router; each feature module owns
+//! its routes. Handlers are thin: extract, parse into domain types, call the ledger, map.
+
+pub mod auth;
+pub mod error;
+pub mod events;
+pub mod ledger;
+pub mod ops;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::error_handling::HandleErrorLayer;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::{middleware, BoxError, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use sqlx::PgPool;
+use tower::ServiceBuilder;
+
+use crate::ledger::Appender;
+use error::ApiError;
+
+/// Everything a handler may use; cheap to clone.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+pub struct Inner {
+    pub pool: PgPool,
+    pub appender: Appender,
+    pub nats: async_nats::Client,
+    pub metrics: PrometheusHandle,
+    pub tokens: auth::Tokens,
+    pub body_max_bytes: usize,
+    pub batch_events_max: usize,
+    pub backdate_max: chrono::Duration,
+    pub request_timeout: Duration,
+}
+
+impl AppState {
+    pub fn new(inner: Inner) -> AppState {
+        AppState(Arc::new(inner))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+pub fn app(state: AppState) -> Router {
+    let v1 = Router::new()
+        .merge(events::router())
+        .merge(ledger::router())
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    let timeout = state.request_timeout;
+    Router::new()
+        .merge(ops::router())
+        .merge(v1)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(
+            ServiceBuilder::new()
+                .layer(HandleErrorLayer::new(timed_out))
+                .timeout(timeout),
+        )
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not take that method",
+    )
+}
+
+async fn timed_out(error: BoxError) -> impl IntoResponse {
+    if error.is::<tower::timeout::error::Elapsed>() {
+        ApiError::unavailable("timeout", "the request took too long; retry later")
+    } else {
+        ApiError::internal(&*error)
+    }
+}

@@ -1,0 +1,139 @@
+//! Operations endpoints that need no token: `/healthz`, `/readyz`, `/metrics`,
+//! `/openapi.json`; and the OpenAPI document itself.
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use serde_json::json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi, ToSchema};
+
+use super::AppState;
+
+/// How long a readiness probe waits for each dependency.
+const READY_PROBE_TIMEOUT_MS: u64 = 1_000;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi_json))
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Object)))]
+pub async fn healthz() -> impl IntoResponse {
+    Json(json!({"status": "ok"}))
+}
+
+/// Postgres and NATS both answer.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses((status = 200, body = Object), (status = 503, body = Object))
+)]
+pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    let timeout = Duration::from_millis(READY_PROBE_TIMEOUT_MS);
+    let postgres = matches!(
+        tokio::time::timeout(timeout, sqlx::query("SELECT 1").execute(&state.pool)).await,
+        Ok(Ok(_))
+    );
+    let nats = state.nats.connection_state() == async_nats::connection::State::Connected
+        && matches!(tokio::time::timeout(timeout, state.nats.flush()).await, Ok(Ok(())));
+    let word = |up: bool| if up { "up" } else { "down" };
+    let status = if postgres && nats {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": postgres && nats, "postgres": word(postgres), "nats": word(nats)})),
+    )
+}
+
+/// Prometheus text exposition.
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, body = String, content_type = "text/plain")))]
+pub async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+}
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, body = Object)))]
+pub async fn openapi_json() -> impl IntoResponse {
+    Json(ApiDoc::openapi())
+}
+
+/// A native event (DESIGN §2). `data` depends on `type`.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct EventInput {
+    /// UUID, the idempotency key.
+    id: uuid::Uuid,
+    #[schema(example = "container.created")]
+    r#type: String,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    org_id: String,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    container_id: Option<String>,
+    /// RFC 3339 with offset.
+    occurred_at: String,
+    data: Option<serde_json::Value>,
+}
+
+/// The verification report.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct VerifyReportSchema {
+    ok: bool,
+    events_checked: u64,
+    head_position: i64,
+    head_hash: String,
+    first_bad_position: Option<i64>,
+    problem: Option<String>,
+}
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "tally", description = "An event-sourced usage and billing ledger"),
+    paths(
+        healthz,
+        readyz,
+        metrics_text,
+        openapi_json,
+        super::events::post_events,
+        super::ledger::get_verify,
+    ),
+    components(schemas(
+        EventInput,
+        VerifyReportSchema,
+        super::events::EventsResponse,
+        super::events::EventResult,
+        super::error::ErrorBody,
+        super::error::ErrorContent,
+    )),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;

@@ -1,0 +1,364 @@
+//! The appender: the one writer that orders the ledger.
+//!
+//! Producers (HTTP handlers, the NATS ingest consumer) send append requests over a bounded
+//! queue. One task takes every request waiting, up to a group limit, and appends them all in
+//! one transaction (group commit) that first takes `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`.
+//! Under that lock it reads the head, assigns the next positions, chains the hashes and
+//! inserts; the lock is released by the commit. So positions are assigned in commit order
+//! with no gaps, across any number of instances: a reader tailing by position can never
+//! see position n+1 before n is visible. A request is answered only after its commit.
+//!
+//! Each request is all-or-nothing on its own: a request whose event reuses an id with
+//! different content is refused whole and the rest of the group is unaffected.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use chrono::{DateTime, SubsecRound, Utc};
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio::sync::{mpsc, oneshot, watch};
+use uuid::Uuid;
+
+use crate::event::canonical::{self, RecordFields};
+use crate::event::{Event, EventId};
+
+/// The advisory lock that serializes appends across every tally instance on a database.
+/// Arbitrary but fixed: `'tally'` as ASCII bytes.
+pub const LEDGER_LOCK_KEY: i64 = 0x7461_6c6c_79;
+
+/// The outcome for one event of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendedEvent {
+    pub id: EventId,
+    pub position: i64,
+    /// The event was already in the ledger (same id, same content): stored once.
+    pub duplicate: bool,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AppendError {
+    #[error("event {index} reuses id {id} with different content")]
+    IdempotencyConflict { index: usize, id: EventId },
+    #[error("the append queue is full")]
+    Overloaded,
+    #[error("the appender has stopped")]
+    Stopped,
+    #[error("the ledger could not be written")]
+    Store(#[source] Arc<sqlx::Error>),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct AppendLimits {
+    /// Requests waiting in the queue.
+    pub queue_max: usize,
+    /// Events per group commit (a single larger request still goes alone).
+    pub group_events_max: usize,
+}
+
+struct Request {
+    events: Vec<Event>,
+    reply: oneshot::Sender<Result<Vec<AppendedEvent>, AppendError>>,
+}
+
+/// A handle to the appender task; cheap to clone. The task ends once every handle is
+/// dropped and the queue is drained, so stopping never loses an accepted request.
+#[derive(Clone)]
+pub struct Appender {
+    sender: mpsc::Sender<Request>,
+    head: watch::Receiver<i64>,
+}
+
+impl Appender {
+    pub fn start(pool: PgPool, limits: AppendLimits) -> (Appender, tokio::task::JoinHandle<()>) {
+        assert!(limits.queue_max > 0 && limits.group_events_max > 0);
+        let (sender, receiver) = mpsc::channel(limits.queue_max);
+        let (head_sender, head) = watch::channel(0);
+        let task = tokio::spawn(run(pool, limits, receiver, head_sender));
+        (Appender { sender, head }, task)
+    }
+
+    /// Appends the events atomically; resolves after the commit.
+    pub async fn append(&self, events: Vec<Event>) -> Result<Vec<AppendedEvent>, AppendError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (reply, response) = oneshot::channel();
+        self.sender
+            .try_send(Request { events, reply })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => AppendError::Overloaded,
+                mpsc::error::TrySendError::Closed(_) => AppendError::Stopped,
+            })?;
+        response.await.map_err(|_| AppendError::Stopped)?
+    }
+
+    /// The last position this appender committed; wakes whoever tails the ledger.
+    pub fn head(&self) -> watch::Receiver<i64> {
+        self.head.clone()
+    }
+}
+
+async fn run(
+    pool: PgPool,
+    limits: AppendLimits,
+    mut receiver: mpsc::Receiver<Request>,
+    head: watch::Sender<i64>,
+) {
+    while let Some(first) = receiver.recv().await {
+        let mut events = first.events.len();
+        let mut group = vec![first];
+        while events < limits.group_events_max {
+            match receiver.try_recv() {
+                Ok(request) => {
+                    events += request.events.len();
+                    group.push(request);
+                }
+                Err(_) => break,
+            }
+        }
+        let started = Instant::now();
+        match commit_group(&pool, &group).await {
+            Ok(outcome) => {
+                metrics::histogram!("tally_append_batch_events").record(events as f64);
+                metrics::histogram!("tally_append_batch_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                metrics::counter!("tally_append_events_total").increment(outcome.inserted);
+                if outcome.head > 0 {
+                    head.send_replace(outcome.head);
+                }
+                for (request, result) in group.into_iter().zip(outcome.results) {
+                    let _ = request.reply.send(result);
+                }
+            }
+            Err(error) => {
+                tracing::error!(error = %error, requests = group.len(), "group commit failed");
+                metrics::counter!("tally_append_failures_total").increment(1);
+                let error = AppendError::Store(Arc::new(error));
+                for request in group {
+                    let _ = request.reply.send(Err(error.clone()));
+                }
+            }
+        }
+    }
+    tracing::info!("appender stopped");
+}
+
+struct GroupOutcome {
+    results: Vec<Result<Vec<AppendedEvent>, AppendError>>,
+    inserted: u64,
+    head: i64,
+}
+
+/// Rows to insert, column by column (for one `INSERT … SELECT FROM UNNEST`).
+#[derive(Default)]
+struct Columns {
+    position: Vec<i64>,
+    id: Vec<Uuid>,
+    event_type: Vec<&'static str>,
+    org_id: Vec<String>,
+    container_id: Vec<Option<String>>,
+    occurred_at: Vec<DateTime<Utc>>,
+    recorded_at: Vec<DateTime<Utc>>,
+    data: Vec<serde_json::Value>,
+    source: Vec<Option<String>>,
+    source_event_id: Vec<Option<String>>,
+    content_digest: Vec<Vec<u8>>,
+    hash: Vec<Vec<u8>>,
+}
+
+/// An event's content digest and the fields it was computed from.
+struct Prepared {
+    data: serde_json::Value,
+    digest: [u8; 32],
+}
+
+fn fields<'a>(event: &'a Event, data: &'a serde_json::Value) -> RecordFields<'a> {
+    RecordFields {
+        id: event.id.as_uuid(),
+        event_type: event.event_type.as_str(),
+        org_id: event.org_id.as_str(),
+        container_id: event.container_id.as_ref().map(|c| c.as_str()),
+        occurred_at: event.occurred_at,
+        data,
+        origin_source: event.origin.as_ref().map(|o| o.source.as_str()),
+        origin_id: event.origin.as_ref().map(|o| o.id.as_str()),
+    }
+}
+
+#[tracing::instrument(skip_all, fields(requests = group.len()))]
+async fn commit_group(pool: &PgPool, group: &[Request]) -> Result<GroupOutcome, sqlx::Error> {
+    // Digests are computed before the lock is taken: the lock is the bottleneck.
+    let prepared: Vec<Vec<Prepared>> = group
+        .iter()
+        .map(|request| {
+            request
+                .events
+                .iter()
+                .map(|event| {
+                    let data = event.data_json();
+                    let digest = canonical::content_digest(&fields(event, &data));
+                    Prepared { data, digest }
+                })
+                .collect()
+        })
+        .collect();
+    let ids: Vec<Uuid> = group
+        .iter()
+        .flat_map(|r| r.events.iter().map(|e| e.id.as_uuid()))
+        .collect();
+
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(LEDGER_LOCK_KEY)
+        .execute(&mut *tx)
+        .await?;
+    let (head_position, head_hash) = super::read::head(&mut *tx).await?;
+    let mut known = existing(&mut tx, &ids).await?;
+    let recorded_at = Utc::now().trunc_subsecs(3);
+
+    let mut columns = Columns::default();
+    let mut next_position = head_position + 1;
+    let mut prev_hash = head_hash;
+    let mut results = Vec::with_capacity(group.len());
+    for (request, prepared) in group.iter().zip(&prepared) {
+        results.push(plan_request(
+            request,
+            prepared,
+            &mut known,
+            &mut columns,
+            &mut next_position,
+            &mut prev_hash,
+            recorded_at,
+        ));
+    }
+    let inserted = columns.position.len() as u64;
+    if inserted > 0 {
+        insert(&mut tx, &columns).await?;
+    }
+    tx.commit().await?;
+    Ok(GroupOutcome {
+        results,
+        inserted,
+        head: next_position - 1,
+    })
+}
+
+/// Decides each event of one request: duplicate, conflict (refusing the whole request),
+/// or new (appended to `columns` with the next position). A refused request leaves
+/// `known`, `columns`, the position and the chain exactly as they were.
+fn plan_request(
+    request: &Request,
+    prepared: &[Prepared],
+    known: &mut HashMap<Uuid, (i64, [u8; 32])>,
+    columns: &mut Columns,
+    next_position: &mut i64,
+    prev_hash: &mut [u8; 32],
+    recorded_at: DateTime<Utc>,
+) -> Result<Vec<AppendedEvent>, AppendError> {
+    let mut staged: HashMap<Uuid, (i64, [u8; 32])> = HashMap::new();
+    let mut outcome = Vec::with_capacity(request.events.len());
+    let mut rows = Vec::new();
+    let mut position = *next_position;
+    for (index, (event, prepared)) in request.events.iter().zip(prepared).enumerate() {
+        let id = event.id.as_uuid();
+        match staged.get(&id).or_else(|| known.get(&id)) {
+            Some((stored_position, digest)) if *digest == prepared.digest => {
+                outcome.push(AppendedEvent {
+                    id: event.id,
+                    position: *stored_position,
+                    duplicate: true,
+                });
+            }
+            Some(_) => {
+                return Err(AppendError::IdempotencyConflict {
+                    index,
+                    id: event.id,
+                })
+            }
+            None => {
+                staged.insert(id, (position, prepared.digest));
+                outcome.push(AppendedEvent {
+                    id: event.id,
+                    position,
+                    duplicate: false,
+                });
+                rows.push((position, event, prepared));
+                position += 1;
+            }
+        }
+    }
+    for (position, event, prepared) in rows {
+        let fields = fields(event, &prepared.data);
+        let bytes = canonical::record_bytes(&fields, position, recorded_at);
+        let hash = canonical::chain_hash(prev_hash, &bytes);
+        assert_eq!(position, *next_position, "positions are assigned without gaps");
+        *next_position += 1;
+        *prev_hash = hash;
+        columns.position.push(position);
+        columns.id.push(fields.id);
+        columns.event_type.push(event.event_type.as_str());
+        columns.org_id.push(event.org_id.as_str().to_owned());
+        columns
+            .container_id
+            .push(event.container_id.as_ref().map(|c| c.as_str().to_owned()));
+        columns.occurred_at.push(event.occurred_at);
+        columns.recorded_at.push(recorded_at);
+        columns.data.push(prepared.data.clone());
+        columns
+            .source
+            .push(event.origin.as_ref().map(|o| o.source.clone()));
+        columns
+            .source_event_id
+            .push(event.origin.as_ref().map(|o| o.id.clone()));
+        columns.content_digest.push(prepared.digest.to_vec());
+        columns.hash.push(hash.to_vec());
+    }
+    known.extend(staged);
+    Ok(outcome)
+}
+
+#[tracing::instrument(skip_all)]
+async fn existing(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[Uuid],
+) -> Result<HashMap<Uuid, (i64, [u8; 32])>, sqlx::Error> {
+    let rows: Vec<(Uuid, i64, Vec<u8>)> =
+        sqlx::query_as("SELECT id, position, content_digest FROM ledger WHERE id = ANY($1)")
+            .bind(ids)
+            .fetch_all(&mut **tx)
+            .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, position, digest)| {
+            let digest: [u8; 32] = digest.try_into().expect("the schema checks digest length");
+            (id, (position, digest))
+        })
+        .collect())
+}
+
+#[tracing::instrument(skip_all, fields(rows = columns.position.len()))]
+async fn insert(tx: &mut Transaction<'_, Postgres>, columns: &Columns) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO ledger (position, id, type, org_id, container_id, occurred_at, recorded_at, \
+         data, source, source_event_id, content_digest, hash) \
+         SELECT * FROM UNNEST($1::bigint[], $2::uuid[], $3::text[], $4::text[], $5::text[], \
+         $6::timestamptz[], $7::timestamptz[], $8::jsonb[], $9::text[], $10::text[], \
+         $11::bytea[], $12::bytea[])",
+    )
+    .bind(&columns.position)
+    .bind(&columns.id)
+    .bind(&columns.event_type)
+    .bind(&columns.org_id)
+    .bind(&columns.container_id)
+    .bind(&columns.occurred_at)
+    .bind(&columns.recorded_at)
+    .bind(&columns.data)
+    .bind(&columns.source)
+    .bind(&columns.source_event_id)
+    .bind(&columns.content_digest)
+    .bind(&columns.hash)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,81 @@
+//! Database set-up: create the database named in `DATABASE_URL` when it is missing, open a
+//! pool with explicit limits, apply the embedded migrations.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgPool};
+
+
+use crate::config::Config;
+
+/// SQLSTATE `duplicate_database`: another instance created it first, which is fine.
+const DUPLICATE_DATABASE: &str = "42P04";
+
+/// Creates the database of `url` unless it exists, via the server's `postgres` database.
+#[tracing::instrument(skip_all)]
+pub async fn ensure_database(url: &str) -> Result<(), sqlx::Error> {
+    let options = PgConnectOptions::from_str(url)?;
+    let name = options
+        .get_database()
+        .ok_or_else(|| sqlx::Error::Configuration("DATABASE_URL names no database".into()))?
+        .to_owned();
+    let mut admin = options.clone().database("postgres").connect().await?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&name)
+            .fetch_one(&mut admin)
+            .await?;
+    if !exists {
+        let statement = format!("CREATE DATABASE {}", quote_identifier(&name));
+        match sqlx::query(&statement).execute(&mut admin).await {
+            Ok(_) => tracing::info!(database = name, "created database"),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(DUPLICATE_DATABASE) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    admin.close().await?;
+    Ok(())
+}
+
+/// Drops a database (tests and the benchmark clean up after themselves).
+pub async fn drop_database(url: &str) -> Result<(), sqlx::Error> {
+    let options = PgConnectOptions::from_str(url)?;
+    let name = options.get_database().unwrap_or_default().to_owned();
+    let mut admin = options.database("postgres").connect().await?;
+    let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_identifier(&name));
+    sqlx::query(&statement).execute(&mut admin).await?;
+    admin.close().await
+}
+
+/// Double-quotes an SQL identifier.
+pub fn quote_identifier(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A pool with every limit set here rather than left to library defaults.
+pub async fn connect(config: &Config) -> Result<PgPool, sqlx::Error> {
+    let statement_timeout = format!("{}ms", config.db_statement_timeout_ms);
+    let options = PgConnectOptions::from_str(&config.database_url)?
+        .application_name("tally")
+        .options([("statement_timeout", statement_timeout.as_str())]);
+    Ok(PgPoolOptions::new()
+        .max_connections(config.db_pool_max)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_millis(config.db_acquire_timeout_ms))
+        .idle_timeout(Duration::from_secs(300))
+        .connect_lazy_with(options))
+}
+
+/// Creates the database if needed, connects, migrates.
+pub async fn prepare(config: &Config) -> anyhow::Result<PgPool> {
+    ensure_database(&config.database_url).await?;
+    let pool = connect(config).await?;
+    migrate(&pool).await?;
+    Ok(pool)
+}
+
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    sqlx::migrate!("./migrations").run(pool).await
+}

@@ -1,0 +1,113 @@
+//! Reading the ledger by position: the relay, verification and audit all tail it this way,
+//! which is only safe because positions commit in order (see `append`).
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use crate::event::canonical::{self, RecordFields};
+
+/// One stored event, as it sits in the ledger.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct LedgerRow {
+    pub position: i64,
+    pub id: Uuid,
+    #[sqlx(rename = "type")]
+    pub event_type: String,
+    pub org_id: String,
+    pub container_id: Option<String>,
+    pub occurred_at: DateTime<Utc>,
+    pub recorded_at: DateTime<Utc>,
+    pub data: serde_json::Value,
+    pub source: Option<String>,
+    pub source_event_id: Option<String>,
+    pub hash: Vec<u8>,
+}
+
+/// The columns of [`LedgerRow`], in one place for every query that reads rows.
+pub const ROW_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
+     recorded_at, data, source, source_event_id, hash";
+
+impl LedgerRow {
+    pub fn fields(&self) -> RecordFields<'_> {
+        RecordFields {
+            id: self.id,
+            event_type: &self.event_type,
+            org_id: &self.org_id,
+            container_id: self.container_id.as_deref(),
+            occurred_at: self.occurred_at,
+            data: &self.data,
+            origin_source: self.source.as_deref(),
+            origin_id: self.source_event_id.as_deref(),
+        }
+    }
+
+    /// The JSON a consumer of `TALLY_LEDGER` receives.
+    pub fn to_message(&self) -> LedgerMessage<'_> {
+        LedgerMessage {
+            position: self.position,
+            id: self.id,
+            event_type: &self.event_type,
+            org_id: &self.org_id,
+            container_id: self.container_id.as_deref(),
+            occurred_at: canonical::timestamp(self.occurred_at),
+            recorded_at: canonical::timestamp(self.recorded_at),
+            data: &self.data,
+            source: self.source.as_deref(),
+            source_event_id: self.source_event_id.as_deref(),
+            hash: hex::encode(&self.hash),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct LedgerMessage<'a> {
+    pub position: i64,
+    pub id: Uuid,
+    #[serde(rename = "type")]
+    pub event_type: &'a str,
+    pub org_id: &'a str,
+    pub container_id: Option<&'a str>,
+    pub occurred_at: String,
+    pub recorded_at: String,
+    pub data: &'a serde_json::Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_event_id: Option<&'a str>,
+    pub hash: String,
+}
+
+/// Up to `limit` rows after `position`, in position order.
+#[tracing::instrument(skip_all)]
+pub async fn read_after(
+    executor: impl PgExecutor<'_>,
+    position: i64,
+    limit: usize,
+) -> Result<Vec<LedgerRow>, sqlx::Error> {
+    let query = format!(
+        "SELECT {ROW_COLUMNS} FROM ledger WHERE position > $1 ORDER BY position LIMIT $2"
+    );
+    sqlx::query_as(&query)
+        .bind(position)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(executor)
+        .await
+}
+
+/// The last position and its hash; `(0, genesis)` for an empty ledger.
+#[tracing::instrument(skip_all)]
+pub async fn head(executor: impl PgExecutor<'_>) -> Result<(i64, [u8; 32]), sqlx::Error> {
+    let row: Option<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position DESC LIMIT 1")
+            .fetch_optional(executor)
+            .await?;
+    Ok(match row {
+        None => (0, canonical::GENESIS_HASH),
+        Some((position, hash)) => (
+            position,
+            hash.try_into().expect("the schema checks hashes are 32 bytes"),
+        ),
+    })
+}

@@ -1,0 +1,152 @@
+//! Wiring for `tally serve` (and for tests and the benchmark, which run the same thing
+//! in-process): prepare the database, connect to NATS, start the appender, the relay, the
+//! ingest consumer and the HTTP server; stop them in the order that loses nothing.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::bus::{self, ingest, relay, Names};
+use crate::config::Config;
+use crate::http::{self, auth::Tokens, AppState, Inner};
+use crate::ledger::{db, AppendLimits, Appender};
+use crate::telemetry;
+
+/// How long shutdown waits for in-flight HTTP requests before giving up on them.
+const SHUTDOWN_GRACE_MS: u64 = 10_000;
+
+/// A running service.
+pub struct Service {
+    pub local_addr: SocketAddr,
+    pub pool: PgPool,
+    pub appender: Appender,
+    shutdown: CancellationToken,
+    server: JoinHandle<std::io::Result<()>>,
+    workers: Vec<JoinHandle<()>>,
+    appender_task: JoinHandle<()>,
+}
+
+impl Service {
+    pub async fn start(config: Config) -> anyhow::Result<Service> {
+        let names = Names::new(&config.nats_namespace)?;
+        let pool = db::prepare(&config)
+            .await
+            .context("cannot prepare the database")?;
+        let nats = bus::connect(&config.nats_url).await?;
+        let context = bus::jetstream(nats.clone());
+        let (appender, appender_task) = Appender::start(
+            pool.clone(),
+            AppendLimits {
+                queue_max: config.append_queue_max,
+                group_events_max: config.append_group_events_max,
+            },
+        );
+        let shutdown = CancellationToken::new();
+        let workers = vec![
+            tokio::spawn(relay::run(
+                pool.clone(),
+                context.clone(),
+                names.clone(),
+                relay::RelaySettings {
+                    batch_max: config.relay_batch_max,
+                    poll: Duration::from_millis(config.relay_poll_ms),
+                },
+                appender.head(),
+                shutdown.clone(),
+            )),
+            tokio::spawn(ingest::run(
+                context,
+                names,
+                appender.clone(),
+                ingest::IngestSettings {
+                    fetch_max: config.ingest_fetch_max,
+                    batch_events_max: config.batch_events_max,
+                    backdate_max: config.backdate_max(),
+                },
+                shutdown.clone(),
+            )),
+        ];
+        let state = AppState::new(Inner {
+            pool: pool.clone(),
+            appender: appender.clone(),
+            nats,
+            metrics: telemetry::metrics_handle(),
+            tokens: Tokens::new(config.bootstrap_token.as_deref()),
+            body_max_bytes: config.body_max_bytes,
+            batch_events_max: config.batch_events_max,
+            backdate_max: config.backdate_max(),
+            request_timeout: config.request_timeout(),
+        });
+        if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
+            tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");
+        }
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        let local_addr = listener.local_addr()?;
+        let server_shutdown = shutdown.clone();
+        let server = tokio::spawn(async move {
+            axum::serve(listener, http::app(state))
+                .with_graceful_shutdown(async move { server_shutdown.cancelled().await })
+                .await
+        });
+        tracing::info!(%local_addr, "tally is serving");
+        Ok(Service {
+            local_addr,
+            pool,
+            appender,
+            shutdown,
+            server,
+            workers,
+            appender_task,
+        })
+    }
+
+    /// Stops accepting work, lets in-flight requests and the ingest batch in hand finish,
+    /// drains the append queue, then returns.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let grace = Duration::from_millis(SHUTDOWN_GRACE_MS);
+        match tokio::time::timeout(grace, self.server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(error))) => tracing::error!(error = %error, "HTTP server failed"),
+            Ok(Err(error)) => tracing::error!(error = %error, "HTTP server task failed"),
+            Err(_) => tracing::warn!("in-flight requests did not finish within the grace period"),
+        }
+        for worker in self.workers {
+            let _ = worker.await;
+        }
+        // The last handles go here; the appender then drains its queue and exits.
+        drop(self.appender);
+        let _ = self.appender_task.await;
+        self.pool.close().await;
+        tracing::info!("tally stopped");
+    }
+
+    /// Runs until SIGINT or SIGTERM, then stops gracefully.
+    pub async fn run_until_signal(self) {
+        wait_for_signal().await;
+        tracing::info!("stopping on signal");
+        self.stop().await;
+    }
+}
+
+async fn wait_for_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}
