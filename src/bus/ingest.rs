@@ -88,16 +88,24 @@ async fn consume(
         .await
         .context("cannot create the ingest consumer")?;
     while !shutdown.is_cancelled() {
-        let mut batch = consumer
-            .fetch()
-            .max_messages(settings.fetch_max)
-            .expires(Duration::from_millis(FETCH_EXPIRES_MS))
-            .messages()
-            .await?;
-        let mut messages = Vec::new();
-        while let Some(message) = batch.next().await {
-            messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
-        }
+        let fetch = async {
+            let mut batch = consumer
+                .fetch()
+                .max_messages(settings.fetch_max)
+                .expires(Duration::from_millis(FETCH_EXPIRES_MS))
+                .messages()
+                .await?;
+            let mut messages = Vec::new();
+            while let Some(message) = batch.next().await {
+                messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
+            }
+            anyhow::Ok(messages)
+        };
+        // Nothing fetched is lost by stopping here: unacknowledged messages are redelivered.
+        let messages = tokio::select! {
+            messages = fetch => messages?,
+            _ = shutdown.cancelled() => return Ok(()),
+        };
         if !messages.is_empty() {
             handle_batch(context, names, appender, settings, messages).await?;
         }

@@ -116,6 +116,11 @@ pub fn parse_body(
         .map_err(|e| BodyError::Malformed(format!("body is not valid UTF-8: {e}")))?;
     let raws: Vec<&RawValue> = match kind {
         BodyKind::Native => {
+            if !text.trim_start().starts_with('{') {
+                // Serde would read an array into a struct field by field; say what is wrong.
+                from_json::<serde::de::IgnoredAny>(text)?;
+                return Err(BodyError::Shape("the body must be a JSON object".into()));
+            }
             let probe: BatchProbe = from_json(text)?;
             if probe.events.is_some() {
                 let batch: NativeBatch = from_json(text)?;

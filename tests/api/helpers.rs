@@ -1,0 +1,285 @@
+//! Test harness: a fresh database per test, a private nats-server per test, and the
+//! service started in-process (or as the real binary) against them. Everything a test
+//! starts is stopped and dropped when it ends, so tests run in parallel and leave nothing.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use tally::config::Config;
+use tally::ledger::db;
+use tally::startup::Service;
+use uuid::Uuid;
+
+pub const TOKEN: &str = "test-admin-token";
+
+/// The Postgres server tests create their databases on.
+pub fn server_url() -> String {
+    std::env::var("TALLY_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
+}
+
+/// A database of its own, dropped when the test ends.
+pub struct TestDb {
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        let name = format!("tally_test_{}", Uuid::new_v4().simple());
+        let url = format!("{}/{name}", server_url().trim_end_matches('/'));
+        db::ensure_database(&url).await.expect("creating a test database");
+        TestDb { url }
+    }
+
+    pub async fn pool(&self) -> PgPool {
+        let config = Config::new(&self.url, "nats://unused");
+        db::prepare(&config).await.expect("preparing the test database")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let url = self.url.clone();
+        // Drop runs inside the test's runtime; drop the database from a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            runtime.block_on(async {
+                if let Err(error) = db::drop_database(&url).await {
+                    eprintln!("could not drop {url}: {error}");
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("binding an ephemeral port")
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn nats_server_binary() -> PathBuf {
+    if let Ok(path) = std::env::var("TALLY_TEST_NATS_SERVER") {
+        return PathBuf::from(path);
+    }
+    for candidate in ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"] {
+        if std::path::Path::new(candidate).exists() {
+            return PathBuf::from(candidate);
+        }
+    }
+    PathBuf::from("nats-server")
+}
+
+/// A private nats-server with JetStream on a free port, killed when the test ends.
+pub struct TestNats {
+    child: Child,
+    pub url: String,
+    pub port: u16,
+    store: tempfile::TempDir,
+}
+
+impl TestNats {
+    pub fn start() -> TestNats {
+        let store = tempfile::tempdir().expect("a temporary directory");
+        let port = free_port();
+        let child = spawn_nats(port, &store);
+        let nats = TestNats {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            store,
+        };
+        nats.wait_until_listening();
+        nats
+    }
+
+    fn wait_until_listening(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let address: SocketAddr = format!("127.0.0.1:{}", self.port).parse().unwrap();
+        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start on {}", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port with the same store.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = spawn_nats(self.port, &self.store);
+        self.wait_until_listening();
+    }
+
+    pub async fn jetstream(&self) -> async_nats::jetstream::Context {
+        let client = async_nats::connect(&self.url).await.expect("connecting to the test NATS");
+        async_nats::jetstream::new(client)
+    }
+}
+
+fn spawn_nats(port: u16, store: &tempfile::TempDir) -> Child {
+    Command::new(nats_server_binary())
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(store.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting nats-server (set TALLY_TEST_NATS_SERVER to its path)")
+}
+
+impl Drop for TestNats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The service, in-process, on its own database and NATS.
+pub struct TestApp {
+    pub address: SocketAddr,
+    pub client: reqwest::Client,
+    pub pool: PgPool,
+    pub service: Option<Service>,
+    pub nats: TestNats,
+    pub db: TestDb,
+}
+
+impl TestApp {
+    pub async fn spawn() -> TestApp {
+        Self::spawn_with(|_| {}).await
+    }
+
+    pub async fn spawn_with(adjust: impl FnOnce(&mut Config)) -> TestApp {
+        let db = TestDb::new().await;
+        let nats = TestNats::start();
+        let mut config = Config::new(&db.url, &nats.url);
+        config.bootstrap_token = Some(TOKEN.to_string());
+        config.relay_poll_ms = 50;
+        adjust(&mut config);
+        let service = Service::start(config).await.expect("starting the service");
+        let pool = db.pool().await;
+        TestApp {
+            address: service.local_addr,
+            client: reqwest::Client::new(),
+            pool,
+            service: Some(service),
+            nats,
+            db,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.address)
+    }
+
+    pub async fn post_json(&self, body: &Value) -> (u16, Value) {
+        self.post_raw("application/json", body.to_string().into_bytes()).await
+    }
+
+    pub async fn post_raw(&self, content_type: &str, body: Vec<u8>) -> (u16, Value) {
+        let response = self
+            .client
+            .post(self.url("/v1/events"))
+            .bearer_auth(TOKEN)
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .await
+            .expect("the request reaches the service");
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        let json = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"));
+        (status, json)
+    }
+
+    pub async fn ledger_count(&self) -> i64 {
+        ledger_count(&self.pool).await
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(service) = self.service.take() {
+            service.stop().await;
+        }
+    }
+}
+
+pub async fn ledger_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Positions of the whole ledger, in order.
+pub async fn positions(pool: &PgPool) -> Vec<i64> {
+    sqlx::query_scalar("SELECT position FROM ledger ORDER BY position")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Polls `check` until it holds or `seconds` pass.
+pub async fn eventually<F, Fut>(seconds: u64, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A timestamp `seconds_ago` before now, in RFC 3339 with milliseconds.
+pub fn ago(seconds_ago: i64) -> String {
+    (chrono::Utc::now() - chrono::Duration::seconds(seconds_ago))
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// A valid event of a random kind for the given org and container.
+pub fn valid_event(org: &str, container: &str, n: usize) -> Value {
+    let id = Uuid::new_v4().to_string();
+    let occurred_at = ago(3600 - (n as i64 % 3000));
+    match n % 5 {
+        0 => json!({"id": id, "type": "container.created", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"name": format!("task-{n}"), "image": "python:3.12"}}),
+        1 => json!({"id": id, "type": "container.command_ran", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"command_id": format!("cmd-{n}"), "exit_code": 0, "duration_ms": n}}),
+        2 => json!({"id": id, "type": "container.stopped", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"reason": "idle"}}),
+        3 => json!({"id": id, "type": "container.resumed", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at}),
+        _ => json!({"id": id, "type": "container.port_published", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"port": 8000 + (n % 1000), "url": "https://p.example.com/x"}}),
+    }
+}
+
+pub fn valid_events(count: usize) -> Vec<Value> {
+    (0..count)
+        .map(|n| valid_event(&format!("org_{}", n % 7), &format!("ctr_{}", n % 31), n))
+        .collect()
+}
+
+pub fn ids_of(events: &[Value]) -> Vec<Uuid> {
+    events
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}

@@ -1,0 +1,11 @@
+//! Integration tests against real Postgres and real nats-server, in one binary.
+
+mod helpers;
+
+mod concurrency;
+mod crash;
+mod immutability;
+mod ingest;
+mod nats;
+mod operations;
+mod verify;

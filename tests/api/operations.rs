@@ -1,0 +1,87 @@
+//! The operating interface: health, readiness, metrics and the OpenAPI document need no
+//! token; errors on unknown routes keep the JSON shape.
+
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
+    let app = TestApp::spawn().await;
+    let get = |path: &'static str| {
+        let request = app.client.get(app.url(path));
+        async move { request.send().await.unwrap() }
+    };
+    assert_eq!(get("/healthz").await.status(), 200);
+    let ready = get("/readyz").await;
+    assert_eq!(ready.status(), 200);
+    assert_eq!(ready.json::<Value>().await.unwrap(), json!({"ready": true, "postgres": "up", "nats": "up"}));
+
+    assert_eq!(app.post_json(&json!({"events": valid_events(3)})).await.0, 200);
+    let metrics = get("/metrics").await.text().await.unwrap();
+    for name in [
+        "tally_ingest_events_total",
+        "tally_append_batch_events",
+        "tally_append_batch_seconds",
+    ] {
+        assert!(metrics.contains(name), "/metrics lacks {name}");
+    }
+    let openapi: Value = get("/openapi.json").await.json().await.unwrap();
+    for path in ["/v1/events", "/v1/ledger/verify", "/healthz", "/readyz", "/metrics"] {
+        assert!(openapi["paths"][path].is_object(), "openapi lacks {path}");
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_relay_catches_up_after() {
+    let mut app = TestApp::spawn().await;
+    app.nats.stop();
+    let client = app.client.clone();
+    let url = app.url("/readyz");
+    eventually(10, "readyz reports NATS down", || {
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            let response = client.get(url).send().await.unwrap();
+            response.status() == 503
+                && response.json::<Value>().await.unwrap()["nats"] == "down"
+        }
+    })
+    .await;
+    let (status, body) = app.post_json(&json!({"events": valid_events(2)})).await;
+    assert_eq!(status, 200, "{body}");
+
+    // When NATS returns (same store), the relay catches up without being told.
+    app.nats.restart();
+    let js = app.nats.jetstream().await;
+    eventually(30, "the relay caught up after NATS returned", || {
+        let js = js.clone();
+        async move {
+            match js.get_stream("TALLY_LEDGER").await {
+                Ok(mut stream) => stream.info().await.is_ok_and(|i| i.state.messages == 2),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_routes_and_methods_get_json_errors() {
+    let app = TestApp::spawn().await;
+    let response = app.client.get(app.url("/v1/nothing")).send().await.unwrap();
+    assert_eq!(response.status(), 404);
+    assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "not_found");
+    let response = app
+        .client
+        .get(app.url("/v1/events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 405);
+    assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "method_not_allowed");
+    app.stop().await;
+}

@@ -1,0 +1,82 @@
+//! `tally verify` and `GET /v1/ledger/verify` find tampering and name the position.
+
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+use crate::helpers::*;
+
+fn run_verify(database_url: &str) -> (i32, Value, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("verify")
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("running tally verify");
+    let report = serde_json::from_slice(&output.stdout).expect("verify prints a JSON report");
+    (
+        output.status.code().unwrap_or(-1),
+        report,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Alters the ledger the only way possible: as a superuser with the guards switched off.
+async fn tamper(pool: &sqlx::PgPool, statement: &str) {
+    sqlx::raw_sql(&format!(
+        "ALTER TABLE ledger DISABLE TRIGGER ALL;
+         {statement};
+         ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_update_or_delete;
+         ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_truncate;"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
+    let app = TestApp::spawn().await;
+    assert_eq!(app.post_json(&json!({"events": valid_events(10)})).await.0, 200);
+
+    let (code, report, _) = run_verify(&app.db.url);
+    assert_eq!(code, 0, "{report}");
+    assert_eq!(report["ok"], true);
+    assert_eq!(report["events_checked"], 10);
+    assert_eq!(report["head_position"], 10);
+
+    tamper(&app.pool, "UPDATE ledger SET data = '{\"name\": \"forged\"}' WHERE position = 4").await;
+    let (code, report, stderr) = run_verify(&app.db.url);
+    assert_eq!(code, 1, "{report}");
+    assert_eq!(report["ok"], false);
+    assert_eq!(report["first_bad_position"], 4);
+    assert!(stderr.contains("position 4"), "{stderr}");
+
+    let http: Value = app
+        .client
+        .get(app.url("/v1/ledger/verify"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(http["first_bad_position"], 4);
+    assert_eq!(http["ok"], false);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_detects_a_deleted_row_and_a_changed_timestamp() {
+    let app = TestApp::spawn().await;
+    assert_eq!(app.post_json(&json!({"events": valid_events(6)})).await.0, 200);
+    tamper(&app.pool, "UPDATE ledger SET recorded_at = recorded_at + interval '1 ms' WHERE position = 6").await;
+    let (code, report, _) = run_verify(&app.db.url);
+    assert_eq!((code, report["first_bad_position"].clone()), (1, json!(6)));
+
+    tamper(&app.pool, "DELETE FROM ledger WHERE position = 3").await;
+    let (code, report, _) = run_verify(&app.db.url);
+    assert_eq!((code, report["first_bad_position"].clone()), (1, json!(4)), "{report}");
+    app.stop().await;
+}
