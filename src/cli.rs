@@ -9,7 +9,11 @@ use crate::ledger::{db, verify};
 use crate::startup::Service;
 
 #[derive(Debug, Parser)]
-#[command(name = "tally", version, about = "An event-sourced usage and billing ledger")]
+#[command(
+    name = "tally",
+    version,
+    about = "An event-sourced usage and billing ledger"
+)]
 pub struct Cli {
     #[command(flatten)]
     pub config: Config,

@@ -1,20 +1,20 @@
 //! tally: an event-sourced usage and billing ledger. Modules in reading order.
 
-/// Settings from the environment, each with its unit and the reason for its default.
-pub mod config;
-/// Logs (structured `tracing`) and the Prometheus recorder.
-pub mod telemetry;
-/// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
-pub mod event;
-/// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
-pub mod ledger;
-/// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.
-pub mod bus;
-/// The HTTP API: one module per feature, mapped errors, operations endpoints.
-pub mod http;
-/// Wiring: starts every component of `tally serve` and stops them in order.
-pub mod startup;
 /// `tally bench`: throughput and latency against raw baselines, in one run.
 pub mod bench;
+/// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.
+pub mod bus;
 /// The command line.
 pub mod cli;
+/// Settings from the environment, each with its unit and the reason for its default.
+pub mod config;
+/// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
+pub mod event;
+/// The HTTP API: one module per feature, mapped errors, operations endpoints.
+pub mod http;
+/// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
+pub mod ledger;
+/// Wiring: starts every component of `tally serve` and stops them in order.
+pub mod startup;
+/// Logs (structured `tracing`) and the Prometheus recorder.
+pub mod telemetry;

@@ -35,10 +35,7 @@ pub fn metrics_handle() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Suffix("seconds".into()),
-                    LATENCY_BUCKETS_SECONDS,
-                )
+                .set_buckets_for_metric(Matcher::Suffix("seconds".into()), LATENCY_BUCKETS_SECONDS)
                 .expect("buckets are not empty")
                 .set_buckets_for_metric(
                     Matcher::Full("tally_append_batch_events".into()),

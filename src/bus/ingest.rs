@@ -55,7 +55,10 @@ pub async fn run(
 ) {
     while !shutdown.is_cancelled() {
         if let Err(error) = consume(&context, &names, &appender, &settings, &shutdown).await {
-            tracing::warn!(error = format!("{error:#}"), "ingest consumer interrupted; will resume");
+            tracing::warn!(
+                error = format!("{error:#}"),
+                "ingest consumer interrupted; will resume"
+            );
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
                 _ = shutdown.cancelled() => {}
@@ -176,7 +179,10 @@ async fn handle_batch(
                 metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "stored")
                     .increment(count as u64);
             }
-            Verdict::DeadLetter { code, message: text } => {
+            Verdict::DeadLetter {
+                code,
+                message: text,
+            } => {
                 dead_letter(context, names, message, code, &text).await?;
                 message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
                 metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "dead_lettered")

@@ -12,8 +12,14 @@ use async_nats::jetstream::{self, stream};
 /// The stream definitions, in the `nats stream add --config` format, built into the binary
 /// so that what runs is what was reviewed.
 const STREAM_FILES: [(&str, &str); 3] = [
-    ("TALLY_LEDGER", include_str!("../../streams/TALLY_LEDGER.json")),
-    ("TALLY_INGEST", include_str!("../../streams/TALLY_INGEST.json")),
+    (
+        "TALLY_LEDGER",
+        include_str!("../../streams/TALLY_LEDGER.json"),
+    ),
+    (
+        "TALLY_INGEST",
+        include_str!("../../streams/TALLY_INGEST.json"),
+    ),
     ("TALLY_DLQ", include_str!("../../streams/TALLY_DLQ.json")),
 ];
 
@@ -141,7 +147,11 @@ mod tests {
                 ("TALLY_DLQ", vec!["tally.dlq.>".to_string()]),
             ]
         );
-        assert_eq!(configs[0].max_age, Duration::ZERO, "the ledger stream keeps everything");
+        assert_eq!(
+            configs[0].max_age,
+            Duration::ZERO,
+            "the ledger stream keeps everything"
+        );
     }
 
     #[test]
@@ -149,7 +159,10 @@ mod tests {
         let names = Names::new("bench1").unwrap();
         let configs = names.stream_configs().unwrap();
         assert_eq!(configs[0].name, "bench1_TALLY_LEDGER");
-        assert_eq!(configs[0].subjects, vec!["bench1.tally.ledger.>".to_string()]);
+        assert_eq!(
+            configs[0].subjects,
+            vec!["bench1.tally.ledger.>".to_string()]
+        );
         assert_eq!(
             names.ledger_subject("org_1", "container.created"),
             "bench1.tally.ledger.org_1.container.created"

@@ -46,7 +46,10 @@ pub async fn run(
 ) {
     while !shutdown.is_cancelled() {
         if let Err(error) = lead(&pool, &context, &names, &settings, &mut head, &shutdown).await {
-            tracing::warn!(error = format!("{error:#}"), "relay interrupted; will resume");
+            tracing::warn!(
+                error = format!("{error:#}"),
+                "relay interrupted; will resume"
+            );
             metrics::counter!("tally_relay_errors_total").increment(1);
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
@@ -135,7 +138,11 @@ async fn relay(
         }
         let mut acks: Vec<(i64, PublishAckFuture)> = Vec::with_capacity(rows.len());
         for row in &rows {
-            assert_eq!(row.position, published + acks.len() as i64 + 1, "relay reads in order");
+            assert_eq!(
+                row.position,
+                published + acks.len() as i64 + 1,
+                "relay reads in order"
+            );
             let mut headers = HeaderMap::new();
             headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
             headers.insert(
@@ -151,7 +158,9 @@ async fn relay(
             acks.push((row.position, ack));
         }
         for (position, ack) in acks {
-            let ack = ack.await.with_context(|| format!("publishing position {position}"))?;
+            let ack = ack
+                .await
+                .with_context(|| format!("publishing position {position}"))?;
             anyhow::ensure!(
                 !ack.duplicate && ack.sequence == sequence + 1,
                 "position {position} landed at sequence {} (duplicate: {}), expected {}",

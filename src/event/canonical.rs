@@ -170,10 +170,15 @@ mod tests {
 
     #[test]
     fn key_order_of_the_input_does_not_change_the_bytes() {
-        let a: Value = serde_json::from_str(r#"{"b": {"y": 1, "x": [true, null]}, "a": -3}"#).unwrap();
-        let b: Value = serde_json::from_str(r#"{"a": -3, "b": {"x": [true, null], "y": 1}}"#).unwrap();
+        let a: Value =
+            serde_json::from_str(r#"{"b": {"y": 1, "x": [true, null]}, "a": -3}"#).unwrap();
+        let b: Value =
+            serde_json::from_str(r#"{"a": -3, "b": {"x": [true, null], "y": 1}}"#).unwrap();
         let at = "2026-11-29T10:00:01Z".parse().unwrap();
-        assert_eq!(record_bytes(&fields(&a), 1, at), record_bytes(&fields(&b), 1, at));
+        assert_eq!(
+            record_bytes(&fields(&a), 1, at),
+            record_bytes(&fields(&b), 1, at)
+        );
         assert_eq!(content_digest(&fields(&a)), content_digest(&fields(&b)));
     }
 
@@ -184,13 +189,35 @@ mod tests {
         let digest = content_digest(&base);
         let other_data = json!({"name": "y"});
         let variants = [
-            RecordFields { event_type: "container.resumed", ..base },
-            RecordFields { org_id: "org_other", ..base },
-            RecordFields { container_id: None, ..base },
-            RecordFields { occurred_at: "2026-11-29T10:00:00.124Z".parse().unwrap(), ..base },
-            RecordFields { data: &other_data, ..base },
-            RecordFields { origin_source: Some("s"), origin_id: Some("i"), ..base },
-            RecordFields { id: Uuid::nil(), ..base },
+            RecordFields {
+                event_type: "container.resumed",
+                ..base
+            },
+            RecordFields {
+                org_id: "org_other",
+                ..base
+            },
+            RecordFields {
+                container_id: None,
+                ..base
+            },
+            RecordFields {
+                occurred_at: "2026-11-29T10:00:00.124Z".parse().unwrap(),
+                ..base
+            },
+            RecordFields {
+                data: &other_data,
+                ..base
+            },
+            RecordFields {
+                origin_source: Some("s"),
+                origin_id: Some("i"),
+                ..base
+            },
+            RecordFields {
+                id: Uuid::nil(),
+                ..base
+            },
         ];
         for variant in variants {
             assert_ne!(content_digest(&variant), digest, "{variant:?}");

@@ -240,9 +240,8 @@ impl Unchecked<'_> {
                 format!("unknown event type {:?}", self.event_type),
             )
         })?;
-        let org_id = OrgId::parse(self.org_id).map_err(|e| {
-            EventError::new("invalid_org_id", format!("{}: {e}", names.org_id))
-        })?;
+        let org_id = OrgId::parse(self.org_id)
+            .map_err(|e| EventError::new("invalid_org_id", format!("{}: {e}", names.org_id)))?;
         let container_id = match (event_type.is_container_event(), self.container_id) {
             (true, None) => {
                 return Err(EventError::new(
@@ -393,9 +392,8 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
         }
         EventType::OrgPlanChanged => {
             let data: OrgPlanChanged = parse_data(raw)?;
-            PlanId::parse(&data.plan).map_err(|e| {
-                EventError::new("invalid_data", format!("data.plan: {e}"))
-            })?;
+            PlanId::parse(&data.plan)
+                .map_err(|e| EventError::new("invalid_data", format!("data.plan: {e}")))?;
             EventData::OrgPlanChanged(data)
         }
         EventType::OrgVerificationChanged => EventData::OrgVerificationChanged(parse_data(raw)?),

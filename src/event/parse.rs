@@ -146,9 +146,7 @@ pub fn parse_body(
     for (index, raw) in raws.into_iter().enumerate() {
         let parsed = match kind {
             BodyKind::Native => parse_native(raw.get(), bounds),
-            BodyKind::CloudEvent | BodyKind::CloudEventBatch => {
-                parse_cloudevent(raw.get(), bounds)
-            }
+            BodyKind::CloudEvent | BodyKind::CloudEventBatch => parse_cloudevent(raw.get(), bounds),
         };
         match parsed {
             Ok(event) => events.push(event),
@@ -232,8 +230,8 @@ fn envelope_error(error: serde_json::Error) -> EventError {
 
 fn parse_native(text: &str, bounds: TimeBounds) -> Result<Event, EventError> {
     let raw: NativeEvent = serde_json::from_str(text).map_err(envelope_error)?;
-    let id = EventId::parse(&raw.id)
-        .map_err(|e| EventError::new("invalid_id", format!("id: {e}")))?;
+    let id =
+        EventId::parse(&raw.id).map_err(|e| EventError::new("invalid_id", format!("id: {e}")))?;
     Unchecked {
         id,
         event_type: &raw.event_type,
@@ -270,7 +268,10 @@ fn parse_cloudevent(text: &str, bounds: TimeBounds) -> Result<Event, EventError>
     if raw.specversion != "1.0" {
         return Err(EventError::new(
             "invalid_cloudevent",
-            format!("specversion: only \"1.0\" is supported, got {:?}", raw.specversion),
+            format!(
+                "specversion: only \"1.0\" is supported, got {:?}",
+                raw.specversion
+            ),
         ));
     }
     check_attribute("id", &raw.id, CLOUDEVENT_ID_LENGTH_MAX)?;
@@ -287,7 +288,9 @@ fn parse_cloudevent(text: &str, bounds: TimeBounds) -> Result<Event, EventError>
         if BodyKind::from_content_type(content_type) != Some(BodyKind::Native) {
             return Err(EventError::new(
                 "invalid_cloudevent",
-                format!("datacontenttype: only application/json is supported, got {content_type:?}"),
+                format!(
+                    "datacontenttype: only application/json is supported, got {content_type:?}"
+                ),
             ));
         }
     }
@@ -342,7 +345,12 @@ mod tests {
     }
 
     fn native(value: &serde_json::Value) -> Result<Vec<Event>, BodyError> {
-        parse_body(BodyKind::Native, value.to_string().as_bytes(), bounds(), 1000)
+        parse_body(
+            BodyKind::Native,
+            value.to_string().as_bytes(),
+            bounds(),
+            1000,
+        )
     }
 
     fn single_code(value: serde_json::Value) -> &'static str {
@@ -364,7 +372,8 @@ mod tests {
         assert_eq!(e.org_id.as_str(), "org_8f2k");
         assert_eq!(e.container_id.as_ref().unwrap().as_str(), "ctr_51x");
         assert_eq!(
-            e.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            e.occurred_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             "2026-11-29T09:00:00.123Z"
         );
         assert_eq!(
@@ -389,17 +398,41 @@ mod tests {
             (json!({"org_id": "a".repeat(65)}), "invalid_org_id"),
             (json!({"container_id": ""}), "invalid_container_id"),
             (json!({"container_id": null}), "missing_container_id"),
-            (json!({"occurred_at": "2026-11-29T10:00:00"}), "invalid_timestamp"),
+            (
+                json!({"occurred_at": "2026-11-29T10:00:00"}),
+                "invalid_timestamp",
+            ),
             (json!({"occurred_at": "yesterday"}), "invalid_timestamp"),
-            (json!({"occurred_at": "2026-11-29T12:05:01Z"}), "occurred_at_in_future"),
-            (json!({"occurred_at": "2026-10-25T11:59:59Z"}), "occurred_at_too_old"),
+            (
+                json!({"occurred_at": "2026-11-29T12:05:01Z"}),
+                "occurred_at_in_future",
+            ),
+            (
+                json!({"occurred_at": "2026-10-25T11:59:59Z"}),
+                "occurred_at_too_old",
+            ),
             (json!({"extra": 1}), "unknown_field"),
             (json!({"id": null}), "missing_field"),
-            (json!({"data": {"command_id": "c", "exit_code": 0, "duration_ms": 1, "x": 1}}), "unknown_field"),
-            (json!({"data": {"command_id": "c", "exit_code": 0}}), "missing_field"),
-            (json!({"data": {"command_id": "c", "exit_code": 0, "duration_ms": -1}}), "invalid_data"),
-            (json!({"data": {"command_id": "c", "exit_code": 0.5, "duration_ms": 1}}), "invalid_data"),
-            (json!({"data": {"command_id": "", "exit_code": 0, "duration_ms": 1}}), "invalid_data"),
+            (
+                json!({"data": {"command_id": "c", "exit_code": 0, "duration_ms": 1, "x": 1}}),
+                "unknown_field",
+            ),
+            (
+                json!({"data": {"command_id": "c", "exit_code": 0}}),
+                "missing_field",
+            ),
+            (
+                json!({"data": {"command_id": "c", "exit_code": 0, "duration_ms": -1}}),
+                "invalid_data",
+            ),
+            (
+                json!({"data": {"command_id": "c", "exit_code": 0.5, "duration_ms": 1}}),
+                "invalid_data",
+            ),
+            (
+                json!({"data": {"command_id": "", "exit_code": 0, "duration_ms": 1}}),
+                "invalid_data",
+            ),
             (json!({"data": [1, 2]}), "invalid_data"),
         ];
         for (overrides, code) in cases {
@@ -426,23 +459,35 @@ mod tests {
             "invalid_data"
         );
         let long_url = format!("https://x.example/{}", "a".repeat(2048));
-        assert_eq!(single_code(port(json!({"port": 80, "url": long_url}))), "invalid_data");
+        assert_eq!(
+            single_code(port(json!({"port": 80, "url": long_url}))),
+            "invalid_data"
+        );
 
-        let created = |data: serde_json::Value| {
-            event(json!({"type": "container.created", "data": data}))
-        };
+        let created =
+            |data: serde_json::Value| event(json!({"type": "container.created", "data": data}));
         assert!(native(&created(json!({}))).is_ok());
         assert!(native(&event(json!({"type": "container.created", "data": null}))).is_ok());
-        assert_eq!(single_code(created(json!({"name": "n".repeat(129)}))), "invalid_data");
-        assert_eq!(single_code(created(json!({"image": "i".repeat(257)}))), "invalid_data");
-
-        let stopped = |data: serde_json::Value| {
-            event(json!({"type": "container.stopped", "data": data}))
-        };
-        assert!(native(&stopped(json!({"reason": "idle"}))).is_ok());
-        assert_eq!(single_code(stopped(json!({"reason": "bored"}))), "invalid_data");
         assert_eq!(
-            single_code(event(json!({"type": "container.resumed", "data": {"x": 1}}))),
+            single_code(created(json!({"name": "n".repeat(129)}))),
+            "invalid_data"
+        );
+        assert_eq!(
+            single_code(created(json!({"image": "i".repeat(257)}))),
+            "invalid_data"
+        );
+
+        let stopped =
+            |data: serde_json::Value| event(json!({"type": "container.stopped", "data": data}));
+        assert!(native(&stopped(json!({"reason": "idle"}))).is_ok());
+        assert_eq!(
+            single_code(stopped(json!({"reason": "bored"}))),
+            "invalid_data"
+        );
+        assert_eq!(
+            single_code(event(
+                json!({"type": "container.resumed", "data": {"x": 1}})
+            )),
             "unknown_field"
         );
 
@@ -450,15 +495,24 @@ mod tests {
             event(json!({"type": event_type, "container_id": null, "data": data}))
         };
         assert!(native(&org("org.plan_changed", json!({"plan": "pro"}))).is_ok());
-        assert_eq!(single_code(org("org.plan_changed", json!({"plan": "p.1"}))), "invalid_data");
+        assert_eq!(
+            single_code(org("org.plan_changed", json!({"plan": "p.1"}))),
+            "invalid_data"
+        );
         assert!(native(&org("org.verification_changed", json!({"verified": true}))).is_ok());
         assert_eq!(
             single_code(org("org.verification_changed", json!({"verified": "yes"}))),
             "invalid_data"
         );
-        assert!(native(&org("org.billing_eligibility_changed", json!({"eligible": false}))).is_ok());
+        assert!(native(&org(
+            "org.billing_eligibility_changed",
+            json!({"eligible": false})
+        ))
+        .is_ok());
         assert_eq!(
-            single_code(event(json!({"type": "org.plan_changed", "data": {"plan": "pro"}}))),
+            single_code(event(
+                json!({"type": "org.plan_changed", "data": {"plan": "pro"}})
+            )),
             "unexpected_container_id"
         );
     }
@@ -493,7 +547,10 @@ mod tests {
             ),
             Err(BodyError::BatchTooLarge { count: 3, max: 2 })
         );
-        assert!(matches!(native(&json!({"events": [], "x": 1})), Err(BodyError::Shape(_))));
+        assert!(matches!(
+            native(&json!({"events": [], "x": 1})),
+            Err(BodyError::Shape(_))
+        ));
         assert!(matches!(native(&json!([1])), Err(BodyError::Shape(_))));
         let truncated = br#"{"events": [{"id": "#;
         assert!(matches!(
@@ -541,8 +598,13 @@ mod tests {
     #[test]
     fn a_cloudevent_maps_to_a_ledger_event_with_a_stable_derived_id() {
         let body = cloudevent(json!({}));
-        let events =
-            parse_body(BodyKind::CloudEvent, body.to_string().as_bytes(), bounds(), 10).unwrap();
+        let events = parse_body(
+            BodyKind::CloudEvent,
+            body.to_string().as_bytes(),
+            bounds(),
+            10,
+        )
+        .unwrap();
         let e = &events[0];
         assert_eq!(e.id, cloudevent_ledger_id("/providers/acme", "evt-1"));
         assert_eq!(e.container_id.as_ref().unwrap().as_str(), "ctr_51x");
@@ -565,8 +627,15 @@ mod tests {
     fn a_source_with_a_line_break_is_refused_so_the_id_derivation_stays_unambiguous() {
         // ("a", "b\nc") and ("a\nb", "c") would otherwise share one ledger id.
         let body = cloudevent(json!({"source": "a\nb"}));
-        match parse_body(BodyKind::CloudEvent, body.to_string().as_bytes(), bounds(), 10) {
-            Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "invalid_cloudevent"),
+        match parse_body(
+            BodyKind::CloudEvent,
+            body.to_string().as_bytes(),
+            bounds(),
+            10,
+        ) {
+            Err(BodyError::Invalid(errors)) => {
+                assert_eq!(errors[0].error.code, "invalid_cloudevent")
+            }
             other => panic!("expected invalid, got {other:?}"),
         }
     }
@@ -582,24 +651,51 @@ mod tests {
             Err(BodyError::Invalid(errors)) => errors[0].error.code,
             other => panic!("expected invalid, got {other:?}"),
         };
-        assert_eq!(code(cloudevent(json!({"orgid": null})), BodyKind::CloudEvent), "missing_field");
-        assert_eq!(code(cloudevent(json!({"color": "red"})), BodyKind::CloudEvent), "unknown_field");
-        assert_eq!(code(cloudevent(json!({"specversion": "0.3"})), BodyKind::CloudEvent), "invalid_cloudevent");
-        assert_eq!(code(cloudevent(json!({"id": ""})), BodyKind::CloudEvent), "invalid_cloudevent");
         assert_eq!(
-            code(cloudevent(json!({"datacontenttype": "text/xml"})), BodyKind::CloudEvent),
+            code(cloudevent(json!({"orgid": null})), BodyKind::CloudEvent),
+            "missing_field"
+        );
+        assert_eq!(
+            code(cloudevent(json!({"color": "red"})), BodyKind::CloudEvent),
+            "unknown_field"
+        );
+        assert_eq!(
+            code(
+                cloudevent(json!({"specversion": "0.3"})),
+                BodyKind::CloudEvent
+            ),
             "invalid_cloudevent"
         );
         assert_eq!(
-            code(json!([cloudevent(json!({})), cloudevent(json!({"subject": null}))]), BodyKind::CloudEventBatch),
+            code(cloudevent(json!({"id": ""})), BodyKind::CloudEvent),
+            "invalid_cloudevent"
+        );
+        assert_eq!(
+            code(
+                cloudevent(json!({"datacontenttype": "text/xml"})),
+                BodyKind::CloudEvent
+            ),
+            "invalid_cloudevent"
+        );
+        assert_eq!(
+            code(
+                json!([cloudevent(json!({})), cloudevent(json!({"subject": null}))]),
+                BodyKind::CloudEventBatch
+            ),
             "missing_container_id"
         );
     }
 
     #[test]
     fn content_types_select_the_envelope() {
-        assert_eq!(BodyKind::from_content_type("application/json; charset=utf-8"), Some(BodyKind::Native));
-        assert_eq!(BodyKind::from_content_type("Application/CloudEvents+JSON"), Some(BodyKind::CloudEvent));
+        assert_eq!(
+            BodyKind::from_content_type("application/json; charset=utf-8"),
+            Some(BodyKind::Native)
+        );
+        assert_eq!(
+            BodyKind::from_content_type("Application/CloudEvents+JSON"),
+            Some(BodyKind::CloudEvent)
+        );
         assert_eq!(
             BodyKind::from_content_type("application/cloudevents-batch+json"),
             Some(BodyKind::CloudEventBatch)

@@ -75,7 +75,8 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message, "details": self.details}});
+        let body =
+            json!({"error": {"code": self.code, "message": self.message, "details": self.details}});
         let mut response = (self.status, Json(body)).into_response();
         if let Some(seconds) = self.retry_after_seconds {
             response
@@ -116,7 +117,10 @@ impl From<BodyError> for ApiError {
 pub fn is_unavailable(error: &sqlx::Error) -> bool {
     matches!(
         error,
-        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) | sqlx::Error::Tls(_)
+        sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
     ) || matches!(error, sqlx::Error::Database(e) if e.code().is_some_and(|c| c.starts_with("57") || c.starts_with("08")))
 }
 
@@ -124,7 +128,10 @@ impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
         if is_unavailable(&error) {
             tracing::warn!(error = %error, "database unavailable");
-            ApiError::unavailable("database_unavailable", "the database is unavailable; retry later")
+            ApiError::unavailable(
+                "database_unavailable",
+                "the database is unavailable; retry later",
+            )
         } else {
             ApiError::internal(&error)
         }
@@ -143,7 +150,9 @@ impl From<AppendError> for ApiError {
                 ..ApiError::new(
                     StatusCode::CONFLICT,
                     "idempotency_conflict",
-                    format!("event {index} reuses id {id} with different content; nothing was stored"),
+                    format!(
+                        "event {index} reuses id {id} with different content; nothing was stored"
+                    ),
                 )
             },
             AppendError::Overloaded => {
@@ -161,7 +170,10 @@ impl ApiError {
     fn from_store(error: &sqlx::Error) -> Self {
         if is_unavailable(error) {
             tracing::warn!(error = %error, "database unavailable");
-            ApiError::unavailable("database_unavailable", "the database is unavailable; retry later")
+            ApiError::unavailable(
+                "database_unavailable",
+                "the database is unavailable; retry later",
+            )
         } else {
             ApiError::internal(error)
         }

@@ -123,7 +123,8 @@ async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     let mut collected = bytes::BytesMut::new();
     let mut oversized = false;
     let mut seen = 0usize;
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(OVERSIZED_DRAIN_MAX_MS);
+    let deadline =
+        tokio::time::Instant::now() + std::time::Duration::from_millis(OVERSIZED_DRAIN_MAX_MS);
     loop {
         let frame = if oversized {
             match tokio::time::timeout_at(deadline, body.frame()).await {
@@ -135,9 +136,15 @@ async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
         };
         let Some(frame) = frame else { break };
         let frame = frame.map_err(|error| {
-            ApiError::new(StatusCode::BAD_REQUEST, "unreadable_body", format!("cannot read the body: {error}"))
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "unreadable_body",
+                format!("cannot read the body: {error}"),
+            )
         })?;
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         seen = seen.saturating_add(data.len());
         if seen > limit {
             oversized = true;

@@ -46,7 +46,10 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
         Ok(Ok(_))
     );
     let nats = state.nats.connection_state() == async_nats::connection::State::Connected
-        && matches!(tokio::time::timeout(timeout, state.nats.flush()).await, Ok(Ok(())));
+        && matches!(
+            tokio::time::timeout(timeout, state.nats.flush()).await,
+            Ok(Ok(()))
+        );
     let word = |up: bool| if up { "up" } else { "down" };
     let status = if postgres && nats {
         StatusCode::OK

@@ -25,7 +25,7 @@ use crate::event::{Event, EventId};
 
 /// The advisory lock that serializes appends across every tally instance on a database.
 /// Arbitrary but fixed: `'tally'` as ASCII bytes.
-pub const LEDGER_LOCK_KEY: i64 = 0x7461_6c6c_79;
+pub const LEDGER_LOCK_KEY: i64 = 0x0074_616c_6c79;
 
 /// The outcome for one event of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,7 +292,10 @@ fn plan_request(
         let fields = fields(event, &prepared.data);
         let bytes = canonical::record_bytes(&fields, position, recorded_at);
         let hash = canonical::chain_hash(prev_hash, &bytes);
-        assert_eq!(position, *next_position, "positions are assigned without gaps");
+        assert_eq!(
+            position, *next_position,
+            "positions are assigned without gaps"
+        );
         *next_position += 1;
         *prev_hash = hash;
         columns.position.push(position);

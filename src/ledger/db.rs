@@ -7,7 +7,6 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
-
 use crate::config::Config;
 
 /// SQLSTATE `duplicate_database`: another instance created it first, which is fine.
@@ -44,7 +43,10 @@ pub async fn drop_database(url: &str) -> Result<(), sqlx::Error> {
     let options = PgConnectOptions::from_str(url)?;
     let name = options.get_database().unwrap_or_default().to_owned();
     let mut admin = options.database("postgres").connect().await?;
-    let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_identifier(&name));
+    let statement = format!(
+        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+        quote_identifier(&name)
+    );
     sqlx::query(&statement).execute(&mut admin).await?;
     admin.close().await
 }

@@ -86,9 +86,8 @@ pub async fn read_after(
     position: i64,
     limit: usize,
 ) -> Result<Vec<LedgerRow>, sqlx::Error> {
-    let query = format!(
-        "SELECT {ROW_COLUMNS} FROM ledger WHERE position > $1 ORDER BY position LIMIT $2"
-    );
+    let query =
+        format!("SELECT {ROW_COLUMNS} FROM ledger WHERE position > $1 ORDER BY position LIMIT $2");
     sqlx::query_as(&query)
         .bind(position)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
@@ -107,7 +106,8 @@ pub async fn head(executor: impl PgExecutor<'_>) -> Result<(i64, [u8; 32]), sqlx
         None => (0, canonical::GENESIS_HASH),
         Some((position, hash)) => (
             position,
-            hash.try_into().expect("the schema checks hashes are 32 bytes"),
+            hash.try_into()
+                .expect("the schema checks hashes are 32 bytes"),
         ),
     })
 }

@@ -39,7 +39,8 @@ fn parse(values: &[serde_json::Value]) -> Vec<Event> {
 /// visible. (`a_plain_bigserial_tail_misses_a_row_that_commits_late` shows the failure
 /// the lock prevents.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn thirty_two_writers_on_four_instances_yield_a_gap_free_chain_that_a_tailing_reader_sees_exactly_once() {
+async fn thirty_two_writers_on_four_instances_yield_a_gap_free_chain_that_a_tailing_reader_sees_exactly_once(
+) {
     let db = TestDb::new().await;
     let pool = db.pool().await;
     sqlx::raw_sql(
@@ -57,7 +58,10 @@ async fn thirty_two_writers_on_four_instances_yield_a_gap_free_chain_that_a_tail
         let instance_pool = db.pool().await;
         let (appender, _task) = Appender::start(
             instance_pool,
-            AppendLimits { queue_max: 1024, group_events_max: 64 },
+            AppendLimits {
+                queue_max: 1024,
+                group_events_max: 64,
+            },
         );
         appenders.push(appender);
     }
@@ -123,9 +127,16 @@ async fn thirty_two_writers_on_four_instances_yield_a_gap_free_chain_that_a_tail
     );
     let seen_ids: HashSet<Uuid> = seen.iter().map(|(_, id)| *id).collect();
     let acked_ids: HashSet<Uuid> = acked.iter().map(|(id, _)| *id).collect();
-    assert_eq!(seen_ids, acked_ids, "the reader saw exactly the acknowledged events");
+    assert_eq!(
+        seen_ids, acked_ids,
+        "the reader saw exactly the acknowledged events"
+    );
     let acked_positions: HashSet<i64> = acked.iter().map(|(_, p)| *p).collect();
-    assert_eq!(acked_positions.len(), total, "no two events share a position");
+    assert_eq!(
+        acked_positions.len(),
+        total,
+        "no two events share a position"
+    );
 
     let report = verify::verify(&pool).await.unwrap();
     assert!(report.ok, "{report:?}");
@@ -146,24 +157,35 @@ async fn a_plain_bigserial_tail_misses_a_row_that_commits_late() {
     let mut a = PgConnection::connect(&db.url).await.unwrap();
     let mut b = PgConnection::connect(&db.url).await.unwrap();
     let mut tx_a = a.begin().await.unwrap();
-    sqlx::query("INSERT INTO naive (note) VALUES ('a')").execute(&mut *tx_a).await.unwrap();
-    sqlx::query("INSERT INTO naive (note) VALUES ('b')").execute(&mut b).await.unwrap();
+    sqlx::query("INSERT INTO naive (note) VALUES ('a')")
+        .execute(&mut *tx_a)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO naive (note) VALUES ('b')")
+        .execute(&mut b)
+        .await
+        .unwrap();
 
     let tail = |after: i64| {
         let pool = pool.clone();
         async move {
-            sqlx::query_scalar::<_, i64>("SELECT position FROM naive WHERE position > $1 ORDER BY position")
-                .bind(after)
-                .fetch_all(&pool)
-                .await
-                .unwrap()
+            sqlx::query_scalar::<_, i64>(
+                "SELECT position FROM naive WHERE position > $1 ORDER BY position",
+            )
+            .bind(after)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
         }
     };
     let first = tail(0).await;
     assert_eq!(first, vec![2], "B's row is visible before A's");
     tx_a.commit().await.unwrap();
     let second = tail(*first.last().unwrap()).await;
-    assert!(second.is_empty(), "the reader, now past 2, never sees A's row at 1");
+    assert!(
+        second.is_empty(),
+        "the reader, now past 2, never sees A's row at 1"
+    );
     assert_eq!(tail(0).await, vec![1, 2], "yet row 1 exists");
 }
 
@@ -181,10 +203,19 @@ async fn an_append_waits_for_another_instance_holding_the_ledger_lock() {
         .await
         .unwrap();
 
-    let (appender, _task) = Appender::start(pool.clone(), AppendLimits { queue_max: 8, group_events_max: 8 });
+    let (appender, _task) = Appender::start(
+        pool.clone(),
+        AppendLimits {
+            queue_max: 8,
+            group_events_max: 8,
+        },
+    );
     let pending = tokio::spawn(async move { appender.append(parse(&valid_events(1))).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!pending.is_finished(), "the append is blocked by the other instance's lock");
+    assert!(
+        !pending.is_finished(),
+        "the append is blocked by the other instance's lock"
+    );
     assert_eq!(ledger_count(&pool).await, 0);
     tx.commit().await.unwrap();
     let appended = pending.await.unwrap().unwrap();

@@ -42,10 +42,15 @@ async fn wait_ready(client: &reqwest::Client, base: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_relay_completes_the_stream() {
+async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_relay_completes_the_stream(
+) {
     let db = TestDb::new().await;
     let nats = TestNats::start();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let listen = format!("127.0.0.1:{port}");
     let base = format!("http://{listen}");
     let client = reqwest::Client::new();
@@ -57,7 +62,8 @@ async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_re
     let running = Arc::new(AtomicBool::new(true));
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| {
-            let (client, base, acked, running) = (client.clone(), base.clone(), acked.clone(), running.clone());
+            let (client, base, acked, running) =
+                (client.clone(), base.clone(), acked.clone(), running.clone());
             tokio::spawn(async move {
                 while running.load(Ordering::SeqCst) {
                     let events = valid_events(EVENTS_PER_REQUEST);
@@ -102,9 +108,17 @@ async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_re
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(found as usize, acked.len(), "every acknowledged event is in the ledger");
+    assert_eq!(
+        found as usize,
+        acked.len(),
+        "every acknowledged event is in the ledger"
+    );
     let total = ledger_count(&pool).await;
-    assert_eq!(positions(&pool).await, (1..=total).collect::<Vec<_>>(), "gap-free");
+    assert_eq!(
+        positions(&pool).await,
+        (1..=total).collect::<Vec<_>>(),
+        "gap-free"
+    );
 
     let verify = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
         .arg("verify")
@@ -112,14 +126,22 @@ async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_re
         .env("RUST_LOG", "error")
         .output()
         .unwrap();
-    assert_eq!(verify.status.code(), Some(0), "{}", String::from_utf8_lossy(&verify.stdout));
+    assert_eq!(
+        verify.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
 
     let js = nats.jetstream().await;
     eventually(60, "the relay caught up", || {
         let js = js.clone();
         async move {
             match js.get_stream("TALLY_LEDGER").await {
-                Ok(mut stream) => stream.info().await.is_ok_and(|i| i.state.messages == total as u64),
+                Ok(mut stream) => stream
+                    .info()
+                    .await
+                    .is_ok_and(|i| i.state.messages == total as u64),
                 Err(_) => false,
             }
         }
@@ -129,7 +151,15 @@ async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_re
     let mut relayed = Vec::new();
     for sequence in 1..=total as u64 {
         let message = stream.get_raw_message(sequence).await.unwrap();
-        relayed.push(message.headers.get("Nats-Msg-Id").unwrap().as_str().parse::<Uuid>().unwrap());
+        relayed.push(
+            message
+                .headers
+                .get("Nats-Msg-Id")
+                .unwrap()
+                .as_str()
+                .parse::<Uuid>()
+                .unwrap(),
+        );
         assert_eq!(
             message.headers.get("Tally-Position").unwrap().as_str(),
             sequence.to_string(),
@@ -140,7 +170,10 @@ async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_re
         .fetch_all(&pool)
         .await
         .unwrap();
-    assert_eq!(relayed, ledger_ids, "the stream holds exactly the ledger's events");
+    assert_eq!(
+        relayed, ledger_ids,
+        "the stream holds exactly the ledger's events"
+    );
     assert_eq!(relayed.iter().collect::<HashSet<_>>().len(), relayed.len());
 
     tally.start_kill().unwrap();

@@ -31,13 +31,17 @@ impl TestDb {
     pub async fn new() -> TestDb {
         let name = format!("tally_test_{}", Uuid::new_v4().simple());
         let url = format!("{}/{name}", server_url().trim_end_matches('/'));
-        db::ensure_database(&url).await.expect("creating a test database");
+        db::ensure_database(&url)
+            .await
+            .expect("creating a test database");
         TestDb { url }
     }
 
     pub async fn pool(&self) -> PgPool {
         let config = Config::new(&self.url, "nats://unused");
-        db::prepare(&config).await.expect("preparing the test database")
+        db::prepare(&config)
+            .await
+            .expect("preparing the test database")
     }
 }
 
@@ -72,7 +76,11 @@ fn nats_server_binary() -> PathBuf {
     if let Ok(path) = std::env::var("TALLY_TEST_NATS_SERVER") {
         return PathBuf::from(path);
     }
-    for candidate in ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"] {
+    for candidate in [
+        "/usr/sbin/nats-server",
+        "/usr/bin/nats-server",
+        "/usr/local/bin/nats-server",
+    ] {
         if std::path::Path::new(candidate).exists() {
             return PathBuf::from(candidate);
         }
@@ -107,7 +115,11 @@ impl TestNats {
         let deadline = Instant::now() + Duration::from_secs(15);
         let address: SocketAddr = format!("127.0.0.1:{}", self.port).parse().unwrap();
         while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
-            assert!(Instant::now() < deadline, "nats-server did not start on {}", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not start on {}",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -125,7 +137,9 @@ impl TestNats {
     }
 
     pub async fn jetstream(&self) -> async_nats::jetstream::Context {
-        let client = async_nats::connect(&self.url).await.expect("connecting to the test NATS");
+        let client = async_nats::connect(&self.url)
+            .await
+            .expect("connecting to the test NATS");
         async_nats::jetstream::new(client)
     }
 }
@@ -185,7 +199,8 @@ impl TestApp {
     }
 
     pub async fn post_json(&self, body: &Value) -> (u16, Value) {
-        self.post_raw("application/json", body.to_string().into_bytes()).await
+        self.post_raw("application/json", body.to_string().into_bytes())
+            .await
     }
 
     pub async fn post_raw(&self, content_type: &str, body: Vec<u8>) -> (u16, Value) {
@@ -258,16 +273,26 @@ pub fn valid_event(org: &str, container: &str, n: usize) -> Value {
     let id = Uuid::new_v4().to_string();
     let occurred_at = ago(3600 - (n as i64 % 3000));
     match n % 5 {
-        0 => json!({"id": id, "type": "container.created", "org_id": org, "container_id": container,
-                    "occurred_at": occurred_at, "data": {"name": format!("task-{n}"), "image": "python:3.12"}}),
-        1 => json!({"id": id, "type": "container.command_ran", "org_id": org, "container_id": container,
-                    "occurred_at": occurred_at, "data": {"command_id": format!("cmd-{n}"), "exit_code": 0, "duration_ms": n}}),
-        2 => json!({"id": id, "type": "container.stopped", "org_id": org, "container_id": container,
-                    "occurred_at": occurred_at, "data": {"reason": "idle"}}),
-        3 => json!({"id": id, "type": "container.resumed", "org_id": org, "container_id": container,
-                    "occurred_at": occurred_at}),
-        _ => json!({"id": id, "type": "container.port_published", "org_id": org, "container_id": container,
-                    "occurred_at": occurred_at, "data": {"port": 8000 + (n % 1000), "url": "https://p.example.com/x"}}),
+        0 => {
+            json!({"id": id, "type": "container.created", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"name": format!("task-{n}"), "image": "python:3.12"}})
+        }
+        1 => {
+            json!({"id": id, "type": "container.command_ran", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"command_id": format!("cmd-{n}"), "exit_code": 0, "duration_ms": n}})
+        }
+        2 => {
+            json!({"id": id, "type": "container.stopped", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"reason": "idle"}})
+        }
+        3 => {
+            json!({"id": id, "type": "container.resumed", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at})
+        }
+        _ => {
+            json!({"id": id, "type": "container.port_published", "org_id": org, "container_id": container,
+                    "occurred_at": occurred_at, "data": {"port": 8000 + (n % 1000), "url": "https://p.example.com/x"}})
+        }
     }
 }
 

@@ -7,7 +7,10 @@ use crate::helpers::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_delete_and_truncate_are_refused_by_the_database_even_for_a_superuser() {
     let app = TestApp::spawn().await;
-    assert_eq!(app.post_json(&json!({"events": valid_events(5)})).await.0, 200);
+    assert_eq!(
+        app.post_json(&json!({"events": valid_events(5)})).await.0,
+        200
+    );
 
     let statements = [
         "UPDATE ledger SET org_id = 'evil' WHERE position = 1",
@@ -21,7 +24,10 @@ async fn update_delete_and_truncate_are_refused_by_the_database_even_for_a_super
             .execute(&app.pool)
             .await
             .expect_err(statement);
-        assert!(error.to_string().contains("append-only"), "{statement}: {error}");
+        assert!(
+            error.to_string().contains("append-only"),
+            "{statement}: {error}"
+        );
     }
     // Replica mode skips ordinary triggers, not ALWAYS ones.
     let mut connection = app.pool.acquire().await.unwrap();

@@ -15,7 +15,10 @@ async fn a_shuffled_batch_is_stored_once_each_with_unique_gap_free_positions() {
     let mut events = valid_events(600);
     events.shuffle(&mut rand::rng());
     // Six concurrent batches, so that group commit merges requests.
-    let bodies: Vec<_> = events.chunks(100).map(|chunk| json!({ "events": chunk })).collect();
+    let bodies: Vec<_> = events
+        .chunks(100)
+        .map(|chunk| json!({ "events": chunk }))
+        .collect();
     let responses = futures::future::join_all(bodies.iter().map(|body| app.post_json(body))).await;
 
     let mut position_of: HashMap<Uuid, i64> = HashMap::new();
@@ -39,7 +42,10 @@ async fn a_shuffled_batch_is_stored_once_each_with_unique_gap_free_positions() {
         .await
         .unwrap();
     let stored: HashMap<Uuid, i64> = stored.into_iter().collect();
-    assert_eq!(stored, position_of, "each event sits at the position it was told");
+    assert_eq!(
+        stored, position_of,
+        "each event sits at the position it was told"
+    );
     app.stop().await;
 }
 
@@ -53,7 +59,12 @@ async fn resending_returns_duplicates_at_their_original_positions_and_stores_not
         .as_array()
         .unwrap()
         .iter()
-        .map(|r| (r["id"].as_str().unwrap().to_owned(), r["position"].as_i64().unwrap()))
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap().to_owned(),
+                r["position"].as_i64().unwrap(),
+            )
+        })
         .collect();
 
     let mut subset: Vec<Value> = events.iter().step_by(3).cloned().collect();
@@ -62,19 +73,36 @@ async fn resending_returns_duplicates_at_their_original_positions_and_stores_not
     assert_eq!(status, 200, "{again}");
     for result in again["results"].as_array().unwrap() {
         assert_eq!(result["duplicate"], true);
-        assert_eq!(result["position"].as_i64().unwrap(), original[result["id"].as_str().unwrap()]);
+        assert_eq!(
+            result["position"].as_i64().unwrap(),
+            original[result["id"].as_str().unwrap()]
+        );
     }
     // A single event resent alone, and a batch mixing old and new events.
     let (status, single) = app.post_json(&events[4]).await;
-    assert_eq!((status, single["results"][0]["duplicate"].clone()), (200, json!(true)));
+    assert_eq!(
+        (status, single["results"][0]["duplicate"].clone()),
+        (200, json!(true))
+    );
     let fresh = valid_events(2);
     let (status, mixed) = app
         .post_json(&json!({"events": [events[0].clone(), fresh[0].clone(), fresh[0].clone(), fresh[1].clone()]}))
         .await;
     assert_eq!(status, 200);
-    let flags: Vec<_> = mixed["results"].as_array().unwrap().iter().map(|r| r["duplicate"].clone()).collect();
-    assert_eq!(flags, vec![json!(true), json!(false), json!(true), json!(false)]);
-    assert_eq!(mixed["results"][1]["position"], mixed["results"][2]["position"]);
+    let flags: Vec<_> = mixed["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["duplicate"].clone())
+        .collect();
+    assert_eq!(
+        flags,
+        vec![json!(true), json!(false), json!(true), json!(false)]
+    );
+    assert_eq!(
+        mixed["results"][1]["position"],
+        mixed["results"][2]["position"]
+    );
     assert_eq!(app.ledger_count().await, 52);
     app.stop().await;
 }
@@ -93,13 +121,20 @@ async fn the_same_id_with_other_content_is_a_conflict_and_nothing_of_its_batch_i
     assert_eq!(status, 409, "{body}");
     assert_eq!(body["error"]["code"], "idempotency_conflict");
     assert_eq!(body["error"]["details"][0]["index"], 1);
-    assert_eq!(app.ledger_count().await, 5, "the new events of the refused batch were not stored");
+    assert_eq!(
+        app.ledger_count().await,
+        5,
+        "the new events of the refused batch were not stored"
+    );
 
     // Two events with one id and different content inside one batch conflict too.
     let mut twin = fresh[2].clone();
     twin["org_id"] = json!("org_other");
     let (status, body) = app.post_json(&json!({"events": [fresh[2], twin]})).await;
-    assert_eq!((status, body["error"]["details"][0]["index"].clone()), (409, json!(1)));
+    assert_eq!(
+        (status, body["error"]["details"][0]["index"].clone()),
+        (409, json!(1))
+    );
     assert_eq!(app.ledger_count().await, 5);
     app.stop().await;
 }
@@ -116,9 +151,17 @@ async fn a_batch_with_one_invalid_event_is_refused_whole_naming_its_index() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|d| (d["index"].as_i64().unwrap(), d["code"].as_str().unwrap().to_owned()))
+        .map(|d| {
+            (
+                d["index"].as_i64().unwrap(),
+                d["code"].as_str().unwrap().to_owned(),
+            )
+        })
         .collect();
-    assert_eq!(details, vec![(7, "unknown_type".into()), (13, "invalid_org_id".into())]);
+    assert_eq!(
+        details,
+        vec![(7, "unknown_type".into()), (13, "invalid_org_id".into())]
+    );
     assert_eq!(app.ledger_count().await, 0);
     app.stop().await;
 }
@@ -132,7 +175,10 @@ async fn cloudevents_are_accepted_and_a_retried_cloudevent_is_a_duplicate() {
         "data": {"name": "from-acme"}
     });
     let (status, body) = app
-        .post_raw("application/cloudevents+json", cloudevent.to_string().into_bytes())
+        .post_raw(
+            "application/cloudevents+json",
+            cloudevent.to_string().into_bytes(),
+        )
         .await;
     assert_eq!(status, 200, "{body}");
     let expected_id = tally::event::parse::cloudevent_ledger_id("/provider/acme", "evt-42");
@@ -157,9 +203,15 @@ async fn cloudevents_are_accepted_and_a_retried_cloudevent_is_a_duplicate() {
             .fetch_one(&app.pool)
             .await
             .unwrap();
-    assert_eq!((source.as_str(), source_event_id.as_str()), ("/provider/acme", "evt-43"));
+    assert_eq!(
+        (source.as_str(), source_event_id.as_str()),
+        ("/provider/acme", "evt-43")
+    );
     app.stop().await;
 }
+
+/// A content type and the bytes sent with it.
+type Body = (&'static str, Vec<u8>);
 
 fn event_with(overrides: Value) -> Value {
     let mut event = valid_event("org_1", "ctr_1", 1);
@@ -178,44 +230,191 @@ async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged
     let app = TestApp::spawn().await;
     let seed = valid_events(3);
     assert_eq!(app.post_json(&json!({ "events": seed })).await.0, 200);
-    let before: Vec<(i64, Vec<u8>)> = sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position")
-        .fetch_all(&app.pool)
-        .await
-        .unwrap();
+    let before: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
 
     let json_body = |value: Value| ("application/json", value.to_string().into_bytes());
     let too_many: Vec<Value> = valid_events(1001);
     let huge_name = "x".repeat(5 * 1024 * 1024);
     let cloudevent_without_orgid = json!({"specversion": "1.0", "id": "e1", "source": "/s",
         "type": "container.created", "time": ago(1), "subject": "ctr_1"});
-    let cases: Vec<(&str, (&str, Vec<u8>), u16, &str)> = vec![
-        ("truncated JSON", ("application/json", br#"{"events": [{"id": "#.to_vec()), 400, "malformed_json"),
-        ("invalid UTF-8", ("application/json", b"{\"id\": \"\xc3\x28\"}".to_vec()), 400, "malformed_json"),
-        ("not JSON at all", ("application/json", b"hello".to_vec()), 400, "malformed_json"),
-        ("empty body", ("application/json", Vec::new()), 400, "malformed_json"),
-        ("a JSON array body", json_body(json!([1, 2])), 422, "invalid_body"),
-        ("unknown type", json_body(event_with(json!({"type": "container.deleted"}))), 422, "invalid_events"),
-        ("id not a UUID", json_body(event_with(json!({"id": "12345"}))), 422, "invalid_events"),
-        ("org id with a dot", json_body(event_with(json!({"org_id": "org.1"}))), 422, "invalid_events"),
-        ("org id with a space", json_body(event_with(json!({"org_id": "org 1"}))), 422, "invalid_events"),
-        ("container id too long", json_body(event_with(json!({"container_id": "c".repeat(65)}))), 422, "invalid_events"),
-        ("future timestamp", json_body(event_with(json!({"occurred_at": ago(-600)}))), 422, "invalid_events"),
-        ("ancient timestamp", json_body(event_with(json!({"occurred_at": "2020-01-01T00:00:00Z"}))), 422, "invalid_events"),
-        ("timestamp without offset", json_body(event_with(json!({"occurred_at": "2026-11-29T10:00:00"}))), 422, "invalid_events"),
-        ("unknown top-level field", json_body(event_with(json!({"color": "red"}))), 422, "invalid_events"),
-        ("unknown data field", json_body(event_with(json!({"type": "container.resumed", "data": {"why": 1}}))), 422, "invalid_events"),
-        ("data of the wrong shape", json_body(event_with(json!({"type": "container.command_ran", "data": {"command_id": "c", "exit_code": "zero", "duration_ms": 1}}))), 422, "invalid_events"),
-        ("data as an array", json_body(event_with(json!({"data": [1]}))), 422, "invalid_events"),
-        ("port out of range", json_body(event_with(json!({"type": "container.port_published", "data": {"port": 70000}}))), 422, "invalid_events"),
-        ("container id on an org event", json_body(event_with(json!({"type": "org.verification_changed", "data": {"verified": true}}))), 422, "invalid_events"),
-        ("missing id", json_body(event_with(json!({"id": null}))), 422, "invalid_events"),
-        ("empty batch", json_body(json!({"events": []})), 422, "empty_batch"),
-        ("batch with another key", json_body(json!({"events": [seed[0]], "dry_run": true})), 422, "invalid_body"),
-        ("oversized batch", json_body(json!({ "events": too_many })), 413, "batch_too_large"),
-        ("oversized body", json_body(event_with(json!({"data": {"name": huge_name}}))), 413, "body_too_large"),
-        ("wrong content type", ("text/plain", seed[0].to_string().into_bytes()), 415, "unsupported_media_type"),
-        ("CloudEvent without orgid", ("application/cloudevents+json", cloudevent_without_orgid.to_string().into_bytes()), 422, "invalid_events"),
-        ("CloudEvents batch that is not an array", ("application/cloudevents-batch+json", b"{}".to_vec()), 422, "invalid_body"),
+    let cases: Vec<(&str, Body, u16, &str)> = vec![
+        (
+            "truncated JSON",
+            ("application/json", br#"{"events": [{"id": "#.to_vec()),
+            400,
+            "malformed_json",
+        ),
+        (
+            "invalid UTF-8",
+            ("application/json", b"{\"id\": \"\xc3\x28\"}".to_vec()),
+            400,
+            "malformed_json",
+        ),
+        (
+            "not JSON at all",
+            ("application/json", b"hello".to_vec()),
+            400,
+            "malformed_json",
+        ),
+        (
+            "empty body",
+            ("application/json", Vec::new()),
+            400,
+            "malformed_json",
+        ),
+        (
+            "a JSON array body",
+            json_body(json!([1, 2])),
+            422,
+            "invalid_body",
+        ),
+        (
+            "unknown type",
+            json_body(event_with(json!({"type": "container.deleted"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "id not a UUID",
+            json_body(event_with(json!({"id": "12345"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "org id with a dot",
+            json_body(event_with(json!({"org_id": "org.1"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "org id with a space",
+            json_body(event_with(json!({"org_id": "org 1"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "container id too long",
+            json_body(event_with(json!({"container_id": "c".repeat(65)}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "future timestamp",
+            json_body(event_with(json!({"occurred_at": ago(-600)}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "ancient timestamp",
+            json_body(event_with(json!({"occurred_at": "2020-01-01T00:00:00Z"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "timestamp without offset",
+            json_body(event_with(json!({"occurred_at": "2026-11-29T10:00:00"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "unknown top-level field",
+            json_body(event_with(json!({"color": "red"}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "unknown data field",
+            json_body(event_with(
+                json!({"type": "container.resumed", "data": {"why": 1}}),
+            )),
+            422,
+            "invalid_events",
+        ),
+        (
+            "data of the wrong shape",
+            json_body(event_with(
+                json!({"type": "container.command_ran", "data": {"command_id": "c", "exit_code": "zero", "duration_ms": 1}}),
+            )),
+            422,
+            "invalid_events",
+        ),
+        (
+            "data as an array",
+            json_body(event_with(json!({"data": [1]}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "port out of range",
+            json_body(event_with(
+                json!({"type": "container.port_published", "data": {"port": 70000}}),
+            )),
+            422,
+            "invalid_events",
+        ),
+        (
+            "container id on an org event",
+            json_body(event_with(
+                json!({"type": "org.verification_changed", "data": {"verified": true}}),
+            )),
+            422,
+            "invalid_events",
+        ),
+        (
+            "missing id",
+            json_body(event_with(json!({"id": null}))),
+            422,
+            "invalid_events",
+        ),
+        (
+            "empty batch",
+            json_body(json!({"events": []})),
+            422,
+            "empty_batch",
+        ),
+        (
+            "batch with another key",
+            json_body(json!({"events": [seed[0]], "dry_run": true})),
+            422,
+            "invalid_body",
+        ),
+        (
+            "oversized batch",
+            json_body(json!({ "events": too_many })),
+            413,
+            "batch_too_large",
+        ),
+        (
+            "oversized body",
+            json_body(event_with(json!({"data": {"name": huge_name}}))),
+            413,
+            "body_too_large",
+        ),
+        (
+            "wrong content type",
+            ("text/plain", seed[0].to_string().into_bytes()),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "CloudEvent without orgid",
+            (
+                "application/cloudevents+json",
+                cloudevent_without_orgid.to_string().into_bytes(),
+            ),
+            422,
+            "invalid_events",
+        ),
+        (
+            "CloudEvents batch that is not an array",
+            ("application/cloudevents-batch+json", b"{}".to_vec()),
+            422,
+            "invalid_body",
+        ),
     ];
     assert!(cases.len() >= 20);
     let mut seen_codes = HashSet::new();
@@ -223,15 +422,29 @@ async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged
         let (got_status, got) = app.post_raw(content_type, body).await;
         assert_eq!(got_status, status, "{name}: {got}");
         assert_eq!(got["error"]["code"], code, "{name}: {got}");
-        assert!(got["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}");
+        assert!(
+            got["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{name}"
+        );
         assert!(got["error"]["details"].is_array(), "{name}");
         seen_codes.insert(code);
     }
 
     // No token, a wrong token, and a missing content type.
-    let no_token = app.client.post(app.url("/v1/events")).json(&seed[0]).send().await.unwrap();
+    let no_token = app
+        .client
+        .post(app.url("/v1/events"))
+        .json(&seed[0])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(no_token.status(), 401);
-    assert_eq!(no_token.json::<Value>().await.unwrap()["error"]["code"], "unauthorized");
+    assert_eq!(
+        no_token.json::<Value>().await.unwrap()["error"]["code"],
+        "unauthorized"
+    );
     let wrong = app
         .client
         .post(app.url("/v1/events"))
@@ -251,10 +464,11 @@ async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged
         .unwrap();
     assert_eq!(untyped.status(), 415);
 
-    let after: Vec<(i64, Vec<u8>)> = sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position")
-        .fetch_all(&app.pool)
-        .await
-        .unwrap();
+    let after: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
     assert_eq!(before, after, "no bad request changed the ledger");
     app.stop().await;
 }

@@ -15,9 +15,15 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     assert_eq!(get("/healthz").await.status(), 200);
     let ready = get("/readyz").await;
     assert_eq!(ready.status(), 200);
-    assert_eq!(ready.json::<Value>().await.unwrap(), json!({"ready": true, "postgres": "up", "nats": "up"}));
+    assert_eq!(
+        ready.json::<Value>().await.unwrap(),
+        json!({"ready": true, "postgres": "up", "nats": "up"})
+    );
 
-    assert_eq!(app.post_json(&json!({"events": valid_events(3)})).await.0, 200);
+    assert_eq!(
+        app.post_json(&json!({"events": valid_events(3)})).await.0,
+        200
+    );
     let metrics = get("/metrics").await.text().await.unwrap();
     for name in [
         "tally_ingest_events_total",
@@ -27,14 +33,21 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
         assert!(metrics.contains(name), "/metrics lacks {name}");
     }
     let openapi: Value = get("/openapi.json").await.json().await.unwrap();
-    for path in ["/v1/events", "/v1/ledger/verify", "/healthz", "/readyz", "/metrics"] {
+    for path in [
+        "/v1/events",
+        "/v1/ledger/verify",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ] {
         assert!(openapi["paths"][path].is_object(), "openapi lacks {path}");
     }
     app.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_relay_catches_up_after() {
+async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_relay_catches_up_after(
+) {
     let mut app = TestApp::spawn().await;
     app.nats.stop();
     let client = app.client.clone();
@@ -44,8 +57,7 @@ async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_re
         let url = url.clone();
         async move {
             let response = client.get(url).send().await.unwrap();
-            response.status() == 503
-                && response.json::<Value>().await.unwrap()["nats"] == "down"
+            response.status() == 503 && response.json::<Value>().await.unwrap()["nats"] == "down"
         }
     })
     .await;
@@ -73,7 +85,10 @@ async fn unknown_routes_and_methods_get_json_errors() {
     let app = TestApp::spawn().await;
     let response = app.client.get(app.url("/v1/nothing")).send().await.unwrap();
     assert_eq!(response.status(), 404);
-    assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "not_found");
+    assert_eq!(
+        response.json::<Value>().await.unwrap()["error"]["code"],
+        "not_found"
+    );
     let response = app
         .client
         .get(app.url("/v1/events"))
@@ -82,6 +97,9 @@ async fn unknown_routes_and_methods_get_json_errors() {
         .await
         .unwrap();
     assert_eq!(response.status(), 405);
-    assert_eq!(response.json::<Value>().await.unwrap()["error"]["code"], "method_not_allowed");
+    assert_eq!(
+        response.json::<Value>().await.unwrap()["error"]["code"],
+        "method_not_allowed"
+    );
     app.stop().await;
 }

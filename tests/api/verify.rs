@@ -37,7 +37,10 @@ async fn tamper(pool: &sqlx::PgPool, statement: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
     let app = TestApp::spawn().await;
-    assert_eq!(app.post_json(&json!({"events": valid_events(10)})).await.0, 200);
+    assert_eq!(
+        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        200
+    );
 
     let (code, report, _) = run_verify(&app.db.url);
     assert_eq!(code, 0, "{report}");
@@ -45,7 +48,11 @@ async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
     assert_eq!(report["events_checked"], 10);
     assert_eq!(report["head_position"], 10);
 
-    tamper(&app.pool, "UPDATE ledger SET data = '{\"name\": \"forged\"}' WHERE position = 4").await;
+    tamper(
+        &app.pool,
+        "UPDATE ledger SET data = '{\"name\": \"forged\"}' WHERE position = 4",
+    )
+    .await;
     let (code, report, stderr) = run_verify(&app.db.url);
     assert_eq!(code, 1, "{report}");
     assert_eq!(report["ok"], false);
@@ -70,13 +77,24 @@ async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_detects_a_deleted_row_and_a_changed_timestamp() {
     let app = TestApp::spawn().await;
-    assert_eq!(app.post_json(&json!({"events": valid_events(6)})).await.0, 200);
-    tamper(&app.pool, "UPDATE ledger SET recorded_at = recorded_at + interval '1 ms' WHERE position = 6").await;
+    assert_eq!(
+        app.post_json(&json!({"events": valid_events(6)})).await.0,
+        200
+    );
+    tamper(
+        &app.pool,
+        "UPDATE ledger SET recorded_at = recorded_at + interval '1 ms' WHERE position = 6",
+    )
+    .await;
     let (code, report, _) = run_verify(&app.db.url);
     assert_eq!((code, report["first_bad_position"].clone()), (1, json!(6)));
 
     tamper(&app.pool, "DELETE FROM ledger WHERE position = 3").await;
     let (code, report, _) = run_verify(&app.db.url);
-    assert_eq!((code, report["first_bad_position"].clone()), (1, json!(4)), "{report}");
+    assert_eq!(
+        (code, report["first_bad_position"].clone()),
+        (1, json!(4)),
+        "{report}"
+    );
     app.stop().await;
 }
