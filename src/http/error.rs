@@ -126,15 +126,7 @@ pub fn is_unavailable(error: &sqlx::Error) -> bool {
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
-        if is_unavailable(&error) {
-            tracing::warn!(error = %error, "database unavailable");
-            ApiError::unavailable(
-                "database_unavailable",
-                "the database is unavailable; retry later",
-            )
-        } else {
-            ApiError::internal(&error)
-        }
+        ApiError::from_store(&error)
     }
 }
 

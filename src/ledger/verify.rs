@@ -13,7 +13,7 @@ pub struct VerifyReport {
     pub ok: bool,
     pub events_checked: u64,
     pub head_position: i64,
-    /// Hex; the genesis hash (zeros) for an empty ledger.
+    /// The stored hash of the last row, hex; the genesis hash (zeros) for an empty ledger.
     pub head_hash: String,
     pub first_bad_position: Option<i64>,
     /// What was wrong at `first_bad_position`.
@@ -30,10 +30,12 @@ pub async fn verify(pool: &PgPool) -> Result<VerifyReport, sqlx::Error> {
     let mut expected_position = 1;
     let mut checked = 0;
     let mut head_position = 0;
+    let mut head_hash = GENESIS_HASH.to_vec();
     let mut first_bad = None;
     while let Some(row) = rows.try_next().await? {
         checked += 1;
         head_position = row.position;
+        head_hash.clone_from(&row.hash);
         if first_bad.is_some() {
             continue;
         }
@@ -71,7 +73,7 @@ pub async fn verify(pool: &PgPool) -> Result<VerifyReport, sqlx::Error> {
         ok: first_bad_position.is_none(),
         events_checked: checked,
         head_position,
-        head_hash: hex::encode(prev_hash),
+        head_hash: hex::encode(head_hash),
         first_bad_position,
         problem,
     })
