@@ -1,8 +1,1370 @@
-//! `tally bench`.
+//! `tally bench`: how fast the whole service ingests, next to what Postgres and JetStream
+//! do raw with the same rows and messages, measured in one run on the same machine.
+//!
+//! It starts no server of its own: it uses the configured Postgres and NATS, in a scratch
+//! database (`tally_bench_<hex>`) and a NATS namespace (`bench<hex>`) of its own, and runs
+//! the real service in-process (HTTP, group-commit appender, relay, ingest consumer). Both
+//! are removed at the end, also when a step fails or the run is interrupted.
+//!
+//! Flow: generate every event and check it with the service's own parser, serialize every
+//! body and build the baseline rows (nothing of that is timed) → baselines while the
+//! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
+//! HTTP events → NATS ingest → count, chain and relay checks → the table.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, context::PublishAckFuture};
+use bytes::Bytes;
+use chrono::{DateTime, SubsecRound, Utc};
+use rand::seq::IndexedRandom;
+use rand::Rng;
+use serde_json::json;
+use sqlx::{Connection, PgConnection};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::bus::{self, Names};
+use crate::config::Config;
+use crate::event::canonical::{self, RecordFields};
+use crate::event::parse::{parse_body, BodyKind};
+use crate::event::{Event, TimeBounds};
+use crate::ledger::{db, verify};
+use crate::startup::Service;
+
+/// Events posted in batches over HTTP: 200 full batches, enough for a stable p99 and a few
+/// seconds of sustained load, yet the whole run stays within about two minutes.
+const HTTP_EVENTS: usize = 200_000;
+/// Events per HTTP batch: the service's maximum, a producer's best case.
+const HTTP_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
+/// Concurrent batch producers: enough to keep a group commit waiting behind every commit.
+const HTTP_BATCH_CLIENTS: usize = 4;
+/// Events posted one per request: a thousand per client at the default client count.
+const SINGLE_EVENTS: usize = 64_000;
+/// Concurrent single-event producers, each with a connection of its own.
+const SINGLE_CLIENTS: usize = 64;
+/// Events published one per message to the ingest stream.
+const NATS_EVENTS: usize = 100_000;
+/// Organizations the events are spread over.
+const ORGS: usize = 100;
+/// Containers per organization: a few dozen sandboxes each, so a container has a history.
+const CONTAINERS_PER_ORG: usize = 40;
+/// How far back `occurred_at` goes: the last hour, well inside the backdate bound.
+const OCCURRED_WINDOW_MS: i64 = 60 * 60 * 1000;
+/// Unacknowledged JetStream publishes at once, for the ingest publish and its baseline
+/// alike: the async-nats default, which the relay also runs with.
+const PUBLISH_ACKS_IN_FLIGHT_MAX: usize = 5_000;
+/// Idle HTTP connections kept per host: twice the default single-event clients, so that no
+/// request pays for a new connection.
+const HTTP_IDLE_CONNECTIONS_MAX: usize = 128;
+/// Whole-request deadline for the bench's HTTP client: far above any sane batch latency,
+/// so a hung service fails the run instead of stalling it.
+const HTTP_TIMEOUT_MS: u64 = 60_000;
+/// How often a request refused with 503 (append queue full) is retried before the run
+/// fails; each retry is counted and reported.
+const HTTP_RETRIES_MAX: u32 = 50;
+/// Pause before retrying a 503, as a well-behaved producer would.
+const HTTP_RETRY_DELAY_MS: u64 = 20;
+/// How long the service may take to create its streams and consumer after it starts.
+const STARTUP_TIMEOUT_MS: u64 = 15_000;
+/// How long the appender or the relay may take to catch up after a phase's last request.
+const SETTLE_TIMEOUT_MS: u64 = 120_000;
+/// Polling interval while waiting for the relay or the streams.
+const POLL_MS: u64 = 20;
+/// Longest error-body excerpt quoted in a failure.
+const ERROR_EXCERPT_BYTES_MAX: usize = 500;
+/// The ledger's columns, in the order the COPY text and the UNNEST arrays carry them.
+const LEDGER_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
+     recorded_at, data, source, source_event_id, content_digest, hash";
 
 #[derive(Debug, Clone, clap::Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    /// Events posted over HTTP in batches.
+    #[arg(long, default_value_t = HTTP_EVENTS)]
+    pub http_events: usize,
 
-pub async fn run(_config: crate::config::Config, _args: BenchArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not yet")
+    /// Events per HTTP batch; also the rows per `INSERT … UNNEST` of the baseline.
+    #[arg(long, default_value_t = HTTP_BATCH_EVENTS)]
+    pub http_batch_events: usize,
+
+    /// Concurrent clients posting batches.
+    #[arg(long, default_value_t = HTTP_BATCH_CLIENTS)]
+    pub http_batch_clients: usize,
+
+    /// Events posted over HTTP one per request.
+    #[arg(long, default_value_t = SINGLE_EVENTS)]
+    pub single_events: usize,
+
+    /// Concurrent clients posting single events.
+    #[arg(long, default_value_t = SINGLE_CLIENTS)]
+    pub single_clients: usize,
+
+    /// Events published to the NATS ingest stream, one per message.
+    #[arg(long, default_value_t = NATS_EVENTS)]
+    pub nats_events: usize,
+
+    /// Organizations the generated events are spread over.
+    #[arg(long, default_value_t = ORGS)]
+    pub orgs: usize,
+}
+
+pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
+    check_args(&config, &args)?;
+    let scratch = Scratch::new(&config.database_url)?;
+    let shown_database_url = without_password(&config.database_url);
+    config.database_url = scratch.database_url.clone();
+    config.nats_namespace = scratch.namespace.clone();
+    config.listen = "127.0.0.1:0".parse().expect("a literal address");
+    config.bootstrap_token = Some(scratch.token.clone());
+
+    // Everything is generated and checked before anything is created, so that a workload
+    // the service would refuse fails the run with nothing to clean up.
+    let workload = Workload::generate(&config, &args)?;
+
+    let nats = publishing_context(bus::connect(&config.nats_url).await?);
+    eprintln!(
+        "bench: database {}, namespace {}",
+        scratch.database_name, scratch.namespace
+    );
+    let outcome = start_and_measure(config.clone(), &args, &scratch, &workload, &nats).await;
+    let cleaned = clean_up(&scratch, &nats).await;
+    let report = match (outcome, cleaned) {
+        (Ok(report), Ok(())) => report,
+        (Ok(_), Err(error)) => return Err(error),
+        (Err(error), Ok(())) => return Err(error),
+        (Err(error), Err(cleanup_error)) => {
+            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
+            return Err(error);
+        }
+    };
+    report.print(&config, &args, &shown_database_url, &scratch);
+    eprintln!(
+        "bench: removed database {} and the {} streams",
+        scratch.database_name, scratch.namespace
+    );
+    anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
+    Ok(())
+}
+
+fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
+    let counts = [
+        ("--http-events", args.http_events),
+        ("--http-batch-events", args.http_batch_events),
+        ("--http-batch-clients", args.http_batch_clients),
+        ("--single-events", args.single_events),
+        ("--single-clients", args.single_clients),
+        ("--nats-events", args.nats_events),
+        ("--orgs", args.orgs),
+    ];
+    for (flag, count) in counts {
+        anyhow::ensure!(count > 0, "{flag} must be at least 1");
+    }
+    anyhow::ensure!(
+        args.http_batch_events <= config.batch_events_max,
+        "--http-batch-events must be at most the service's batch limit of {}",
+        config.batch_events_max
+    );
+    Ok(())
+}
+
+/// The names that make this run's database and streams its own.
+struct Scratch {
+    database_name: String,
+    database_url: String,
+    namespace: String,
+    names: Names,
+    token: String,
+}
+
+impl Scratch {
+    fn new(database_url: &str) -> anyhow::Result<Scratch> {
+        let mut rng = rand::rng();
+        let suffix = format!("{:012x}", rng.random::<u64>() >> 16);
+        let database_name = format!("tally_bench_{suffix}");
+        let mut url = url::Url::parse(database_url).context("DATABASE_URL is not a URL")?;
+        url.set_path(&format!("/{database_name}"));
+        let namespace = format!("bench{suffix}");
+        let names = Names::new(&namespace)?;
+        Ok(Scratch {
+            database_name,
+            database_url: url.to_string(),
+            namespace,
+            names,
+            token: hex::encode(rng.random::<[u8; 32]>()),
+        })
+    }
+
+    /// The raw-publish baseline's stream, inside the namespace like the service's own.
+    fn baseline_stream(&self) -> String {
+        self.names.stream("BASELINE")
+    }
+
+    fn baseline_subject(&self) -> String {
+        self.names.subject("baseline.bench")
+    }
+}
+
+/// Prints a URL without its password.
+fn without_password(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) => {
+            let _ = parsed.set_password(None);
+            parsed.to_string()
+        }
+        Err(_) => "(unparsable URL)".to_owned(),
+    }
+}
+
+/// The bench's own JetStream context, with its publish window set here rather than
+/// inherited, so that the ingest publish and its baseline run with the same window.
+fn publishing_context(client: async_nats::Client) -> jetstream::Context {
+    jetstream::context::ContextBuilder::new()
+        .timeout(Duration::from_millis(bus::REQUEST_TIMEOUT_MS))
+        .max_ack_inflight(PUBLISH_ACKS_IN_FLIGHT_MAX)
+        .backpressure_on_inflight(true)
+        .build(client)
+}
+
+/// Deletes every stream of the namespace and the scratch database, trying all of them even
+/// when one fails.
+async fn clean_up(scratch: &Scratch, nats: &jetstream::Context) -> anyhow::Result<()> {
+    let names = &scratch.names;
+    let streams = [
+        names.ledger_stream(),
+        names.ingest_stream(),
+        names.dlq_stream(),
+        scratch.baseline_stream(),
+    ];
+    let mut failures = Vec::new();
+    for stream in streams {
+        match nats.delete_stream(&stream).await {
+            Ok(_) => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    jetstream::context::DeleteStreamErrorKind::JetStream(ref e)
+                        if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+                ) => {}
+            Err(error) => failures.push(format!("cannot delete stream {stream}: {error}")),
+        }
+    }
+    if let Err(error) = db::drop_database(&scratch.database_url).await {
+        failures.push(format!(
+            "cannot drop database {}: {error}",
+            scratch.database_name
+        ));
+    }
+    anyhow::ensure!(failures.is_empty(), "{}", failures.join("; "));
+    Ok(())
+}
+
+/// Every body and row of the run, built before any clock starts.
+struct Workload {
+    /// `{"events":[…]}` bodies of `http_batch_events` each.
+    batch_bodies: Arc<Vec<Bytes>>,
+    /// One native event per body.
+    single_bodies: Arc<Vec<Bytes>>,
+    /// One native event per message.
+    nats_payloads: Arc<Vec<Bytes>>,
+    /// The batch events as the ledger would store them at positions 1.., for the baselines.
+    baseline: BaselineRows,
+}
+
+impl Workload {
+    fn generate(config: &Config, args: &BenchArgs) -> anyhow::Result<Workload> {
+        let started = Instant::now();
+        let now = Utc::now();
+        let mut rng = rand::rng();
+        let mut event = || generate_event(&mut rng, args.orgs, now);
+        let batch_events: Vec<String> = (0..args.http_events).map(|_| event()).collect();
+        let single_events: Vec<String> = (0..args.single_events).map(|_| event()).collect();
+        let nats_events: Vec<String> = (0..args.nats_events).map(|_| event()).collect();
+
+        let batch_bodies: Vec<Bytes> = batch_events
+            .chunks(args.http_batch_events)
+            .map(|chunk| Bytes::from(format!("{{\"events\":[{}]}}", chunk.join(","))))
+            .collect();
+        let single_bodies: Vec<Bytes> = single_events.into_iter().map(Bytes::from).collect();
+        let nats_payloads: Vec<Bytes> = nats_events.into_iter().map(Bytes::from).collect();
+
+        // The service's own parser decides validity, so a generator bug shows up here and
+        // not as a dead-lettered message or a 422 halfway through a timed phase.
+        let bounds = TimeBounds {
+            now: Utc::now(),
+            backdate_max: config.backdate_max(),
+        };
+        let parse_all = |bodies: &[Bytes]| -> anyhow::Result<Vec<Event>> {
+            let mut events = Vec::new();
+            for body in bodies {
+                let parsed = parse_body(BodyKind::Native, body, bounds, config.batch_events_max)
+                    .map_err(|e| {
+                        anyhow::anyhow!("a generated event is invalid: {}", e.describe())
+                    })?;
+                events.extend(parsed);
+            }
+            Ok(events)
+        };
+        let batch_parsed = parse_all(&batch_bodies)?;
+        let single_parsed = parse_all(&single_bodies)?;
+        let nats_parsed = parse_all(&nats_payloads)?;
+        let mut ids =
+            HashSet::with_capacity(batch_parsed.len() + single_parsed.len() + nats_parsed.len());
+        for event in batch_parsed
+            .iter()
+            .chain(&single_parsed)
+            .chain(&nats_parsed)
+        {
+            assert!(
+                ids.insert(event.id),
+                "event ids are unique: {} repeats",
+                event.id
+            );
+        }
+        assert_eq!(batch_parsed.len(), args.http_events);
+        let baseline = BaselineRows::build(&batch_parsed, args.http_batch_events);
+        eprintln!(
+            "bench: generated and checked {} events in {:.1} s",
+            ids.len(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(Workload {
+            batch_bodies: Arc::new(batch_bodies),
+            single_bodies: Arc::new(single_bodies),
+            nats_payloads: Arc::new(nats_payloads),
+            baseline,
+        })
+    }
+
+    fn expected_events(&self) -> i64 {
+        let count = self.baseline.count + self.single_bodies.len() + self.nats_payloads.len();
+        i64::try_from(count).expect("event counts fit in i64")
+    }
+}
+
+const IMAGES: [&str; 5] = [
+    "python:3.12-slim",
+    "node:22-alpine",
+    "ubuntu:24.04",
+    "ghcr.io/acme/sandbox:1.4.2",
+    "rust:1.85",
+];
+const STOP_REASONS: [&str; 4] = ["user", "idle", "admin", "provider"];
+const PORTS: [u16; 5] = [3000, 5173, 8000, 8080, 8888];
+
+/// One event as a producer would send it in the native envelope: mostly commands, with
+/// the container lifecycle around them, within the last hour. The id is a UUIDv7, as
+/// producers are told to use.
+fn generate_event(rng: &mut impl Rng, orgs: usize, now: DateTime<Utc>) -> String {
+    let org = rng.random_range(0..orgs);
+    let container_id = format!("ctr_{org}_{}", rng.random_range(0..CONTAINERS_PER_ORG));
+    let occurred_at = now - chrono::Duration::milliseconds(rng.random_range(0..OCCURRED_WINDOW_MS));
+    let (event_type, data) = match rng.random_range(0..100) {
+        0..=9 => (
+            "container.created",
+            json!({
+                "name": format!("task-{}", rng.random_range(0..1_000_000)),
+                "image": IMAGES.choose(rng).expect("a non-empty list"),
+            }),
+        ),
+        10..=69 => {
+            let exit_code = *[0, 0, 0, 0, 0, 0, 0, 1, 2, 137]
+                .choose(rng)
+                .expect("a non-empty list");
+            let mut data = json!({
+                "command_id": format!("cmd_{:016x}", rng.random::<u64>()),
+                "exit_code": exit_code,
+                "duration_ms": rng.random_range(5..120_000u64),
+            });
+            if exit_code == 137 {
+                data["timed_out"] = json!(true);
+            }
+            ("container.command_ran", data)
+        }
+        70..=79 => (
+            "container.stopped",
+            json!({"reason": STOP_REASONS.choose(rng).expect("a non-empty list")}),
+        ),
+        80..=89 => ("container.resumed", json!({})),
+        _ => {
+            let port = *PORTS.choose(rng).expect("a non-empty list");
+            (
+                "container.port_published",
+                json!({
+                    "port": port,
+                    "url": format!("https://{container_id}-{port}.sandbox.example.com"),
+                }),
+            )
+        }
+    };
+    json!({
+        "id": Uuid::now_v7().hyphenated().to_string(),
+        "type": event_type,
+        "org_id": format!("org_{org}"),
+        "container_id": container_id,
+        "occurred_at": canonical::timestamp(occurred_at),
+        "data": data,
+    })
+    .to_string()
+}
+
+/// The ledger rows of the batch events, as the appender would write them: same columns,
+/// content digests and hash chain, one `recorded_at` per batch as one group commit has.
+struct BaselineRows {
+    count: usize,
+    /// One `INSERT … UNNEST` each.
+    batches: Vec<RowColumns>,
+    /// CSV for `COPY`, one chunk per batch.
+    copy_chunks: Vec<Bytes>,
+}
+
+#[derive(Default)]
+struct RowColumns {
+    position: Vec<i64>,
+    id: Vec<Uuid>,
+    event_type: Vec<&'static str>,
+    org_id: Vec<String>,
+    container_id: Vec<Option<String>>,
+    occurred_at: Vec<DateTime<Utc>>,
+    recorded_at: Vec<DateTime<Utc>>,
+    data: Vec<serde_json::Value>,
+    source: Vec<Option<String>>,
+    source_event_id: Vec<Option<String>>,
+    content_digest: Vec<Vec<u8>>,
+    hash: Vec<Vec<u8>>,
+}
+
+impl BaselineRows {
+    fn build(events: &[Event], batch_events: usize) -> BaselineRows {
+        let mut batches = Vec::new();
+        let mut copy_chunks = Vec::new();
+        let mut prev_hash = canonical::GENESIS_HASH;
+        let mut position = 0_i64;
+        for chunk in events.chunks(batch_events) {
+            let recorded_at = Utc::now().trunc_subsecs(3);
+            let mut columns = RowColumns::default();
+            let mut csv = String::new();
+            for event in chunk {
+                position += 1;
+                let data = event.data_json();
+                let fields = RecordFields {
+                    id: event.id.as_uuid(),
+                    event_type: event.event_type.as_str(),
+                    org_id: event.org_id.as_str(),
+                    container_id: event.container_id.as_ref().map(|c| c.as_str()),
+                    occurred_at: event.occurred_at,
+                    data: &data,
+                    origin_source: event.origin.as_ref().map(|o| o.source.as_str()),
+                    origin_id: event.origin.as_ref().map(|o| o.id.as_str()),
+                };
+                let digest = canonical::content_digest(&fields);
+                let bytes = canonical::record_bytes(&fields, position, recorded_at);
+                let hash = canonical::chain_hash(&prev_hash, &bytes);
+                prev_hash = hash;
+                write_csv_row(&mut csv, position, &fields, recorded_at, &digest, &hash);
+                columns.position.push(position);
+                columns.id.push(fields.id);
+                columns.event_type.push(event.event_type.as_str());
+                columns.org_id.push(fields.org_id.to_owned());
+                columns
+                    .container_id
+                    .push(fields.container_id.map(str::to_owned));
+                columns.occurred_at.push(event.occurred_at);
+                columns.recorded_at.push(recorded_at);
+                columns.source.push(fields.origin_source.map(str::to_owned));
+                columns
+                    .source_event_id
+                    .push(fields.origin_id.map(str::to_owned));
+                columns.content_digest.push(digest.to_vec());
+                columns.hash.push(hash.to_vec());
+                columns.data.push(data);
+            }
+            batches.push(columns);
+            copy_chunks.push(Bytes::from(csv));
+        }
+        BaselineRows {
+            count: events.len(),
+            batches,
+            copy_chunks,
+        }
+    }
+}
+
+/// One row in `COPY … (FORMAT csv)`: NULL is an unquoted empty field, text is quoted with
+/// `"` doubled, `bytea` goes in its `\x` hex form (CSV gives backslashes no meaning).
+fn write_csv_row(
+    out: &mut String,
+    position: i64,
+    fields: &RecordFields,
+    recorded_at: DateTime<Utc>,
+    digest: &[u8; 32],
+    hash: &[u8; 32],
+) {
+    fn text(out: &mut String, value: Option<&str>) {
+        if let Some(value) = value {
+            out.push('"');
+            out.push_str(&value.replace('"', "\"\""));
+            out.push('"');
+        }
+        out.push(',');
+    }
+    let _ = write!(out, "{position},{},", fields.id.hyphenated());
+    text(out, Some(fields.event_type));
+    text(out, Some(fields.org_id));
+    text(out, fields.container_id);
+    let _ = write!(
+        out,
+        "{},{},",
+        canonical::timestamp(fields.occurred_at),
+        canonical::timestamp(recorded_at)
+    );
+    text(out, Some(&fields.data.to_string()));
+    text(out, fields.origin_source);
+    text(out, fields.origin_id);
+    let _ = writeln!(out, "\\x{},\\x{}", hex::encode(digest), hex::encode(hash));
+}
+
+/// Starts the service, measures, and stops the service whatever happened, so that no relay
+/// or consumer outlives the run and recreates a stream after clean-up.
+async fn start_and_measure(
+    config: Config,
+    args: &BenchArgs,
+    scratch: &Scratch,
+    workload: &Workload,
+    nats: &jetstream::Context,
+) -> anyhow::Result<Report> {
+    let service = Service::start(config).await?;
+    let outcome = tokio::select! {
+        outcome = measure(&service, args, scratch, workload, nats) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    eprintln!("bench: stopping the service");
+    service.stop().await;
+    outcome
+}
+
+async fn measure(
+    service: &Service,
+    args: &BenchArgs,
+    scratch: &Scratch,
+    workload: &Workload,
+    nats: &jetstream::Context,
+) -> anyhow::Result<Report> {
+    wait_for_streams(nats, &scratch.names).await?;
+    let mut connection = PgConnection::connect(&scratch.database_url)
+        .await
+        .context("cannot connect to the scratch database")?;
+    let baselines = Baselines {
+        copy: baseline_copy(&mut connection, &workload.baseline).await?,
+        unnest: baseline_unnest(&mut connection, &workload.baseline).await?,
+        publish: baseline_publish(nats, scratch, &workload.nats_payloads).await?,
+    };
+
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(HTTP_IDLE_CONNECTIONS_MAX)
+        .timeout(Duration::from_millis(HTTP_TIMEOUT_MS))
+        .tcp_nodelay(true)
+        .no_proxy()
+        .build()?;
+    let mut phases = Phases {
+        service,
+        nats,
+        names: &scratch.names,
+        connection,
+        endpoint: Endpoint {
+            client,
+            url: format!("http://{}/v1/events", service.local_addr),
+            token: scratch.token.clone(),
+        },
+        head: 0,
+    };
+    let (batch, batch_relayed) = phases
+        .http(
+            "HTTP batches",
+            &workload.batch_bodies,
+            workload.baseline.count,
+            args.http_batch_clients,
+        )
+        .await?;
+    let batch_relayed = Figure::new(
+        "HTTP batches, until relayed",
+        workload.baseline.count,
+        batch_relayed,
+    );
+    let (single, _) = phases
+        .http(
+            "HTTP single events",
+            &workload.single_bodies,
+            workload.single_bodies.len(),
+            args.single_clients,
+        )
+        .await?;
+    let nats_ingest = phases.nats(&workload.nats_payloads).await?;
+
+    eprintln!("bench: checking the ledger");
+    let checks = check_ledger(service, nats, &scratch.names, workload).await?;
+    phases.connection.close().await?;
+    Ok(Report {
+        baselines,
+        batch,
+        batch_relayed,
+        single,
+        nats_ingest,
+        checks,
+    })
+}
+
+/// What the timed phases against the running service share.
+struct Phases<'a> {
+    service: &'a Service,
+    nats: &'a jetstream::Context,
+    names: &'a Names,
+    /// For `CHECKPOINT`s between phases.
+    connection: PgConnection,
+    endpoint: Endpoint,
+    /// The ledger head the phases so far should have reached.
+    head: i64,
+}
+
+impl Phases<'_> {
+    /// Posts every body; returns the figure and the time until the relay had published
+    /// the phase's events too.
+    async fn http(
+        &mut self,
+        label: &str,
+        bodies: &Arc<Vec<Bytes>>,
+        events: usize,
+        clients: usize,
+    ) -> anyhow::Result<(Figure, Duration)> {
+        checkpoint(&mut self.connection).await;
+        eprintln!("bench: {label}: {events} events from {clients} clients");
+        let commits_before = GroupCommits::now();
+        let started = Instant::now();
+        let posted = self.endpoint.post_all(bodies, clients).await?;
+        let group_commits = GroupCommits::now().since(commits_before);
+        self.head += i64::try_from(events)?;
+        // Every answer came after its commit, so the head is already there.
+        let head = *self.service.appender.head().borrow();
+        anyhow::ensure!(
+            head == self.head,
+            "the ledger head is {head} after {label}, expected {}",
+            self.head
+        );
+        wait_for_relay(self.nats, self.names, self.head).await?;
+        let relayed = started.elapsed();
+        let figure = Figure::new(label, events, posted.elapsed)
+            .with_latencies(&posted.latencies)
+            .with_group_commits(group_commits)
+            .with_retries(posted.retries);
+        Ok((figure, relayed))
+    }
+
+    /// Publishes one event per message to the ingest stream and times from the first
+    /// publish until the appender has committed the last event.
+    async fn nats(&mut self, payloads: &Arc<Vec<Bytes>>) -> anyhow::Result<Figure> {
+        checkpoint(&mut self.connection).await;
+        eprintln!("bench: NATS ingest: {} messages", payloads.len());
+        let commits_before = GroupCommits::now();
+        let started = Instant::now();
+        // Aborted on any early return, so that no publish outlives the run.
+        let mut publisher = AbortOnDrop(tokio::spawn(publish_all(
+            self.nats.clone(),
+            self.names.subject("tally.ingest.bench"),
+            payloads.clone(),
+        )));
+        self.head += i64::try_from(payloads.len())?;
+        wait_for_head(self.service, self.head).await?;
+        let ingested = started.elapsed();
+        let published = (&mut publisher.0)
+            .await
+            .context("the publishing task failed")??;
+        let group_commits = GroupCommits::now().since(commits_before);
+        wait_for_relay(self.nats, self.names, self.head).await?;
+        Ok(Figure::new(
+            "NATS ingest, publish to committed",
+            payloads.len(),
+            ingested,
+        )
+        .with_group_commits(group_commits)
+        .with_note(format!("all acks after {:.2} s", published.as_secs_f64())))
+    }
+}
+
+/// A task that is aborted when its handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The service creates its streams and the ingest consumer in the background; publishing
+/// before they exist would fail with "no responders" or time the consumer's creation.
+async fn wait_for_streams(nats: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+    loop {
+        let ready = match nats.get_stream(names.ingest_stream()).await {
+            Ok(stream) => {
+                stream
+                    .consumer_info(bus::ingest::CONSUMER_NAME)
+                    .await
+                    .is_ok()
+                    && nats.get_stream(names.ledger_stream()).await.is_ok()
+            }
+            Err(_) => false,
+        };
+        if ready {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the service did not create its streams within {STARTUP_TIMEOUT_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
+/// Flushes dirty pages before a timed phase, so that no phase pays for the writes of the
+/// one before it. Needs superuser (or `pg_checkpoint`); without it the run goes on.
+async fn checkpoint(connection: &mut PgConnection) {
+    if let Err(error) = sqlx::query("CHECKPOINT").execute(&mut *connection).await {
+        eprintln!("bench: CHECKPOINT refused ({error}); phases may carry each other's writes");
+    }
+}
+
+async fn wait_for_head(service: &Service, expected: i64) -> anyhow::Result<()> {
+    let mut head = service.appender.head();
+    tokio::time::timeout(
+        Duration::from_millis(SETTLE_TIMEOUT_MS),
+        head.wait_for(|position| *position >= expected),
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "the ledger head did not reach {expected} within {SETTLE_TIMEOUT_MS} ms (it is at {})",
+            *service.appender.head().borrow()
+        )
+    })?
+    .context("the appender stopped")?;
+    Ok(())
+}
+
+/// Waits until the relay has published everything up to `position`. On a fresh stream the
+/// relay's sequence numbers are the ledger positions, one message per event.
+async fn wait_for_relay(
+    nats: &jetstream::Context,
+    names: &Names,
+    position: i64,
+) -> anyhow::Result<()> {
+    let expected = u64::try_from(position).expect("positions are positive");
+    let deadline = Instant::now() + Duration::from_millis(SETTLE_TIMEOUT_MS);
+    let mut stream = nats.get_stream(names.ledger_stream()).await?;
+    loop {
+        let relayed = stream.info().await?.state.last_sequence;
+        if relayed >= expected {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the relay reached {relayed} of {expected} within {SETTLE_TIMEOUT_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
+/// The raw write limits tally is compared with, on the same rows and payloads.
+struct Baselines {
+    copy: Figure,
+    unnest: Figure,
+    publish: Figure,
+}
+
+/// The baseline table: the ledger's columns, constraints and indexes (`LIKE … INCLUDING
+/// ALL` follows the migrations), but none of its triggers, which `LIKE` never copies.
+async fn create_baseline_table(connection: &mut PgConnection) -> anyhow::Result<()> {
+    sqlx::query("CREATE TABLE baseline (LIKE ledger INCLUDING ALL)")
+        .execute(&mut *connection)
+        .await?;
+    let indexes: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT tablename::text, count(*) FROM pg_indexes \
+         WHERE schemaname = current_schema() AND tablename IN ('ledger', 'baseline') \
+         GROUP BY tablename",
+    )
+    .fetch_all(&mut *connection)
+    .await?;
+    let count = |table: &str| indexes.iter().find(|(t, _)| t == table).map(|(_, c)| *c);
+    anyhow::ensure!(
+        count("ledger").is_some() && count("ledger") == count("baseline"),
+        "the baseline table does not have the ledger's indexes: {indexes:?}"
+    );
+    Ok(())
+}
+
+async fn baseline_copy(
+    connection: &mut PgConnection,
+    rows: &BaselineRows,
+) -> anyhow::Result<Figure> {
+    create_baseline_table(connection).await?;
+    checkpoint(connection).await;
+    eprintln!("bench: baseline COPY of {} rows", rows.count);
+    let started = Instant::now();
+    let statement = format!("COPY baseline ({LEDGER_COLUMNS}) FROM STDIN WITH (FORMAT csv)");
+    let mut copy = connection.copy_in_raw(&statement).await?;
+    for chunk in &rows.copy_chunks {
+        copy.send(chunk.clone()).await?;
+    }
+    let copied = copy.finish().await?;
+    let elapsed = started.elapsed();
+    anyhow::ensure!(
+        copied == rows.count as u64,
+        "COPY stored {copied} rows of {}",
+        rows.count
+    );
+    Ok(Figure::new("COPY, one connection", rows.count, elapsed))
+}
+
+async fn baseline_unnest(
+    connection: &mut PgConnection,
+    rows: &BaselineRows,
+) -> anyhow::Result<Figure> {
+    sqlx::query("TRUNCATE baseline")
+        .execute(&mut *connection)
+        .await?;
+    checkpoint(connection).await;
+    eprintln!("bench: baseline INSERT … UNNEST of {} rows", rows.count);
+    // The appender's statement, on the baseline table.
+    let statement = format!(
+        "INSERT INTO baseline ({LEDGER_COLUMNS}) \
+         SELECT * FROM UNNEST($1::bigint[], $2::uuid[], $3::text[], $4::text[], $5::text[], \
+         $6::timestamptz[], $7::timestamptz[], $8::jsonb[], $9::text[], $10::text[], \
+         $11::bytea[], $12::bytea[])"
+    );
+    let mut latencies = Vec::with_capacity(rows.batches.len());
+    let started = Instant::now();
+    for batch in &rows.batches {
+        let sent = Instant::now();
+        let inserted = sqlx::query(&statement)
+            .bind(&batch.position)
+            .bind(&batch.id)
+            .bind(&batch.event_type)
+            .bind(&batch.org_id)
+            .bind(&batch.container_id)
+            .bind(&batch.occurred_at)
+            .bind(&batch.recorded_at)
+            .bind(&batch.data)
+            .bind(&batch.source)
+            .bind(&batch.source_event_id)
+            .bind(&batch.content_digest)
+            .bind(&batch.hash)
+            .execute(&mut *connection)
+            .await?
+            .rows_affected();
+        latencies.push(sent.elapsed());
+        assert_eq!(
+            inserted,
+            batch.position.len() as u64,
+            "UNNEST inserts every row"
+        );
+    }
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    let label = format!(
+        "INSERT UNNEST x{}, one connection",
+        rows.batches[0].position.len()
+    );
+    Ok(Figure::new(label, rows.count, elapsed).with_latencies(&latencies))
+}
+
+async fn baseline_publish(
+    nats: &jetstream::Context,
+    scratch: &Scratch,
+    payloads: &Arc<Vec<Bytes>>,
+) -> anyhow::Result<Figure> {
+    // The ingest stream's own settings (file storage, limits, duplicate window), renamed,
+    // so that the only difference left is what tally does with each message.
+    let mut config = scratch
+        .names
+        .stream_configs()?
+        .into_iter()
+        .find(|c| c.name == scratch.names.ingest_stream())
+        .context("the ingest stream has no definition")?;
+    config.name = scratch.baseline_stream();
+    config.subjects = vec![scratch.names.subject("baseline.>")];
+    config.description = Some("tally bench: raw publish baseline".to_owned());
+    nats.create_stream(config)
+        .await
+        .context("cannot create the baseline stream")?;
+    eprintln!(
+        "bench: baseline JetStream publish of {} messages",
+        payloads.len()
+    );
+    let elapsed = publish_all(nats.clone(), scratch.baseline_subject(), payloads.clone()).await?;
+    Ok(Figure::new(
+        "JetStream async publish",
+        payloads.len(),
+        elapsed,
+    ))
+}
+
+/// Publishes every payload with JetStream async publish and returns once every ack is in.
+/// The acks are awaited by a second task as they come, so the context's in-flight window,
+/// not a round trip per message, paces the publisher.
+async fn publish_all(
+    nats: jetstream::Context,
+    subject: String,
+    payloads: Arc<Vec<Bytes>>,
+) -> anyhow::Result<Duration> {
+    let subject = async_nats::Subject::from(subject);
+    let started = Instant::now();
+    let (sender, mut receiver) = mpsc::channel::<PublishAckFuture>(PUBLISH_ACKS_IN_FLIGHT_MAX);
+    let mut collector = AbortOnDrop(tokio::spawn(async move {
+        let mut acknowledged = 0_usize;
+        while let Some(ack) = receiver.recv().await {
+            ack.await.context("a publish was not acknowledged")?;
+            acknowledged += 1;
+        }
+        anyhow::Ok(acknowledged)
+    }));
+    for payload in payloads.iter() {
+        let ack = nats.publish(subject.clone(), payload.clone()).await?;
+        if sender.send(ack).await.is_err() {
+            // The collector stopped on a failed ack; its error is reported below.
+            break;
+        }
+    }
+    drop(sender);
+    let acknowledged = (&mut collector.0)
+        .await
+        .context("the ack collector failed")??;
+    anyhow::ensure!(
+        acknowledged == payloads.len(),
+        "{acknowledged} of {} publishes were acknowledged",
+        payloads.len()
+    );
+    Ok(started.elapsed())
+}
+
+/// The service's HTTP ingest, as producers reach it.
+struct Endpoint {
+    client: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+struct Posted {
+    elapsed: Duration,
+    /// Sorted.
+    latencies: Vec<Duration>,
+    retries: u64,
+}
+
+impl Endpoint {
+    /// Posts every body, `clients` requests at a time, each client taking the next body as
+    /// soon as its previous one is answered.
+    async fn post_all(&self, bodies: &Arc<Vec<Bytes>>, clients: usize) -> anyhow::Result<Posted> {
+        let next = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        // A JoinSet aborts the other clients as soon as one fails and this returns.
+        let mut tasks = JoinSet::new();
+        for _ in 0..clients {
+            let client = self.client.clone();
+            let url = self.url.clone();
+            let token = self.token.clone();
+            let bodies = bodies.clone();
+            let next = next.clone();
+            tasks.spawn(async move {
+                let mut latencies = Vec::new();
+                let mut retries = 0_u64;
+                while let Some(body) = bodies.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let sent = Instant::now();
+                    retries += u64::from(post(&client, &url, &token, body).await?);
+                    latencies.push(sent.elapsed());
+                }
+                anyhow::Ok((latencies, retries))
+            });
+        }
+        let mut latencies = Vec::with_capacity(bodies.len());
+        let mut retries = 0;
+        while let Some(joined) = tasks.join_next().await {
+            let (client_latencies, client_retries) =
+                joined.context("an HTTP client panicked")??;
+            latencies.extend(client_latencies);
+            retries += client_retries;
+        }
+        let elapsed = started.elapsed();
+        latencies.sort_unstable();
+        assert_eq!(latencies.len(), bodies.len(), "every body is posted once");
+        Ok(Posted {
+            elapsed,
+            latencies,
+            retries,
+        })
+    }
+}
+
+/// One `POST /v1/events`, retried while the service answers 503; returns the retries.
+async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    token: &str,
+    body: &Bytes,
+) -> anyhow::Result<u32> {
+    for retries in 0..=HTTP_RETRIES_MAX {
+        let response = client
+            .post(url)
+            .bearer_auth(token)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .context("POST /v1/events failed")?;
+        let status = response.status();
+        // Read to the end either way, so that the connection goes back to the pool.
+        let answer = response.bytes().await?;
+        if status.is_success() {
+            return Ok(retries);
+        }
+        if status != reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            let excerpt = &answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)];
+            anyhow::bail!(
+                "POST /v1/events answered {status}: {}",
+                String::from_utf8_lossy(excerpt)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(HTTP_RETRY_DELAY_MS)).await;
+    }
+    anyhow::bail!("POST /v1/events still answered 503 after {HTTP_RETRIES_MAX} retries")
+}
+
+/// The appender's group-commit histograms, read from the process-wide metrics recorder
+/// the in-process service writes to.
+#[derive(Debug, Clone, Copy, Default)]
+struct GroupCommits {
+    commits: f64,
+    events: f64,
+    seconds: f64,
+}
+
+impl GroupCommits {
+    fn now() -> GroupCommits {
+        let text = crate::telemetry::metrics_handle().render();
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|line| {
+                    line.strip_prefix(name)?
+                        .strip_prefix(' ')?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .unwrap_or(0.0)
+        };
+        GroupCommits {
+            commits: value("tally_append_batch_events_count"),
+            events: value("tally_append_batch_events_sum"),
+            seconds: value("tally_append_batch_seconds_sum"),
+        }
+    }
+
+    fn since(self, before: GroupCommits) -> GroupCommits {
+        GroupCommits {
+            commits: self.commits - before.commits,
+            events: self.events - before.events,
+            seconds: self.seconds - before.seconds,
+        }
+    }
+}
+
+/// One measured line of the table.
+struct Figure {
+    label: String,
+    count: usize,
+    elapsed: Duration,
+    /// p50 and p99, in milliseconds.
+    latency_ms: Option<(f64, f64)>,
+    group_commits: Option<GroupCommits>,
+    notes: Vec<String>,
+}
+
+impl Figure {
+    fn new(label: impl Into<String>, count: usize, elapsed: Duration) -> Figure {
+        Figure {
+            label: label.into(),
+            count,
+            elapsed,
+            latency_ms: None,
+            group_commits: None,
+            notes: Vec::new(),
+        }
+    }
+
+    fn with_latencies(mut self, sorted: &[Duration]) -> Figure {
+        self.latency_ms = Some((percentile_ms(sorted, 0.50), percentile_ms(sorted, 0.99)));
+        self
+    }
+
+    fn with_group_commits(mut self, group_commits: GroupCommits) -> Figure {
+        self.group_commits = (group_commits.commits > 0.0).then_some(group_commits);
+        self
+    }
+
+    fn with_retries(self, retries: u64) -> Figure {
+        if retries == 0 {
+            return self;
+        }
+        self.with_note(format!("{retries} retries after 503"))
+    }
+
+    fn with_note(mut self, note: String) -> Figure {
+        self.notes.push(note);
+        self
+    }
+
+    fn per_second(&self) -> f64 {
+        self.count as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// The nearest-rank percentile of sorted durations.
+fn percentile_ms(sorted: &[Duration], fraction: f64) -> f64 {
+    assert!(!sorted.is_empty(), "a percentile of nothing");
+    let rank = (fraction * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1000.0
+}
+
+/// The end-of-run checks, each a sentence and whether it held.
+struct Check {
+    description: String,
+    passed: bool,
+}
+
+async fn check_ledger(
+    service: &Service,
+    nats: &jetstream::Context,
+    names: &Names,
+    workload: &Workload,
+) -> anyhow::Result<Vec<Check>> {
+    let expected = workload.expected_events();
+    let (count, first, last): (i64, Option<i64>, Option<i64>) =
+        sqlx::query_as("SELECT count(*), min(position), max(position) FROM ledger")
+            .fetch_one(&service.pool)
+            .await?;
+    let mut checks = vec![Check {
+        description: format!(
+            "ledger holds {count} events at positions {}..{}, expected {expected} \
+             ({} HTTP batch + {} HTTP single + {} NATS)",
+            first.unwrap_or(0),
+            last.unwrap_or(0),
+            workload.baseline.count,
+            workload.single_bodies.len(),
+            workload.nats_payloads.len()
+        ),
+        passed: count == expected && first == Some(1) && last == Some(expected),
+    }];
+    let started = Instant::now();
+    let report = verify::verify(&service.pool).await?;
+    checks.push(Check {
+        description: format!(
+            "hash chain recomputed over {} events in {:.1} s: {}",
+            report.events_checked,
+            started.elapsed().as_secs_f64(),
+            match report.first_bad_position {
+                None => "intact".to_owned(),
+                Some(position) => format!("broken at {position}"),
+            }
+        ),
+        passed: report.ok,
+    });
+    // Positions and hashes differ (four clients commit in any order), but everything the
+    // producer sent and the content digest must be the same, or the baselines wrote
+    // different rows than the service did.
+    let (matching,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM baseline b JOIN ledger l USING (id) \
+         WHERE (b.type, b.org_id, b.container_id, b.occurred_at, b.data, b.content_digest) \
+         IS NOT DISTINCT FROM (l.type, l.org_id, l.container_id, l.occurred_at, l.data, \
+         l.content_digest)",
+    )
+    .fetch_one(&service.pool)
+    .await?;
+    checks.push(Check {
+        description: format!(
+            "{matching} of the {} baseline rows have the content of their ledger rows",
+            workload.baseline.count
+        ),
+        passed: matching == workload.baseline.count as i64,
+    });
+    let messages = |stream: String| async move {
+        let mut stream = nats.get_stream(&stream).await?;
+        anyhow::Ok(stream.info().await?.state.messages)
+    };
+    let relayed = messages(names.ledger_stream()).await?;
+    checks.push(Check {
+        description: format!("{} holds {relayed} messages", names.ledger_stream()),
+        passed: relayed == expected as u64,
+    });
+    let dead = messages(names.dlq_stream()).await?;
+    checks.push(Check {
+        description: format!("{} holds {dead} messages", names.dlq_stream()),
+        passed: dead == 0,
+    });
+    Ok(checks)
+}
+
+/// Everything the table prints.
+struct Report {
+    baselines: Baselines,
+    batch: Figure,
+    batch_relayed: Figure,
+    single: Figure,
+    nats_ingest: Figure,
+    checks: Vec<Check>,
+}
+
+impl Report {
+    fn checks_passed(&self) -> bool {
+        self.checks.iter().all(|c| c.passed)
+    }
+
+    fn print(&self, config: &Config, args: &BenchArgs, database_url: &str, scratch: &Scratch) {
+        let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+        println!();
+        println!(
+            "tally bench: {cpus} CPUs; Postgres {database_url} (scratch database {}); NATS {} \
+             (namespace {})",
+            scratch.database_name,
+            without_password(&config.nats_url),
+            scratch.namespace
+        );
+        println!(
+            "HTTP batches of {} from {} clients, single events from {} clients, group commits \
+             of at most {} events, {} orgs",
+            args.http_batch_events,
+            args.http_batch_clients,
+            args.single_clients,
+            config.append_group_events_max,
+            args.orgs
+        );
+        println!();
+        let baselines = &self.baselines;
+        let ratio = |figure: &Figure, baseline: &Figure, name: &str| {
+            format!(
+                "{:.3} x {name}",
+                figure.per_second() / baseline.per_second()
+            )
+        };
+        let rows = [
+            (&baselines.copy, "baseline, rows".to_owned()),
+            (&baselines.unnest, "baseline, rows".to_owned()),
+            (&baselines.publish, "baseline, messages".to_owned()),
+            (
+                &self.batch,
+                format!(
+                    "{}, {}",
+                    ratio(&self.batch, &baselines.copy, "COPY"),
+                    ratio(&self.batch, &baselines.unnest, "UNNEST")
+                ),
+            ),
+            (
+                &self.batch_relayed,
+                ratio(&self.batch_relayed, &baselines.publish, "JetStream publish"),
+            ),
+            (
+                &self.single,
+                format!(
+                    "{}, {}",
+                    ratio(&self.single, &baselines.unnest, "UNNEST"),
+                    ratio(&self.single, &baselines.copy, "COPY")
+                ),
+            ),
+            (
+                &self.nats_ingest,
+                ratio(&self.nats_ingest, &baselines.publish, "JetStream publish"),
+            ),
+        ];
+        let header = [
+            "measurement",
+            "count",
+            "seconds",
+            "per second",
+            "p50 ms",
+            "p99 ms",
+            "events/commit",
+            "commit ms",
+            "vs baseline",
+            "notes",
+        ];
+        let dash = || "-".to_owned();
+        let cells: Vec<Vec<String>> = rows
+            .iter()
+            .map(|(figure, versus)| {
+                let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
+                    (format!("{p50:.1}"), format!("{p99:.1}"))
+                });
+                let (events_per_commit, commit_ms) =
+                    figure.group_commits.map_or((dash(), dash()), |g| {
+                        (
+                            format!("{:.1}", g.events / g.commits),
+                            format!("{:.2}", g.seconds / g.commits * 1000.0),
+                        )
+                    });
+                vec![
+                    figure.label.clone(),
+                    figure.count.to_string(),
+                    format!("{:.2}", figure.elapsed.as_secs_f64()),
+                    format!("{:.0}", figure.per_second()),
+                    p50,
+                    p99,
+                    events_per_commit,
+                    commit_ms,
+                    versus.clone(),
+                    figure.notes.join("; "),
+                ]
+            })
+            .collect();
+        print_table(&header, &cells);
+        println!();
+        for check in &self.checks {
+            let verdict = if check.passed { "ok" } else { "FAILED" };
+            println!("check {verdict}: {}", check.description);
+        }
+    }
+}
+
+/// A plain aligned table: text columns left-aligned, number columns right-aligned.
+fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    let width = |column: usize| {
+        rows.iter()
+            .map(|row| row[column].chars().count())
+            .chain([header[column].chars().count()])
+            .max()
+            .unwrap_or(0)
+    };
+    let widths: Vec<usize> = (0..header.len()).map(width).collect();
+    let is_text = |column: usize| column == 0 || column + 2 >= header.len();
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (column, cell) in cells.into_iter().enumerate() {
+            if column > 0 {
+                out.push_str("  ");
+            }
+            let padding = " ".repeat(widths[column] - cell.chars().count());
+            if is_text(column) {
+                out.push_str(cell);
+                out.push_str(&padding);
+            } else {
+                out.push_str(&padding);
+                out.push_str(cell);
+            }
+        }
+        println!("{}", out.trim_end());
+    };
+    line(header.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
 }
