@@ -14,6 +14,8 @@ pub mod event;
 pub mod http;
 /// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
 pub mod ledger;
+/// The runtime rules of DESIGN §3: intervals, anomalies, periods, usage, account state (pure).
+pub mod runtime;
 /// Wiring: starts every component of `tally serve` and stops them in order.
 pub mod startup;
 /// Logs (structured `tracing`) and the Prometheus recorder.

@@ -2,11 +2,19 @@
 //!
 //! Producers (HTTP handlers, the NATS ingest consumer) send append requests over a bounded
 //! queue. One task takes every request waiting, up to a group limit, and appends them all in
-//! one transaction (group commit) that first takes `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`.
-//! Under that lock it reads the head, assigns the next positions, chains the hashes and
-//! inserts; the lock is released by the commit. So positions are assigned in commit order
-//! with no gaps, across any number of instances: a reader tailing by position can never
-//! see position n+1 before n is visible. A request is answered only after its commit.
+//! one transaction (group commit) under `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`. Under that
+//! lock the head is read, the next positions follow it and the lock is released by the
+//! commit. So positions are assigned in commit order with no gaps, across any number of
+//! instances: a reader tailing by position can never see position n+1 before n is visible.
+//! A request is answered only after its commit.
+//!
+//! The fast path is one round trip: the appender remembers the head it last committed,
+//! prepares the rows (positions, content digests, chained hashes) before taking the lock,
+//! and calls `ledger_append(...)` (see its migration), which takes the lock, checks that the
+//! head and the ids are still as assumed, and inserts. When they are not (another instance
+//! appended, or an id is already stored) nothing is inserted, the appender prepares again
+//! with what it learned, and after `FAST_PATH_ATTEMPTS_MAX` tries falls back to an explicit
+//! transaction that holds the lock while it reads, prepares and inserts.
 //!
 //! Each request is all-or-nothing on its own: a request whose event reuses an id with
 //! different content is refused whole and the rest of the group is unaffected.
@@ -25,7 +33,12 @@ use crate::event::{Event, EventId};
 
 /// The advisory lock that serializes appends across every tally instance on a database.
 /// Arbitrary but fixed: `'tally'` as ASCII bytes.
+/// The same number is written in the `ledger_append` migration.
 pub const LEDGER_LOCK_KEY: i64 = 0x0074_616c_6c79;
+
+/// Optimistic attempts before falling back to the locked transaction: one to learn what
+/// changed, one to use it. More would only spin while other instances keep appending.
+const FAST_PATH_ATTEMPTS_MAX: usize = 2;
 
 /// The outcome for one event of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +118,9 @@ async fn run(
     mut receiver: mpsc::Receiver<Request>,
     head: watch::Sender<i64>,
 ) {
+    // The head this appender last committed; `None` when unknown (start, or after an error
+    // that may or may not have committed).
+    let mut committed: Option<Head> = None;
     while let Some(first) = receiver.recv().await {
         let mut events = first.events.len();
         let mut group = vec![first];
@@ -118,7 +134,7 @@ async fn run(
             }
         }
         let started = Instant::now();
-        match commit_group(&pool, &group).await {
+        match commit_group(&pool, &group, &mut committed).await {
             Ok(outcome) => {
                 metrics::histogram!("tally_append_batch_events").record(events as f64);
                 metrics::histogram!("tally_append_batch_seconds")
@@ -132,6 +148,7 @@ async fn run(
                 }
             }
             Err(error) => {
+                committed = None;
                 tracing::error!(error = %error, requests = group.len(), "group commit failed");
                 metrics::counter!("tally_append_failures_total").increment(1);
                 let error = AppendError::Store(Arc::new(error));
@@ -186,10 +203,60 @@ fn fields<'a>(event: &'a Event, data: &'a serde_json::Value) -> RecordFields<'a>
     }
 }
 
-#[tracing::instrument(skip_all, fields(requests = group.len()))]
-async fn commit_group(pool: &PgPool, group: &[Request]) -> Result<GroupOutcome, sqlx::Error> {
-    // Digests are computed before the lock is taken: the lock is the bottleneck.
-    let prepared: Vec<Vec<Prepared>> = group
+/// A ledger head: the last position and its hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Head {
+    position: i64,
+    hash: [u8; 32],
+}
+
+type Known = HashMap<Uuid, (i64, [u8; 32])>;
+
+/// The rows of a group planned to follow `head`, and each request's outcome.
+struct Plan {
+    columns: Columns,
+    results: Vec<Result<Vec<AppendedEvent>, AppendError>>,
+    head: Head,
+}
+
+fn plan_group(
+    group: &[Request],
+    prepared: &[Vec<Prepared>],
+    known: &Known,
+    head: Head,
+    recorded_at: DateTime<Utc>,
+) -> Plan {
+    let mut known = known.clone();
+    let mut columns = Columns::default();
+    let mut next_position = head.position + 1;
+    let mut prev_hash = head.hash;
+    let results = group
+        .iter()
+        .zip(prepared)
+        .map(|(request, prepared)| {
+            plan_request(
+                request,
+                prepared,
+                &mut known,
+                &mut columns,
+                &mut next_position,
+                &mut prev_hash,
+                recorded_at,
+            )
+        })
+        .collect();
+    Plan {
+        columns,
+        results,
+        head: Head {
+            position: next_position - 1,
+            hash: prev_hash,
+        },
+    }
+}
+
+fn prepare(group: &[Request]) -> Vec<Vec<Prepared>> {
+    group
         .iter()
         .map(|request| {
             request
@@ -202,46 +269,155 @@ async fn commit_group(pool: &PgPool, group: &[Request]) -> Result<GroupOutcome, 
                 })
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+#[tracing::instrument(skip_all, fields(requests = group.len()))]
+async fn commit_group(
+    pool: &PgPool,
+    group: &[Request],
+    committed: &mut Option<Head>,
+) -> Result<GroupOutcome, sqlx::Error> {
+    // Digests and hashes are computed before the lock is taken: the lock is the bottleneck.
+    let prepared = prepare(group);
+    let mut known = Known::new();
+    let mut head = match *committed {
+        Some(head) => head,
+        None => {
+            let (position, hash) = super::read::head(pool).await?;
+            Head { position, hash }
+        }
+    };
+    for _ in 0..FAST_PATH_ATTEMPTS_MAX {
+        let plan = plan_group(group, &prepared, &known, head, Utc::now().trunc_subsecs(3));
+        let inserted = plan.columns.position.len() as u64;
+        if inserted > 0 {
+            match append_fast(pool, head, &plan.columns).await? {
+                FastOutcome::Appended => {}
+                FastOutcome::Stale { head: actual, known: stored } => {
+                    known.extend(stored);
+                    if let Some(actual) = actual {
+                        head = actual;
+                    }
+                    continue;
+                }
+            }
+        }
+        *committed = Some(plan.head);
+        return Ok(GroupOutcome {
+            results: plan.results,
+            inserted,
+            head: plan.head.position,
+        });
+    }
+    metrics::counter!("tally_append_locked_fallbacks_total").increment(1);
+    let (outcome, head) = commit_group_locked(pool, group, &prepared).await?;
+    *committed = Some(head);
+    Ok(outcome)
+}
+
+enum FastOutcome {
+    Appended,
+    /// Nothing was inserted: the head was not the one assumed (`Some`), and/or some ids
+    /// are stored already.
+    Stale { head: Option<Head>, known: Known },
+}
+
+type FastRow = (
+    String,
+    Option<i64>,
+    Option<Vec<u8>>,
+    Option<Uuid>,
+    Option<i64>,
+    Option<Vec<u8>>,
+);
+
+#[tracing::instrument(skip_all, fields(rows = columns.position.len()))]
+async fn append_fast(pool: &PgPool, head: Head, columns: &Columns) -> Result<FastOutcome, sqlx::Error> {
+    let rows: Vec<FastRow> = sqlx::query_as(
+        "SELECT * FROM ledger_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+    )
+    .bind(head.position)
+    .bind(head.hash.as_slice())
+    .bind(&columns.position)
+    .bind(&columns.id)
+    .bind(&columns.event_type)
+    .bind(&columns.org_id)
+    .bind(&columns.container_id)
+    .bind(&columns.occurred_at)
+    .bind(&columns.recorded_at)
+    .bind(&columns.data)
+    .bind(&columns.source)
+    .bind(&columns.source_event_id)
+    .bind(&columns.content_digest)
+    .bind(&columns.hash)
+    .fetch_all(pool)
+    .await?;
+    let mut known = Known::new();
+    let mut actual = None;
+    let mut appended = false;
+    for (outcome, head_position, head_hash, id, position, digest) in rows {
+        match (outcome.as_str(), head_position, head_hash, id, position, digest) {
+            ("appended", ..) => appended = true,
+            ("head_moved", Some(position), Some(hash), ..) => {
+                actual = Some(Head {
+                    position,
+                    hash: hash.try_into().expect("hashes are 32 bytes"),
+                })
+            }
+            ("known", _, _, Some(id), Some(position), Some(digest)) => {
+                known.insert(id, (position, digest.try_into().expect("digests are 32 bytes")));
+            }
+            other => panic!("ledger_append returned an unexpected row {other:?}"),
+        }
+    }
+    if appended {
+        assert!(actual.is_none() && known.is_empty(), "ledger_append appended and refused");
+        Ok(FastOutcome::Appended)
+    } else {
+        assert!(actual.is_some() || !known.is_empty(), "ledger_append did nothing and said nothing");
+        Ok(FastOutcome::Stale { head: actual, known })
+    }
+}
+
+/// The slow path: one transaction holds the ledger lock while it reads the head and the
+/// stored ids, plans and inserts. Always makes progress, whatever other instances do.
+async fn commit_group_locked(
+    pool: &PgPool,
+    group: &[Request],
+    prepared: &[Vec<Prepared>],
+) -> Result<(GroupOutcome, Head), sqlx::Error> {
     let ids: Vec<Uuid> = group
         .iter()
         .flat_map(|r| r.events.iter().map(|e| e.id.as_uuid()))
         .collect();
-
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(LEDGER_LOCK_KEY)
         .execute(&mut *tx)
         .await?;
-    let (head_position, head_hash) = super::read::head(&mut *tx).await?;
-    let mut known = existing(&mut tx, &ids).await?;
-    let recorded_at = Utc::now().trunc_subsecs(3);
-
-    let mut columns = Columns::default();
-    let mut next_position = head_position + 1;
-    let mut prev_hash = head_hash;
-    let mut results = Vec::with_capacity(group.len());
-    for (request, prepared) in group.iter().zip(&prepared) {
-        results.push(plan_request(
-            request,
-            prepared,
-            &mut known,
-            &mut columns,
-            &mut next_position,
-            &mut prev_hash,
-            recorded_at,
-        ));
-    }
-    let inserted = columns.position.len() as u64;
+    let (position, hash) = super::read::head(&mut *tx).await?;
+    let known = existing(&mut tx, &ids).await?;
+    let plan = plan_group(
+        group,
+        prepared,
+        &known,
+        Head { position, hash },
+        Utc::now().trunc_subsecs(3),
+    );
+    let inserted = plan.columns.position.len() as u64;
     if inserted > 0 {
-        insert(&mut tx, &columns).await?;
+        insert(&mut tx, &plan.columns).await?;
     }
     tx.commit().await?;
-    Ok(GroupOutcome {
-        results,
-        inserted,
-        head: next_position - 1,
-    })
+    Ok((
+        GroupOutcome {
+            results: plan.results,
+            inserted,
+            head: plan.head.position,
+        },
+        plan.head,
+    ))
 }
 
 /// Decides each event of one request: duplicate, conflict (refusing the whole request),
@@ -250,7 +426,7 @@ async fn commit_group(pool: &PgPool, group: &[Request]) -> Result<GroupOutcome, 
 fn plan_request(
     request: &Request,
     prepared: &[Prepared],
-    known: &mut HashMap<Uuid, (i64, [u8; 32])>,
+    known: &mut Known,
     columns: &mut Columns,
     next_position: &mut i64,
     prev_hash: &mut [u8; 32],
@@ -322,10 +498,7 @@ fn plan_request(
 }
 
 #[tracing::instrument(skip_all)]
-async fn existing(
-    tx: &mut Transaction<'_, Postgres>,
-    ids: &[Uuid],
-) -> Result<HashMap<Uuid, (i64, [u8; 32])>, sqlx::Error> {
+async fn existing(tx: &mut Transaction<'_, Postgres>, ids: &[Uuid]) -> Result<Known, sqlx::Error> {
     let rows: Vec<(Uuid, i64, Vec<u8>)> =
         sqlx::query_as("SELECT id, position, content_digest FROM ledger WHERE id = ANY($1)")
             .bind(ids)

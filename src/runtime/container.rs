@@ -1,0 +1,692 @@
+//! One container's history, folded: its running intervals, state, anomalies, commands and
+//! published ports.
+//!
+//! A projector hands [`ContainerTimeline::fold`] every container event it has for one
+//! container, in whatever order they arrived. The fold orders them by (`occurred_at`, ledger
+//! position) and walks the state machine of DESIGN §3. Because it always starts from the
+//! whole history, a late event yields exactly the figures it would have yielded in order.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+
+use super::ledger_order;
+use super::period::{millis_between, Period, Window};
+use crate::event::{Event, EventData, EventId};
+
+/// A container event, reduced to what the runtime rules read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContainerEntry {
+    /// Milliseconds only, as events are stored.
+    pub occurred_at: DateTime<Utc>,
+    /// Ledger position: breaks ties between events at the same millisecond.
+    pub position: i64,
+    pub event_id: EventId,
+    pub kind: EntryKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    Created,
+    Resumed,
+    Stopped,
+    CommandRan { duration_ms: i64 },
+    PortPublished { port: u16 },
+}
+
+impl ContainerEntry {
+    /// The entry for a container event stored at `position`; `None` for org events.
+    pub fn from_event(event: &Event, position: i64) -> Option<ContainerEntry> {
+        let kind = match &event.data {
+            EventData::ContainerCreated(_) => EntryKind::Created,
+            EventData::ContainerResumed(_) => EntryKind::Resumed,
+            EventData::ContainerStopped(_) => EntryKind::Stopped,
+            EventData::ContainerCommandRan(command) => EntryKind::CommandRan {
+                duration_ms: i64::try_from(command.duration_ms)
+                    .expect("validation bounds duration_ms far below i64::MAX"),
+            },
+            EventData::ContainerPortPublished(port) => EntryKind::PortPublished { port: port.port },
+            EventData::OrgPlanChanged(_)
+            | EventData::OrgVerificationChanged(_)
+            | EventData::OrgBillingEligibilityChanged(_) => return None,
+        };
+        Some(ContainerEntry {
+            occurred_at: event.occurred_at,
+            position,
+            event_id: event.id,
+            kind,
+        })
+    }
+}
+
+/// A span during which the container was running: `[start, end)`, or from `start` on while
+/// `end` is `None`. A stop at the very millisecond of the start leaves a zero-length
+/// interval: it is kept, so the timeline shows that the container did start, and it counts
+/// no runtime and contains no instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interval {
+    start: DateTime<Utc>,
+    end: Option<DateTime<Utc>>,
+}
+
+impl Interval {
+    pub fn start(&self) -> DateTime<Utc> {
+        self.start
+    }
+
+    /// `None` while the container is still running.
+    pub fn end(&self) -> Option<DateTime<Utc>> {
+        self.end
+    }
+
+    /// Half-open: running at the start instant, no longer running at the stop instant.
+    pub fn contains(&self, instant: DateTime<Utc>) -> bool {
+        self.start <= instant && self.end.is_none_or(|end| instant < end)
+    }
+
+    /// The running time inside `window`; an open interval runs to the window's end, which
+    /// [`Window::until`] has already cut at `as_of`.
+    pub fn overlap_ms(&self, window: Window) -> i64 {
+        let start = self.start.max(window.start());
+        let end = self.end.map_or(window.end(), |end| end.min(window.end()));
+        if end <= start {
+            return 0;
+        }
+        millis_between(start, end)
+    }
+}
+
+/// Where a container stands after its last lifecycle event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerState {
+    /// No `created` or `resumed` yet (only commands, ports or stray stops).
+    Unseen,
+    Running,
+    Stopped,
+}
+
+impl ContainerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContainerState::Unseen => "unseen",
+            ContainerState::Running => "running",
+            ContainerState::Stopped => "stopped",
+        }
+    }
+}
+
+/// An event the state machine could not take at face value. Anomalies are recorded, not
+/// rejected: the ledger keeps every fact, and billing follows the table of DESIGN §3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnomalyKind {
+    DuplicateCreate,
+    ResumeBeforeCreate,
+    ResumeWhileRunning,
+    StopWhileNotRunning,
+    CommandWhileNotRunning,
+}
+
+impl AnomalyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AnomalyKind::DuplicateCreate => "duplicate_create",
+            AnomalyKind::ResumeBeforeCreate => "resume_before_create",
+            AnomalyKind::ResumeWhileRunning => "resume_while_running",
+            AnomalyKind::StopWhileNotRunning => "stop_while_not_running",
+            AnomalyKind::CommandWhileNotRunning => "command_while_not_running",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Anomaly {
+    pub kind: AnomalyKind,
+    /// The event that caused it.
+    pub event_id: EventId,
+    pub occurred_at: DateTime<Utc>,
+    pub position: i64,
+}
+
+/// A `command_ran`: counted in the period of its `occurred_at`, whether or not the
+/// container was running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommandRun {
+    pub occurred_at: DateTime<Utc>,
+    pub duration_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortPublication {
+    pub occurred_at: DateTime<Utc>,
+    pub port: u16,
+}
+
+/// A container's whole history, folded. Everything in it is in (`occurred_at`, position)
+/// order; it does not depend on `as_of`, which only the runtime queries take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerTimeline {
+    /// Sorted, non-overlapping; only the last may be open.
+    intervals: Vec<Interval>,
+    anomalies: Vec<Anomaly>,
+    commands: Vec<CommandRun>,
+    ports: Vec<PortPublication>,
+}
+
+impl ContainerTimeline {
+    /// Folds one container's entries, in any order. Repeats of an event id are ignored, so a
+    /// redelivered event cannot count twice.
+    ///
+    /// Panics if an `occurred_at` has sub-millisecond digits or a command has a negative
+    /// duration: entries come from validated events, which have neither.
+    pub fn fold(entries: &[ContainerEntry]) -> ContainerTimeline {
+        let ordered = ledger_order(entries, |entry| {
+            (entry.occurred_at, entry.position, entry.event_id)
+        });
+        let mut timeline = ContainerTimeline {
+            intervals: Vec::new(),
+            anomalies: Vec::new(),
+            commands: Vec::new(),
+            ports: Vec::new(),
+        };
+        for entry in &ordered {
+            let anomaly = match entry.kind {
+                EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped => {
+                    timeline.walk(entry.kind, entry.occurred_at)
+                }
+                EntryKind::CommandRan { duration_ms } => {
+                    assert!(
+                        duration_ms >= 0,
+                        "command {} ran {duration_ms} ms",
+                        entry.event_id
+                    );
+                    timeline.commands.push(CommandRun {
+                        occurred_at: entry.occurred_at,
+                        duration_ms,
+                    });
+                    None
+                }
+                EntryKind::PortPublished { port } => {
+                    timeline.ports.push(PortPublication {
+                        occurred_at: entry.occurred_at,
+                        port,
+                    });
+                    None
+                }
+            };
+            if let Some(kind) = anomaly {
+                timeline.anomalies.push(anomaly_of(kind, entry));
+            }
+        }
+        // Whether a command ran while the container was running is a question about the
+        // whole timeline, not the walk so far: a stop at the command's millisecond but a
+        // later position has already ended the half-open interval.
+        for entry in &ordered {
+            if matches!(entry.kind, EntryKind::CommandRan { .. })
+                && !timeline.running_at(entry.occurred_at)
+            {
+                timeline
+                    .anomalies
+                    .push(anomaly_of(AnomalyKind::CommandWhileNotRunning, entry));
+            }
+        }
+        timeline
+            .anomalies
+            .sort_by_key(|anomaly| (anomaly.occurred_at, anomaly.position));
+        timeline.assert_intervals_are_ordered();
+        timeline
+    }
+
+    /// One step of the table in DESIGN §3. "Seen" means a `created` or `resumed` came
+    /// before, which is exactly "has an interval": so a `created` after a
+    /// `resume_before_create` is a `duplicate_create`, while a `created` after a stray
+    /// `stop_while_not_running` is the container's real start.
+    fn walk(&mut self, kind: EntryKind, at: DateTime<Utc>) -> Option<AnomalyKind> {
+        let seen = !self.intervals.is_empty();
+        let running = self.state() == ContainerState::Running;
+        match kind {
+            EntryKind::Created if seen => Some(AnomalyKind::DuplicateCreate),
+            EntryKind::Created => {
+                self.start(at);
+                None
+            }
+            EntryKind::Resumed if running => Some(AnomalyKind::ResumeWhileRunning),
+            EntryKind::Resumed => {
+                self.start(at);
+                (!seen).then_some(AnomalyKind::ResumeBeforeCreate)
+            }
+            EntryKind::Stopped if running => {
+                let interval = self.intervals.last_mut().expect("running has an interval");
+                assert!(at >= interval.start, "a stop sorted before its start");
+                interval.end = Some(at);
+                None
+            }
+            EntryKind::Stopped => Some(AnomalyKind::StopWhileNotRunning),
+            EntryKind::CommandRan { .. } | EntryKind::PortPublished { .. } => {
+                unreachable!("only lifecycle entries walk the state machine")
+            }
+        }
+    }
+
+    fn start(&mut self, at: DateTime<Utc>) {
+        self.intervals.push(Interval {
+            start: at,
+            end: None,
+        });
+    }
+
+    /// The invariants runtime arithmetic relies on; a failure is a bug in the fold.
+    fn assert_intervals_are_ordered(&self) {
+        for interval in &self.intervals {
+            if let Some(end) = interval.end {
+                assert!(end >= interval.start, "interval ends before it starts");
+            }
+        }
+        for pair in self.intervals.windows(2) {
+            let end = pair[0].end.expect("only the last interval may be open");
+            assert!(end <= pair[1].start, "running intervals overlap");
+        }
+    }
+
+    pub fn intervals(&self) -> &[Interval] {
+        &self.intervals
+    }
+
+    /// The state after the last lifecycle event; use [`Self::running_at`] for an instant.
+    pub fn state(&self) -> ContainerState {
+        match self.intervals.last() {
+            None => ContainerState::Unseen,
+            Some(interval) if interval.end.is_none() => ContainerState::Running,
+            Some(_) => ContainerState::Stopped,
+        }
+    }
+
+    pub fn anomalies(&self) -> &[Anomaly] {
+        &self.anomalies
+    }
+
+    pub fn commands(&self) -> &[CommandRun] {
+        &self.commands
+    }
+
+    pub fn ports(&self) -> &[PortPublication] {
+        &self.ports
+    }
+
+    /// Whether an interval holds `instant` (running at a start, not at a stop).
+    pub fn running_at(&self, instant: DateTime<Utc>) -> bool {
+        // Intervals do not overlap, so only the last one starting at or before the
+        // instant can hold it.
+        let after = self
+            .intervals
+            .partition_point(|interval| interval.start <= instant);
+        after > 0 && self.intervals[after - 1].contains(instant)
+    }
+
+    /// Running time inside `window`, in whole milliseconds. Pass `window.until(as_of)` to
+    /// count an open interval up to `as_of`.
+    pub fn runtime_ms(&self, window: Window) -> i64 {
+        let runtime_ms: i64 = self
+            .intervals
+            .iter()
+            .map(|interval| interval.overlap_ms(window))
+            .sum();
+        assert!(
+            (0..=window.length_ms()).contains(&runtime_ms),
+            "runtime {runtime_ms} ms outside its window"
+        );
+        runtime_ms
+    }
+
+    /// Running time up to `as_of`, split at month boundaries. Periods without running time
+    /// are absent.
+    pub fn runtime_by_period(&self, as_of: DateTime<Utc>) -> BTreeMap<Period, i64> {
+        let mut runtime_by_period = BTreeMap::new();
+        for interval in &self.intervals {
+            let mut period = Period::containing(interval.start);
+            let end = interval.end.unwrap_or(as_of).min(as_of);
+            while period.start() < end {
+                let runtime_ms = interval.overlap_ms(period.window().until(as_of));
+                if runtime_ms > 0 {
+                    *runtime_by_period.entry(period).or_insert(0) += runtime_ms;
+                }
+                period = period.next();
+            }
+        }
+        runtime_by_period
+    }
+}
+
+fn anomaly_of(kind: AnomalyKind, entry: &ContainerEntry) -> Anomaly {
+    Anomaly {
+        kind,
+        event_id: entry.event_id,
+        occurred_at: entry.occurred_at,
+        position: entry.position,
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use chrono::Duration;
+    use uuid::Uuid;
+
+    use EntryKind::{Created, Resumed, Stopped};
+
+    /// The test base time; minutes in tests are counted from here.
+    pub fn base() -> DateTime<Utc> {
+        instant("2026-11-10T00:00:00Z")
+    }
+
+    pub fn instant(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    pub fn minute(minutes: i64) -> DateTime<Utc> {
+        base() + Duration::minutes(minutes)
+    }
+
+    pub fn event_id(number: i64) -> EventId {
+        EventId::from_uuid(Uuid::from_u128(number as u128 + 1)).unwrap()
+    }
+
+    /// An entry whose ledger position is `position` and whose id is derived from it.
+    pub fn entry(position: i64, at: DateTime<Utc>, kind: EntryKind) -> ContainerEntry {
+        ContainerEntry {
+            occurred_at: at,
+            position,
+            event_id: event_id(position),
+            kind,
+        }
+    }
+
+    /// (minute, kind) of each event, in ledger order.
+    type Events<'a> = &'a [(i64, EntryKind)];
+    /// (anomaly kind, position of the event that caused it).
+    type Expected<'a> = &'a [(&'a str, i64)];
+    /// (period, runtime in ms).
+    type Split<'a> = Vec<(&'a str, i64)>;
+
+    /// Entries at the given minutes, with positions 1, 2, … in the order given.
+    fn history(events: Events) -> Vec<ContainerEntry> {
+        events
+            .iter()
+            .zip(1..)
+            .map(|(&(at, kind), position)| entry(position, minute(at), kind))
+            .collect()
+    }
+
+    fn open(start: i64) -> Interval {
+        Interval {
+            start: minute(start),
+            end: None,
+        }
+    }
+
+    fn closed(start: i64, end: i64) -> Interval {
+        Interval {
+            start: minute(start),
+            end: Some(minute(end)),
+        }
+    }
+
+    /// `(kind, position)` of each anomaly, for compact expectations.
+    fn anomalies(timeline: &ContainerTimeline) -> Vec<(&'static str, i64)> {
+        timeline
+            .anomalies()
+            .iter()
+            .map(|anomaly| {
+                assert_eq!(anomaly.event_id, event_id(anomaly.position));
+                (anomaly.kind.as_str(), anomaly.position)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_row_of_the_lifecycle_table_has_its_effect_and_anomaly() {
+        use ContainerState::{Running, Stopped as Off, Unseen};
+        #[rustfmt::skip]
+        let rows: [(&str, Events, &[Interval], ContainerState, Expected); 11] = [
+            ("created, unseen: running from t",
+                &[(0, Created)], &[open(0)], Running, &[]),
+            ("created, seen and running: duplicate_create",
+                &[(0, Created), (5, Created)], &[open(0)], Running, &[("duplicate_create", 2)]),
+            ("created, seen and stopped: duplicate_create",
+                &[(0, Created), (5, Stopped), (9, Created)], &[closed(0, 5)], Off,
+                &[("duplicate_create", 3)]),
+            ("created after resume_before_create: duplicate_create",
+                &[(0, Resumed), (5, Created)], &[open(0)], Running,
+                &[("resume_before_create", 1), ("duplicate_create", 2)]),
+            ("resumed, stopped: running from t",
+                &[(0, Created), (5, Stopped), (9, Resumed)], &[closed(0, 5), open(9)], Running, &[]),
+            ("resumed, unseen: running from t with resume_before_create",
+                &[(3, Resumed)], &[open(3)], Running, &[("resume_before_create", 1)]),
+            ("resumed, running: no effect with resume_while_running",
+                &[(0, Created), (5, Resumed)], &[open(0)], Running, &[("resume_while_running", 2)]),
+            ("stopped, running: running ends at t",
+                &[(0, Created), (5, Stopped)], &[closed(0, 5)], Off, &[]),
+            ("stopped, stopped: stop_while_not_running",
+                &[(0, Created), (5, Stopped), (7, Stopped)], &[closed(0, 5)], Off,
+                &[("stop_while_not_running", 3)]),
+            ("stopped, unseen: stop_while_not_running and still unseen",
+                &[(0, Stopped)], &[], Unseen, &[("stop_while_not_running", 1)]),
+            ("created after a stray stop: the real start, no duplicate",
+                &[(0, Stopped), (5, Created)], &[open(5)], Running, &[("stop_while_not_running", 1)]),
+        ];
+        for (row, events, intervals, state, expected) in rows {
+            let timeline = ContainerTimeline::fold(&history(events));
+            assert_eq!(timeline.intervals(), intervals, "{row}");
+            assert_eq!(timeline.state(), state, "{row}");
+            assert_eq!(anomalies(&timeline), expected, "{row}");
+        }
+    }
+
+    #[test]
+    fn events_are_walked_by_occurred_at_never_by_arrival() {
+        // The stop arrived first (position 1) but happened last.
+        let timeline = ContainerTimeline::fold(&history(&[(10, Stopped), (0, Created)]));
+        assert_eq!(timeline.intervals(), [closed(0, 10)]);
+        assert_eq!(timeline.anomalies(), []);
+    }
+
+    #[test]
+    fn events_at_the_same_millisecond_are_walked_by_ledger_position() {
+        let stop_first = ContainerTimeline::fold(&history(&[(0, Stopped), (0, Created)]));
+        assert_eq!(stop_first.intervals(), [open(0)]);
+        assert_eq!(anomalies(&stop_first), [("stop_while_not_running", 1)]);
+
+        let start_first = ContainerTimeline::fold(&history(&[(0, Created), (0, Stopped)]));
+        assert_eq!(start_first.intervals(), [closed(0, 0)]);
+        assert_eq!(start_first.state(), ContainerState::Stopped);
+        assert_eq!(anomalies(&start_first), []);
+    }
+
+    #[test]
+    fn a_zero_length_interval_is_kept_but_runs_for_no_time_and_holds_no_instant() {
+        let timeline = ContainerTimeline::fold(&history(&[(0, Created), (0, Stopped)]));
+        let window = Window::new(minute(-60), minute(60));
+        assert_eq!(timeline.runtime_ms(window), 0);
+        assert!(!timeline.running_at(minute(0)));
+        assert_eq!(timeline.runtime_by_period(minute(60)), BTreeMap::new());
+    }
+
+    #[test]
+    fn a_repeated_event_id_is_folded_once() {
+        let mut entries = history(&[(0, Created), (5, Stopped)]);
+        entries.extend(entries.clone());
+        let timeline = ContainerTimeline::fold(&entries);
+        assert_eq!(timeline.intervals(), [closed(0, 5)]);
+        assert_eq!(timeline.anomalies(), []);
+    }
+
+    #[test]
+    fn commands_never_change_runtime_and_are_flagged_when_not_running() {
+        let command = |duration_ms| EntryKind::CommandRan { duration_ms };
+        #[rustfmt::skip]
+        let rows: [(&str, Events, bool); 7] = [
+            ("before the create", &[(0, command(5)), (1, Created)], false),
+            ("exactly at the start", &[(0, Created), (0, command(5))], true),
+            ("exactly at the start that has a later position", &[(0, command(5)), (0, Created)], true),
+            ("inside an open interval", &[(0, Created), (5, command(5))], true),
+            ("exactly at the stop", &[(0, Created), (5, Stopped), (5, command(5))], false),
+            ("exactly at the stop that has a later position",
+                &[(0, Created), (5, command(5)), (5, Stopped)], false),
+            ("between intervals", &[(0, Created), (5, Stopped), (7, command(5)), (9, Resumed)], false),
+        ];
+        for (row, events, running) in rows {
+            let entries = history(events);
+            let without_commands: Vec<ContainerEntry> = entries
+                .iter()
+                .filter(|entry| !matches!(entry.kind, EntryKind::CommandRan { .. }))
+                .copied()
+                .collect();
+            let timeline = ContainerTimeline::fold(&entries);
+            let command_position = entries
+                .iter()
+                .find(|entry| matches!(entry.kind, EntryKind::CommandRan { .. }))
+                .unwrap()
+                .position;
+            let expected: &[(&str, i64)] = if running {
+                &[]
+            } else {
+                &[("command_while_not_running", command_position)]
+            };
+            assert_eq!(anomalies(&timeline), expected, "{row}");
+            assert_eq!(timeline.commands().len(), 1, "{row}");
+            assert_eq!(
+                timeline.intervals(),
+                ContainerTimeline::fold(&without_commands).intervals(),
+                "{row}"
+            );
+        }
+    }
+
+    #[test]
+    fn runtime_is_the_overlap_with_the_window_cut_at_as_of() {
+        let stopped = ContainerTimeline::fold(&history(&[(0, Created), (60, Stopped)]));
+        let running = ContainerTimeline::fold(&history(&[(0, Created)]));
+        let minute_ms = 60_000;
+        #[rustfmt::skip]
+        let rows = [
+            ("closed, window covers it", &stopped, (-10, 100), 200, 60),
+            ("closed, window starts inside", &stopped, (20, 100), 200, 40),
+            ("closed, window ends inside", &stopped, (-10, 30), 200, 30),
+            ("closed, window after it", &stopped, (60, 100), 200, 0),
+            ("closed, as_of before the window", &stopped, (10, 50), 5, 0),
+            ("closed, as_of inside the interval", &stopped, (-10, 100), 45, 45),
+            ("open, as_of after the window", &running, (10, 50), 200, 40),
+            ("open, as_of inside the window", &running, (10, 50), 30, 20),
+            ("open, as_of before the window", &running, (10, 50), 5, 0),
+            ("open, as_of at the start", &running, (-10, 50), 0, 0),
+            ("open, window before the start", &running, (-50, -10), 200, 0),
+        ];
+        for (row, timeline, (start, end), as_of, runtime_minutes) in rows {
+            let window = Window::new(minute(start), minute(end)).until(minute(as_of));
+            assert_eq!(
+                timeline.runtime_ms(window),
+                runtime_minutes * minute_ms,
+                "{row}"
+            );
+        }
+    }
+
+    #[test]
+    fn runtime_is_split_at_month_boundaries() {
+        let hour_ms = 3_600_000;
+        let day_ms = 24 * hour_ms;
+        let month = |name| Period::parse(name).unwrap();
+        let at = |text, position, kind| entry(position, instant(text), kind);
+        #[rustfmt::skip]
+        let rows: [(&str, Vec<ContainerEntry>, &str, Split); 6] = [
+            ("across December into January",
+                vec![at("2026-12-31T23:00:00Z", 1, Created), at("2027-01-01T01:00:00Z", 2, Stopped)],
+                "2027-02-01T00:00:00Z", vec![("2026-12", hour_ms), ("2027-01", hour_ms)]),
+            ("all of a leap February",
+                vec![at("2028-02-01T00:00:00Z", 1, Created), at("2028-03-01T00:00:00Z", 2, Stopped)],
+                "2028-04-01T00:00:00Z", vec![("2028-02", 29 * day_ms)]),
+            ("all of a common February",
+                vec![at("2027-02-01T00:00:00Z", 1, Created), at("2027-03-01T00:00:00Z", 2, Stopped)],
+                "2027-04-01T00:00:00Z", vec![("2027-02", 28 * day_ms)]),
+            ("starting exactly on a boundary",
+                vec![at("2027-01-01T00:00:00Z", 1, Created), at("2027-01-01T02:00:00Z", 2, Stopped)],
+                "2027-02-01T00:00:00Z", vec![("2027-01", 2 * hour_ms)]),
+            ("stopping exactly on a boundary",
+                vec![at("2026-12-31T22:00:00Z", 1, Created), at("2027-01-01T00:00:00Z", 2, Stopped)],
+                "2027-02-01T00:00:00Z", vec![("2026-12", 2 * hour_ms)]),
+            ("open across several months up to as_of",
+                vec![at("2026-11-30T12:00:00Z", 1, Created)],
+                "2027-02-01T06:00:00Z",
+                vec![("2026-11", 12 * hour_ms), ("2026-12", 31 * day_ms), ("2027-01", 31 * day_ms),
+                     ("2027-02", 6 * hour_ms)]),
+        ];
+        for (row, entries, as_of, expected) in rows {
+            let timeline = ContainerTimeline::fold(&entries);
+            let expected: BTreeMap<Period, i64> = expected
+                .into_iter()
+                .map(|(name, ms)| (month(name), ms))
+                .collect();
+            assert_eq!(
+                timeline.runtime_by_period(instant(as_of)),
+                expected,
+                "{row}"
+            );
+            for (period, runtime_ms) in expected {
+                assert_eq!(
+                    timeline.runtime_ms(period.window().until(instant(as_of))),
+                    runtime_ms,
+                    "{row} {period}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_container_stopped_on_a_boundary_is_not_running_at_it() {
+        let entries = [
+            entry(1, instant("2026-12-31T22:00:00Z"), Created),
+            entry(2, instant("2027-01-01T00:00:00Z"), Stopped),
+        ];
+        let timeline = ContainerTimeline::fold(&entries);
+        assert!(timeline.running_at(instant("2026-12-31T23:59:59.999Z")));
+        assert!(!timeline.running_at(instant("2027-01-01T00:00:00Z")));
+        let january = Period::parse("2027-01").unwrap().window();
+        assert_eq!(timeline.runtime_ms(january), 0);
+    }
+
+    #[test]
+    fn container_events_become_entries_and_org_events_do_not() {
+        use crate::event::{ContainerCommandRan, EventType, OrgId, OrgPlanChanged};
+        let mut event = Event {
+            id: event_id(7),
+            event_type: EventType::ContainerCommandRan,
+            org_id: OrgId::parse("org_1").unwrap(),
+            container_id: Some(crate::event::ContainerId::parse("ctr_1").unwrap()),
+            occurred_at: minute(3),
+            data: EventData::ContainerCommandRan(ContainerCommandRan {
+                command_id: "c".into(),
+                exit_code: 0,
+                duration_ms: 250,
+                timed_out: None,
+            }),
+            origin: None,
+        };
+        assert_eq!(
+            ContainerEntry::from_event(&event, 42),
+            Some(entry(
+                42,
+                minute(3),
+                EntryKind::CommandRan { duration_ms: 250 }
+            ))
+            .map(|entry| ContainerEntry {
+                event_id: event_id(7),
+                ..entry
+            })
+        );
+        event.event_type = EventType::OrgPlanChanged;
+        event.container_id = None;
+        event.data = EventData::OrgPlanChanged(OrgPlanChanged { plan: "pro".into() });
+        assert_eq!(ContainerEntry::from_event(&event, 42), None);
+    }
+}

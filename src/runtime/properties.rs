@@ -1,0 +1,253 @@
+//! Properties of the runtime rules over random histories of a few containers and one org:
+//! arrival order and redelivery never change a figure, periods add up to the whole, and
+//! the folded intervals stay well formed.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Duration, Utc};
+use proptest::prelude::*;
+use proptest::sample::{select, Index};
+
+use super::container::tests::{entry, event_id, instant};
+use super::*;
+use crate::event::PlanId;
+
+const CONTAINERS: usize = 3;
+
+/// Histories span November 2026 to January 2027, crossing December → January.
+fn base() -> DateTime<Utc> {
+    instant("2026-11-01T00:00:00Z")
+}
+
+const SPAN_MS: i64 = 92 * 86_400_000;
+
+/// October 2026 to February 2027: every period a history or `as_of` can touch.
+fn periods() -> Vec<Period> {
+    let mut period = Period::parse("2026-10").unwrap();
+    let mut periods = Vec::new();
+    for _ in 0..5 {
+        periods.push(period);
+        period = period.next();
+    }
+    periods
+}
+
+fn boundaries() -> Vec<DateTime<Utc>> {
+    periods()[1..].iter().map(|period| period.start()).collect()
+}
+
+fn any_instant() -> impl Strategy<Value = DateTime<Utc>> {
+    prop_oneof![
+        (0..SPAN_MS).prop_map(|ms| base() + Duration::milliseconds(ms)),
+        // On or next to a month boundary, where the half-open edges matter.
+        (select(boundaries()), -2i64..=2).prop_map(|(at, ms)| at + Duration::milliseconds(ms)),
+        // A handful of instants, so that many events share a millisecond.
+        (0i64..4).prop_map(|hours| base() + Duration::days(20) + Duration::hours(hours)),
+    ]
+}
+
+fn any_kind() -> impl Strategy<Value = EntryKind> {
+    prop_oneof![
+        3 => Just(EntryKind::Created),
+        3 => Just(EntryKind::Resumed),
+        3 => Just(EntryKind::Stopped),
+        2 => (0i64..10_000).prop_map(|duration_ms| EntryKind::CommandRan { duration_ms }),
+        1 => (1u16..=4).prop_map(|port| EntryKind::PortPublished { port }),
+    ]
+}
+
+fn any_change() -> impl Strategy<Value = AccountChange> {
+    prop_oneof![
+        select(vec!["free", "pro", "team"])
+            .prop_map(|plan| AccountChange::Plan(PlanId::parse(plan).unwrap())),
+        any::<bool>().prop_map(AccountChange::Verified),
+        any::<bool>().prop_map(AccountChange::BillingEligible),
+    ]
+}
+
+/// Events in arrival order, which is also ledger order: positions are assigned as they are
+/// generated, while `occurred_at` is random, so many events arrive late.
+#[derive(Debug, Clone)]
+struct History {
+    /// (container index, entry)
+    containers: Vec<(usize, ContainerEntry)>,
+    account: Vec<AccountEntry>,
+}
+
+fn any_history() -> impl Strategy<Value = History> {
+    let containers = prop::collection::vec((0..CONTAINERS, any_instant(), any_kind()), 0..40);
+    let account = prop::collection::vec((any_instant(), any_change()), 0..8);
+    (containers, account).prop_map(|(containers, account)| History {
+        containers: containers
+            .into_iter()
+            .zip(1..)
+            .map(|((container, at, kind), position)| (container, entry(position, at, kind)))
+            .collect(),
+        account: account
+            .into_iter()
+            .zip(1_000..)
+            .map(|((at, change), position)| AccountEntry {
+                occurred_at: at,
+                position,
+                event_id: event_id(position),
+                change,
+            })
+            .collect(),
+    })
+}
+
+fn any_as_of() -> impl Strategy<Value = DateTime<Utc>> {
+    prop_oneof![
+        any_instant(),
+        (-2 * 86_400_000..SPAN_MS + 8 * 86_400_000)
+            .prop_map(|ms| base() + Duration::milliseconds(ms)),
+    ]
+}
+
+fn timelines(history: &History) -> Vec<ContainerTimeline> {
+    (0..CONTAINERS)
+        .map(|container| {
+            let entries: Vec<ContainerEntry> = history
+                .containers
+                .iter()
+                .filter(|(owner, _)| *owner == container)
+                .map(|(_, entry)| *entry)
+                .collect();
+            ContainerTimeline::fold(&entries)
+        })
+        .collect()
+}
+
+/// Every figure the module produces for a history.
+#[derive(Debug, PartialEq)]
+struct Figures {
+    timelines: Vec<ContainerTimeline>,
+    runtime_by_period: Vec<BTreeMap<Period, i64>>,
+    usage: Vec<Usage>,
+    account: AccountTimeline,
+}
+
+fn figures(history: &History, as_of: DateTime<Utc>) -> Figures {
+    let timelines = timelines(history);
+    Figures {
+        runtime_by_period: timelines
+            .iter()
+            .map(|timeline| timeline.runtime_by_period(as_of))
+            .collect(),
+        usage: periods()
+            .into_iter()
+            .map(|period| usage(&timelines, period, as_of))
+            .collect(),
+        account: AccountTimeline::fold(&history.account),
+        timelines,
+    }
+}
+
+/// A history and the same events in another arrival order.
+fn shuffled() -> impl Strategy<Value = (History, History)> {
+    any_history().prop_flat_map(|history| {
+        let containers = Just(history.containers.clone()).prop_shuffle();
+        let account = Just(history.account.clone()).prop_shuffle();
+        (Just(history), containers, account).prop_map(|(history, containers, account)| {
+            (
+                history,
+                History {
+                    containers,
+                    account,
+                },
+            )
+        })
+    })
+}
+
+/// A history and the same events with some delivered more than once, in another order.
+fn redelivered() -> impl Strategy<Value = (History, History)> {
+    let repeats = prop::collection::vec(any::<Index>(), 0..10);
+    (any_history(), repeats.clone(), repeats).prop_flat_map(|(history, containers, account)| {
+        let mut again = history.clone();
+        if !history.containers.is_empty() {
+            let picked = containers
+                .iter()
+                .map(|index| *index.get(&history.containers));
+            again.containers.extend(picked);
+        }
+        if !history.account.is_empty() {
+            let picked = account
+                .iter()
+                .map(|index| index.get(&history.account).clone());
+            again.account.extend(picked);
+        }
+        let containers = Just(again.containers).prop_shuffle();
+        let account = Just(again.account).prop_shuffle();
+        (Just(history), containers, account).prop_map(|(history, containers, account)| {
+            (
+                history,
+                History {
+                    containers,
+                    account,
+                },
+            )
+        })
+    })
+}
+
+proptest! {
+    #[test]
+    fn arrival_order_never_changes_any_figure((history, reordered) in shuffled(), as_of in any_as_of()) {
+        prop_assert_eq!(figures(&history, as_of), figures(&reordered, as_of));
+    }
+
+    #[test]
+    fn a_redelivered_event_never_changes_any_figure((history, redelivered) in redelivered(), as_of in any_as_of()) {
+        prop_assert_eq!(figures(&history, as_of), figures(&redelivered, as_of));
+    }
+
+    #[test]
+    fn runtime_per_period_adds_up_to_runtime_over_the_whole_span(history in any_history(), as_of in any_as_of()) {
+        let periods = periods();
+        let whole = Window::new(periods[0].start(), periods[periods.len() - 1].end()).until(as_of);
+        let timelines = timelines(&history);
+        for timeline in &timelines {
+            let split: i64 = timeline.runtime_by_period(as_of).values().sum();
+            prop_assert_eq!(split, timeline.runtime_ms(whole));
+        }
+        let per_period: i64 = periods.iter().map(|period| usage(&timelines, *period, as_of).runtime_ms).sum();
+        let over_whole: i64 = timelines.iter().map(|timeline| timeline.runtime_ms(whole)).sum();
+        prop_assert_eq!(per_period, over_whole);
+    }
+
+    #[test]
+    fn intervals_are_ordered_and_runtime_stays_inside_its_window(
+        history in any_history(),
+        start in any_instant(),
+        length_ms in 0i64..SPAN_MS,
+        as_of in any_as_of(),
+    ) {
+        let window = Window::new(start, start + Duration::milliseconds(length_ms)).until(as_of);
+        for timeline in timelines(&history) {
+            let intervals = timeline.intervals();
+            for interval in intervals {
+                prop_assert!(interval.end().is_none_or(|end| end >= interval.start()));
+            }
+            for pair in intervals.windows(2) {
+                prop_assert!(pair[0].end().is_some_and(|end| end <= pair[1].start()));
+            }
+            let runtime_ms = timeline.runtime_ms(window);
+            prop_assert!(runtime_ms >= 0 && runtime_ms <= window.length_ms());
+            prop_assert!(timeline.runtime_by_period(as_of).values().all(|ms| *ms > 0));
+        }
+    }
+
+    #[test]
+    fn commands_and_ports_never_change_the_intervals(history in any_history()) {
+        let mut lifecycle_only = history.clone();
+        lifecycle_only.containers.retain(|(_, entry)| {
+            matches!(entry.kind, EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped)
+        });
+        let with: Vec<Vec<Interval>> =
+            timelines(&history).iter().map(|t| t.intervals().to_vec()).collect();
+        let without: Vec<Vec<Interval>> =
+            timelines(&lifecycle_only).iter().map(|t| t.intervals().to_vec()).collect();
+        prop_assert_eq!(with, without);
+    }
+}
