@@ -294,7 +294,10 @@ async fn commit_group(
         if inserted > 0 {
             match append_fast(pool, head, &plan.columns).await? {
                 FastOutcome::Appended => {}
-                FastOutcome::Stale { head: actual, known: stored } => {
+                FastOutcome::Stale {
+                    head: actual,
+                    known: stored,
+                } => {
                     known.extend(stored);
                     if let Some(actual) = actual {
                         head = actual;
@@ -320,7 +323,10 @@ enum FastOutcome {
     Appended,
     /// Nothing was inserted: the head was not the one assumed (`Some`), and/or some ids
     /// are stored already.
-    Stale { head: Option<Head>, known: Known },
+    Stale {
+        head: Option<Head>,
+        known: Known,
+    },
 }
 
 type FastRow = (
@@ -333,7 +339,11 @@ type FastRow = (
 );
 
 #[tracing::instrument(skip_all, fields(rows = columns.position.len()))]
-async fn append_fast(pool: &PgPool, head: Head, columns: &Columns) -> Result<FastOutcome, sqlx::Error> {
+async fn append_fast(
+    pool: &PgPool,
+    head: Head,
+    columns: &Columns,
+) -> Result<FastOutcome, sqlx::Error> {
     let rows: Vec<FastRow> = sqlx::query_as(
         "SELECT * FROM ledger_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
     )
@@ -357,7 +367,14 @@ async fn append_fast(pool: &PgPool, head: Head, columns: &Columns) -> Result<Fas
     let mut actual = None;
     let mut appended = false;
     for (outcome, head_position, head_hash, id, position, digest) in rows {
-        match (outcome.as_str(), head_position, head_hash, id, position, digest) {
+        match (
+            outcome.as_str(),
+            head_position,
+            head_hash,
+            id,
+            position,
+            digest,
+        ) {
             ("appended", ..) => appended = true,
             ("head_moved", Some(position), Some(hash), ..) => {
                 actual = Some(Head {
@@ -366,17 +383,29 @@ async fn append_fast(pool: &PgPool, head: Head, columns: &Columns) -> Result<Fas
                 })
             }
             ("known", _, _, Some(id), Some(position), Some(digest)) => {
-                known.insert(id, (position, digest.try_into().expect("digests are 32 bytes")));
+                known.insert(
+                    id,
+                    (position, digest.try_into().expect("digests are 32 bytes")),
+                );
             }
             other => panic!("ledger_append returned an unexpected row {other:?}"),
         }
     }
     if appended {
-        assert!(actual.is_none() && known.is_empty(), "ledger_append appended and refused");
+        assert!(
+            actual.is_none() && known.is_empty(),
+            "ledger_append appended and refused"
+        );
         Ok(FastOutcome::Appended)
     } else {
-        assert!(actual.is_some() || !known.is_empty(), "ledger_append did nothing and said nothing");
-        Ok(FastOutcome::Stale { head: actual, known })
+        assert!(
+            actual.is_some() || !known.is_empty(),
+            "ledger_append did nothing and said nothing"
+        );
+        Ok(FastOutcome::Stale {
+            head: actual,
+            known,
+        })
     }
 }
 
