@@ -24,7 +24,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chrono::{DateTime, SubsecRound, Utc};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
@@ -126,6 +127,10 @@ async fn run(
     // The head this appender last committed; `None` when unknown (start, or after an error
     // that may or may not have committed).
     let mut committed: Option<Head> = None;
+    // The appender keeps one connection rather than taking one from the pool per group:
+    // no acquire, no liveness ping, its prepared statements stay warm. Dropped after any
+    // error, so that a broken connection is replaced.
+    let mut connection: Option<PoolConnection<Postgres>> = None;
     while let Some(first) = receiver.recv().await {
         let mut events = first.events.len();
         let mut group = vec![first];
@@ -147,7 +152,17 @@ async fn run(
             tokio::task::yield_now().await;
         }
         let started = Instant::now();
-        match commit_group(&pool, &group, &mut committed).await {
+        let result = match connection.as_mut() {
+            Some(connection) => commit_group(connection, &group, &mut committed).await,
+            None => match pool.acquire().await {
+                Ok(acquired) => {
+                    let connection = connection.insert(acquired);
+                    commit_group(connection, &group, &mut committed).await
+                }
+                Err(error) => Err(error),
+            },
+        };
+        match result {
             Ok(outcome) => {
                 metrics::histogram!("tally_append_batch_events").record(events as f64);
                 metrics::histogram!("tally_append_batch_seconds")
@@ -162,6 +177,7 @@ async fn run(
             }
             Err(error) => {
                 committed = None;
+                connection = None;
                 tracing::error!(error = %error, requests = group.len(), "group commit failed");
                 metrics::counter!("tally_append_failures_total").increment(1);
                 let error = AppendError::Store(Arc::new(error));
@@ -287,7 +303,7 @@ fn prepare(group: &[Request]) -> Vec<Vec<Prepared>> {
 
 #[tracing::instrument(skip_all, fields(requests = group.len()))]
 async fn commit_group(
-    pool: &PgPool,
+    connection: &mut PgConnection,
     group: &[Request],
     committed: &mut Option<Head>,
 ) -> Result<GroupOutcome, sqlx::Error> {
@@ -297,7 +313,7 @@ async fn commit_group(
     let mut head = match *committed {
         Some(head) => head,
         None => {
-            let (position, hash) = super::read::head(pool).await?;
+            let (position, hash) = super::read::head(&mut *connection).await?;
             Head { position, hash }
         }
     };
@@ -305,7 +321,7 @@ async fn commit_group(
         let plan = plan_group(group, &prepared, &known, head, Utc::now().trunc_subsecs(3));
         let inserted = plan.columns.position.len() as u64;
         if inserted > 0 {
-            match append_fast(pool, head, &plan.columns).await? {
+            match append_fast(connection, head, &plan.columns).await? {
                 FastOutcome::Appended => {}
                 FastOutcome::Stale {
                     head: actual,
@@ -327,7 +343,7 @@ async fn commit_group(
         });
     }
     metrics::counter!("tally_append_locked_fallbacks_total").increment(1);
-    let (outcome, head) = commit_group_locked(pool, group, &prepared).await?;
+    let (outcome, head) = commit_group_locked(connection, group, &prepared).await?;
     *committed = Some(head);
     Ok(outcome)
 }
@@ -353,7 +369,7 @@ type FastRow = (
 
 #[tracing::instrument(skip_all, fields(rows = columns.position.len()))]
 async fn append_fast(
-    pool: &PgPool,
+    connection: &mut PgConnection,
     head: Head,
     columns: &Columns,
 ) -> Result<FastOutcome, sqlx::Error> {
@@ -374,7 +390,7 @@ async fn append_fast(
     .bind(&columns.source_event_id)
     .bind(&columns.content_digest)
     .bind(&columns.hash)
-    .fetch_all(pool)
+    .fetch_all(connection)
     .await?;
     let mut known = Known::new();
     let mut actual = None;
@@ -425,7 +441,7 @@ async fn append_fast(
 /// The slow path: one transaction holds the ledger lock while it reads the head and the
 /// stored ids, plans and inserts. Always makes progress, whatever other instances do.
 async fn commit_group_locked(
-    pool: &PgPool,
+    connection: &mut PgConnection,
     group: &[Request],
     prepared: &[Vec<Prepared>],
 ) -> Result<(GroupOutcome, Head), sqlx::Error> {
@@ -433,7 +449,7 @@ async fn commit_group_locked(
         .iter()
         .flat_map(|r| r.events.iter().map(|e| e.id.as_uuid()))
         .collect();
-    let mut tx = pool.begin().await?;
+    let mut tx = connection.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(LEDGER_LOCK_KEY)
         .execute(&mut *tx)
