@@ -180,3 +180,79 @@ async fn a_killed_service_keeps_every_acknowledged_event_exactly_once_and_the_re
     tally.wait().await.unwrap();
     pool.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_during_ingest_drains_in_flight_batches_and_exits_cleanly() {
+    let db = TestDb::new().await;
+    let nats = TestNats::start();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let base = format!("http://{listen}");
+    let client = reqwest::Client::new();
+    let mut tally = spawn_tally(&db.url, &nats.url, &listen);
+    wait_ready(&client, &base).await;
+
+    let acked = Arc::new(Mutex::new(Vec::<Uuid>::new()));
+    let running = Arc::new(AtomicBool::new(true));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (client, base, acked, running) =
+                (client.clone(), base.clone(), acked.clone(), running.clone());
+            tokio::spawn(async move {
+                while running.load(Ordering::SeqCst) {
+                    let events = valid_events(EVENTS_PER_REQUEST);
+                    let response = client
+                        .post(format!("{base}/v1/events"))
+                        .bearer_auth(TOKEN)
+                        .json(&json!({ "events": events }))
+                        .send()
+                        .await;
+                    match response {
+                        Ok(r) if r.status() == 200 => acked.lock().await.extend(ids_of(&events)),
+                        // Stopping: 503 while draining, or the listener is gone.
+                        _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                }
+            })
+        })
+        .collect();
+    eventually(30, "some events are acknowledged", || {
+        let acked = acked.clone();
+        async move { acked.lock().await.len() >= 1_000 }
+    })
+    .await;
+
+    let pid = tally.id().expect("tally is running").to_string();
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let status = tokio::time::timeout(Duration::from_secs(20), tally.wait())
+        .await
+        .expect("tally stops within 20 s of SIGTERM")
+        .unwrap();
+    assert!(status.success(), "tally exited with {status}");
+    running.store(false, Ordering::SeqCst);
+    for client in clients {
+        client.await.unwrap();
+    }
+
+    let acked: Vec<Uuid> = acked.lock().await.clone();
+    let pool = db.pool().await;
+    let found: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE id = ANY($1)")
+        .bind(&acked)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        found as usize,
+        acked.len(),
+        "every acknowledged event is in the ledger"
+    );
+    pool.close().await;
+}
