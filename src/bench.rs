@@ -31,9 +31,10 @@ use uuid::Uuid;
 
 use crate::bus::{self, Names};
 use crate::config::Config;
-use crate::event::canonical::{self, RecordFields};
+use crate::event::canonical;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::{Event, TimeBounds};
+use crate::ledger::rows::{self, Rows};
 use crate::ledger::{db, verify};
 use crate::startup::Service;
 
@@ -75,9 +76,6 @@ const SETTLE_TIMEOUT_MS: u64 = 120_000;
 const POLL_MS: u64 = 20;
 /// Longest error-body excerpt quoted in a failure.
 const ERROR_EXCERPT_BYTES_MAX: usize = 500;
-/// The ledger's columns, in the order the COPY text and the UNNEST arrays carry them.
-const LEDGER_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
-     recorded_at, data, source, source_event_id, content_digest, hash";
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
@@ -409,30 +407,15 @@ fn generate_event(rng: &mut impl Rng, orgs: usize, now: DateTime<Utc>) -> String
     .to_string()
 }
 
-/// The ledger rows of the batch events, as the appender would write them: same columns,
-/// content digests and hash chain, one `recorded_at` per batch as one group commit has.
+/// The ledger rows of the batch events, as the appender would write them (the appender's
+/// own [`Rows`]): same columns, content digests and hash chain, one `recorded_at` per batch
+/// as one group commit has.
 struct BaselineRows {
     count: usize,
     /// One `INSERT … UNNEST` each.
-    batches: Vec<RowColumns>,
+    batches: Vec<Rows>,
     /// CSV for `COPY`, one chunk per batch.
     copy_chunks: Vec<Bytes>,
-}
-
-#[derive(Default)]
-struct RowColumns {
-    position: Vec<i64>,
-    id: Vec<Uuid>,
-    event_type: Vec<&'static str>,
-    org_id: Vec<String>,
-    container_id: Vec<Option<String>>,
-    occurred_at: Vec<DateTime<Utc>>,
-    recorded_at: Vec<DateTime<Utc>>,
-    data: Vec<serde_json::Value>,
-    source: Vec<Option<String>>,
-    source_event_id: Vec<Option<String>>,
-    content_digest: Vec<Vec<u8>>,
-    hash: Vec<Vec<u8>>,
 }
 
 impl BaselineRows {
@@ -443,44 +426,18 @@ impl BaselineRows {
         let mut position = 0_i64;
         for chunk in events.chunks(batch_events) {
             let recorded_at = Utc::now().trunc_subsecs(3);
-            let mut columns = RowColumns::default();
-            let mut csv = String::new();
+            let mut rows = Rows::default();
             for event in chunk {
                 position += 1;
                 let data = event.data_json();
-                let fields = RecordFields {
-                    id: event.id.as_uuid(),
-                    event_type: event.event_type.as_str(),
-                    org_id: event.org_id.as_str(),
-                    container_id: event.container_id.as_ref().map(|c| c.as_str()),
-                    occurred_at: event.occurred_at,
-                    data: &data,
-                    origin_source: event.origin.as_ref().map(|o| o.source.as_str()),
-                    origin_id: event.origin.as_ref().map(|o| o.id.as_str()),
-                };
-                let digest = canonical::content_digest(&fields);
-                let bytes = canonical::record_bytes(&fields, position, recorded_at);
-                let hash = canonical::chain_hash(&prev_hash, &bytes);
-                prev_hash = hash;
-                write_csv_row(&mut csv, position, &fields, recorded_at, &digest, &hash);
-                columns.position.push(position);
-                columns.id.push(fields.id);
-                columns.event_type.push(event.event_type.as_str());
-                columns.org_id.push(fields.org_id.to_owned());
-                columns
-                    .container_id
-                    .push(fields.container_id.map(str::to_owned));
-                columns.occurred_at.push(event.occurred_at);
-                columns.recorded_at.push(recorded_at);
-                columns.source.push(fields.origin_source.map(str::to_owned));
-                columns
-                    .source_event_id
-                    .push(fields.origin_id.map(str::to_owned));
-                columns.content_digest.push(digest.to_vec());
-                columns.hash.push(hash.to_vec());
-                columns.data.push(data);
+                let digest = canonical::content_digest(&event.record_fields(&data));
+                prev_hash = rows.push(event, data, digest, position, recorded_at, &prev_hash);
             }
-            batches.push(columns);
+            let mut csv = String::new();
+            for row in 0..rows.len() {
+                write_csv_row(&mut csv, &rows, row);
+            }
+            batches.push(rows);
             copy_chunks.push(Bytes::from(csv));
         }
         BaselineRows {
@@ -491,16 +448,10 @@ impl BaselineRows {
     }
 }
 
-/// One row in `COPY … (FORMAT csv)`: NULL is an unquoted empty field, text is quoted with
-/// `"` doubled, `bytea` goes in its `\x` hex form (CSV gives backslashes no meaning).
-fn write_csv_row(
-    out: &mut String,
-    position: i64,
-    fields: &RecordFields,
-    recorded_at: DateTime<Utc>,
-    digest: &[u8; 32],
-    hash: &[u8; 32],
-) {
+/// Row `row` of `rows` in `COPY … (FORMAT csv)`: NULL is an unquoted empty field, text is
+/// quoted with `"` doubled, `bytea` goes in its `\x` hex form (CSV gives backslashes no
+/// meaning).
+fn write_csv_row(out: &mut String, rows: &Rows, row: usize) {
     fn text(out: &mut String, value: Option<&str>) {
         if let Some(value) = value {
             out.push('"');
@@ -509,20 +460,25 @@ fn write_csv_row(
         }
         out.push(',');
     }
-    let _ = write!(out, "{position},{},", fields.id.hyphenated());
-    text(out, Some(fields.event_type));
-    text(out, Some(fields.org_id));
-    text(out, fields.container_id);
+    let _ = write!(out, "{},{},", rows.position[row], rows.id[row].hyphenated());
+    text(out, Some(rows.event_type[row]));
+    text(out, Some(&rows.org_id[row]));
+    text(out, rows.container_id[row].as_deref());
     let _ = write!(
         out,
         "{},{},",
-        canonical::timestamp(fields.occurred_at),
-        canonical::timestamp(recorded_at)
+        canonical::timestamp(rows.occurred_at[row]),
+        canonical::timestamp(rows.recorded_at[row])
     );
-    text(out, Some(&fields.data.to_string()));
-    text(out, fields.origin_source);
-    text(out, fields.origin_id);
-    let _ = writeln!(out, "\\x{},\\x{}", hex::encode(digest), hex::encode(hash));
+    text(out, Some(&rows.data[row].to_string()));
+    text(out, rows.source[row].as_deref());
+    text(out, rows.source_event_id[row].as_deref());
+    let _ = writeln!(
+        out,
+        "\\x{},\\x{}",
+        hex::encode(&rows.content_digest[row]),
+        hex::encode(&rows.hash[row])
+    );
 }
 
 /// Starts the service, measures, and stops the service whatever happened, so that no relay
@@ -804,7 +760,10 @@ async fn baseline_copy(
     checkpoint(connection).await;
     eprintln!("bench: baseline COPY of {} rows", rows.count);
     let started = Instant::now();
-    let statement = format!("COPY baseline ({LEDGER_COLUMNS}) FROM STDIN WITH (FORMAT csv)");
+    let statement = format!(
+        "COPY baseline ({}) FROM STDIN WITH (FORMAT csv)",
+        rows::COLUMNS
+    );
     let mut copy = connection.copy_in_raw(&statement).await?;
     for chunk in &rows.copy_chunks {
         copy.send(chunk.clone()).await?;
@@ -828,46 +787,18 @@ async fn baseline_unnest(
         .await?;
     checkpoint(connection).await;
     eprintln!("bench: baseline INSERT … UNNEST of {} rows", rows.count);
-    // The appender's statement, on the baseline table.
-    let statement = format!(
-        "INSERT INTO baseline ({LEDGER_COLUMNS}) \
-         SELECT * FROM UNNEST($1::bigint[], $2::uuid[], $3::text[], $4::text[], $5::text[], \
-         $6::timestamptz[], $7::timestamptz[], $8::jsonb[], $9::text[], $10::text[], \
-         $11::bytea[], $12::bytea[])"
-    );
     let mut latencies = Vec::with_capacity(rows.batches.len());
     let started = Instant::now();
     for batch in &rows.batches {
         let sent = Instant::now();
-        let inserted = sqlx::query(&statement)
-            .bind(&batch.position)
-            .bind(&batch.id)
-            .bind(&batch.event_type)
-            .bind(&batch.org_id)
-            .bind(&batch.container_id)
-            .bind(&batch.occurred_at)
-            .bind(&batch.recorded_at)
-            .bind(&batch.data)
-            .bind(&batch.source)
-            .bind(&batch.source_event_id)
-            .bind(&batch.content_digest)
-            .bind(&batch.hash)
-            .execute(&mut *connection)
-            .await?
-            .rows_affected();
+        // The appender's statement, on the baseline table.
+        let inserted = batch.insert_into(&mut *connection, "baseline").await?;
         latencies.push(sent.elapsed());
-        assert_eq!(
-            inserted,
-            batch.position.len() as u64,
-            "UNNEST inserts every row"
-        );
+        assert_eq!(inserted, batch.len() as u64, "UNNEST inserts every row");
     }
     let elapsed = started.elapsed();
     latencies.sort_unstable();
-    let label = format!(
-        "INSERT UNNEST x{}, one connection",
-        rows.batches[0].position.len()
-    );
+    let label = format!("INSERT UNNEST x{}, one connection", rows.batches[0].len());
     Ok(Figure::new(label, rows.count, elapsed).with_latencies(&latencies))
 }
 

@@ -36,6 +36,11 @@ impl Service {
         let pool = db::prepare(&config)
             .await
             .context("cannot prepare the database")?;
+        // Bound before any task is spawned, so that a taken port fails start-up cleanly.
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        let local_addr = listener.local_addr()?;
         let nats = bus::connect(&config.nats_url).await?;
         let context = bus::jetstream(nats.clone());
         let (appender, appender_task) = Appender::start(
@@ -84,10 +89,6 @@ impl Service {
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");
         }
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .with_context(|| format!("cannot listen on {}", config.listen))?;
-        let local_addr = listener.local_addr()?;
         let server_shutdown = shutdown.clone();
         let server = tokio::spawn(async move {
             axum::serve(listener, http::app(state))

@@ -75,7 +75,7 @@ async fn consume(
     settings: &IngestSettings,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    super::apply_streams(context, names).await?;
+    super::apply_streams(context, names, &["TALLY_INGEST", "TALLY_DLQ"]).await?;
     let stream = context.get_stream(names.ingest_stream()).await?;
     let consumer = stream
         .get_or_create_consumer(

@@ -114,10 +114,19 @@ pub fn jetstream(client: async_nats::Client) -> jetstream::Context {
     context
 }
 
-/// Creates each stream, or updates it to the definition when it differs.
+/// Creates each of `streams` (unprefixed names, such as `TALLY_LEDGER`), or updates it to
+/// its definition in `streams/` when it differs.
 #[tracing::instrument(skip_all)]
-pub async fn apply_streams(context: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
+pub async fn apply_streams(
+    context: &jetstream::Context,
+    names: &Names,
+    streams: &[&str],
+) -> anyhow::Result<()> {
+    let wanted: Vec<String> = streams.iter().map(|s| names.stream(s)).collect();
     for config in names.stream_configs()? {
+        if !wanted.contains(&config.name) {
+            continue;
+        }
         let name = config.name.clone();
         context
             .create_or_update_stream(config)

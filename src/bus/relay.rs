@@ -126,7 +126,7 @@ async fn relay(
     head: &mut watch::Receiver<i64>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    super::apply_streams(context, names).await?;
+    super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
     let (mut published, mut sequence) = stream_position(context, names).await?;
     tracing::info!(position = published, sequence, "relay resuming");
     loop {

@@ -182,6 +182,20 @@ impl Event {
     pub fn data_json(&self) -> serde_json::Value {
         serde_json::to_value(&self.data).expect("event data always serializes")
     }
+
+    /// The fields the canonical encoding covers; `data` is [`Event::data_json`].
+    pub fn record_fields<'a>(&'a self, data: &'a serde_json::Value) -> canonical::RecordFields<'a> {
+        canonical::RecordFields {
+            id: self.id.as_uuid(),
+            event_type: self.event_type.as_str(),
+            org_id: self.org_id.as_str(),
+            container_id: self.container_id.as_ref().map(|c| c.as_str()),
+            occurred_at: self.occurred_at,
+            data,
+            origin_source: self.origin.as_ref().map(|o| o.source.as_str()),
+            origin_id: self.origin.as_ref().map(|o| o.id.as_str()),
+        }
+    }
 }
 
 /// A rejected event: a stable `code` for machines and a message for people.

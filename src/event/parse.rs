@@ -325,15 +325,8 @@ mod tests {
         }
     }
 
-    fn event(overrides: serde_json::Value) -> serde_json::Value {
-        let mut base = json!({
-            "id": "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55",
-            "type": "container.command_ran",
-            "org_id": "org_8f2k",
-            "container_id": "ctr_51x",
-            "occurred_at": "2026-11-29T10:00:00.123456+01:00",
-            "data": {"command_id": "c1", "exit_code": 0, "duration_ms": 12}
-        });
+    /// `base` with each member of `overrides` set, or removed where it is `null`.
+    fn overridden(mut base: serde_json::Value, overrides: serde_json::Value) -> serde_json::Value {
         for (key, value) in overrides.as_object().unwrap() {
             if value.is_null() {
                 base.as_object_mut().unwrap().remove(key);
@@ -342,6 +335,18 @@ mod tests {
             }
         }
         base
+    }
+
+    fn event(overrides: serde_json::Value) -> serde_json::Value {
+        let base = json!({
+            "id": "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55",
+            "type": "container.command_ran",
+            "org_id": "org_8f2k",
+            "container_id": "ctr_51x",
+            "occurred_at": "2026-11-29T10:00:00.123456+01:00",
+            "data": {"command_id": "c1", "exit_code": 0, "duration_ms": 12}
+        });
+        overridden(base, overrides)
     }
 
     fn native(value: &serde_json::Value) -> Result<Vec<Event>, BodyError> {
@@ -574,7 +579,7 @@ mod tests {
     }
 
     fn cloudevent(overrides: serde_json::Value) -> serde_json::Value {
-        let mut base = json!({
+        let base = json!({
             "specversion": "1.0",
             "id": "evt-1",
             "source": "/providers/acme",
@@ -585,14 +590,7 @@ mod tests {
             "datacontenttype": "application/json",
             "data": {"reason": "user"}
         });
-        for (key, value) in overrides.as_object().unwrap() {
-            if value.is_null() {
-                base.as_object_mut().unwrap().remove(key);
-            } else {
-                base[key] = value.clone();
-            }
-        }
-        base
+        overridden(base, overrides)
     }
 
     #[test]

@@ -25,11 +25,13 @@ use std::time::Instant;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::pool::PoolConnection;
-use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
-use crate::event::canonical::{self, RecordFields};
+use super::read::{self, Head};
+use super::rows::Rows;
+use crate::event::canonical;
 use crate::event::{Event, EventId};
 
 /// The advisory lock that serializes appends across every tally instance on a database.
@@ -168,8 +170,8 @@ async fn run(
                 metrics::histogram!("tally_append_batch_seconds")
                     .record(started.elapsed().as_secs_f64());
                 metrics::counter!("tally_append_events_total").increment(outcome.inserted);
-                if outcome.head > 0 {
-                    head.send_replace(outcome.head);
+                if outcome.head.position > 0 {
+                    head.send_replace(outcome.head.position);
                 }
                 for (request, result) in group.into_iter().zip(outcome.results) {
                     let _ = request.reply.send(result);
@@ -193,24 +195,7 @@ async fn run(
 struct GroupOutcome {
     results: Vec<Result<Vec<AppendedEvent>, AppendError>>,
     inserted: u64,
-    head: i64,
-}
-
-/// Rows to insert, column by column (for one `INSERT … SELECT FROM UNNEST`).
-#[derive(Default)]
-struct Columns {
-    position: Vec<i64>,
-    id: Vec<Uuid>,
-    event_type: Vec<&'static str>,
-    org_id: Vec<String>,
-    container_id: Vec<Option<String>>,
-    occurred_at: Vec<DateTime<Utc>>,
-    recorded_at: Vec<DateTime<Utc>>,
-    data: Vec<serde_json::Value>,
-    source: Vec<Option<String>>,
-    source_event_id: Vec<Option<String>>,
-    content_digest: Vec<Vec<u8>>,
-    hash: Vec<Vec<u8>>,
+    head: Head,
 }
 
 /// An event's content digest and the fields it was computed from.
@@ -219,33 +204,12 @@ struct Prepared {
     digest: [u8; 32],
 }
 
-fn fields<'a>(event: &'a Event, data: &'a serde_json::Value) -> RecordFields<'a> {
-    RecordFields {
-        id: event.id.as_uuid(),
-        event_type: event.event_type.as_str(),
-        org_id: event.org_id.as_str(),
-        container_id: event.container_id.as_ref().map(|c| c.as_str()),
-        occurred_at: event.occurred_at,
-        data,
-        origin_source: event.origin.as_ref().map(|o| o.source.as_str()),
-        origin_id: event.origin.as_ref().map(|o| o.id.as_str()),
-    }
-}
-
-/// A ledger head: the last position and its hash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Head {
-    position: i64,
-    hash: [u8; 32],
-}
-
 type Known = HashMap<Uuid, (i64, [u8; 32])>;
 
-/// The rows of a group planned to follow `head`, and each request's outcome.
+/// The rows of a group planned to follow a head, each request's outcome, the new head.
 struct Plan {
-    columns: Columns,
-    results: Vec<Result<Vec<AppendedEvent>, AppendError>>,
-    head: Head,
+    rows: Rows,
+    outcome: GroupOutcome,
 }
 
 fn plan_group(
@@ -256,7 +220,7 @@ fn plan_group(
     recorded_at: DateTime<Utc>,
 ) -> Plan {
     let mut known = known.clone();
-    let mut columns = Columns::default();
+    let mut rows = Rows::default();
     let mut next_position = head.position + 1;
     let mut prev_hash = head.hash;
     let results = group
@@ -267,7 +231,7 @@ fn plan_group(
                 request,
                 prepared,
                 &mut known,
-                &mut columns,
+                &mut rows,
                 &mut next_position,
                 &mut prev_hash,
                 recorded_at,
@@ -275,12 +239,15 @@ fn plan_group(
         })
         .collect();
     Plan {
-        columns,
-        results,
-        head: Head {
-            position: next_position - 1,
-            hash: prev_hash,
+        outcome: GroupOutcome {
+            results,
+            inserted: rows.len() as u64,
+            head: Head {
+                position: next_position - 1,
+                hash: prev_hash,
+            },
         },
+        rows,
     }
 }
 
@@ -293,7 +260,7 @@ fn prepare(group: &[Request]) -> Vec<Vec<Prepared>> {
                 .iter()
                 .map(|event| {
                     let data = event.data_json();
-                    let digest = canonical::content_digest(&fields(event, &data));
+                    let digest = canonical::content_digest(&event.record_fields(&data));
                     Prepared { data, digest }
                 })
                 .collect()
@@ -312,39 +279,29 @@ async fn commit_group(
     let mut known = Known::new();
     let mut head = match *committed {
         Some(head) => head,
-        None => {
-            let (position, hash) = super::read::head(&mut *connection).await?;
-            Head { position, hash }
-        }
+        None => read::head(&mut *connection).await?,
     };
     for _ in 0..FAST_PATH_ATTEMPTS_MAX {
         let plan = plan_group(group, &prepared, &known, head, Utc::now().trunc_subsecs(3));
-        let inserted = plan.columns.position.len() as u64;
-        if inserted > 0 {
-            match append_fast(connection, head, &plan.columns).await? {
+        if !plan.rows.is_empty() {
+            match append_fast(connection, head, &plan.rows).await? {
                 FastOutcome::Appended => {}
                 FastOutcome::Stale {
                     head: actual,
                     known: stored,
                 } => {
                     known.extend(stored);
-                    if let Some(actual) = actual {
-                        head = actual;
-                    }
+                    head = actual.unwrap_or(head);
                     continue;
                 }
             }
         }
-        *committed = Some(plan.head);
-        return Ok(GroupOutcome {
-            results: plan.results,
-            inserted,
-            head: plan.head.position,
-        });
+        *committed = Some(plan.outcome.head);
+        return Ok(plan.outcome);
     }
     metrics::counter!("tally_append_locked_fallbacks_total").increment(1);
-    let (outcome, head) = commit_group_locked(connection, group, &prepared).await?;
-    *committed = Some(head);
+    let outcome = commit_group_locked(connection, group, &prepared).await?;
+    *committed = Some(outcome.head);
     Ok(outcome)
 }
 
@@ -367,35 +324,23 @@ type FastRow = (
     Option<Vec<u8>>,
 );
 
-#[tracing::instrument(skip_all, fields(rows = columns.position.len()))]
+#[tracing::instrument(skip_all, fields(rows = rows.len()))]
 async fn append_fast(
     connection: &mut PgConnection,
     head: Head,
-    columns: &Columns,
+    rows: &Rows,
 ) -> Result<FastOutcome, sqlx::Error> {
-    let rows: Vec<FastRow> = sqlx::query_as(
+    let query = sqlx::query(
         "SELECT * FROM ledger_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
     )
     .bind(head.position)
-    .bind(head.hash.as_slice())
-    .bind(&columns.position)
-    .bind(&columns.id)
-    .bind(&columns.event_type)
-    .bind(&columns.org_id)
-    .bind(&columns.container_id)
-    .bind(&columns.occurred_at)
-    .bind(&columns.recorded_at)
-    .bind(&columns.data)
-    .bind(&columns.source)
-    .bind(&columns.source_event_id)
-    .bind(&columns.content_digest)
-    .bind(&columns.hash)
-    .fetch_all(connection)
-    .await?;
+    .bind(head.hash.as_slice());
+    let answers = rows.bind(query).fetch_all(connection).await?;
     let mut known = Known::new();
     let mut actual = None;
     let mut appended = false;
-    for (outcome, head_position, head_hash, id, position, digest) in rows {
+    for answer in &answers {
+        let (outcome, head_position, head_hash, id, position, digest) = FastRow::from_row(answer)?;
         match (
             outcome.as_str(),
             head_position,
@@ -444,7 +389,7 @@ async fn commit_group_locked(
     connection: &mut PgConnection,
     group: &[Request],
     prepared: &[Vec<Prepared>],
-) -> Result<(GroupOutcome, Head), sqlx::Error> {
+) -> Result<GroupOutcome, sqlx::Error> {
     let ids: Vec<Uuid> = group
         .iter()
         .flat_map(|r| r.events.iter().map(|e| e.id.as_uuid()))
@@ -454,45 +399,31 @@ async fn commit_group_locked(
         .bind(LEDGER_LOCK_KEY)
         .execute(&mut *tx)
         .await?;
-    let (position, hash) = super::read::head(&mut *tx).await?;
+    let head = read::head(&mut *tx).await?;
     let known = existing(&mut tx, &ids).await?;
-    let plan = plan_group(
-        group,
-        prepared,
-        &known,
-        Head { position, hash },
-        Utc::now().trunc_subsecs(3),
-    );
-    let inserted = plan.columns.position.len() as u64;
-    if inserted > 0 {
-        insert(&mut tx, &plan.columns).await?;
+    let plan = plan_group(group, prepared, &known, head, Utc::now().trunc_subsecs(3));
+    if !plan.rows.is_empty() {
+        plan.rows.insert_into(&mut *tx, "ledger").await?;
     }
     tx.commit().await?;
-    Ok((
-        GroupOutcome {
-            results: plan.results,
-            inserted,
-            head: plan.head.position,
-        },
-        plan.head,
-    ))
+    Ok(plan.outcome)
 }
 
 /// Decides each event of one request: duplicate, conflict (refusing the whole request),
-/// or new (appended to `columns` with the next position). A refused request leaves
-/// `known`, `columns`, the position and the chain exactly as they were.
+/// or new (appended to `rows` with the next position). A refused request leaves `known`,
+/// `rows`, the position and the chain exactly as they were.
 fn plan_request(
     request: &Request,
     prepared: &[Prepared],
     known: &mut Known,
-    columns: &mut Columns,
+    rows: &mut Rows,
     next_position: &mut i64,
     prev_hash: &mut [u8; 32],
     recorded_at: DateTime<Utc>,
 ) -> Result<Vec<AppendedEvent>, AppendError> {
     let mut staged: HashMap<Uuid, (i64, [u8; 32])> = HashMap::new();
     let mut outcome = Vec::with_capacity(request.events.len());
-    let mut rows = Vec::new();
+    let mut new = Vec::new();
     let mut position = *next_position;
     for (index, (event, prepared)) in request.events.iter().zip(prepared).enumerate() {
         let id = event.id.as_uuid();
@@ -517,39 +448,25 @@ fn plan_request(
                     position,
                     duplicate: false,
                 });
-                rows.push((position, event, prepared));
+                new.push((position, event, prepared));
                 position += 1;
             }
         }
     }
-    for (position, event, prepared) in rows {
-        let fields = fields(event, &prepared.data);
-        let bytes = canonical::record_bytes(&fields, position, recorded_at);
-        let hash = canonical::chain_hash(prev_hash, &bytes);
+    for (position, event, prepared) in new {
         assert_eq!(
             position, *next_position,
             "positions are assigned without gaps"
         );
+        *prev_hash = rows.push(
+            event,
+            prepared.data.clone(),
+            prepared.digest,
+            position,
+            recorded_at,
+            prev_hash,
+        );
         *next_position += 1;
-        *prev_hash = hash;
-        columns.position.push(position);
-        columns.id.push(fields.id);
-        columns.event_type.push(event.event_type.as_str());
-        columns.org_id.push(event.org_id.as_str().to_owned());
-        columns
-            .container_id
-            .push(event.container_id.as_ref().map(|c| c.as_str().to_owned()));
-        columns.occurred_at.push(event.occurred_at);
-        columns.recorded_at.push(recorded_at);
-        columns.data.push(prepared.data.clone());
-        columns
-            .source
-            .push(event.origin.as_ref().map(|o| o.source.clone()));
-        columns
-            .source_event_id
-            .push(event.origin.as_ref().map(|o| o.id.clone()));
-        columns.content_digest.push(prepared.digest.to_vec());
-        columns.hash.push(hash.to_vec());
     }
     known.extend(staged);
     Ok(outcome)
@@ -569,30 +486,4 @@ async fn existing(tx: &mut Transaction<'_, Postgres>, ids: &[Uuid]) -> Result<Kn
             (id, (position, digest))
         })
         .collect())
-}
-
-#[tracing::instrument(skip_all, fields(rows = columns.position.len()))]
-async fn insert(tx: &mut Transaction<'_, Postgres>, columns: &Columns) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO ledger (position, id, type, org_id, container_id, occurred_at, recorded_at, \
-         data, source, source_event_id, content_digest, hash) \
-         SELECT * FROM UNNEST($1::bigint[], $2::uuid[], $3::text[], $4::text[], $5::text[], \
-         $6::timestamptz[], $7::timestamptz[], $8::jsonb[], $9::text[], $10::text[], \
-         $11::bytea[], $12::bytea[])",
-    )
-    .bind(&columns.position)
-    .bind(&columns.id)
-    .bind(&columns.event_type)
-    .bind(&columns.org_id)
-    .bind(&columns.container_id)
-    .bind(&columns.occurred_at)
-    .bind(&columns.recorded_at)
-    .bind(&columns.data)
-    .bind(&columns.source)
-    .bind(&columns.source_event_id)
-    .bind(&columns.content_digest)
-    .bind(&columns.hash)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
 }

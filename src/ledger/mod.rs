@@ -1,11 +1,14 @@
 //! The Postgres ledger: the source of truth. Set-up (`db`), the single ordered writer
-//! (`append`), reads by position (`read`) and hash-chain verification (`verify`).
+//! (`append`) and the rows it writes (`rows`), reads by position (`read`) and hash-chain
+//! verification (`verify`).
 
 pub mod append;
 pub mod db;
 pub mod read;
+pub mod rows;
 pub mod verify;
 
 pub use append::{AppendError, AppendLimits, AppendedEvent, Appender};
-pub use read::LedgerRow;
+pub use read::{Head, LedgerRow};
+pub use rows::Rows;
 pub use verify::VerifyReport;

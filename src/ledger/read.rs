@@ -95,19 +95,30 @@ pub async fn read_after(
         .await
 }
 
-/// The last position and its hash; `(0, genesis)` for an empty ledger.
+/// A ledger head: the last position and its hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    pub position: i64,
+    pub hash: [u8; 32],
+}
+
+/// The head; position 0 and the genesis hash for an empty ledger.
 #[tracing::instrument(skip_all)]
-pub async fn head(executor: impl PgExecutor<'_>) -> Result<(i64, [u8; 32]), sqlx::Error> {
+pub async fn head(executor: impl PgExecutor<'_>) -> Result<Head, sqlx::Error> {
     let row: Option<(i64, Vec<u8>)> =
         sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position DESC LIMIT 1")
             .fetch_optional(executor)
             .await?;
     Ok(match row {
-        None => (0, canonical::GENESIS_HASH),
-        Some((position, hash)) => (
+        None => Head {
+            position: 0,
+            hash: canonical::GENESIS_HASH,
+        },
+        Some((position, hash)) => Head {
             position,
-            hash.try_into()
+            hash: hash
+                .try_into()
                 .expect("the schema checks hashes are 32 bytes"),
-        ),
+        },
     })
 }

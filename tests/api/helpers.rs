@@ -308,3 +308,35 @@ pub fn ids_of(events: &[Value]) -> Vec<Uuid> {
         .map(|e| e["id"].as_str().unwrap().parse().unwrap())
         .collect()
 }
+
+/// Polls until the ledger holds `count` events.
+pub async fn wait_for_ledger_count(pool: &PgPool, count: i64) {
+    eventually(10, &format!("the ledger holds {count} events"), || async {
+        ledger_count(pool).await == count
+    })
+    .await;
+}
+
+/// Messages in a stream; 0 while it does not exist or the server does not answer.
+pub async fn stream_messages(js: &async_nats::jetstream::Context, stream: &str) -> u64 {
+    match js.get_stream(stream).await {
+        Ok(mut stream) => stream.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+/// Runs `tally verify` on a database: exit code, JSON report, stderr.
+pub fn run_verify(database_url: &str) -> (i32, Value, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("verify")
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("running tally verify");
+    let report = serde_json::from_slice(&output.stdout).expect("verify prints a JSON report");
+    (
+        output.status.code().unwrap_or(-1),
+        report,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}

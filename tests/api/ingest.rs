@@ -472,3 +472,48 @@ async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged
     assert_eq!(before, after, "no bad request changed the ledger");
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_append_queue_limit_a_request_gets_503_with_retry_after_and_nothing_is_lost() {
+    let app = TestApp::spawn_with(|config| config.append_queue_max = 1).await;
+    // Another "instance" holds the ledger lock, so the appender stalls in its first commit.
+    let mut other = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(tally::ledger::append::LEDGER_LOCK_KEY)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+
+    let first = json!({ "events": valid_events(3) });
+    let second = json!({ "events": valid_events(2) });
+    let stalled = app.post_json(&first);
+    let queued = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        app.post_json(&second).await
+    };
+    let refused = async {
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        let response = app
+            .client
+            .post(app.url("/v1/events"))
+            .bearer_auth(TOKEN)
+            .json(&json!({ "events": valid_events(1) }))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response.headers().get("retry-after").cloned();
+        let body: Value = response.json().await.unwrap();
+        other.commit().await.unwrap();
+        (status, retry_after, body)
+    };
+    let ((first_status, _), (second_status, _), (status, retry_after, body)) =
+        tokio::join!(stalled, queued, refused);
+
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "overloaded");
+    assert_eq!(retry_after.unwrap(), "1");
+    assert_eq!((first_status, second_status), (200, 200));
+    assert_eq!(app.ledger_count().await, 5);
+    app.stop().await;
+}

@@ -8,11 +8,11 @@ use serde_json::json;
 
 use crate::helpers::*;
 
-async fn stream_messages(js: &async_nats::jetstream::Context, stream: &str) -> u64 {
-    match js.get_stream(stream).await {
-        Ok(mut stream) => stream.info().await.map(|i| i.state.messages).unwrap_or(0),
-        Err(_) => 0,
-    }
+async fn wait_for_ingest_stream(js: &async_nats::jetstream::Context) {
+    eventually(10, "the ingest stream exists", || async {
+        js.get_stream("TALLY_INGEST").await.is_ok()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -21,10 +21,7 @@ async fn an_event_published_to_ingest_reaches_the_ledger_and_the_ledger_stream()
     let js = app.nats.jetstream().await;
     let event = valid_event("org_nats", "ctr_n1", 0);
     let id = event["id"].as_str().unwrap().to_owned();
-    eventually(10, "the ingest stream exists", || async {
-        js.get_stream("TALLY_INGEST").await.is_ok()
-    })
-    .await;
+    wait_for_ingest_stream(&js).await;
     js.publish("tally.ingest.x", event.to_string().into())
         .await
         .unwrap()
@@ -37,12 +34,7 @@ async fn an_event_published_to_ingest_reaches_the_ledger_and_the_ledger_stream()
         .await
         .unwrap();
 
-    let pool = app.pool.clone();
-    eventually(10, "the event is in the ledger", || {
-        let pool = pool.clone();
-        async move { ledger_count(&pool).await == 1 }
-    })
-    .await;
+    wait_for_ledger_count(&app.pool, 1).await;
     let stored: uuid::Uuid = sqlx::query_scalar("SELECT id FROM ledger")
         .fetch_one(&app.pool)
         .await
@@ -77,10 +69,7 @@ async fn an_event_published_to_ingest_reaches_the_ledger_and_the_ledger_stream()
 async fn a_cloudevent_over_nats_is_read_by_its_content_type_header() {
     let app = TestApp::spawn().await;
     let js = app.nats.jetstream().await;
-    eventually(10, "the ingest stream exists", || async {
-        js.get_stream("TALLY_INGEST").await.is_ok()
-    })
-    .await;
+    wait_for_ingest_stream(&js).await;
     let cloudevent = json!({"specversion": "1.0", "id": "n-1", "source": "/nats", "type": "container.resumed",
         "time": ago(5), "subject": "ctr_9", "orgid": "org_ce"});
     let mut headers = HeaderMap::new();
@@ -90,12 +79,7 @@ async fn a_cloudevent_over_nats_is_read_by_its_content_type_header() {
         .unwrap()
         .await
         .unwrap();
-    let pool = app.pool.clone();
-    eventually(10, "the cloudevent is in the ledger", || {
-        let pool = pool.clone();
-        async move { ledger_count(&pool).await == 1 }
-    })
-    .await;
+    wait_for_ledger_count(&app.pool, 1).await;
     let source: String = sqlx::query_scalar("SELECT source FROM ledger")
         .fetch_one(&app.pool)
         .await
@@ -108,10 +92,7 @@ async fn a_cloudevent_over_nats_is_read_by_its_content_type_header() {
 async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redelivered() {
     let app = TestApp::spawn().await;
     let js = app.nats.jetstream().await;
-    eventually(10, "the ingest stream exists", || async {
-        js.get_stream("TALLY_INGEST").await.is_ok()
-    })
-    .await;
+    wait_for_ingest_stream(&js).await;
     js.publish("tally.ingest.bad", "{\"id\": ".into())
         .await
         .unwrap()

@@ -67,14 +67,8 @@ async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_re
     // When NATS returns (same store), the relay catches up without being told.
     app.nats.restart();
     let js = app.nats.jetstream().await;
-    eventually(30, "the relay caught up after NATS returned", || {
-        let js = js.clone();
-        async move {
-            match js.get_stream("TALLY_LEDGER").await {
-                Ok(mut stream) => stream.info().await.is_ok_and(|i| i.state.messages == 2),
-                Err(_) => false,
-            }
-        }
+    eventually(30, "the relay caught up after NATS returned", || async {
+        stream_messages(&js, "TALLY_LEDGER").await == 2
     })
     .await;
     app.stop().await;

@@ -1,25 +1,8 @@
 //! `tally verify` and `GET /v1/ledger/verify` find tampering and name the position.
 
-use std::process::Command;
-
 use serde_json::{json, Value};
 
 use crate::helpers::*;
-
-fn run_verify(database_url: &str) -> (i32, Value, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
-        .arg("verify")
-        .env("DATABASE_URL", database_url)
-        .env("RUST_LOG", "error")
-        .output()
-        .expect("running tally verify");
-    let report = serde_json::from_slice(&output.stdout).expect("verify prints a JSON report");
-    (
-        output.status.code().unwrap_or(-1),
-        report,
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
 
 /// Alters the ledger the only way possible: as a superuser with the guards switched off.
 async fn tamper(pool: &sqlx::PgPool, statement: &str) {
