@@ -377,8 +377,7 @@ mod tests {
         assert_eq!(e.org_id.as_str(), "org_8f2k");
         assert_eq!(e.container_id.as_ref().unwrap().as_str(), "ctr_51x");
         assert_eq!(
-            e.occurred_at
-                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            crate::event::canonical::timestamp(e.occurred_at),
             "2026-11-29T09:00:00.123Z"
         );
         assert_eq!(

@@ -264,8 +264,7 @@ where
 
 /// A timestamp `seconds_ago` before now, in RFC 3339 with milliseconds.
 pub fn ago(seconds_ago: i64) -> String {
-    (chrono::Utc::now() - chrono::Duration::seconds(seconds_ago))
-        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    tally::event::canonical::timestamp(chrono::Utc::now() - chrono::Duration::seconds(seconds_ago))
 }
 
 /// A valid event of a random kind for the given org and container.
