@@ -70,6 +70,16 @@ pub struct Interval {
 }
 
 impl Interval {
+    /// Panics if `end` is before `start`: intervals come from folds, or from a projection
+    /// that stored a fold.
+    pub fn new(start: DateTime<Utc>, end: Option<DateTime<Utc>>) -> Interval {
+        assert!(
+            end.is_none_or(|end| end >= start),
+            "interval ends at {end:?} before it starts at {start}"
+        );
+        Interval { start, end }
+    }
+
     pub fn start(&self) -> DateTime<Utc> {
         self.start
     }
@@ -165,11 +175,32 @@ pub struct PortPublication {
 /// order; it does not depend on `as_of`, which only the runtime queries take.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerTimeline {
-    /// Sorted, non-overlapping; only the last may be open.
-    intervals: Vec<Interval>,
-    anomalies: Vec<Anomaly>,
+    lifecycle: Lifecycle,
     commands: Vec<CommandRun>,
     ports: Vec<PortPublication>,
+}
+
+/// What the state machine carries from one event to the next: the running intervals, the
+/// anomalies and the latest `occurred_at` seen. A projection stores this per container and
+/// counts commands and ports as they come, so that an event later than everything before
+/// it ([`Lifecycle::advance`]) needs no history; only a late one needs a refold.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Lifecycle {
+    /// Sorted, non-overlapping; only the last may be open.
+    intervals: Vec<Interval>,
+    /// In (`occurred_at`, position) order.
+    anomalies: Vec<Anomaly>,
+    /// The latest `occurred_at` of any entry folded, lifecycle or not.
+    last_at: Option<DateTime<Utc>>,
+}
+
+/// An entry that does not come strictly after every entry already folded: the container's
+/// history has to be folded again with it ([`ContainerTimeline::fold`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("an entry at {occurred_at} is not later than {last_at}, the latest already folded")]
+pub struct Late {
+    pub occurred_at: DateTime<Utc>,
+    pub last_at: DateTime<Utc>,
 }
 
 impl ContainerTimeline {
@@ -183,15 +214,16 @@ impl ContainerTimeline {
             (entry.occurred_at, entry.position, entry.event_id)
         });
         let mut timeline = ContainerTimeline {
-            intervals: Vec::new(),
-            anomalies: Vec::new(),
+            lifecycle: Lifecycle::default(),
             commands: Vec::new(),
             ports: Vec::new(),
         };
+        let lifecycle = &mut timeline.lifecycle;
         for entry in &ordered {
+            lifecycle.last_at = Some(entry.occurred_at);
             let anomaly = match entry.kind {
                 EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped => {
-                    timeline.walk(entry.kind, entry.occurred_at)
+                    lifecycle.walk(entry.kind, entry.occurred_at)
                 }
                 EntryKind::CommandRan { duration_ms } => {
                     assert!(
@@ -214,7 +246,7 @@ impl ContainerTimeline {
                 }
             };
             if let Some(kind) = anomaly {
-                timeline.anomalies.push(anomaly_of(kind, entry));
+                lifecycle.anomalies.push(anomaly_of(kind, entry));
             }
         }
         // Whether a command ran while the container was running is a question about the
@@ -222,18 +254,111 @@ impl ContainerTimeline {
         // later position has already ended the half-open interval.
         for entry in &ordered {
             if matches!(entry.kind, EntryKind::CommandRan { .. })
-                && !timeline.running_at(entry.occurred_at)
+                && !lifecycle.running_at(entry.occurred_at)
             {
-                timeline
+                lifecycle
                     .anomalies
                     .push(anomaly_of(AnomalyKind::CommandWhileNotRunning, entry));
             }
         }
-        timeline
+        lifecycle
             .anomalies
             .sort_by_key(|anomaly| (anomaly.occurred_at, anomaly.position));
-        timeline.assert_intervals_are_ordered();
+        lifecycle.assert_intervals_are_ordered();
         timeline
+    }
+
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
+    }
+
+    pub fn into_lifecycle(self) -> Lifecycle {
+        self.lifecycle
+    }
+
+    pub fn intervals(&self) -> &[Interval] {
+        self.lifecycle.intervals()
+    }
+
+    /// The state after the last lifecycle event; use [`Self::running_at`] for an instant.
+    pub fn state(&self) -> ContainerState {
+        self.lifecycle.state()
+    }
+
+    pub fn anomalies(&self) -> &[Anomaly] {
+        self.lifecycle.anomalies()
+    }
+
+    pub fn commands(&self) -> &[CommandRun] {
+        &self.commands
+    }
+
+    pub fn ports(&self) -> &[PortPublication] {
+        &self.ports
+    }
+
+    /// Whether an interval holds `instant` (running at a start, not at a stop).
+    pub fn running_at(&self, instant: DateTime<Utc>) -> bool {
+        self.lifecycle.running_at(instant)
+    }
+
+    /// Running time inside `window`, in whole milliseconds. Pass `window.until(as_of)` to
+    /// count an open interval up to `as_of`.
+    pub fn runtime_ms(&self, window: Window) -> i64 {
+        self.lifecycle.runtime_ms(window)
+    }
+
+    /// Running time up to `as_of`, split at month boundaries. Periods without running time
+    /// are absent.
+    pub fn runtime_by_period(&self, as_of: DateTime<Utc>) -> BTreeMap<Period, i64> {
+        self.lifecycle.runtime_by_period(as_of)
+    }
+}
+
+impl Lifecycle {
+    /// A lifecycle as a projection stored it. Panics if the intervals are not ordered and
+    /// disjoint with only the last open: stored lifecycles come from folds.
+    pub fn restore(
+        intervals: Vec<Interval>,
+        anomalies: Vec<Anomaly>,
+        last_at: Option<DateTime<Utc>>,
+    ) -> Lifecycle {
+        let lifecycle = Lifecycle {
+            intervals,
+            anomalies,
+            last_at,
+        };
+        lifecycle.assert_intervals_are_ordered();
+        lifecycle
+    }
+
+    /// Takes one more entry that comes strictly after every entry folded so far, with the
+    /// result [`ContainerTimeline::fold`] would give for the whole history: nothing before
+    /// it can be re-ordered, and no earlier command's running state can change, because
+    /// every earlier instant is before this one. An entry at or before `last_at` is
+    /// [`Late`] and changes nothing. Returns the anomaly the entry caused, if any.
+    pub fn advance(&mut self, entry: &ContainerEntry) -> Result<Option<Anomaly>, Late> {
+        if let Some(last_at) = self.last_at {
+            if entry.occurred_at <= last_at {
+                return Err(Late {
+                    occurred_at: entry.occurred_at,
+                    last_at,
+                });
+            }
+        }
+        let kind = match entry.kind {
+            EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped => {
+                self.walk(entry.kind, entry.occurred_at)
+            }
+            // Nothing after it yet, so the state after the walk so far is the state at it.
+            EntryKind::CommandRan { .. } => (self.state() != ContainerState::Running)
+                .then_some(AnomalyKind::CommandWhileNotRunning),
+            EntryKind::PortPublished { .. } => None,
+        };
+        self.last_at = Some(entry.occurred_at);
+        let anomaly = kind.map(|kind| anomaly_of(kind, entry));
+        self.anomalies.extend(anomaly);
+        Ok(anomaly)
     }
 
     /// One step of the table in DESIGN §3. "Seen" means a `created` or `resumed` came
@@ -291,6 +416,15 @@ impl ContainerTimeline {
         &self.intervals
     }
 
+    pub fn anomalies(&self) -> &[Anomaly] {
+        &self.anomalies
+    }
+
+    /// The latest `occurred_at` folded; `None` before the first entry.
+    pub fn last_at(&self) -> Option<DateTime<Utc>> {
+        self.last_at
+    }
+
     /// The state after the last lifecycle event; use [`Self::running_at`] for an instant.
     pub fn state(&self) -> ContainerState {
         match self.intervals.last() {
@@ -300,16 +434,12 @@ impl ContainerTimeline {
         }
     }
 
-    pub fn anomalies(&self) -> &[Anomaly] {
-        &self.anomalies
-    }
-
-    pub fn commands(&self) -> &[CommandRun] {
-        &self.commands
-    }
-
-    pub fn ports(&self) -> &[PortPublication] {
-        &self.ports
+    /// The start of the open interval, while running.
+    pub fn running_since(&self) -> Option<DateTime<Utc>> {
+        self.intervals
+            .last()
+            .filter(|interval| interval.end.is_none())
+            .map(|interval| interval.start)
     }
 
     /// Whether an interval holds `instant` (running at a start, not at a stop).
@@ -346,6 +476,25 @@ impl ContainerTimeline {
             let end = interval.end.unwrap_or(as_of).min(as_of);
             while period.start() < end {
                 let runtime_ms = interval.overlap_ms(period.window().until(as_of));
+                if runtime_ms > 0 {
+                    *runtime_by_period.entry(period).or_insert(0) += runtime_ms;
+                }
+                period = period.next();
+            }
+        }
+        runtime_by_period
+    }
+
+    /// The running time of the closed intervals, split at month boundaries: the part of a
+    /// container's runtime that no `as_of` at or after its last event can change. Periods
+    /// without running time are absent.
+    pub fn closed_runtime_by_period(&self) -> BTreeMap<Period, i64> {
+        let mut runtime_by_period = BTreeMap::new();
+        for interval in &self.intervals {
+            let Some(end) = interval.end else { continue };
+            let mut period = Period::containing(interval.start);
+            while period.start() < end {
+                let runtime_ms = interval.overlap_ms(period.window());
                 if runtime_ms > 0 {
                     *runtime_by_period.entry(period).or_insert(0) += runtime_ms;
                 }

@@ -28,7 +28,7 @@ pub use account::{
 };
 pub use container::{
     Anomaly, AnomalyKind, CommandRun, ContainerEntry, ContainerState, ContainerTimeline, EntryKind,
-    Interval, PortPublication,
+    Interval, Late, Lifecycle, PortPublication,
 };
 pub use period::{Period, PeriodError, Window};
 
@@ -79,6 +79,82 @@ pub fn usage<'a>(
         }
     }
     usage
+}
+
+/// An org's figures for one period as a projection keeps them, by adding each container's
+/// share as its events come: everything of [`Usage`] except the part of runtime that still
+/// grows (open intervals, see [`OpenRuns`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PeriodTotals {
+    /// Closed intervals' running time inside the whole period.
+    pub closed_runtime_ms: i64,
+    pub commands: u64,
+    pub command_ms: i64,
+    /// Distinct (container, port) pairs published in the period.
+    pub ports_published: u64,
+}
+
+/// An org's open intervals that started in one period: how many, and the sum of their starts
+/// counted in milliseconds from the period's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenRuns {
+    pub since_period: Period,
+    pub running: u64,
+    pub since_offset_ms: i64,
+}
+
+impl OpenRuns {
+    /// The entry of one open interval starting at `since`.
+    pub fn of(since: DateTime<Utc>) -> OpenRuns {
+        let since_period = Period::containing(since);
+        OpenRuns {
+            since_period,
+            running: 1,
+            since_offset_ms: period::millis_between(since_period.start(), since),
+        }
+    }
+}
+
+/// The usage of an org from its projected totals, in time independent of how many
+/// containers it has: `totals` for `period`, `open` for every period its open intervals
+/// started in. Equal to [`usage`] over the org's timelines when `as_of` is at or after
+/// `settled_at` (the instant after the org's latest event, see [`settled_at`]): then every
+/// closed interval, command and port lies wholly before `as_of`, and every open interval
+/// started before it. Returns `None` for an earlier `as_of`, which needs the timelines.
+pub fn usage_from_totals(
+    totals: PeriodTotals,
+    open: &[OpenRuns],
+    period: Period,
+    as_of: DateTime<Utc>,
+    settled_at: Option<DateTime<Utc>>,
+) -> Option<Usage> {
+    if settled_at.is_some_and(|settled_at| as_of < settled_at) {
+        return None;
+    }
+    let window = period.window().until(as_of);
+    let mut usage = Usage {
+        runtime_ms: totals.closed_runtime_ms,
+        commands: totals.commands,
+        command_ms: totals.command_ms,
+        ports_published: totals.ports_published,
+        running_containers: 0,
+    };
+    for runs in open {
+        usage.running_containers += runs.running;
+        let running = i64::try_from(runs.running).expect("fewer than 2^63 containers");
+        if runs.since_period < period {
+            usage.runtime_ms += running * window.length_ms();
+        } else if runs.since_period == period {
+            usage.runtime_ms += running * window.length_ms() - runs.since_offset_ms;
+        }
+    }
+    Some(usage)
+}
+
+/// The first instant at which every event at or before `latest` is wholly in the past: one
+/// millisecond after it, since windows are half-open and events are whole milliseconds.
+pub fn settled_at(latest: DateTime<Utc>) -> DateTime<Utc> {
+    latest + chrono::Duration::milliseconds(1)
 }
 
 /// Entries in ledger order (`occurred_at`, then position), each event id once. The event id

@@ -250,4 +250,75 @@ proptest! {
             timelines(&lifecycle_only).iter().map(|t| t.intervals().to_vec()).collect();
         prop_assert_eq!(with, without);
     }
+
+    #[test]
+    fn advancing_in_arrival_order_and_refolding_only_late_entries_gives_the_fold(history in any_history()) {
+        for container in 0..CONTAINERS {
+            let arrivals: Vec<ContainerEntry> = history
+                .containers
+                .iter()
+                .filter(|(owner, _)| *owner == container)
+                .map(|(_, entry)| *entry)
+                .collect();
+            let mut lifecycle = Lifecycle::default();
+            for (seen, entry) in arrivals.iter().enumerate() {
+                if lifecycle.advance(entry).is_err() {
+                    lifecycle = ContainerTimeline::fold(&arrivals[..=seen]).into_lifecycle();
+                }
+            }
+            prop_assert_eq!(lifecycle, ContainerTimeline::fold(&arrivals).into_lifecycle());
+        }
+    }
+
+    #[test]
+    fn usage_from_totals_equals_usage_from_timelines_once_settled(
+        history in any_history(),
+        after_ms in prop_oneof![Just(0i64), 0i64..3, 0i64..40 * 86_400_000],
+    ) {
+        let timelines = timelines(&history);
+        let Some(latest) = history.containers.iter().map(|(_, entry)| entry.occurred_at).max() else {
+            return Ok(());
+        };
+        let settled = settled_at(latest);
+        let mut totals: BTreeMap<Period, PeriodTotals> = BTreeMap::new();
+        let mut open: Vec<OpenRuns> = Vec::new();
+        for timeline in &timelines {
+            for (period, runtime_ms) in timeline.lifecycle().closed_runtime_by_period() {
+                totals.entry(period).or_default().closed_runtime_ms += runtime_ms;
+            }
+            for command in timeline.commands() {
+                let period = totals.entry(Period::containing(command.occurred_at)).or_default();
+                period.commands += 1;
+                period.command_ms += command.duration_ms;
+            }
+            let pairs: std::collections::BTreeSet<(Period, u16)> = timeline
+                .ports()
+                .iter()
+                .map(|published| (Period::containing(published.occurred_at), published.port))
+                .collect();
+            for (period, _) in pairs {
+                totals.entry(period).or_default().ports_published += 1;
+            }
+            if let Some(since) = timeline.lifecycle().running_since() {
+                let runs = OpenRuns::of(since);
+                match open.iter_mut().find(|group| group.since_period == runs.since_period) {
+                    Some(group) => {
+                        group.running += 1;
+                        group.since_offset_ms += runs.since_offset_ms;
+                    }
+                    None => open.push(runs),
+                }
+            }
+        }
+        let as_of = settled + Duration::milliseconds(after_ms);
+        for period in periods() {
+            let period_totals = totals.get(&period).copied().unwrap_or_default();
+            prop_assert_eq!(
+                usage_from_totals(period_totals, &open, period, as_of, Some(settled)),
+                Some(usage(&timelines, period, as_of))
+            );
+            let early = settled - Duration::milliseconds(1);
+            prop_assert_eq!(usage_from_totals(period_totals, &open, period, early, Some(settled)), None);
+        }
+    }
 }
