@@ -1,4 +1,4 @@
-//! The command line: `tally serve | migrate | verify | bench`.
+//! The command line: `tally serve | migrate | verify | replay | bench`.
 
 use std::process::ExitCode;
 
@@ -29,6 +29,8 @@ pub enum Command {
     Migrate,
     /// Recompute the ledger's hash chain: exit 0 when intact, 1 when broken.
     Verify,
+    /// Rebuild every projection from the ledger (into fresh tables, then swapped in).
+    Replay,
     /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
     Bench(crate::bench::BenchArgs),
 }
@@ -63,6 +65,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::from(1))
                 }
             }
+        }
+        Command::Replay => {
+            let pool = db::prepare(&cli.config).await?;
+            let mut connection = pool.acquire().await?;
+            let report = crate::projection::replay(&mut connection).await?;
+            drop(connection);
+            pool.close().await;
+            println!(
+                "replayed {} events ({} containers) up to position {} in {:.2} s: {:.0} events/s",
+                report.events,
+                report.containers,
+                report.position,
+                report.elapsed.as_secs_f64(),
+                report.events_per_second()
+            );
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => {
             crate::bench::run(cli.config, args).await?;

@@ -33,6 +33,12 @@ pub const RELAY_BATCH_MAX: usize = 1_000;
 pub const RELAY_POLL_MS: u64 = 250;
 /// Messages the ingest consumer pulls per fetch.
 pub const INGEST_FETCH_MAX: usize = 1_000;
+/// Ledger events the projector applies per transaction: large enough to keep up with
+/// bursts in few transactions, small enough that one round stays well under a second.
+pub const PROJECTOR_BATCH_MAX: usize = 5_000;
+/// How often the projector looks for events appended by other instances when nothing
+/// woke it.
+pub const PROJECTOR_POLL_MS: u64 = 250;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -97,6 +103,12 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_INGEST_FETCH_MAX", default_value_t = INGEST_FETCH_MAX)]
     pub ingest_fetch_max: usize,
+
+    #[arg(long, env = "TALLY_PROJECTOR_BATCH_MAX", default_value_t = PROJECTOR_BATCH_MAX)]
+    pub projector_batch_max: usize,
+
+    #[arg(long, env = "TALLY_PROJECTOR_POLL_MS", default_value_t = PROJECTOR_POLL_MS)]
+    pub projector_poll_ms: u64,
 }
 
 impl Config {
@@ -120,6 +132,8 @@ impl Config {
             relay_batch_max: RELAY_BATCH_MAX,
             relay_poll_ms: RELAY_POLL_MS,
             ingest_fetch_max: INGEST_FETCH_MAX,
+            projector_batch_max: PROJECTOR_BATCH_MAX,
+            projector_poll_ms: PROJECTOR_POLL_MS,
         }
     }
 

@@ -14,6 +14,8 @@ pub mod event;
 pub mod http;
 /// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
 pub mod ledger;
+/// Projections of the ledger (runtime, usage, container timelines), the projector, replay.
+pub mod projection;
 /// The runtime rules of DESIGN §3: intervals, anomalies, periods, usage, account state (pure).
 pub mod runtime;
 /// Wiring: starts every component of `tally serve` and stops them in order.

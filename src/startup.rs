@@ -1,6 +1,6 @@
 //! Wiring for `tally serve` (and for tests and the benchmark, which run the same thing
 //! in-process): prepare the database, connect to NATS, start the appender, the relay, the
-//! ingest consumer and the HTTP server; stop them in the order that loses nothing.
+//! projector, the ingest consumer and the HTTP server; stop them in the order that loses nothing.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -14,6 +14,7 @@ use crate::bus::{self, ingest, relay, Names};
 use crate::config::Config;
 use crate::http::{self, auth::Tokens, AppState, Inner};
 use crate::ledger::{db, AppendLimits, Appender};
+use crate::projection::{projector, ProjectorSettings};
 use crate::telemetry;
 
 /// How long shutdown waits for in-flight HTTP requests before giving up on them.
@@ -59,6 +60,15 @@ impl Service {
                 relay::RelaySettings {
                     batch_max: config.relay_batch_max,
                     poll: Duration::from_millis(config.relay_poll_ms),
+                },
+                appender.head(),
+                shutdown.clone(),
+            )),
+            tokio::spawn(projector::run(
+                pool.clone(),
+                ProjectorSettings {
+                    batch_max: config.projector_batch_max,
+                    poll: Duration::from_millis(config.projector_poll_ms),
                 },
                 appender.head(),
                 shutdown.clone(),

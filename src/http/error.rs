@@ -171,3 +171,12 @@ impl ApiError {
         }
     }
 }
+
+impl From<anyhow::Error> for ApiError {
+    fn from(error: anyhow::Error) -> Self {
+        match error.downcast_ref::<sqlx::Error>() {
+            Some(store) => ApiError::from_store(store),
+            None => ApiError::internal(error.as_ref()),
+        }
+    }
+}

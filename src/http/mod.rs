@@ -6,6 +6,7 @@ pub mod error;
 pub mod events;
 pub mod ledger;
 pub mod ops;
+pub mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,6 +55,7 @@ pub fn app(state: AppState) -> Router {
     let v1 = Router::new()
         .merge(events::router())
         .merge(ledger::router())
+        .merge(usage::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -146,6 +146,18 @@ impl AnomalyKind {
             AnomalyKind::CommandWhileNotRunning => "command_while_not_running",
         }
     }
+
+    pub fn parse(value: &str) -> Option<AnomalyKind> {
+        [
+            AnomalyKind::DuplicateCreate,
+            AnomalyKind::ResumeBeforeCreate,
+            AnomalyKind::ResumeWhileRunning,
+            AnomalyKind::StopWhileNotRunning,
+            AnomalyKind::CommandWhileNotRunning,
+        ]
+        .into_iter()
+        .find(|kind| kind.as_str() == value)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

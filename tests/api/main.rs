@@ -8,4 +8,5 @@ mod immutability;
 mod ingest;
 mod nats;
 mod operations;
+mod projection;
 mod verify;

@@ -1,0 +1,228 @@
+//! The runtime read API (DESIGN §6): `GET /v1/orgs/{org_id}/usage` and
+//! `GET /v1/containers/{container_id}`, served from the projection.
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+use chrono::{DateTime, SubsecRound, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::error::{ApiError, ErrorBody};
+use super::AppState;
+use crate::event::canonical;
+use crate::event::{ContainerId, OrgId};
+use crate::projection::query;
+use crate::runtime::{ContainerState, Period, Window};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/orgs/{org_id}/usage", get(get_usage))
+        .route("/v1/containers/{container_id}", get(get_container))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct UsageParams {
+    /// The billing period, `YYYY-MM` (UTC calendar month).
+    period: Option<String>,
+    /// RFC 3339 with an offset; default now. Runtime is counted up to it.
+    as_of: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageResponse {
+    org_id: String,
+    period: String,
+    as_of: String,
+    runtime_ms: i64,
+    commands: u64,
+    command_ms: i64,
+    ports_published: u64,
+    running_containers: u64,
+}
+
+/// An org's usage in one period, as of an instant.
+#[utoipa::path(
+    get,
+    path = "/v1/orgs/{org_id}/usage",
+    tag = "usage",
+    params(("org_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"), UsageParams),
+    responses(
+        (status = 200, body = UsageResponse),
+        (status = 401, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_usage(
+    State(state): State<AppState>,
+    Path(org_id): Path<String>,
+    Query(params): Query<UsageParams>,
+) -> Result<Json<UsageResponse>, ApiError> {
+    let org_id = OrgId::parse(&org_id).map_err(|error| invalid("invalid_org_id", error))?;
+    let period = params
+        .period
+        .as_deref()
+        .ok_or_else(|| invalid("invalid_period", "period is required: YYYY-MM"))
+        .and_then(|period| {
+            Period::parse(period).map_err(|error| invalid("invalid_period", error))
+        })?;
+    let as_of = as_of(params.as_of.as_deref())?;
+    let usage = query::usage(&state.pool, org_id.as_str(), period, as_of).await?;
+    Ok(Json(UsageResponse {
+        org_id: org_id.as_str().to_owned(),
+        period: period.to_string(),
+        as_of: canonical::timestamp(as_of),
+        runtime_ms: usage.runtime_ms,
+        commands: usage.commands,
+        command_ms: usage.command_ms,
+        ports_published: usage.ports_published,
+        running_containers: usage.running_containers,
+    }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+pub struct ContainerParams {
+    /// Runtime is counted up to this instant (RFC 3339 with an offset); default now.
+    as_of: Option<String>,
+    /// Needed only when several orgs have used the same container id.
+    org_id: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ContainerResponse {
+    container_id: String,
+    org_id: String,
+    /// After its last lifecycle event; a container never created or resumed is `stopped`.
+    #[schema(example = "running")]
+    state: &'static str,
+    runtime_ms: i64,
+    intervals: Vec<IntervalResponse>,
+    anomalies: Vec<AnomalyResponse>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct IntervalResponse {
+    start: String,
+    /// `null` while running.
+    end: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AnomalyResponse {
+    #[schema(example = "stop_while_not_running")]
+    kind: &'static str,
+    event_id: String,
+    occurred_at: String,
+}
+
+/// A container's running intervals and anomalies.
+#[utoipa::path(
+    get,
+    path = "/v1/containers/{container_id}",
+    tag = "usage",
+    params(("container_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"), ContainerParams),
+    responses(
+        (status = 200, body = ContainerResponse),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "several orgs used this id; pass org_id"),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_container(
+    State(state): State<AppState>,
+    Path(container_id): Path<String>,
+    Query(params): Query<ContainerParams>,
+) -> Result<Json<ContainerResponse>, ApiError> {
+    let container_id = ContainerId::parse(&container_id)
+        .map_err(|error| invalid("invalid_container_id", error))?;
+    let org_id = params
+        .org_id
+        .as_deref()
+        .map(OrgId::parse)
+        .transpose()
+        .map_err(|error| invalid("invalid_org_id", error))?;
+    let as_of = as_of(params.as_of.as_deref())?;
+    let mut found = query::container(
+        &state.pool,
+        container_id.as_str(),
+        org_id.as_ref().map(OrgId::as_str),
+    )
+    .await?;
+    let stored = match found.len() {
+        0 => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "container_not_found",
+                format!("no events for container {container_id}"),
+            ))
+        }
+        1 => found.remove(0),
+        _ => {
+            let orgs: Vec<&str> = found.iter().map(|stored| stored.org_id.as_str()).collect();
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "ambiguous_container",
+                format!(
+                    "orgs {} have each used container id {container_id}; pass org_id",
+                    orgs.join(", ")
+                ),
+            ));
+        }
+    };
+    let lifecycle = &stored.lifecycle;
+    let runtime_ms = lifecycle.intervals().first().map_or(0, |first| {
+        lifecycle.runtime_ms(Window::new(first.start(), first.start().max(as_of)).until(as_of))
+    });
+    Ok(Json(ContainerResponse {
+        container_id: container_id.as_str().to_owned(),
+        org_id: stored.org_id,
+        state: match lifecycle.state() {
+            ContainerState::Running => "running",
+            ContainerState::Stopped | ContainerState::Unseen => "stopped",
+        },
+        runtime_ms,
+        intervals: lifecycle
+            .intervals()
+            .iter()
+            .map(|interval| IntervalResponse {
+                start: canonical::timestamp(interval.start()),
+                end: interval.end().map(canonical::timestamp),
+            })
+            .collect(),
+        anomalies: lifecycle
+            .anomalies()
+            .iter()
+            .map(|anomaly| AnomalyResponse {
+                kind: anomaly.kind.as_str(),
+                event_id: anomaly.event_id.to_string(),
+                occurred_at: canonical::timestamp(anomaly.occurred_at),
+            })
+            .collect(),
+    }))
+}
+
+/// `as_of` from a query parameter, truncated to the millisecond like event times; now when
+/// absent.
+fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
+    let Some(value) = value else {
+        return Ok(Utc::now().trunc_subsecs(3));
+    };
+    DateTime::parse_from_rfc3339(value)
+        .map(|instant| instant.with_timezone(&Utc).trunc_subsecs(3))
+        .map_err(|error| {
+            invalid(
+                "invalid_as_of",
+                format!("as_of {value:?} is not an RFC 3339 instant with an offset: {error}"),
+            )
+        })
+}
+
+fn invalid(code: &'static str, error: impl ToString) -> ApiError {
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string())
+}

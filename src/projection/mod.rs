@@ -1,0 +1,14 @@
+//! Projections: the figures the read side serves, derived from the ledger alone.
+//!
+//! `model` decides what a run of events changes (pure), `store` reads and writes the
+//! projection tables, `projector` keeps them current as the ledger grows, `replay` rebuilds
+//! them from scratch, and `query` answers the API's reads.
+
+pub mod model;
+pub mod projector;
+pub mod query;
+pub mod replay;
+pub mod store;
+
+pub use projector::{project_once, ProjectorSettings, Round};
+pub use replay::{replay, ReplayReport};

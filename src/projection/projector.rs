@@ -1,0 +1,144 @@
+//! The projector: tails the ledger by position and keeps the projection tables current.
+//!
+//! Each round is one transaction: lock the checkpoint row (`FOR UPDATE SKIP LOCKED`, so
+//! that of several instances one projects and the others skip the round), read the events
+//! after it, apply them (a late event refolds only its container), write the changes and
+//! move the checkpoint. The projection therefore always equals the ledger up to its
+//! checkpoint, and a crash anywhere loses or repeats nothing. It wakes on this instance's
+//! commits (the appender's head) and polls for other instances'.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::model::{Changes, ContainerKey};
+use super::store;
+
+/// After being woken by a commit, wait this long so that one round carries several group
+/// commits: a few milliseconds of lag for far fewer transactions under load.
+const LINGER_MS: u64 = 5;
+/// Pause after an error before trying the round again.
+const RETRY_DELAY_MS: u64 = 500;
+
+#[derive(Debug, Clone)]
+pub struct ProjectorSettings {
+    /// Events per round (one transaction).
+    pub batch_max: usize,
+    /// How often to look for events appended by other instances.
+    pub poll: Duration,
+}
+
+/// What a round did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Round {
+    /// Projected events up to this position.
+    Projected { events: usize, position: i64 },
+    /// Nothing after the checkpoint.
+    CaughtUp { position: i64 },
+    /// Another transaction holds the checkpoint.
+    Busy,
+}
+
+/// Runs until `shutdown`; errors are logged and the round retried, never fatal.
+pub async fn run(
+    pool: PgPool,
+    settings: ProjectorSettings,
+    mut head: watch::Receiver<i64>,
+    shutdown: CancellationToken,
+) {
+    while !shutdown.is_cancelled() {
+        match project_once(&pool, settings.batch_max).await {
+            Ok(Round::Projected { events, position }) => {
+                let head_position = *head.borrow();
+                metrics::gauge!("tally_projection_lag_positions")
+                    .set((head_position - position).max(0) as f64);
+                if events == settings.batch_max {
+                    continue;
+                }
+            }
+            Ok(Round::CaughtUp { .. }) => {
+                metrics::gauge!("tally_projection_lag_positions").set(0.0);
+                metrics::gauge!("tally_projection_lag_ms").set(0.0);
+            }
+            Ok(Round::Busy) => {}
+            Err(error) => {
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "projection round failed; will retry"
+                );
+                metrics::counter!("tally_projection_errors_total").increment(1);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
+                    _ = shutdown.cancelled() => {}
+                }
+                continue;
+            }
+        }
+        tokio::select! {
+            changed = head.changed() => {
+                if changed.is_ok() {
+                    tokio::time::sleep(Duration::from_millis(LINGER_MS)).await;
+                } else {
+                    // The appender stopped; only polling is left.
+                    tokio::time::sleep(settings.poll).await;
+                }
+            }
+            _ = tokio::time::sleep(settings.poll) => {}
+            _ = shutdown.cancelled() => {}
+        }
+    }
+    tracing::info!("projector stopped");
+}
+
+/// One round: projects up to `batch_max` events after the checkpoint, in one transaction.
+pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Round> {
+    let started = Instant::now();
+    let mut transaction = pool.begin().await?;
+    let Some(checkpoint) = store::lock_checkpoint(&mut transaction, store::LIVE).await? else {
+        return Ok(Round::Busy);
+    };
+    let events = store::read_events(&mut transaction, checkpoint, batch_max).await?;
+    let Some(last) = events.last() else {
+        return Ok(Round::CaughtUp {
+            position: checkpoint,
+        });
+    };
+    let (position, recorded_at) = (last.position, last.recorded_at);
+    let keys: Vec<ContainerKey> = events
+        .iter()
+        .filter_map(|event| {
+            let (container_id, _) = event.container.as_ref()?;
+            Some(ContainerKey {
+                org_id: event.org_id.clone(),
+                container_id: container_id.clone(),
+            })
+        })
+        .collect::<HashSet<_>>()
+        .into_iter()
+        .collect();
+    let stored = store::load_lifecycles(&mut transaction, store::LIVE, &keys).await?;
+    let mut changes = Changes::apply(&events, stored);
+    let late: Vec<ContainerKey> = changes.late().cloned().collect();
+    if !late.is_empty() {
+        let histories = store::read_histories(&mut transaction, &late, position).await?;
+        for (key, history) in &histories {
+            changes.refold(key, history);
+        }
+        metrics::counter!("tally_projection_refolds_total").increment(late.len() as u64);
+    }
+    store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
+    transaction.commit().await?;
+
+    metrics::histogram!("tally_projection_round_events").record(events.len() as f64);
+    metrics::histogram!("tally_projection_round_seconds").record(started.elapsed().as_secs_f64());
+    metrics::gauge!("tally_projection_position").set(position as f64);
+    let lag = chrono::Utc::now() - recorded_at;
+    metrics::gauge!("tally_projection_lag_ms").set(lag.num_milliseconds().max(0) as f64);
+    Ok(Round::Projected {
+        events: events.len(),
+        position,
+    })
+}

@@ -1,0 +1,138 @@
+//! Reads the API serves from the projection: an org's usage for a period, a container's
+//! timeline.
+//!
+//! Usage as of an instant after the org's latest event (the normal case: "as of now")
+//! comes from the org's totals alone — one statement, independent of how many containers
+//! the org has. An earlier `as_of` has to cut intervals, commands and ports at that instant:
+//! it reads the org's stored lifecycles, its port pairs, and counts its commands from the
+//! ledger up to the projection's checkpoint, all in one snapshot.
+
+use chrono::{DateTime, Utc};
+use sqlx::{FromRow, PgPool};
+
+use super::store::{self, LIVE};
+use crate::runtime::{self, OpenRuns, Period, PeriodTotals, Usage};
+
+#[derive(FromRow)]
+struct TotalsRow {
+    latest_at: Option<DateTime<Utc>>,
+    closed_runtime_ms: i64,
+    commands: i64,
+    command_ms: i64,
+    ports_published: i64,
+    open_periods: Vec<String>,
+    open_running: Vec<i64>,
+    open_offsets: Vec<i64>,
+}
+
+/// The usage of `org_id` in `period` as of `as_of` (already truncated to milliseconds).
+/// An org the projection has never seen has zero usage.
+pub async fn usage(
+    pool: &PgPool,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+) -> anyhow::Result<Usage> {
+    let row: TotalsRow = sqlx::query_as(&format!(
+        "SELECT (SELECT latest_at FROM {LIVE}.org WHERE org_id = $1) AS latest_at, \
+                COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
+                COALESCE(p.commands, 0) AS commands, \
+                COALESCE(p.command_ms, 0) AS command_ms, \
+                COALESCE(p.ports_published, 0) AS ports_published, \
+                ARRAY(SELECT since_period FROM {LIVE}.org_open \
+                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_periods, \
+                ARRAY(SELECT running FROM {LIVE}.org_open \
+                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_running, \
+                ARRAY(SELECT since_offset_ms FROM {LIVE}.org_open \
+                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_offsets \
+         FROM (SELECT 1) AS one \
+         LEFT JOIN {LIVE}.org_period p ON p.org_id = $1 AND p.period = $2"
+    ))
+    .bind(org_id)
+    .bind(period.to_string())
+    .fetch_one(pool)
+    .await?;
+    let totals = PeriodTotals {
+        closed_runtime_ms: row.closed_runtime_ms,
+        commands: u64::try_from(row.commands)?,
+        command_ms: row.command_ms,
+        ports_published: u64::try_from(row.ports_published)?,
+    };
+    let open = row
+        .open_periods
+        .iter()
+        .zip(&row.open_running)
+        .zip(&row.open_offsets)
+        .map(|((since_period, running), offset)| {
+            Ok(OpenRuns {
+                since_period: Period::parse(since_period)?,
+                running: u64::try_from(*running)?,
+                since_offset_ms: *offset,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let settled_at = row.latest_at.map(runtime::settled_at);
+    match runtime::usage_from_totals(totals, &open, period, as_of, settled_at) {
+        Some(usage) => Ok(usage),
+        None => usage_cut_at(pool, org_id, period, as_of).await,
+    }
+}
+
+/// Usage as of an instant the org's events reach past: every figure cut at `as_of`.
+async fn usage_cut_at(
+    pool: &PgPool,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+) -> anyhow::Result<Usage> {
+    let window = period.window().until(as_of);
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *transaction)
+        .await?;
+    let checkpoint = store::checkpoint(&mut transaction, LIVE).await?;
+    let lifecycles = store::org_lifecycles(&mut transaction, org_id).await?;
+    let (commands, command_ms): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), COALESCE(sum((data->>'duration_ms')::BIGINT), 0)::BIGINT FROM ledger \
+         WHERE org_id = $1 AND occurred_at >= $2 AND occurred_at < $3 AND position <= $4 \
+           AND type = 'container.command_ran'",
+    )
+    .bind(org_id)
+    .bind(window.start())
+    .bind(window.end())
+    .bind(checkpoint)
+    .fetch_one(&mut *transaction)
+    .await?;
+    let ports_published: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {LIVE}.port WHERE org_id = $1 AND period = $2 AND first_at < $3"
+    ))
+    .bind(org_id)
+    .bind(period.to_string())
+    .bind(window.end())
+    .fetch_one(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok(Usage {
+        runtime_ms: lifecycles
+            .iter()
+            .map(|lifecycle| lifecycle.runtime_ms(window))
+            .sum(),
+        commands: u64::try_from(commands)?,
+        command_ms,
+        ports_published: u64::try_from(ports_published)?,
+        running_containers: lifecycles
+            .iter()
+            .filter(|lifecycle| lifecycle.running_at(as_of))
+            .count() as u64,
+    })
+}
+
+/// A container's lifecycle for each org that used its id (normally one).
+pub async fn container(
+    pool: &PgPool,
+    container_id: &str,
+    org_id: Option<&str>,
+) -> anyhow::Result<Vec<store::StoredContainer>> {
+    let mut connection = pool.acquire().await?;
+    store::containers_by_id(&mut connection, container_id, org_id).await
+}

@@ -1,0 +1,138 @@
+//! `tally replay`: rebuilds every projection from the ledger.
+//!
+//! It builds into a fresh schema next to the live one — reading the ledger up to the head
+//! it finds at the start, folding each container's whole history in memory, writing the
+//! results in bulk with the checkpoint at that head — then, in one transaction that locks
+//! the live checkpoint (so no projector round is half-way), swaps the schemas and drops the
+//! old one. Readers see the old projection until the commit and the whole new one after it;
+//! a running projector continues from the new checkpoint. Only one replay runs at a time.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use futures::TryStreamExt;
+use sqlx::{Connection, PgConnection};
+
+use super::model::{Changes, ContainerKey};
+use super::store::{self, EventRow, BUILD, EVENT_COLUMNS, LIVE};
+use crate::runtime::ContainerEntry;
+
+/// The session advisory lock that lets one replay run at a time: `'replay'` in ASCII.
+pub const REPLAY_LOCK_KEY: i64 = 0x7265_706c_6179;
+/// The schema the live projection is moved to while it is dropped.
+const RETIRED: &str = "proj_retired";
+
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayReport {
+    /// Events read from the ledger (every type).
+    pub events: u64,
+    pub containers: usize,
+    /// The ledger position the new projection holds.
+    pub position: i64,
+    pub elapsed: Duration,
+}
+
+impl ReplayReport {
+    pub fn events_per_second(&self) -> f64 {
+        self.events as f64 / self.elapsed.as_secs_f64().max(f64::EPSILON)
+    }
+}
+
+/// Rebuilds the projection on `connection` (a connection of its own: it holds the replay
+/// lock for the session).
+pub async fn replay(connection: &mut PgConnection) -> anyhow::Result<ReplayReport> {
+    let started = Instant::now();
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(REPLAY_LOCK_KEY)
+        .fetch_one(&mut *connection)
+        .await?;
+    if !locked {
+        bail!("another replay is running on this database");
+    }
+    // Reading a large ledger is one long statement; the service's per-statement bound is
+    // for requests, not for this.
+    sqlx::query("SET statement_timeout = 0")
+        .execute(&mut *connection)
+        .await?;
+    let result = build_and_swap(connection, started).await;
+    sqlx::query("RESET statement_timeout")
+        .execute(&mut *connection)
+        .await?;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(REPLAY_LOCK_KEY)
+        .execute(&mut *connection)
+        .await?;
+    result
+}
+
+async fn build_and_swap(
+    connection: &mut PgConnection,
+    started: Instant,
+) -> anyhow::Result<ReplayReport> {
+    sqlx::query(&format!("DROP SCHEMA IF EXISTS {BUILD} CASCADE"))
+        .execute(&mut *connection)
+        .await?;
+    sqlx::query("SELECT tally_create_projection_schema($1)")
+        .bind(BUILD)
+        .execute(&mut *connection)
+        .await?;
+    // Positions commit in order, so every position up to the head seen now is committed.
+    let head: i64 = sqlx::query_scalar("SELECT COALESCE(max(position), 0) FROM ledger")
+        .fetch_one(&mut *connection)
+        .await?;
+
+    let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
+    let mut events = 0u64;
+    {
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM ledger WHERE position <= $1");
+        let mut rows = sqlx::query_as::<_, EventRow>(&sql)
+            .bind(head)
+            .fetch(&mut *connection);
+        while let Some(row) = rows.try_next().await? {
+            events += 1;
+            let event = row.into_event()?;
+            if let Some((container_id, entry)) = event.container {
+                histories
+                    .entry(ContainerKey {
+                        org_id: event.org_id,
+                        container_id,
+                    })
+                    .or_default()
+                    .push(entry);
+            }
+        }
+    }
+    let containers = histories.len();
+    let changes = Changes::from_histories(histories);
+
+    let mut transaction = connection.begin().await?;
+    store::write(&mut transaction, BUILD, changes, head).await?;
+    transaction.commit().await?;
+
+    let mut transaction = connection.begin().await?;
+    sqlx::query(&format!(
+        "LOCK TABLE {LIVE}.checkpoint IN ACCESS EXCLUSIVE MODE"
+    ))
+    .execute(&mut *transaction)
+    .await?;
+    let live: i64 = store::checkpoint(&mut transaction, LIVE).await?;
+    tracing::info!(live, replayed = head, "swapping in the replayed projection");
+    for statement in [
+        format!("ALTER SCHEMA {LIVE} RENAME TO {RETIRED}"),
+        format!("ALTER SCHEMA {BUILD} RENAME TO {LIVE}"),
+        format!("DROP SCHEMA {RETIRED} CASCADE"),
+    ] {
+        sqlx::query(&statement)
+            .execute(&mut *transaction)
+            .await
+            .with_context(|| statement.clone())?;
+    }
+    transaction.commit().await?;
+    Ok(ReplayReport {
+        events,
+        containers,
+        position: head,
+        elapsed: started.elapsed(),
+    })
+}

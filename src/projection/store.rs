@@ -1,0 +1,544 @@
+//! The projection tables (see the `projections` migration): reading ledger events for the
+//! projector, loading and storing lifecycles, writing a run's [`Changes`] with its
+//! checkpoint. Every statement names its schema, because replay writes a fresh copy next
+//! to the live one.
+
+use std::collections::HashMap;
+
+use anyhow::{anyhow, Context as _};
+use chrono::{DateTime, Utc};
+use sqlx::{FromRow, PgConnection};
+use uuid::Uuid;
+
+use super::model::{Changes, ContainerKey, PeriodDelta, ProjectedEvent};
+use crate::event::{EventId, EventType};
+use crate::runtime::{
+    Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval, Lifecycle, Period,
+};
+
+/// The schema readers use.
+pub const LIVE: &str = "proj";
+/// Where replay builds before swapping.
+pub const BUILD: &str = "proj_build";
+
+/// Rows per statement when writing: keeps every bind array and statement bounded, however
+/// large a replay is.
+pub const WRITE_CHUNK_ROWS: usize = 10_000;
+
+/// The columns of [`EventRow`]: only what the projection reads, with `data` reduced in
+/// Postgres to the two numbers it needs.
+pub const EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
+     recorded_at, (data->>'duration_ms')::BIGINT AS duration_ms, (data->>'port')::INTEGER AS port";
+
+#[derive(Debug, FromRow)]
+pub struct EventRow {
+    position: i64,
+    id: Uuid,
+    #[sqlx(rename = "type")]
+    event_type: String,
+    org_id: String,
+    container_id: Option<String>,
+    occurred_at: DateTime<Utc>,
+    recorded_at: DateTime<Utc>,
+    duration_ms: Option<i64>,
+    port: Option<i32>,
+}
+
+impl EventRow {
+    pub fn into_event(self) -> anyhow::Result<ProjectedEvent> {
+        let container = match (
+            self.container_id,
+            entry_kind(&self.event_type, self.duration_ms, self.port)?,
+        ) {
+            (Some(container_id), Some(kind)) => Some((
+                container_id,
+                ContainerEntry {
+                    occurred_at: self.occurred_at,
+                    position: self.position,
+                    event_id: EventId::from_uuid(self.id)
+                        .with_context(|| format!("position {}", self.position))?,
+                    kind,
+                },
+            )),
+            _ => None,
+        };
+        Ok(ProjectedEvent {
+            position: self.position,
+            recorded_at: self.recorded_at,
+            org_id: self.org_id,
+            container,
+        })
+    }
+}
+
+/// The runtime entry of a stored event type; `None` for types the runtime does not read.
+fn entry_kind(
+    event_type: &str,
+    duration_ms: Option<i64>,
+    port: Option<i32>,
+) -> anyhow::Result<Option<EntryKind>> {
+    let kind = match EventType::parse(event_type) {
+        Some(EventType::ContainerCreated) => EntryKind::Created,
+        Some(EventType::ContainerResumed) => EntryKind::Resumed,
+        Some(EventType::ContainerStopped) => EntryKind::Stopped,
+        Some(EventType::ContainerCommandRan) => EntryKind::CommandRan {
+            duration_ms: duration_ms
+                .ok_or_else(|| anyhow!("a stored command has no duration_ms"))?,
+        },
+        Some(EventType::ContainerPortPublished) => EntryKind::PortPublished {
+            port: port
+                .and_then(|port| u16::try_from(port).ok())
+                .ok_or_else(|| anyhow!("a stored port_published has no valid port"))?,
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(kind))
+}
+
+/// Up to `limit` events after `after`, in position order.
+pub async fn read_events(
+    connection: &mut PgConnection,
+    after: i64,
+    limit: usize,
+) -> anyhow::Result<Vec<ProjectedEvent>> {
+    let rows: Vec<EventRow> = sqlx::query_as(&format!(
+        "SELECT {EVENT_COLUMNS} FROM ledger WHERE position > $1 ORDER BY position LIMIT $2"
+    ))
+    .bind(after)
+    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter().map(EventRow::into_event).collect()
+}
+
+/// The whole history of each container, up to and including `until`.
+pub async fn read_histories(
+    connection: &mut PgConnection,
+    keys: &[ContainerKey],
+    until: i64,
+) -> anyhow::Result<HashMap<ContainerKey, Vec<ContainerEntry>>> {
+    let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
+    let rows: Vec<EventRow> = sqlx::query_as(&format!(
+        "SELECT {EVENT_COLUMNS} FROM ledger WHERE container_id = ANY($1) AND position <= $2"
+    ))
+    .bind(&ids)
+    .bind(until)
+    .fetch_all(connection)
+    .await?;
+    let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> =
+        keys.iter().map(|key| (key.clone(), Vec::new())).collect();
+    for row in rows {
+        let event = row.into_event()?;
+        if let Some((container_id, entry)) = event.container {
+            let key = ContainerKey {
+                org_id: event.org_id,
+                container_id,
+            };
+            if let Some(history) = histories.get_mut(&key) {
+                history.push(entry);
+            }
+        }
+    }
+    Ok(histories)
+}
+
+/// The checkpoint of `schema`, locked for this transaction; `None` when another
+/// transaction (another instance's projector, or a replay swapping) holds it.
+pub async fn lock_checkpoint(
+    connection: &mut PgConnection,
+    schema: &str,
+) -> sqlx::Result<Option<i64>> {
+    sqlx::query_scalar(&format!(
+        "SELECT position FROM {schema}.checkpoint FOR UPDATE SKIP LOCKED"
+    ))
+    .fetch_optional(connection)
+    .await
+}
+
+pub async fn checkpoint(connection: &mut PgConnection, schema: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar(&format!("SELECT position FROM {schema}.checkpoint"))
+        .fetch_one(connection)
+        .await
+}
+
+#[derive(FromRow)]
+struct LifecycleRow {
+    org_id: String,
+    container_id: String,
+    intervals: String,
+    anomalies: String,
+    last_at: DateTime<Utc>,
+}
+
+/// The stored lifecycles of the containers that have one.
+pub async fn load_lifecycles(
+    connection: &mut PgConnection,
+    schema: &str,
+    keys: &[ContainerKey],
+) -> anyhow::Result<HashMap<ContainerKey, Lifecycle>> {
+    let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
+    let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
+    let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
+        "SELECT c.org_id, c.container_id, c.intervals::TEXT AS intervals, \
+                c.anomalies::TEXT AS anomalies, c.last_at \
+         FROM UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, container_id) \
+         JOIN {schema}.container c USING (container_id, org_id)"
+    ))
+    .bind(&orgs)
+    .bind(&ids)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            let lifecycle = decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)
+                .with_context(|| {
+                    format!("stored container {} of {}", row.container_id, row.org_id)
+                })?;
+            let key = ContainerKey {
+                org_id: row.org_id,
+                container_id: row.container_id,
+            };
+            Ok((key, lifecycle))
+        })
+        .collect()
+}
+
+/// One stored container, as the container endpoint reads it.
+#[derive(Debug)]
+pub struct StoredContainer {
+    pub org_id: String,
+    pub lifecycle: Lifecycle,
+}
+
+/// Every org's record of a container id (one, unless orgs reused it), or of one org's.
+pub async fn containers_by_id(
+    connection: &mut PgConnection,
+    container_id: &str,
+    org_id: Option<&str>,
+) -> anyhow::Result<Vec<StoredContainer>> {
+    let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
+        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
+                last_at \
+         FROM {LIVE}.container WHERE container_id = $1 AND ($2::TEXT IS NULL OR org_id = $2) \
+         ORDER BY org_id"
+    ))
+    .bind(container_id)
+    .bind(org_id)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            Ok(StoredContainer {
+                lifecycle: decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)?,
+                org_id: row.org_id,
+            })
+        })
+        .collect()
+}
+
+/// The lifecycles of an org's containers.
+pub async fn org_lifecycles(
+    connection: &mut PgConnection,
+    org_id: &str,
+) -> anyhow::Result<Vec<Lifecycle>> {
+    let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
+        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
+                last_at \
+         FROM {LIVE}.container WHERE org_id = $1"
+    ))
+    .bind(org_id)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| decode_lifecycle(&row.intervals, &row.anomalies, row.last_at))
+        .collect()
+}
+
+type StoredAnomaly = (String, Uuid, i64, i64);
+
+fn encode_lifecycle(lifecycle: &Lifecycle) -> (String, String) {
+    let intervals: Vec<(i64, Option<i64>)> = lifecycle
+        .intervals()
+        .iter()
+        .map(|interval| {
+            (
+                interval.start().timestamp_millis(),
+                interval.end().map(|end| end.timestamp_millis()),
+            )
+        })
+        .collect();
+    let anomalies: Vec<(&str, Uuid, i64, i64)> = lifecycle
+        .anomalies()
+        .iter()
+        .map(|anomaly| {
+            (
+                anomaly.kind.as_str(),
+                anomaly.event_id.as_uuid(),
+                anomaly.occurred_at.timestamp_millis(),
+                anomaly.position,
+            )
+        })
+        .collect();
+    (
+        serde_json::to_string(&intervals).expect("numbers serialize"),
+        serde_json::to_string(&anomalies).expect("strings and numbers serialize"),
+    )
+}
+
+fn decode_lifecycle(
+    intervals: &str,
+    anomalies: &str,
+    last_at: DateTime<Utc>,
+) -> anyhow::Result<Lifecycle> {
+    let instant = |ms: i64| {
+        DateTime::from_timestamp_millis(ms).ok_or_else(|| anyhow!("{ms} ms is not an instant"))
+    };
+    let intervals: Vec<(i64, Option<i64>)> =
+        serde_json::from_str(intervals).context("intervals")?;
+    let intervals = intervals
+        .into_iter()
+        .map(|(start, end)| {
+            Ok(Interval::new(
+                instant(start)?,
+                end.map(instant).transpose()?,
+            ))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let anomalies: Vec<StoredAnomaly> = serde_json::from_str(anomalies).context("anomalies")?;
+    let anomalies = anomalies
+        .into_iter()
+        .map(|(kind, event_id, occurred_at, position)| {
+            Ok(Anomaly {
+                kind: AnomalyKind::parse(&kind).ok_or_else(|| anyhow!("anomaly kind {kind:?}"))?,
+                event_id: EventId::from_uuid(event_id)?,
+                occurred_at: instant(occurred_at)?,
+                position,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Lifecycle::restore(intervals, anomalies, Some(last_at)))
+}
+
+/// Writes a finished run of changes into `schema` and moves its checkpoint to `position`.
+/// Call inside the transaction that locked the checkpoint (or, for replay, the only writer).
+pub async fn write(
+    connection: &mut PgConnection,
+    schema: &str,
+    mut changes: Changes,
+    position: i64,
+) -> anyhow::Result<()> {
+    write_ports(connection, schema, &mut changes).await?;
+    write_containers(connection, schema, &changes).await?;
+    write_periods(connection, schema, &changes).await?;
+    write_open(connection, schema, &changes).await?;
+    write_latest(connection, schema, &changes).await?;
+    sqlx::query(&format!(
+        "UPDATE {schema}.checkpoint SET position = $1, projected_at = now()"
+    ))
+    .bind(position)
+    .execute(&mut *connection)
+    .await?;
+    Ok(())
+}
+
+/// Stores each (container, port, period) once with its first instant, and counts the pairs
+/// stored for the first time into their period's totals.
+async fn write_ports(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &mut Changes,
+) -> anyhow::Result<()> {
+    let ports: Vec<_> = changes
+        .ports
+        .iter()
+        .map(|(key, at)| (key.clone(), *at))
+        .collect();
+    for chunk in ports.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
+        let periods: Vec<String> = chunk
+            .iter()
+            .map(|(key, _)| key.period.to_string())
+            .collect();
+        let containers: Vec<&str> = chunk
+            .iter()
+            .map(|(key, _)| key.container_id.as_str())
+            .collect();
+        let numbers: Vec<i32> = chunk.iter().map(|(key, _)| i32::from(key.port)).collect();
+        let firsts: Vec<DateTime<Utc>> = chunk.iter().map(|(_, at)| *at).collect();
+        let stored: Vec<(String, String)> = sqlx::query_as(&format!(
+            "INSERT INTO {schema}.port AS p (org_id, period, container_id, port, first_at) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::INTEGER[], \
+                                  $5::TIMESTAMPTZ[]) \
+             ON CONFLICT (org_id, period, container_id, port) \
+             DO UPDATE SET first_at = LEAST(p.first_at, EXCLUDED.first_at) \
+             RETURNING org_id, period, (xmax = 0) AS inserted"
+        ))
+        .bind(&orgs)
+        .bind(&periods)
+        .bind(&containers)
+        .bind(&numbers)
+        .bind(&firsts)
+        .fetch_all(&mut *connection)
+        .await
+        .map(|rows: Vec<(String, String, bool)>| {
+            rows.into_iter()
+                .filter(|(_, _, inserted)| *inserted)
+                .map(|(org, period, _)| (org, period))
+                .collect()
+        })?;
+        for (org_id, period) in stored {
+            let period = Period::parse(&period)?;
+            changes
+                .periods
+                .entry((org_id, period))
+                .or_default()
+                .ports_published += 1;
+        }
+    }
+    Ok(())
+}
+
+async fn write_containers(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    let lifecycles: Vec<_> = changes.lifecycles().collect();
+    for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
+        let ids: Vec<&str> = chunk
+            .iter()
+            .map(|(key, _)| key.container_id.as_str())
+            .collect();
+        let (intervals, anomalies): (Vec<String>, Vec<String>) = chunk
+            .iter()
+            .map(|(_, lifecycle)| encode_lifecycle(lifecycle))
+            .unzip();
+        let last_at: Vec<DateTime<Utc>> = chunk
+            .iter()
+            .map(|(_, lifecycle)| {
+                lifecycle
+                    .last_at()
+                    .expect("a touched container has an event")
+            })
+            .collect();
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.container (org_id, container_id, intervals, anomalies, last_at) \
+             SELECT o, c, i::JSONB, a::JSONB, l \
+             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TIMESTAMPTZ[]) \
+                 AS r(o, c, i, a, l) \
+             ON CONFLICT (container_id, org_id) DO UPDATE SET intervals = EXCLUDED.intervals, \
+                 anomalies = EXCLUDED.anomalies, last_at = EXCLUDED.last_at"
+        ))
+        .bind(&orgs)
+        .bind(&ids)
+        .bind(&intervals)
+        .bind(&anomalies)
+        .bind(&last_at)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
+
+async fn write_periods(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    let periods: Vec<(&(String, Period), &PeriodDelta)> = changes
+        .periods
+        .iter()
+        .filter(|(_, delta)| **delta != PeriodDelta::default())
+        .collect();
+    for chunk in periods.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|((org, _), _)| org.as_str()).collect();
+        let names: Vec<String> = chunk
+            .iter()
+            .map(|((_, period), _)| period.to_string())
+            .collect();
+        let column = |pick: fn(&PeriodDelta) -> i64| -> Vec<i64> {
+            chunk.iter().map(|(_, delta)| pick(delta)).collect()
+        };
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.org_period AS t \
+                 (org_id, period, closed_runtime_ms, commands, command_ms, ports_published) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], \
+                                  $5::BIGINT[], $6::BIGINT[]) \
+             ON CONFLICT (org_id, period) DO UPDATE SET \
+                 closed_runtime_ms = t.closed_runtime_ms + EXCLUDED.closed_runtime_ms, \
+                 commands = t.commands + EXCLUDED.commands, \
+                 command_ms = t.command_ms + EXCLUDED.command_ms, \
+                 ports_published = t.ports_published + EXCLUDED.ports_published"
+        ))
+        .bind(&orgs)
+        .bind(&names)
+        .bind(column(|delta| delta.closed_runtime_ms))
+        .bind(column(|delta| delta.commands))
+        .bind(column(|delta| delta.command_ms))
+        .bind(column(|delta| delta.ports_published))
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
+
+async fn write_open(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    let open: Vec<_> = changes
+        .open
+        .iter()
+        .filter(|(_, delta)| delta.running != 0 || delta.since_offset_ms != 0)
+        .collect();
+    for chunk in open.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|((org, _), _)| org.as_str()).collect();
+        let names: Vec<String> = chunk
+            .iter()
+            .map(|((_, period), _)| period.to_string())
+            .collect();
+        let running: Vec<i64> = chunk.iter().map(|(_, delta)| delta.running).collect();
+        let offsets: Vec<i64> = chunk
+            .iter()
+            .map(|(_, delta)| delta.since_offset_ms)
+            .collect();
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.org_open AS t (org_id, since_period, running, since_offset_ms) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[]) \
+             ON CONFLICT (org_id, since_period) DO UPDATE SET \
+                 running = t.running + EXCLUDED.running, \
+                 since_offset_ms = t.since_offset_ms + EXCLUDED.since_offset_ms"
+        ))
+        .bind(&orgs)
+        .bind(&names)
+        .bind(&running)
+        .bind(&offsets)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
+
+async fn write_latest(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    let latest: Vec<_> = changes.latest.iter().collect();
+    for chunk in latest.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(org, _)| org.as_str()).collect();
+        let instants: Vec<DateTime<Utc>> = chunk.iter().map(|(_, at)| **at).collect();
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.org AS t (org_id, latest_at) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TIMESTAMPTZ[]) \
+             ON CONFLICT (org_id) DO UPDATE SET latest_at = GREATEST(t.latest_at, EXCLUDED.latest_at)"
+        ))
+        .bind(&orgs)
+        .bind(&instants)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
