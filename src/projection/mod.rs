@@ -10,5 +10,8 @@ pub mod query;
 pub mod replay;
 pub mod store;
 
+#[cfg(test)]
+mod properties;
+
 pub use projector::{project_once, ProjectorSettings, Round};
 pub use replay::{replay, ReplayReport};

@@ -1,0 +1,250 @@
+//! The projection's arithmetic against the pure rules: events arrive in any order, some
+//! more than once, and are projected in rounds of any size; the stored figures must give
+//! exactly the usage and timelines that folding the sorted history gives, and so must a
+//! replay. The database adds storage to this, which the integration tests cover.
+
+use std::collections::{BTreeSet, HashMap};
+
+use chrono::{DateTime, Duration, TimeZone, Utc};
+use proptest::prelude::*;
+
+use super::model::{Changes, ContainerKey, OpenDelta, PeriodDelta, PortKey, ProjectedEvent};
+use crate::event::EventId;
+use crate::runtime::{
+    self, ContainerEntry, ContainerTimeline, EntryKind, Lifecycle, OpenRuns, Period, PeriodTotals,
+};
+
+const ORGS: usize = 2;
+const CONTAINERS: usize = 3;
+
+fn base() -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 11, 20, 0, 0, 0).unwrap()
+}
+
+fn periods() -> Vec<Period> {
+    ["2026-10", "2026-11", "2026-12", "2027-01"]
+        .into_iter()
+        .map(|name| Period::parse(name).unwrap())
+        .collect()
+}
+
+/// The projection's tables, in memory: what `store::write` does to them, row for row.
+#[derive(Default)]
+struct Tables {
+    lifecycles: HashMap<ContainerKey, Lifecycle>,
+    periods: HashMap<(String, Period), PeriodDelta>,
+    open: HashMap<(String, Period), OpenDelta>,
+    latest: HashMap<String, DateTime<Utc>>,
+    ports: HashMap<PortKey, DateTime<Utc>>,
+}
+
+impl Tables {
+    /// One projector round over `round`, with `ledger` holding every event up to its end.
+    fn project(&mut self, round: &[ProjectedEvent], ledger: &[ProjectedEvent]) {
+        let stored = round
+            .iter()
+            .filter_map(|event| key_of(event))
+            .filter_map(|key| Some((key.clone(), self.lifecycles.get(&key)?.clone())))
+            .collect();
+        let mut changes = Changes::apply(round, stored);
+        let late: Vec<ContainerKey> = changes.late().cloned().collect();
+        for key in late {
+            let history: Vec<ContainerEntry> = ledger
+                .iter()
+                .filter(|event| key_of(event).as_ref() == Some(&key))
+                .map(|event| event.container.as_ref().unwrap().1)
+                .collect();
+            changes.refold(&key, &history);
+        }
+        self.write(changes.finish());
+    }
+
+    fn write(&mut self, mut changes: Changes) {
+        for (key, first_at) in std::mem::take(&mut changes.ports) {
+            match self.ports.get_mut(&key) {
+                Some(stored) => *stored = (*stored).min(first_at),
+                None => {
+                    changes
+                        .periods
+                        .entry((key.org_id.clone(), key.period))
+                        .or_default()
+                        .ports_published += 1;
+                    self.ports.insert(key, first_at);
+                }
+            }
+        }
+        for (key, lifecycle) in changes.lifecycles() {
+            self.lifecycles.insert(key.clone(), lifecycle.clone());
+        }
+        for (key, delta) in &changes.periods {
+            let totals = self.periods.entry(key.clone()).or_default();
+            totals.closed_runtime_ms += delta.closed_runtime_ms;
+            totals.commands += delta.commands;
+            totals.command_ms += delta.command_ms;
+            totals.ports_published += delta.ports_published;
+        }
+        for (key, delta) in &changes.open {
+            let open = self.open.entry(key.clone()).or_default();
+            open.running += delta.running;
+            open.since_offset_ms += delta.since_offset_ms;
+        }
+        for (org, at) in &changes.latest {
+            let latest = self.latest.entry(org.clone()).or_insert(*at);
+            *latest = (*latest).max(*at);
+        }
+    }
+
+    /// Usage as the fast path reads it; `None` where it would take the slow path.
+    fn usage(&self, org: &str, period: Period, as_of: DateTime<Utc>) -> Option<runtime::Usage> {
+        let delta = self
+            .periods
+            .get(&(org.to_owned(), period))
+            .copied()
+            .unwrap_or_default();
+        assert!(delta.closed_runtime_ms >= 0 && delta.commands >= 0 && delta.ports_published >= 0);
+        let totals = PeriodTotals {
+            closed_runtime_ms: delta.closed_runtime_ms,
+            commands: delta.commands as u64,
+            command_ms: delta.command_ms,
+            ports_published: delta.ports_published as u64,
+        };
+        let open: Vec<OpenRuns> = self
+            .open
+            .iter()
+            .filter(|((owner, _), open)| owner == org && open.running > 0)
+            .map(|((_, since_period), open)| OpenRuns {
+                since_period: *since_period,
+                running: open.running as u64,
+                since_offset_ms: open.since_offset_ms,
+            })
+            .collect();
+        let settled_at = self.latest.get(org).copied().map(runtime::settled_at);
+        runtime::usage_from_totals(totals, &open, period, as_of, settled_at)
+    }
+}
+
+fn key_of(event: &ProjectedEvent) -> Option<ContainerKey> {
+    let (container_id, _) = event.container.as_ref()?;
+    Some(ContainerKey {
+        org_id: event.org_id.clone(),
+        container_id: container_id.clone(),
+    })
+}
+
+/// A generated event: (org, container, offset ms from `base`, kind), identified by its index.
+type Spec = (usize, usize, i64, EntryKind);
+
+fn any_kind() -> impl Strategy<Value = EntryKind> {
+    prop_oneof![
+        3 => Just(EntryKind::Created),
+        3 => Just(EntryKind::Resumed),
+        3 => Just(EntryKind::Stopped),
+        2 => (0i64..10_000).prop_map(|duration_ms| EntryKind::CommandRan { duration_ms }),
+        1 => (1u16..=3).prop_map(|port| EntryKind::PortPublished { port }),
+    ]
+}
+
+fn any_offset() -> impl Strategy<Value = i64> {
+    let day = 86_400_000i64;
+    prop_oneof![
+        (-25 * day..45 * day),
+        // Around the December boundary, and a few shared instants.
+        (11 * day - 3..11 * day + 3),
+        (0i64..3).prop_map(move |hours| hours * 3_600_000),
+    ]
+}
+
+/// Events, and the order they arrive in (indexes into the events, some repeated).
+fn any_arrivals() -> impl Strategy<Value = (Vec<Spec>, Vec<usize>, Vec<usize>)> {
+    let specs = prop::collection::vec((0..ORGS, 0..CONTAINERS, any_offset(), any_kind()), 1..40);
+    specs.prop_flat_map(|specs| {
+        let count = specs.len();
+        let repeats = prop::collection::vec(0..count, 0..8);
+        let rounds = prop::collection::vec(1usize..8, 1..60);
+        (Just(specs), repeats, rounds).prop_flat_map(move |(specs, repeats, rounds)| {
+            let mut order: Vec<usize> = (0..count).chain(repeats).collect();
+            order.sort_unstable();
+            (Just(specs), Just(order).prop_shuffle(), Just(rounds))
+        })
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn projected_rounds_and_replay_equal_the_pure_rules_whatever_the_arrival_order_and_redelivery(
+        (specs, arrivals, rounds) in any_arrivals(),
+        after_ms in prop_oneof![Just(0i64), 0i64..40 * 86_400_000],
+    ) {
+        // The ledger stores each event once, at the position of its first arrival.
+        let mut ledger: Vec<ProjectedEvent> = Vec::new();
+        let mut stored = BTreeSet::new();
+        for index in arrivals {
+            if !stored.insert(index) {
+                continue;
+            }
+            let (org, container, offset, kind) = specs[index];
+            let position = ledger.len() as i64 + 1;
+            let occurred_at = base() + Duration::milliseconds(offset);
+            ledger.push(ProjectedEvent {
+                position,
+                recorded_at: occurred_at,
+                org_id: format!("org{org}"),
+                container: Some((
+                    format!("ctr{container}"),
+                    ContainerEntry {
+                        occurred_at,
+                        position,
+                        event_id: EventId::from_uuid(uuid::Uuid::from_u128(index as u128 + 1)).unwrap(),
+                        kind,
+                    },
+                )),
+            });
+        }
+
+        // The projector, in rounds of the generated sizes.
+        let mut projected = Tables::default();
+        let mut start = 0;
+        for size in rounds.iter().cycle() {
+            if start >= ledger.len() {
+                break;
+            }
+            let end = (start + size).min(ledger.len());
+            projected.project(&ledger[start..end], &ledger[..end]);
+            start = end;
+        }
+
+        // Replay: every history at once.
+        let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
+        for event in &ledger {
+            histories.entry(key_of(event).unwrap()).or_default().push(event.container.as_ref().unwrap().1);
+        }
+        let mut replayed = Tables::default();
+        replayed.write(Changes::from_histories(histories.clone()));
+
+        let timelines: HashMap<ContainerKey, ContainerTimeline> = histories
+            .iter()
+            .map(|(key, entries)| (key.clone(), ContainerTimeline::fold(entries)))
+            .collect();
+        for (key, timeline) in &timelines {
+            prop_assert_eq!(&projected.lifecycles[key], timeline.lifecycle());
+            prop_assert_eq!(&replayed.lifecycles[key], timeline.lifecycle());
+        }
+        for org in 0..ORGS {
+            let org = format!("org{org}");
+            let Some(latest) = projected.latest.get(&org).copied() else { continue };
+            let as_of = runtime::settled_at(latest) + Duration::milliseconds(after_ms);
+            let mine: Vec<&ContainerTimeline> = timelines
+                .iter()
+                .filter(|(key, _)| key.org_id == org)
+                .map(|(_, timeline)| timeline)
+                .collect();
+            for period in periods() {
+                let expected = runtime::usage(mine.iter().copied(), period, as_of);
+                prop_assert_eq!(projected.usage(&org, period, as_of), Some(expected));
+                prop_assert_eq!(replayed.usage(&org, period, as_of), Some(expected));
+            }
+        }
+    }
+}
