@@ -43,7 +43,7 @@ impl Tables {
     fn project(&mut self, round: &[ProjectedEvent], ledger: &[ProjectedEvent]) {
         let stored = round
             .iter()
-            .filter_map(|event| key_of(event))
+            .filter_map(key_of)
             .filter_map(|key| Some((key.clone(), self.lifecycles.get(&key)?.clone())))
             .collect();
         let mut changes = Changes::apply(round, stored);
