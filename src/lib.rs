@@ -2,6 +2,8 @@
 
 /// `tally bench`: throughput and latency against raw baselines, in one run.
 pub mod bench;
+/// Plans with decimal money and the admission decision (pure).
+pub mod billing;
 /// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.
 pub mod bus;
 /// The command line.

@@ -1,0 +1,8 @@
+//! Plans and admission (DESIGN §4), pure: plan definitions with decimal money, and the
+//! admission decision over the facts the projections hold.
+
+pub mod admission;
+pub mod plan;
+
+pub use admission::{decide, Action, Decision, Facts, Reason};
+pub use plan::{Overage, Plan};
