@@ -250,7 +250,7 @@ pub fn parse_price(text: &str) -> Option<Decimal> {
         && digits(whole)
         && digits(fraction)
         && fraction.len() <= PRICE_SCALE_MAX as usize
-        && (text.contains('.') == !fraction.is_empty());
+        && text.contains('.') != fraction.is_empty();
     if !well_formed {
         return None;
     }
