@@ -76,6 +76,7 @@ impl Service {
             tokio::spawn(ingest::run(
                 context,
                 names,
+                pool.clone(),
                 appender.clone(),
                 ingest::IngestSettings {
                     fetch_max: config.ingest_fetch_max,

@@ -19,7 +19,8 @@ use tokio_util::sync::CancellationToken;
 use super::Names;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
-use crate::ledger::{AppendError, Appender};
+use crate::ledger::{plans, AppendError, Appender};
+use sqlx::PgPool;
 
 /// The durable consumer's name.
 pub const CONSUMER_NAME: &str = "tally-ingest";
@@ -49,12 +50,14 @@ pub struct IngestSettings {
 pub async fn run(
     context: jetstream::Context,
     names: Names,
+    pool: PgPool,
     appender: Appender,
     settings: IngestSettings,
     shutdown: CancellationToken,
 ) {
     while !shutdown.is_cancelled() {
-        if let Err(error) = consume(&context, &names, &appender, &settings, &shutdown).await {
+        if let Err(error) = consume(&context, &names, &pool, &appender, &settings, &shutdown).await
+        {
             tracing::warn!(
                 error = format!("{error:#}"),
                 "ingest consumer interrupted; will resume"
@@ -71,6 +74,7 @@ pub async fn run(
 async fn consume(
     context: &jetstream::Context,
     names: &Names,
+    pool: &PgPool,
     appender: &Appender,
     settings: &IngestSettings,
     shutdown: &CancellationToken,
@@ -110,7 +114,7 @@ async fn consume(
             _ = shutdown.cancelled() => return Ok(()),
         };
         if !messages.is_empty() {
-            handle_batch(context, names, appender, settings, messages).await?;
+            handle_batch(context, names, pool, appender, settings, messages).await?;
         }
     }
     Ok(())
@@ -126,6 +130,7 @@ enum Verdict {
 async fn handle_batch(
     context: &jetstream::Context,
     names: &Names,
+    pool: &PgPool,
     appender: &Appender,
     settings: &IngestSettings,
     messages: Vec<Message>,
@@ -160,6 +165,16 @@ async fn handle_batch(
                 }
             }
         };
+        match plans::unknown_reference(pool, &events).await {
+            Ok(None) => {}
+            Ok(Some((index, plan))) => {
+                return Verdict::DeadLetter {
+                    code: "unknown_plan",
+                    message: format!("event {index}: plan {plan:?} is not defined"),
+                }
+            }
+            Err(error) => return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))),
+        }
         let count = events.len();
         match appender.append(events).await {
             Ok(_) => Verdict::Stored(count),

@@ -40,10 +40,12 @@ pub enum EventType {
     OrgPlanChanged,
     OrgVerificationChanged,
     OrgBillingEligibilityChanged,
+    /// A plan version, appended by `PUT /v1/plans/{id}` only; producers cannot send it.
+    PlanDefined,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 8] = [
+    pub const ALL: [EventType; 9] = [
         EventType::ContainerCreated,
         EventType::ContainerCommandRan,
         EventType::ContainerStopped,
@@ -52,6 +54,7 @@ impl EventType {
         EventType::OrgPlanChanged,
         EventType::OrgVerificationChanged,
         EventType::OrgBillingEligibilityChanged,
+        EventType::PlanDefined,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -64,6 +67,7 @@ impl EventType {
             EventType::OrgPlanChanged => "org.plan_changed",
             EventType::OrgVerificationChanged => "org.verification_changed",
             EventType::OrgBillingEligibilityChanged => "org.billing_eligibility_changed",
+            EventType::PlanDefined => "plan.defined",
         }
     }
 
@@ -99,6 +103,8 @@ pub enum EventData {
     OrgPlanChanged(OrgPlanChanged),
     OrgVerificationChanged(OrgVerificationChanged),
     OrgBillingEligibilityChanged(OrgBillingEligibilityChanged),
+    /// The plan's definition, as [`crate::billing::Plan::to_data`] writes it.
+    PlanDefined(serde_json::Value),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -413,6 +419,12 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
         EventType::OrgVerificationChanged => EventData::OrgVerificationChanged(parse_data(raw)?),
         EventType::OrgBillingEligibilityChanged => {
             EventData::OrgBillingEligibilityChanged(parse_data(raw)?)
+        }
+        EventType::PlanDefined => {
+            return Err(EventError::new(
+                "reserved_type",
+                "plan.defined is recorded by PUT /v1/plans/{plan_id}, not sent as an event",
+            ))
         }
     })
 }

@@ -48,6 +48,11 @@ impl ApiError {
         }
     }
 
+    pub fn with_details(mut self, details: Vec<Value>) -> Self {
+        self.details = details;
+        self
+    }
+
     pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             retry_after_seconds: Some(1),

@@ -12,6 +12,7 @@ use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
+use crate::ledger::plans;
 
 pub fn router() -> Router<AppState> {
     Router::new().route(
@@ -83,6 +84,20 @@ pub async fn post_events(
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code())
             .increment(1);
     })?;
+    if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
+        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => "unknown_plan")
+            .increment(1);
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_plan",
+            format!("event {index} moves its org to plan {plan:?}, which is not defined; nothing was stored"),
+        )
+        .with_details(vec![serde_json::json!({
+            "index": index,
+            "code": "unknown_plan",
+            "message": format!("data.plan: {plan:?} is not defined (PUT /v1/plans/{plan} first)"),
+        })]));
+    }
     let appended = state.appender.append(events).await.inspect_err(|e| {
         let code = match e {
             crate::ledger::AppendError::IdempotencyConflict { .. } => "idempotency_conflict",
@@ -116,7 +131,7 @@ const OVERSIZED_DRAIN_MAX_BYTES: usize = 64 * 1024 * 1024;
 const OVERSIZED_DRAIN_MAX_MS: u64 = 2_000;
 
 /// Reads the whole body, refusing it when it passes `limit` bytes.
-async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     use http_body_util::BodyExt;
 
     let mut body = body;

@@ -6,6 +6,7 @@ pub mod error;
 pub mod events;
 pub mod ledger;
 pub mod ops;
+pub mod plans;
 pub mod usage;
 
 use std::sync::Arc;
@@ -56,6 +57,7 @@ pub fn app(state: AppState) -> Router {
         .merge(events::router())
         .merge(ledger::router())
         .merge(usage::router())
+        .merge(plans::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

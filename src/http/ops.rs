@@ -130,6 +130,8 @@ impl Modify for BearerAuth {
         super::ledger::get_verify,
         super::usage::get_usage,
         super::usage::get_container,
+        super::plans::get_plans,
+        super::plans::put_plan,
     ),
     components(schemas(
         EventInput,
@@ -137,6 +139,8 @@ impl Modify for BearerAuth {
         super::events::EventsResponse,
         super::events::EventResult,
         super::usage::UsageResponse,
+        super::plans::PlanResponse,
+        super::plans::PlansResponse,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

@@ -4,6 +4,7 @@
 
 pub mod append;
 pub mod db;
+pub mod plans;
 pub mod read;
 pub mod rows;
 pub mod verify;

@@ -44,7 +44,8 @@ impl AccountEntry {
             | EventData::ContainerCommandRan(_)
             | EventData::ContainerStopped(_)
             | EventData::ContainerResumed(_)
-            | EventData::ContainerPortPublished(_) => return None,
+            | EventData::ContainerPortPublished(_)
+            | EventData::PlanDefined(_) => return None,
         };
         Some(AccountEntry {
             occurred_at: event.occurred_at,

@@ -48,7 +48,8 @@ impl ContainerEntry {
             EventData::ContainerPortPublished(port) => EntryKind::PortPublished { port: port.port },
             EventData::OrgPlanChanged(_)
             | EventData::OrgVerificationChanged(_)
-            | EventData::OrgBillingEligibilityChanged(_) => return None,
+            | EventData::OrgBillingEligibilityChanged(_)
+            | EventData::PlanDefined(_) => return None,
         };
         Some(ContainerEntry {
             occurred_at: event.occurred_at,

@@ -8,5 +8,6 @@ mod immutability;
 mod ingest;
 mod nats;
 mod operations;
+mod plans;
 mod projection;
 mod verify;

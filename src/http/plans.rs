@@ -1,0 +1,189 @@
+//! Plans (DESIGN §4, §6): `PUT /v1/plans/{plan_id}` defines or changes a plan by appending a
+//! `plan.defined` event (a new version, in effect from now); `GET /v1/plans` lists the
+//! current version of each.
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::{get, put};
+use axum::{Json, Router};
+use chrono::{SubsecRound, Utc};
+use serde::Serialize;
+use serde_json::{json, Value};
+use utoipa::ToSchema;
+
+use super::error::{ApiError, ErrorBody};
+use super::events::read_body;
+use super::AppState;
+use crate::billing::Plan;
+use crate::event::canonical;
+use crate::event::{Event, EventData, EventId, EventType, OrgId, PlanId};
+use crate::ledger::plans::{self, PlanVersion};
+
+/// The org id `plan.defined` events are recorded under: plans belong to no org.
+pub const PLANS_ORG_ID: &str = "_plans";
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/plans", get(get_plans))
+        .route("/v1/plans/{plan_id}", put(put_plan))
+}
+
+/// A plan version as the API shows it: the plan's fields, its version and since when it
+/// is in effect. Prices are decimal strings.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PlanResponse {
+    id: String,
+    sandbox_runtime: bool,
+    included_runtime_seconds: u64,
+    #[schema(example = "bill")]
+    overage: String,
+    #[schema(example = "0.12")]
+    overage_price_per_hour: String,
+    #[schema(example = "USD")]
+    currency: String,
+    max_running_containers: u64,
+    max_published_ports: u64,
+    /// 1 for the first definition; 0 for the built-in `free`.
+    version: i64,
+    effective_from: String,
+}
+
+impl From<&PlanVersion> for PlanResponse {
+    fn from(version: &PlanVersion) -> Self {
+        let data = version.plan.to_data();
+        let text = |name: &str| data[name].as_str().unwrap_or_default().to_owned();
+        PlanResponse {
+            id: version.plan.id.as_str().to_owned(),
+            sandbox_runtime: version.plan.sandbox_runtime,
+            included_runtime_seconds: version.plan.included_runtime_seconds,
+            overage: text("overage"),
+            overage_price_per_hour: text("overage_price_per_hour"),
+            currency: version.plan.currency.clone(),
+            max_running_containers: version.plan.max_running_containers,
+            max_published_ports: version.plan.max_published_ports,
+            version: version.version,
+            effective_from: canonical::timestamp(version.effective_from),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PlansResponse {
+    plans: Vec<PlanResponse>,
+}
+
+/// The current version of every plan.
+#[utoipa::path(
+    get,
+    path = "/v1/plans",
+    tag = "plans",
+    responses(
+        (status = 200, body = PlansResponse),
+        (status = 401, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_plans(State(state): State<AppState>) -> Result<Json<PlansResponse>, ApiError> {
+    let current = plans::current(&state.pool).await?;
+    Ok(Json(PlansResponse {
+        plans: current.iter().map(PlanResponse::from).collect(),
+    }))
+}
+
+/// Define a plan or change it: a new version, in effect from now. The same definition
+/// again changes nothing (200); a new one is stored (201).
+#[utoipa::path(
+    put,
+    path = "/v1/plans/{plan_id}",
+    tag = "plans",
+    params(("plan_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]")),
+    request_body(content = Object, description = "sandbox_runtime, included_runtime_seconds, overage (deny|bill), overage_price_per_hour (decimal string), currency, max_running_containers, max_published_ports"),
+    responses(
+        (status = 200, body = PlanResponse, description = "unchanged"),
+        (status = 201, body = PlanResponse, description = "a new version"),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 413, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn put_plan(
+    State(state): State<AppState>,
+    Path(plan_id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<PlanResponse>), ApiError> {
+    let id = PlanId::parse(&plan_id).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_plan_id",
+            error.to_string(),
+        )
+    })?;
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be application/json",
+        ));
+    }
+    let bytes = read_body(body, state.body_max_bytes).await?;
+    let body: Value = serde_json::from_slice(&bytes).map_err(|error| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            format!("body is not JSON: {error}"),
+        )
+    })?;
+    let plan = Plan::parse(&id, &body).map_err(|errors| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_plan",
+            format!(
+                "{} problem(s) with the plan; nothing was stored",
+                errors.len()
+            ),
+        )
+        .with_details(
+            errors
+                .iter()
+                .map(|error| json!({"code": error.code, "message": error.message}))
+                .collect(),
+        )
+    })?;
+    let versions = plans::versions(&state.pool, &id).await?;
+    if let Some(current) = versions.last().filter(|current| current.plan == plan) {
+        return Ok((StatusCode::OK, Json(PlanResponse::from(current))));
+    }
+    let event = Event {
+        id: EventId::from_uuid(uuid::Uuid::now_v7()).expect("a v7 UUID is not nil"),
+        event_type: EventType::PlanDefined,
+        org_id: OrgId::parse(PLANS_ORG_ID).expect("a valid org id"),
+        container_id: None,
+        occurred_at: Utc::now().trunc_subsecs(3),
+        data: EventData::PlanDefined(plan.to_data()),
+        origin: None,
+    };
+    let appended = state.appender.append(vec![event]).await?;
+    let position = appended[0].position;
+    let versions = plans::versions(&state.pool, &id).await?;
+    let stored = versions
+        .iter()
+        .find(|version| version.position == position)
+        .ok_or_else(|| {
+            ApiError::internal(&std::io::Error::other(
+                "the appended plan version is not readable",
+            ))
+        })?;
+    tracing::info!(plan = %id, version = stored.version, "plan defined");
+    Ok((StatusCode::CREATED, Json(PlanResponse::from(stored))))
+}

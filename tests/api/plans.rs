@@ -1,0 +1,175 @@
+//! Plans (issue 4): definitions are ledger events with decimal-string money; an org can
+//! only move to a plan that exists.
+
+use serde_json::{json, Value};
+
+use crate::helpers::{ago, TestApp, TOKEN};
+
+pub fn pro_plan() -> Value {
+    json!({
+        "sandbox_runtime": true, "included_runtime_seconds": 3600, "overage": "deny",
+        "overage_price_per_hour": "0.125", "currency": "USD",
+        "max_running_containers": 1, "max_published_ports": 2,
+    })
+}
+
+pub async fn put_plan(app: &TestApp, id: &str, body: &Value) -> (u16, Value) {
+    let response = app
+        .client
+        .put(app.url(&format!("/v1/plans/{id}")))
+        .bearer_auth(TOKEN)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+async fn plans(app: &TestApp) -> Value {
+    app.client
+        .get(app.url("/v1/plans"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_plan_is_defined_versioned_and_listed_with_its_price_as_a_decimal_string() {
+    let app = TestApp::spawn().await;
+    let listed = plans(&app).await;
+    assert_eq!(listed["plans"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["plans"][0]["id"], "free");
+    assert_eq!(listed["plans"][0]["sandbox_runtime"], false);
+    assert_eq!(listed["plans"][0]["version"], 0);
+
+    let (status, created) = put_plan(&app, "pro", &pro_plan()).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["version"], 1);
+    assert_eq!(created["overage_price_per_hour"], "0.125");
+    let (status, same) = put_plan(&app, "pro", &pro_plan()).await;
+    assert_eq!(status, 200, "the same definition is not a new version");
+    assert_eq!(same["version"], 1);
+    let mut cheaper = pro_plan();
+    cheaper["overage_price_per_hour"] = json!("0.1");
+    let (status, changed) = put_plan(&app, "pro", &cheaper).await;
+    assert_eq!(status, 201);
+    assert_eq!(changed["version"], 2);
+
+    let listed = plans(&app).await;
+    let ids: Vec<&str> = listed["plans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["free", "pro"]);
+    assert_eq!(listed["plans"][1]["overage_price_per_hour"], "0.1");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE type = 'plan.defined'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 2, "every version is a ledger event");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing() {
+    let app = TestApp::spawn().await;
+    let with = |field: &str, value: Value| {
+        let mut body = pro_plan();
+        body[field] = value;
+        body
+    };
+    let cases = [
+        (
+            "pro",
+            with("overage_price_per_hour", json!(0.125)),
+            "price_not_a_string",
+        ),
+        (
+            "pro",
+            with("overage_price_per_hour", json!("-1")),
+            "invalid_price",
+        ),
+        (
+            "pro",
+            with("overage_price_per_hour", json!("0.1234567")),
+            "invalid_price",
+        ),
+        (
+            "pro",
+            with("included_runtime_seconds", json!(-1)),
+            "invalid_allowance",
+        ),
+        (
+            "pro",
+            with("currency", json!("dollars")),
+            "invalid_currency",
+        ),
+        (
+            "pro",
+            with("overage", json!("sometimes")),
+            "invalid_overage",
+        ),
+        (
+            "pro",
+            with("max_running_containers", json!(-3)),
+            "invalid_limit",
+        ),
+        ("pro", with("discount", json!("10%")), "unknown_field"),
+    ];
+    for (id, body, code) in cases {
+        let (status, error) = put_plan(&app, id, &body).await;
+        assert_eq!(status, 422, "{body}: {error}");
+        assert_eq!(error["error"]["code"], "invalid_plan");
+        assert_eq!(error["error"]["details"][0]["code"], code, "{body}");
+    }
+    let (status, error) = put_plan(&app, "bad.id", &pro_plan()).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (422, Some("invalid_plan_id"))
+    );
+    let response = app
+        .client
+        .put(app.url("/v1/plans/pro"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body("{\"sandbox_runtime\": tru")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+
+    let (status, error) = app
+        .post_json(
+            &json!({"id": uuid::Uuid::new_v4(), "type": "org.plan_changed", "org_id": "acme",
+                           "occurred_at": ago(60), "data": {"plan": "enterprise"}}),
+        )
+        .await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(error["error"]["code"], "unknown_plan");
+    assert_eq!(error["error"]["details"][0]["index"], 0);
+    let (status, error) = app
+        .post_json(
+            &json!({"id": uuid::Uuid::new_v4(), "type": "plan.defined", "org_id": "acme",
+                           "occurred_at": ago(60), "data": pro_plan()}),
+        )
+        .await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(error["error"]["details"][0]["code"], "reserved_type");
+    assert_eq!(app.ledger_count().await, 0, "nothing was stored");
+
+    let (status, _) = app
+        .post_json(
+            &json!({"id": uuid::Uuid::new_v4(), "type": "org.plan_changed", "org_id": "acme",
+                           "occurred_at": ago(60), "data": {"plan": "free"}}),
+        )
+        .await;
+    assert_eq!(status, 200, "free always exists");
+    app.stop().await;
+}
