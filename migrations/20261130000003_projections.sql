@@ -31,7 +31,9 @@ BEGIN
             last_at      TIMESTAMPTZ NOT NULL,
             PRIMARY KEY (container_id, org_id)
         );
-        CREATE INDEX container_org ON %1$I.container (org_id);
+        -- By org; `last_at` finds the few containers with events after an instant (only
+        -- those can be running at it other than by an open interval).
+        CREATE INDEX container_org ON %1$I.container (org_id, last_at);
 
         -- An org's totals per period (YYYY-MM): closed intervals' runtime within the
         -- period, commands, command time, distinct (container, port) pairs. The projector
@@ -63,6 +65,21 @@ BEGIN
         CREATE TABLE %1$I.org (
             org_id    TEXT        PRIMARY KEY,
             latest_at TIMESTAMPTZ NOT NULL
+        );
+
+        -- Each org event, reduced to the value it sets (plan, verified or billing
+        -- eligible); an org's account state at an instant is folded from these at read
+        -- time, whatever order they arrived in.
+        CREATE TABLE %1$I.account_change (
+            org_id           TEXT        NOT NULL,
+            position         BIGINT      NOT NULL,
+            occurred_at      TIMESTAMPTZ NOT NULL,
+            event_id         UUID        NOT NULL,
+            plan             TEXT,
+            verified         BOOLEAN,
+            billing_eligible BOOLEAN,
+            PRIMARY KEY (org_id, position),
+            CHECK (num_nonnulls(plan, verified, billing_eligible) = 1)
         );
 
         -- Each (container, port) published in a period, with its first publication.

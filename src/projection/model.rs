@@ -13,7 +13,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 
-use crate::runtime::{ContainerEntry, ContainerTimeline, Lifecycle, OpenRuns, Period};
+use crate::runtime::{
+    AccountEntry, ContainerEntry, ContainerTimeline, Lifecycle, OpenRuns, Period,
+};
 
 /// A container is known by its org and its id: an id reused by another org is another
 /// container there, so one tenant's events can never move another tenant's figures.
@@ -31,6 +33,8 @@ pub struct ProjectedEvent {
     pub org_id: String,
     /// `None` for org events and for types the projection does not read.
     pub container: Option<(String, ContainerEntry)>,
+    /// For org events: the value it sets.
+    pub account: Option<AccountEntry>,
 }
 
 /// Additions to an org's totals for one period; runtime may shrink when a late event
@@ -78,6 +82,8 @@ pub struct Changes {
     pub latest: HashMap<String, DateTime<Utc>>,
     /// The earliest publication of each pair seen in this run.
     pub ports: HashMap<PortKey, DateTime<Utc>>,
+    /// Org events, stored as they are: the account state is folded from them when read.
+    pub accounts: Vec<(String, AccountEntry)>,
     finished: bool,
 }
 
@@ -91,6 +97,9 @@ impl Changes {
     ) -> Changes {
         let mut changes = Changes::default();
         for event in events {
+            if let Some(entry) = &event.account {
+                changes.accounts.push((event.org_id.clone(), entry.clone()));
+            }
             let Some((container_id, entry)) = &event.container else {
                 continue;
             };
@@ -116,9 +125,16 @@ impl Changes {
         changes
     }
 
-    /// The changes of a replay: every container's whole history, nothing stored before.
-    pub fn from_histories(histories: HashMap<ContainerKey, Vec<ContainerEntry>>) -> Changes {
-        let mut changes = Changes::default();
+    /// The changes of a replay: every container's whole history and every org event,
+    /// nothing stored before.
+    pub fn from_histories(
+        histories: HashMap<ContainerKey, Vec<ContainerEntry>>,
+        accounts: Vec<(String, AccountEntry)>,
+    ) -> Changes {
+        let mut changes = Changes {
+            accounts,
+            ..Changes::default()
+        };
         for (key, entries) in histories {
             for entry in &entries {
                 changes.count(&key, entry);
@@ -245,6 +261,7 @@ mod tests {
             position,
             recorded_at: occurred_at,
             org_id: "org".into(),
+            account: None,
             container: Some((
                 container.into(),
                 ContainerEntry {

@@ -191,6 +191,7 @@ proptest! {
                 position,
                 recorded_at: occurred_at,
                 org_id: format!("org{org}"),
+                account: None,
                 container: Some((
                     format!("ctr{container}"),
                     ContainerEntry {
@@ -221,7 +222,7 @@ proptest! {
             histories.entry(key_of(event).unwrap()).or_default().push(event.container.as_ref().unwrap().1);
         }
         let mut replayed = Tables::default();
-        replayed.write(Changes::from_histories(histories.clone()));
+        replayed.write(Changes::from_histories(histories.clone(), Vec::new()));
 
         let timelines: HashMap<ContainerKey, ContainerTimeline> = histories
             .iter()

@@ -83,6 +83,7 @@ async fn build_and_swap(
         .await?;
 
     let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
+    let mut accounts = Vec::new();
     let mut events = 0u64;
     {
         let sql = format!("SELECT {EVENT_COLUMNS} FROM ledger WHERE position <= $1");
@@ -92,6 +93,9 @@ async fn build_and_swap(
         while let Some(row) = rows.try_next().await? {
             events += 1;
             let event = row.into_event()?;
+            if let Some(entry) = event.account {
+                accounts.push((event.org_id.clone(), entry));
+            }
             if let Some((container_id, entry)) = event.container {
                 histories
                     .entry(ContainerKey {
@@ -104,7 +108,7 @@ async fn build_and_swap(
         }
     }
     let containers = histories.len();
-    let changes = Changes::from_histories(histories);
+    let changes = Changes::from_histories(histories, accounts);
 
     let mut transaction = connection.begin().await?;
     store::write(&mut transaction, BUILD, changes, head).await?;

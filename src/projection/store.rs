@@ -11,9 +11,10 @@ use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
 use super::model::{Changes, ContainerKey, PeriodDelta, ProjectedEvent};
-use crate::event::{EventId, EventType};
+use crate::event::{EventId, EventType, PlanId};
 use crate::runtime::{
-    Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval, Lifecycle, Period,
+    AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval,
+    Lifecycle, Period,
 };
 
 /// The schema readers use.
@@ -28,7 +29,9 @@ pub const WRITE_CHUNK_ROWS: usize = 10_000;
 /// The columns of [`EventRow`]: only what the projection reads, with `data` reduced in
 /// Postgres to the two numbers it needs.
 pub const EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
-     recorded_at, (data->>'duration_ms')::BIGINT AS duration_ms, (data->>'port')::INTEGER AS port";
+     recorded_at, (data->>'duration_ms')::BIGINT AS duration_ms, (data->>'port')::INTEGER AS port, \
+     data->>'plan' AS plan, (data->>'verified')::BOOLEAN AS verified, \
+     (data->>'eligible')::BOOLEAN AS eligible";
 
 #[derive(Debug, FromRow)]
 pub struct EventRow {
@@ -42,10 +45,37 @@ pub struct EventRow {
     recorded_at: DateTime<Utc>,
     duration_ms: Option<i64>,
     port: Option<i32>,
+    plan: Option<String>,
+    verified: Option<bool>,
+    eligible: Option<bool>,
 }
 
 impl EventRow {
     pub fn into_event(self) -> anyhow::Result<ProjectedEvent> {
+        let event_id =
+            EventId::from_uuid(self.id).with_context(|| format!("position {}", self.position))?;
+        let change = match EventType::parse(&self.event_type) {
+            Some(EventType::OrgPlanChanged) => Some(AccountChange::Plan(
+                PlanId::parse(self.plan.as_deref().unwrap_or_default())
+                    .with_context(|| format!("the plan of position {}", self.position))?,
+            )),
+            Some(EventType::OrgVerificationChanged) => {
+                Some(AccountChange::Verified(self.verified.ok_or_else(|| {
+                    anyhow!("position {}: no verified", self.position)
+                })?))
+            }
+            Some(EventType::OrgBillingEligibilityChanged) => Some(AccountChange::BillingEligible(
+                self.eligible
+                    .ok_or_else(|| anyhow!("position {}: no eligible", self.position))?,
+            )),
+            _ => None,
+        };
+        let account = change.map(|change| AccountEntry {
+            occurred_at: self.occurred_at,
+            position: self.position,
+            event_id,
+            change,
+        });
         let container = match (
             self.container_id,
             entry_kind(&self.event_type, self.duration_ms, self.port)?,
@@ -55,8 +85,7 @@ impl EventRow {
                 ContainerEntry {
                     occurred_at: self.occurred_at,
                     position: self.position,
-                    event_id: EventId::from_uuid(self.id)
-                        .with_context(|| format!("position {}", self.position))?,
+                    event_id,
                     kind,
                 },
             )),
@@ -67,6 +96,7 @@ impl EventRow {
             recorded_at: self.recorded_at,
             org_id: self.org_id,
             container,
+            account,
         })
     }
 }
@@ -332,6 +362,7 @@ pub async fn write(
     write_periods(connection, schema, &changes).await?;
     write_open(connection, schema, &changes).await?;
     write_latest(connection, schema, &changes).await?;
+    write_accounts(connection, schema, &changes).await?;
     sqlx::query(&format!(
         "UPDATE {schema}.checkpoint SET position = $1, projected_at = now()"
     ))
@@ -541,4 +572,94 @@ async fn write_latest(
         .await?;
     }
     Ok(())
+}
+
+async fn write_accounts(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    for chunk in changes.accounts.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(org, _)| org.as_str()).collect();
+        let positions: Vec<i64> = chunk.iter().map(|(_, entry)| entry.position).collect();
+        let instants: Vec<DateTime<Utc>> =
+            chunk.iter().map(|(_, entry)| entry.occurred_at).collect();
+        let ids: Vec<Uuid> = chunk
+            .iter()
+            .map(|(_, entry)| entry.event_id.as_uuid())
+            .collect();
+        let mut plans: Vec<Option<&str>> = Vec::with_capacity(chunk.len());
+        let mut verified: Vec<Option<bool>> = Vec::with_capacity(chunk.len());
+        let mut eligible: Vec<Option<bool>> = Vec::with_capacity(chunk.len());
+        for (_, entry) in chunk {
+            let (plan, is_verified, is_eligible) = match &entry.change {
+                AccountChange::Plan(plan) => (Some(plan.as_str()), None, None),
+                AccountChange::Verified(value) => (None, Some(*value), None),
+                AccountChange::BillingEligible(value) => (None, None, Some(*value)),
+            };
+            plans.push(plan);
+            verified.push(is_verified);
+            eligible.push(is_eligible);
+        }
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.account_change \
+                 (org_id, position, occurred_at, event_id, plan, verified, billing_eligible) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::TIMESTAMPTZ[], $4::UUID[], \
+                                  $5::TEXT[], $6::BOOLEAN[], $7::BOOLEAN[]) \
+             ON CONFLICT (org_id, position) DO NOTHING"
+        ))
+        .bind(&orgs)
+        .bind(&positions)
+        .bind(&instants)
+        .bind(&ids)
+        .bind(&plans)
+        .bind(&verified)
+        .bind(&eligible)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
+
+#[derive(FromRow)]
+struct AccountRow {
+    position: i64,
+    occurred_at: DateTime<Utc>,
+    event_id: Uuid,
+    plan: Option<String>,
+    verified: Option<bool>,
+    billing_eligible: Option<bool>,
+}
+
+/// An org's account events, in any order (the fold orders them).
+pub async fn account_entries(
+    connection: &mut PgConnection,
+    org_id: &str,
+) -> anyhow::Result<Vec<AccountEntry>> {
+    let rows: Vec<AccountRow> = sqlx::query_as(&format!(
+        "SELECT position, occurred_at, event_id, plan, verified, billing_eligible \
+         FROM {LIVE}.account_change WHERE org_id = $1"
+    ))
+    .bind(org_id)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            let change = match (row.plan, row.verified, row.billing_eligible) {
+                (Some(plan), None, None) => AccountChange::Plan(PlanId::parse(&plan)?),
+                (None, Some(value), None) => AccountChange::Verified(value),
+                (None, None, Some(value)) => AccountChange::BillingEligible(value),
+                _ => anyhow::bail!(
+                    "account change at position {} sets not exactly one value",
+                    row.position
+                ),
+            };
+            Ok(AccountEntry {
+                occurred_at: row.occurred_at,
+                position: row.position,
+                event_id: EventId::from_uuid(row.event_id)?,
+                change,
+            })
+        })
+        .collect()
 }
