@@ -1,5 +1,7 @@
 //! tally: an event-sourced usage and billing ledger. Modules in reading order.
 
+/// Admission against the database: facts, reservations (grant, release, consume).
+pub mod admission;
 /// `tally bench`: throughput and latency against raw baselines, in one run.
 pub mod bench;
 /// Plans with decimal money and the admission decision (pure).

@@ -1,6 +1,7 @@
 //! The HTTP API (DESIGN §6, §7): `app(state)` builds the router; each feature module owns
 //! its routes. Handlers are thin: extract, parse into domain types, call the ledger, map.
 
+pub mod admission;
 pub mod auth;
 pub mod error;
 pub mod events;
@@ -58,6 +59,7 @@ pub fn app(state: AppState) -> Router {
         .merge(ledger::router())
         .merge(usage::router())
         .merge(plans::router())
+        .merge(admission::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

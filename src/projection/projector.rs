@@ -7,7 +7,7 @@
 //! checkpoint, and a crash anywhere loses or repeats nothing. It wakes on this instance's
 //! commits (the appender's head) and polls for other instances'.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::model::{Changes, ContainerKey};
 use super::store;
+use crate::runtime::EntryKind;
 
 /// After being woken by a commit, wait this long so that one round carries several group
 /// commits: a few milliseconds of lag for far fewer transactions under load.
@@ -130,6 +131,22 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         metrics::counter!("tally_projection_refolds_total").increment(late.len() as u64);
     }
     store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
+    // A reservation is consumed in the transaction that makes its container count as
+    // running, so that no snapshot counts the slot twice or not at all.
+    let starts: HashMap<(String, String), uuid::Uuid> = events
+        .iter()
+        .filter_map(|event| {
+            let (container_id, entry) = event.container.as_ref()?;
+            matches!(entry.kind, EntryKind::Created | EntryKind::Resumed).then(|| {
+                (
+                    (event.org_id.clone(), container_id.clone()),
+                    entry.event_id.as_uuid(),
+                )
+            })
+        })
+        .collect();
+    let consumed = crate::admission::consume(&mut transaction, &starts).await?;
+    metrics::counter!("tally_reservations_consumed_total").increment(consumed);
     transaction.commit().await?;
 
     metrics::histogram!("tally_projection_round_events").record(events.len() as f64);

@@ -8,7 +8,7 @@
 //! ledger up to the projection's checkpoint, all in one snapshot.
 
 use chrono::{DateTime, Utc};
-use sqlx::{FromRow, PgPool};
+use sqlx::{FromRow, PgConnection, PgPool};
 
 use super::store::{self, LIVE};
 use crate::runtime::{self, OpenRuns, Period, PeriodTotals, Usage};
@@ -33,6 +33,41 @@ pub async fn usage(
     period: Period,
     as_of: DateTime<Utc>,
 ) -> anyhow::Result<Usage> {
+    let mut connection = pool.acquire().await?;
+    if let Some(usage) = from_totals(&mut connection, org_id, period, as_of).await? {
+        return Ok(usage);
+    }
+    drop(connection);
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *transaction)
+        .await?;
+    let usage = cut_at(&mut transaction, org_id, period, as_of).await?;
+    transaction.commit().await?;
+    Ok(usage)
+}
+
+/// [`usage`] on a connection the caller holds (and perhaps a transaction it runs).
+pub async fn usage_on(
+    connection: &mut PgConnection,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+) -> anyhow::Result<Usage> {
+    match from_totals(&mut *connection, org_id, period, as_of).await? {
+        Some(usage) => Ok(usage),
+        None => cut_at(connection, org_id, period, as_of).await,
+    }
+}
+
+/// Usage from the org's totals in one statement; `None` when `as_of` is before the org's
+/// latest event and every figure has to be cut at it.
+async fn from_totals(
+    connection: &mut PgConnection,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+) -> anyhow::Result<Option<Usage>> {
     let row: TotalsRow = sqlx::query_as(&format!(
         "SELECT (SELECT latest_at FROM {LIVE}.org WHERE org_id = $1) AS latest_at, \
                 COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
@@ -50,7 +85,7 @@ pub async fn usage(
     ))
     .bind(org_id)
     .bind(period.to_string())
-    .fetch_one(pool)
+    .fetch_one(connection)
     .await?;
     let totals = PeriodTotals {
         closed_runtime_ms: row.closed_runtime_ms,
@@ -72,26 +107,22 @@ pub async fn usage(
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let settled_at = row.latest_at.map(runtime::settled_at);
-    match runtime::usage_from_totals(totals, &open, period, as_of, settled_at) {
-        Some(usage) => Ok(usage),
-        None => usage_cut_at(pool, org_id, period, as_of).await,
-    }
+    Ok(runtime::usage_from_totals(
+        totals, &open, period, as_of, settled_at,
+    ))
 }
 
-/// Usage as of an instant the org's events reach past: every figure cut at `as_of`.
-async fn usage_cut_at(
-    pool: &PgPool,
+/// Usage as of an instant the org's events reach past: every figure cut at `as_of`. Run
+/// it in one snapshot (a repeatable-read transaction) for figures that agree.
+async fn cut_at(
+    connection: &mut PgConnection,
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
 ) -> anyhow::Result<Usage> {
     let window = period.window().until(as_of);
-    let mut transaction = pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *transaction)
-        .await?;
-    let checkpoint = store::checkpoint(&mut transaction, LIVE).await?;
-    let lifecycles = store::org_lifecycles(&mut transaction, org_id).await?;
+    let checkpoint = store::checkpoint(&mut *connection, LIVE).await?;
+    let lifecycles = store::org_lifecycles(&mut *connection, org_id).await?;
     let (commands, command_ms): (i64, i64) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum((data->>'duration_ms')::BIGINT), 0)::BIGINT FROM ledger \
          WHERE org_id = $1 AND occurred_at >= $2 AND occurred_at < $3 AND position <= $4 \
@@ -101,7 +132,7 @@ async fn usage_cut_at(
     .bind(window.start())
     .bind(window.end())
     .bind(checkpoint)
-    .fetch_one(&mut *transaction)
+    .fetch_one(&mut *connection)
     .await?;
     let ports_published: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM {LIVE}.port WHERE org_id = $1 AND period = $2 AND first_at < $3"
@@ -109,9 +140,8 @@ async fn usage_cut_at(
     .bind(org_id)
     .bind(period.to_string())
     .bind(window.end())
-    .fetch_one(&mut *transaction)
+    .fetch_one(&mut *connection)
     .await?;
-    transaction.commit().await?;
     Ok(Usage {
         runtime_ms: lifecycles
             .iter()

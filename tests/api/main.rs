@@ -2,6 +2,7 @@
 
 mod helpers;
 
+mod admission;
 mod concurrency;
 mod crash;
 mod immutability;

@@ -1,0 +1,431 @@
+//! Admission against the database (DESIGN §4): gathers the facts of [`billing::decide`]
+//! from the projection, the plans and the live reservations; grants and releases
+//! reservations; and consumes them when their container's `created`/`resumed` is projected.
+//!
+//! Race-freedom: a grant takes a per-org transaction advisory lock, then reads every fact
+//! it counts slots with — running containers (projection) and live reservations — in ONE
+//! statement, so one snapshot, taken after the lock is granted. The projector consumes a
+//! reservation in the same transaction that makes its container count as running, so a
+//! snapshot sees the slot taken exactly once: as a reservation before, as a running
+//! container after. Expired reservations stop counting by their `expires_at` alone.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context as _};
+use chrono::{DateTime, SubsecRound, Utc};
+use sqlx::{FromRow, PgConnection, PgPool};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::billing::{self, Action, Decision, Facts};
+use crate::event::{ContainerId, EventId, OrgId, PlanId};
+use crate::ledger::plans;
+use crate::projection::{query, store};
+use crate::runtime::{
+    self, AccountChange, AccountEntry, AccountState, AccountTimeline, Interval, Lifecycle,
+    OpenRuns, Period, PeriodTotals,
+};
+
+/// How long a check waits for the projection to include this instance's own appends
+/// before it answers 503 rather than from stale figures.
+pub const FRESHNESS_WAIT_MS: u64 = 2_000;
+/// Between looks at the projection's checkpoint while waiting.
+const FRESHNESS_POLL_MS: u64 = 2;
+/// Reservation lifetimes (DESIGN §4).
+pub const TTL_SECONDS_MIN: u64 = 1;
+pub const TTL_SECONDS_MAX: u64 = 300;
+pub const TTL_SECONDS_DEFAULT: u64 = 60;
+
+/// One admission question.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub org_id: OrgId,
+    pub action: Action,
+    pub container_id: Option<ContainerId>,
+}
+
+/// A decision with the figures it was made from.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub decision: Decision,
+    pub plan: PlanId,
+    pub period: Period,
+    pub runtime_used_ms: i64,
+    pub running_containers: u64,
+    pub max_running_containers: u64,
+    pub at: DateTime<Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("the projection has not caught up with this instance's appends within {0} ms")]
+    Stale(u64),
+    #[error(transparent)]
+    Store(#[from] anyhow::Error),
+}
+
+impl From<sqlx::Error> for AdmissionError {
+    fn from(error: sqlx::Error) -> Self {
+        AdmissionError::Store(error.into())
+    }
+}
+
+/// Waits until the projection holds every event this instance has acknowledged (`head`),
+/// so that a check right after an append sees it (read-your-writes).
+pub async fn wait_until_fresh(
+    pool: &PgPool,
+    head: &watch::Receiver<i64>,
+) -> Result<(), AdmissionError> {
+    let wanted = *head.borrow();
+    let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
+    loop {
+        let projected: i64 =
+            sqlx::query_scalar(&format!("SELECT position FROM {}.checkpoint", store::LIVE))
+                .fetch_one(pool)
+                .await?;
+        if projected >= wanted {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
+        }
+        tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
+    }
+}
+
+#[derive(FromRow)]
+struct FactsRow {
+    latest_at: Option<DateTime<Utc>>,
+    closed_runtime_ms: i64,
+    commands: i64,
+    command_ms: i64,
+    ports_published: i64,
+    open_periods: Vec<String>,
+    open_running: Vec<i64>,
+    open_offsets: Vec<i64>,
+    /// Intervals of the containers with events after `now`: only these can be running at
+    /// `now` other than by an open interval that started before it.
+    future_intervals: Vec<String>,
+    target_intervals: Option<String>,
+    reservations: i64,
+    account: Option<String>,
+}
+
+/// Everything the decision needs, read in one statement (one snapshot).
+async fn load(
+    connection: &mut PgConnection,
+    request: &Request,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Answer> {
+    let period = Period::containing(now);
+    let live = store::LIVE;
+    let row: FactsRow = sqlx::query_as(&format!(
+        "SELECT (SELECT latest_at FROM {live}.org WHERE org_id = $1) AS latest_at, \
+                COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
+                COALESCE(p.commands, 0) AS commands, \
+                COALESCE(p.command_ms, 0) AS command_ms, \
+                COALESCE(p.ports_published, 0) AS ports_published, \
+                ARRAY(SELECT since_period FROM {live}.org_open \
+                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_periods, \
+                ARRAY(SELECT running FROM {live}.org_open \
+                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_running, \
+                ARRAY(SELECT since_offset_ms FROM {live}.org_open \
+                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_offsets, \
+                ARRAY(SELECT intervals::TEXT FROM {live}.container \
+                      WHERE org_id = $1 AND last_at > $3) AS future_intervals, \
+                (SELECT intervals::TEXT FROM {live}.container \
+                      WHERE org_id = $1 AND container_id = $4) AS target_intervals, \
+                (SELECT count(*) FROM admission_reservation \
+                      WHERE org_id = $1 AND released_at IS NULL AND consumed_at IS NULL \
+                        AND expires_at > $3) AS reservations, \
+                (SELECT json_agg(json_build_array(position, \
+                        (extract(epoch FROM occurred_at) * 1000)::BIGINT, event_id, plan, verified, \
+                        billing_eligible))::TEXT \
+                      FROM {live}.account_change WHERE org_id = $1) AS account \
+         FROM (SELECT 1) AS one \
+         LEFT JOIN {live}.org_period p ON p.org_id = $1 AND p.period = $2"
+    ))
+    .bind(request.org_id.as_str())
+    .bind(period.to_string())
+    .bind(now)
+    .bind(request.container_id.as_ref().map(ContainerId::as_str))
+    .fetch_one(&mut *connection)
+    .await?;
+
+    let open = row
+        .open_periods
+        .iter()
+        .zip(&row.open_running)
+        .zip(&row.open_offsets)
+        .map(|((since_period, running), offset)| {
+            Ok(OpenRuns {
+                since_period: Period::parse(since_period)?,
+                running: u64::try_from(*running)?,
+                since_offset_ms: *offset,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Open intervals, corrected by the few containers with events after now.
+    let mut running: i64 = open.iter().map(|runs| runs.running as i64).sum();
+    for intervals in &row.future_intervals {
+        let lifecycle = lifecycle_of(intervals)?;
+        running +=
+            i64::from(lifecycle.running_at(now)) - i64::from(lifecycle.running_since().is_some());
+    }
+    let running_containers = u64::try_from(running).context("running containers below zero")?;
+    let totals = PeriodTotals {
+        closed_runtime_ms: row.closed_runtime_ms,
+        commands: u64::try_from(row.commands)?,
+        command_ms: row.command_ms,
+        ports_published: u64::try_from(row.ports_published)?,
+    };
+    let settled_at = row.latest_at.map(runtime::settled_at);
+    let runtime_used_ms = match runtime::usage_from_totals(totals, &open, period, now, settled_at) {
+        Some(usage) => usage.runtime_ms,
+        None => {
+            query::usage_on(&mut *connection, request.org_id.as_str(), period, now)
+                .await?
+                .runtime_ms
+        }
+    };
+    let container_running = match &row.target_intervals {
+        Some(intervals) => lifecycle_of(intervals)?.running_at(now),
+        None => false,
+    };
+    let account = match &row.account {
+        Some(json) => AccountTimeline::fold(&account_entries(json)?).state_at(now),
+        None => AccountState::default(),
+    };
+    let versions = plans::versions(&mut *connection, &account.plan).await?;
+    let plan = plans::in_effect(&versions, now)
+        .ok_or_else(|| {
+            anyhow!(
+                "org {} is on plan {}, which has no version",
+                request.org_id,
+                account.plan
+            )
+        })?
+        .plan
+        .clone();
+    let facts = Facts {
+        plan: &plan,
+        account: &account,
+        period,
+        runtime_used_ms,
+        running_containers,
+        reservations: u64::try_from(row.reservations)?,
+        container_running,
+        ports_published: totals.ports_published,
+    };
+    let decision = billing::decide(request.action, &facts);
+    Ok(Answer {
+        decision,
+        plan: plan.id.clone(),
+        period,
+        runtime_used_ms,
+        running_containers,
+        max_running_containers: plan.max_running_containers,
+        at: now,
+    })
+}
+
+fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
+    let pairs: Vec<(i64, Option<i64>)> =
+        serde_json::from_str(intervals).context("stored intervals")?;
+    let instant = |ms: i64| DateTime::from_timestamp_millis(ms).ok_or_else(|| anyhow!("{ms} ms"));
+    let intervals = pairs
+        .into_iter()
+        .map(|(start, end)| {
+            Ok(Interval::new(
+                instant(start)?,
+                end.map(instant).transpose()?,
+            ))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Lifecycle::restore(intervals, Vec::new(), None))
+}
+
+type StoredChange = (i64, i64, Uuid, Option<String>, Option<bool>, Option<bool>);
+
+fn account_entries(json: &str) -> anyhow::Result<Vec<AccountEntry>> {
+    let rows: Vec<StoredChange> = serde_json::from_str(json).context("stored account changes")?;
+    rows.into_iter()
+        .map(
+            |(position, occurred_at_ms, event_id, plan, verified, eligible)| {
+                let change = match (plan, verified, eligible) {
+                    (Some(plan), None, None) => AccountChange::Plan(PlanId::parse(&plan)?),
+                    (None, Some(value), None) => AccountChange::Verified(value),
+                    (None, None, Some(value)) => AccountChange::BillingEligible(value),
+                    _ => anyhow::bail!("account change {position} sets not exactly one value"),
+                };
+                Ok(AccountEntry {
+                    occurred_at: DateTime::from_timestamp_millis(occurred_at_ms)
+                        .ok_or_else(|| anyhow!("{occurred_at_ms} ms"))?,
+                    position,
+                    event_id: EventId::from_uuid(event_id)?,
+                    change,
+                })
+            },
+        )
+        .collect()
+}
+
+/// `POST /v1/admission/check`: the decision now, read-your-writes for this instance.
+pub async fn check(
+    pool: &PgPool,
+    head: &watch::Receiver<i64>,
+    request: &Request,
+) -> Result<Answer, AdmissionError> {
+    wait_until_fresh(pool, head).await?;
+    let mut connection = pool.acquire().await?;
+    Ok(load(&mut connection, request, Utc::now().trunc_subsecs(3)).await?)
+}
+
+/// A granted reservation.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    pub id: Uuid,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// Grants a reservation when admission allows the request, serialized per org across
+/// every instance; records a refusal otherwise. Either way returns the answer.
+pub async fn reserve(
+    pool: &PgPool,
+    head: &watch::Receiver<i64>,
+    request: &Request,
+    ttl_seconds: u64,
+    actor: &str,
+) -> Result<(Answer, Option<Reservation>), AdmissionError> {
+    assert!(
+        request.action.takes_slot(),
+        "only create and resume reserve a slot"
+    );
+    wait_until_fresh(pool, head).await?;
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
+        .bind(request.org_id.as_str())
+        .execute(&mut *transaction)
+        .await?;
+    // The clock is read after the lock, so that expiry is judged at the moment of granting.
+    let now = Utc::now().trunc_subsecs(3);
+    let answer = load(&mut transaction, request, now).await?;
+    let action = serde_json::to_value(request.action)
+        .ok()
+        .and_then(|value| value.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    let container_id = request.container_id.as_ref().map(ContainerId::as_str);
+    if !answer.decision.allowed {
+        let reasons: Vec<&str> = answer
+            .decision
+            .reasons
+            .iter()
+            .map(|reason| reason.as_str())
+            .collect();
+        sqlx::query(
+            "INSERT INTO admission_refusal (org_id, container_id, action, requested_by, requested_at, reasons) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(request.org_id.as_str())
+        .bind(container_id)
+        .bind(&action)
+        .bind(actor)
+        .bind(now)
+        .bind(&reasons)
+        .execute(&mut *transaction)
+        .await?;
+        transaction.commit().await?;
+        return Ok((answer, None));
+    }
+    let reservation = Reservation {
+        id: Uuid::now_v7(),
+        expires_at: now + chrono::Duration::seconds(i64::try_from(ttl_seconds).unwrap_or(i64::MAX)),
+    };
+    sqlx::query(
+        "INSERT INTO admission_reservation \
+             (id, org_id, container_id, action, reserved_by, created_at, expires_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(reservation.id)
+    .bind(request.org_id.as_str())
+    .bind(container_id)
+    .bind(&action)
+    .bind(actor)
+    .bind(now)
+    .bind(reservation.expires_at)
+    .execute(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok((answer, Some(reservation)))
+}
+
+/// What became of a reservation asked to be released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Released {
+    Released,
+    /// Released before: releasing is idempotent.
+    AlreadyReleased,
+    /// Consumed by its container's event: the slot is the running container's now.
+    Consumed,
+    NotFound,
+}
+
+pub async fn release(pool: &PgPool, id: Uuid, actor: &str) -> sqlx::Result<Released> {
+    let released: Option<Uuid> = sqlx::query_scalar(
+        "UPDATE admission_reservation SET released_at = now(), released_by = $2 \
+         WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL RETURNING id",
+    )
+    .bind(id)
+    .bind(actor)
+    .fetch_optional(pool)
+    .await?;
+    if released.is_some() {
+        return Ok(Released::Released);
+    }
+    let consumed: Option<bool> = sqlx::query_scalar(
+        "SELECT consumed_at IS NOT NULL FROM admission_reservation WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(match consumed {
+        None => Released::NotFound,
+        Some(true) => Released::Consumed,
+        Some(false) => Released::AlreadyReleased,
+    })
+}
+
+/// Consumes, for each container that a `created` or `resumed` of this projector round
+/// starts, its oldest live reservation. Runs in the round's transaction.
+pub async fn consume(
+    connection: &mut PgConnection,
+    starts: &HashMap<(String, String), Uuid>,
+) -> sqlx::Result<u64> {
+    if starts.is_empty() {
+        return Ok(0);
+    }
+    let mut orgs = Vec::with_capacity(starts.len());
+    let mut containers = Vec::with_capacity(starts.len());
+    let mut events = Vec::with_capacity(starts.len());
+    for ((org, container), event) in starts {
+        orgs.push(org.as_str());
+        containers.push(container.as_str());
+        events.push(*event);
+    }
+    let consumed = sqlx::query(
+        "UPDATE admission_reservation r SET consumed_at = now(), consumed_by = s.event_id \
+         FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[]) AS s(org_id, container_id, event_id) \
+         WHERE r.id = (SELECT x.id FROM admission_reservation x \
+                       WHERE x.org_id = s.org_id AND x.container_id = s.container_id \
+                         AND x.released_at IS NULL AND x.consumed_at IS NULL \
+                         AND x.expires_at > now() \
+                       ORDER BY x.created_at LIMIT 1)",
+    )
+    .bind(&orgs)
+    .bind(&containers)
+    .bind(&events)
+    .execute(connection)
+    .await?;
+    Ok(consumed.rows_affected())
+}

@@ -1,0 +1,330 @@
+//! Admission (DESIGN §4, §6): `POST /v1/admission/check`, `POST /v1/admission/reservations`,
+//! `DELETE /v1/admission/reservations/{id}`.
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::{delete, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::error::{ApiError, ErrorBody};
+use super::events::read_body;
+use super::AppState;
+use crate::admission::{self, AdmissionError, Answer, Released, Request};
+use crate::billing::Action;
+use crate::event::canonical;
+use crate::event::{ContainerId, OrgId};
+
+/// Who acts, for the reservation audit columns; scoped tokens will name themselves here.
+const ACTOR: &str = "bootstrap";
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/admission/check", post(post_check))
+        .route("/v1/admission/reservations", post(post_reservation))
+        .route(
+            "/v1/admission/reservations/{reservation_id}",
+            delete(delete_reservation),
+        )
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CheckResponse {
+    allowed: bool,
+    /// Every reason that applies, in the order of DESIGN §4.
+    reasons: Vec<&'static str>,
+    plan: String,
+    period: String,
+    runtime_used_ms: i64,
+    runtime_included_ms: i64,
+    overage: bool,
+    running_containers: u64,
+    max_running_containers: u64,
+}
+
+impl From<&Answer> for CheckResponse {
+    fn from(answer: &Answer) -> Self {
+        CheckResponse {
+            allowed: answer.decision.allowed,
+            reasons: answer
+                .decision
+                .reasons
+                .iter()
+                .map(|reason| reason.as_str())
+                .collect(),
+            plan: answer.plan.as_str().to_owned(),
+            period: answer.period.to_string(),
+            runtime_used_ms: answer.runtime_used_ms,
+            runtime_included_ms: answer.decision.runtime_included_ms,
+            overage: answer.decision.overage,
+            running_containers: answer.running_containers,
+            max_running_containers: answer.max_running_containers,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReservationResponse {
+    reservation_id: Uuid,
+    expires_at: String,
+    #[serde(flatten)]
+    check: CheckResponse,
+}
+
+/// May the org do this now?
+#[utoipa::path(
+    post,
+    path = "/v1/admission/check",
+    tag = "admission",
+    request_body(content = Object, description = "{\"org_id\", \"action\": \"create\"|\"resume\"|\"run\"|\"publish_port\", \"container_id\"?}"),
+    responses(
+        (status = 200, body = CheckResponse),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_check(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<CheckResponse>, ApiError> {
+    let fields = json_object(&state, &headers, body).await?;
+    let request = parse_request(&fields, &["org_id", "action", "container_id"])?;
+    let answer = admission::check(&state.pool, &state.appender.head(), &request)
+        .await
+        .map_err(admission_error)?;
+    metrics::counter!("tally_admission_checks_total", "allowed" => answer.decision.allowed.to_string())
+        .increment(1);
+    Ok(Json(CheckResponse::from(&answer)))
+}
+
+/// Hold a running slot for a create or resume, for `ttl_seconds` (1–300, default 60).
+#[utoipa::path(
+    post,
+    path = "/v1/admission/reservations",
+    tag = "admission",
+    request_body(content = Object, description = "{\"org_id\", \"action\": \"create\"|\"resume\", \"container_id\"?, \"ttl_seconds\"?}"),
+    responses(
+        (status = 201, body = ReservationResponse),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "refused; the code is the first reason, details list them all"),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_reservation(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<ReservationResponse>), ApiError> {
+    let fields = json_object(&state, &headers, body).await?;
+    let request = parse_request(
+        &fields,
+        &["org_id", "action", "container_id", "ttl_seconds"],
+    )?;
+    if !request.action.takes_slot() {
+        return Err(invalid(
+            "invalid_action",
+            "reservations hold a running slot: action must be \"create\" or \"resume\"",
+        ));
+    }
+    let ttl_seconds = match fields.get("ttl_seconds") {
+        None => admission::TTL_SECONDS_DEFAULT,
+        Some(value) => value
+            .as_u64()
+            .filter(|ttl| (admission::TTL_SECONDS_MIN..=admission::TTL_SECONDS_MAX).contains(ttl))
+            .ok_or_else(|| {
+                invalid(
+                    "invalid_ttl",
+                    format!(
+                        "ttl_seconds: must be a whole number from {} to {}",
+                        admission::TTL_SECONDS_MIN,
+                        admission::TTL_SECONDS_MAX
+                    ),
+                )
+            })?,
+    };
+    let (answer, reservation) = admission::reserve(
+        &state.pool,
+        &state.appender.head(),
+        &request,
+        ttl_seconds,
+        ACTOR,
+    )
+    .await
+    .map_err(admission_error)?;
+    let Some(reservation) = reservation else {
+        metrics::counter!("tally_reservations_total", "outcome" => "refused").increment(1);
+        let reasons = &answer.decision.reasons;
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            reasons[0].as_str(),
+            format!(
+                "admission refused: {}",
+                reasons
+                    .iter()
+                    .map(|reason| reason.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+        .with_details(
+            reasons
+                .iter()
+                .map(|reason| json!({"code": reason.as_str(), "message": reason.as_str()}))
+                .collect(),
+        ));
+    };
+    metrics::counter!("tally_reservations_total", "outcome" => "granted").increment(1);
+    Ok((
+        StatusCode::CREATED,
+        Json(ReservationResponse {
+            reservation_id: reservation.id,
+            expires_at: canonical::timestamp(reservation.expires_at),
+            check: CheckResponse::from(&answer),
+        }),
+    ))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReleaseResponse {
+    reservation_id: Uuid,
+    #[schema(example = "released")]
+    status: &'static str,
+}
+
+/// Release a reservation: its slot is free at once. Releasing again is harmless.
+#[utoipa::path(
+    delete,
+    path = "/v1/admission/reservations/{reservation_id}",
+    tag = "admission",
+    params(("reservation_id" = String, Path, description = "the id a grant returned")),
+    responses(
+        (status = 200, body = ReleaseResponse),
+        (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "already consumed by its container"),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn delete_reservation(
+    State(state): State<AppState>,
+    Path(reservation_id): Path<String>,
+) -> Result<Json<ReleaseResponse>, ApiError> {
+    let id = Uuid::try_parse(&reservation_id)
+        .map_err(|_| invalid("invalid_reservation_id", "reservation_id: must be a UUID"))?;
+    match admission::release(&state.pool, id, ACTOR).await? {
+        Released::Released | Released::AlreadyReleased => Ok(Json(ReleaseResponse {
+            reservation_id: id,
+            status: "released",
+        })),
+        Released::Consumed => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "reservation_consumed",
+            "the reservation was consumed by its container's event; stop the container to free the slot",
+        )),
+        Released::NotFound => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "reservation_not_found",
+            format!("no reservation {id}"),
+        )),
+    }
+}
+
+async fn json_object(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Map<String, Value>, ApiError> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be application/json",
+        ));
+    }
+    let bytes = read_body(body, state.body_max_bytes).await?;
+    match serde_json::from_slice(&bytes) {
+        Ok(Value::Object(fields)) => Ok(fields),
+        Ok(_) => Err(invalid("invalid_body", "the body must be a JSON object")),
+        Err(error) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            format!("body is not JSON: {error}"),
+        )),
+    }
+}
+
+fn parse_request(fields: &Map<String, Value>, known: &[&str]) -> Result<Request, ApiError> {
+    if let Some(unknown) = fields.keys().find(|name| !known.contains(&name.as_str())) {
+        return Err(invalid(
+            "unknown_field",
+            format!("{unknown}: is not a field of this request"),
+        ));
+    }
+    let text = |name: &str| fields.get(name).and_then(Value::as_str);
+    let org_id = text("org_id")
+        .ok_or_else(|| invalid("invalid_org_id", "org_id: is required"))
+        .and_then(|value| {
+            OrgId::parse(value)
+                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))
+        })?;
+    let action = text("action").and_then(Action::parse).ok_or_else(|| {
+        invalid(
+            "invalid_action",
+            "action: must be \"create\", \"resume\", \"run\" or \"publish_port\"",
+        )
+    })?;
+    let container_id =
+        match fields.get("container_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(value)) => Some(ContainerId::parse(value).map_err(|error| {
+                invalid("invalid_container_id", format!("container_id: {error}"))
+            })?),
+            Some(_) => {
+                return Err(invalid(
+                    "invalid_container_id",
+                    "container_id: must be a string",
+                ))
+            }
+        };
+    if action.needs_running_container() && container_id.is_none() {
+        return Err(invalid(
+            "missing_container_id",
+            "container_id: is required for run and publish_port",
+        ));
+    }
+    Ok(Request {
+        org_id,
+        action,
+        container_id,
+    })
+}
+
+fn admission_error(error: AdmissionError) -> ApiError {
+    match error {
+        AdmissionError::Stale(_) => ApiError::unavailable("projection_lagging", error.to_string()),
+        AdmissionError::Store(error) => ApiError::from(error),
+    }
+}
+
+fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+}

@@ -1,0 +1,367 @@
+//! Admission and reservations (issue 4): decisions from the projection, and reservations
+//! that grant the last slot exactly once however many requests race for it, on one
+//! instance or several.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use futures::future::join_all;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::helpers::{ago, eventually, TestApp, TOKEN};
+use crate::plans::{pro_plan, put_plan};
+
+async fn post(app: &TestApp, base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let response = app
+        .client
+        .post(format!("{base}{path}"))
+        .bearer_auth(TOKEN)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+async fn check(app: &TestApp, body: Value) -> Value {
+    let (status, answer) = post(app, &app.url(""), "/v1/admission/check", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
+async fn reserve(app: &TestApp, body: &Value) -> (u16, Value) {
+    post(app, &app.url(""), "/v1/admission/reservations", body).await
+}
+
+async fn event(app: &TestApp, body: Value) {
+    let (status, response) = app.post_json(&body).await;
+    assert_eq!(status, 200, "{response}");
+}
+
+/// `org` on plan `pro` (one running slot, an hour included, overage denied), verified and
+/// billing eligible.
+async fn ready_org(app: &TestApp, org: &str) {
+    let (status, plan) = put_plan(app, "pro", &pro_plan()).await;
+    assert!(status == 201 || status == 200, "{plan}");
+    for (event_type, data) in [
+        ("org.plan_changed", json!({"plan": "pro"})),
+        ("org.verification_changed", json!({"verified": true})),
+        ("org.billing_eligibility_changed", json!({"eligible": true})),
+    ] {
+        event(
+            app,
+            json!({"id": Uuid::new_v4(), "type": event_type, "org_id": org, "occurred_at": ago(600), "data": data}),
+        )
+        .await;
+    }
+}
+
+fn container_event(org: &str, container: &str, event_type: &str, seconds_ago: i64) -> Value {
+    json!({"id": Uuid::new_v4(), "type": event_type, "org_id": org, "container_id": container,
+           "occurred_at": ago(seconds_ago)})
+}
+
+async fn reservations_stored(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM admission_reservation")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_org_never_seen_is_refused_for_its_free_plan_verification_and_eligibility() {
+    let app = TestApp::spawn().await;
+    let answer = check(&app, json!({"org_id": "stranger", "action": "create"})).await;
+    assert_eq!(
+        answer,
+        json!({"allowed": false, "reasons": ["plan_excludes_sandbox", "not_verified", "not_billing_eligible"],
+               "plan": "free", "period": Utc::now().format("%Y-%m").to_string(), "runtime_used_ms": 0,
+               "runtime_included_ms": 0, "overage": true, "running_containers": 0,
+               "max_running_containers": 0})
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writes() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let create = json!({"org_id": "acme", "action": "create"});
+    let answer = check(&app, create.clone()).await;
+    assert_eq!(answer["allowed"], true, "{answer}");
+    assert_eq!(answer["plan"], "pro");
+    assert_eq!(answer["runtime_included_ms"], 3_600_000);
+
+    // Acknowledged, then checked at once: the check sees it.
+    event(
+        &app,
+        container_event("acme", "c1", "container.created", 1800),
+    )
+    .await;
+    let answer = check(&app, create.clone()).await;
+    assert_eq!(answer["reasons"], json!(["concurrency_limit"]));
+    assert_eq!(answer["running_containers"], 1);
+    let run = check(
+        &app,
+        json!({"org_id": "acme", "action": "run", "container_id": "c1"}),
+    )
+    .await;
+    assert_eq!(run["allowed"], true, "{run}");
+    let run_other = check(
+        &app,
+        json!({"org_id": "acme", "action": "run", "container_id": "c2"}),
+    )
+    .await;
+    assert_eq!(run_other["reasons"], json!(["container_not_running"]));
+
+    // An hour and a half of runtime against an hour included, overage denied.
+    event(
+        &app,
+        container_event("acme", "c0", "container.created", 5400),
+    )
+    .await;
+    event(
+        &app,
+        container_event("acme", "c0", "container.stopped", 2000),
+    )
+    .await;
+    let answer = check(
+        &app,
+        json!({"org_id": "acme", "action": "run", "container_id": "c1"}),
+    )
+    .await;
+    assert_eq!(
+        answer["reasons"],
+        json!(["runtime_allowance_exhausted"]),
+        "{answer}"
+    );
+    assert_eq!(answer["overage"], true);
+    assert!(answer["runtime_used_ms"].as_i64().unwrap() >= 3_400_000 + 1_800_000);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_slot_comes_back() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let body =
+        json!({"org_id": "acme", "action": "create", "container_id": "c1", "ttl_seconds": 2});
+    let answers = join_all((0..50).map(|_| reserve(&app, &body))).await;
+    let granted: Vec<&Value> = answers
+        .iter()
+        .filter(|(status, _)| *status == 201)
+        .map(|(_, a)| a)
+        .collect();
+    assert_eq!(granted.len(), 1, "{answers:?}");
+    for (status, refused) in answers.iter().filter(|(status, _)| *status != 201) {
+        assert_eq!(*status, 409, "{refused}");
+        assert_eq!(refused["error"]["code"], "concurrency_limit");
+    }
+    let refusals: i64 = sqlx::query_scalar("SELECT count(*) FROM admission_refusal")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(refusals, 49, "each refusal is recorded");
+
+    // Expiry frees the slot without any sweeper.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (status, kept) = reserve(
+        &app,
+        &json!({"org_id": "acme", "action": "create", "container_id": "c1"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{kept}");
+
+    // Consumed by its container's `created`: the slot stays taken, now by the container.
+    event(&app, container_event("acme", "c1", "container.created", 5)).await;
+    let reservation_id = kept["reservation_id"].as_str().unwrap().to_owned();
+    eventually(10, "the reservation is consumed", || async {
+        let consumed: Option<Uuid> =
+            sqlx::query_scalar("SELECT consumed_by FROM admission_reservation WHERE id = $1::uuid")
+                .bind(&reservation_id)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        consumed.is_some()
+    })
+    .await;
+    let (status, refused) = reserve(&app, &json!({"org_id": "acme", "action": "create"})).await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (409, Some("concurrency_limit"))
+    );
+    let release = app
+        .client
+        .delete(app.url(&format!("/v1/admission/reservations/{reservation_id}")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        release.status().as_u16(),
+        409,
+        "a consumed reservation cannot be released"
+    );
+
+    // Stopped: free again. A released reservation frees its slot at once.
+    event(&app, container_event("acme", "c1", "container.stopped", 1)).await;
+    let (status, held) = reserve(
+        &app,
+        &json!({"org_id": "acme", "action": "resume", "container_id": "c1"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{held}");
+    let id = held["reservation_id"].as_str().unwrap();
+    for _ in 0..2 {
+        let release = app
+            .client
+            .delete(app.url(&format!("/v1/admission/reservations/{id}")))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            release.status().as_u16(),
+            200,
+            "released, and releasing again is harmless"
+        );
+    }
+    let (status, again) = reserve(&app, &json!({"org_id": "acme", "action": "create"})).await;
+    assert_eq!(status, 201, "{again}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn two_instances_racing_for_the_last_slot_grant_exactly_one() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let mut config = tally::config::Config::new(&app.db.url, &app.nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    let second = tally::startup::Service::start(config).await.unwrap();
+    let bases = [app.url(""), format!("http://{}", second.local_addr)];
+    let body = json!({"org_id": "acme", "action": "create", "ttl_seconds": 60});
+    let answers = join_all((0..40).map(|n| {
+        let base = bases[n % 2].clone();
+        let app = &app;
+        let body = body.clone();
+        async move { post(app, &base, "/v1/admission/reservations", &body).await }
+    }))
+    .await;
+    let granted = answers.iter().filter(|(status, _)| *status == 201).count();
+    assert_eq!(granted, 1, "{answers:?}");
+    assert!(answers
+        .iter()
+        .all(|(status, _)| *status == 201 || *status == 409));
+    assert_eq!(reservations_stored(&app).await, 1);
+    second.stop().await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn bad_admission_requests_get_a_4xx_and_change_nothing() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let cases = [
+        (
+            "/v1/admission/check",
+            json!({"org_id": "acme", "action": "teleport"}),
+            422,
+            "invalid_action",
+        ),
+        (
+            "/v1/admission/check",
+            json!({"org_id": "ac me", "action": "create"}),
+            422,
+            "invalid_org_id",
+        ),
+        (
+            "/v1/admission/check",
+            json!({"action": "create"}),
+            422,
+            "invalid_org_id",
+        ),
+        (
+            "/v1/admission/check",
+            json!({"org_id": "acme", "action": "run"}),
+            422,
+            "missing_container_id",
+        ),
+        (
+            "/v1/admission/check",
+            json!({"org_id": "acme", "action": "run", "container_id": "a.b"}),
+            422,
+            "invalid_container_id",
+        ),
+        (
+            "/v1/admission/check",
+            json!({"org_id": "acme", "action": "create", "extra": 1}),
+            422,
+            "unknown_field",
+        ),
+        (
+            "/v1/admission/check",
+            json!(["org_id"]),
+            422,
+            "invalid_body",
+        ),
+        (
+            "/v1/admission/reservations",
+            json!({"org_id": "acme", "action": "create", "ttl_seconds": 0}),
+            422,
+            "invalid_ttl",
+        ),
+        (
+            "/v1/admission/reservations",
+            json!({"org_id": "acme", "action": "create", "ttl_seconds": 301}),
+            422,
+            "invalid_ttl",
+        ),
+        (
+            "/v1/admission/reservations",
+            json!({"org_id": "acme", "action": "create", "ttl_seconds": "60"}),
+            422,
+            "invalid_ttl",
+        ),
+        (
+            "/v1/admission/reservations",
+            json!({"org_id": "acme", "action": "run", "container_id": "c"}),
+            422,
+            "invalid_action",
+        ),
+    ];
+    for (path, body, status, code) in cases {
+        let (actual, error) = post(&app, &app.url(""), path, &body).await;
+        assert_eq!(actual, status, "{path} {body}: {error}");
+        assert_eq!(error["error"]["code"], code, "{path} {body}");
+    }
+    let response = app
+        .client
+        .post(app.url("/v1/admission/check"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "text/plain")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 415);
+    let response = app
+        .client
+        .delete(app.url("/v1/admission/reservations/not-a-uuid"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let response = app
+        .client
+        .delete(app.url(&format!("/v1/admission/reservations/{}", Uuid::new_v4())))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+    assert_eq!(reservations_stored(&app).await, 0);
+    app.stop().await;
+}
