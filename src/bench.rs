@@ -9,7 +9,10 @@
 //! Flow: generate every event and check it with the service's own parser, serialize every
 //! body and build the baseline rows (nothing of that is timed) → baselines while the
 //! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
-//! HTTP events → NATS ingest → count, chain and relay checks → the table.
+//! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
+//! projection's own measurements, in a scratch database of their own (see `projection`).
+
+mod projection;
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -106,6 +109,9 @@ pub struct BenchArgs {
     /// Organizations the generated events are spread over.
     #[arg(long, default_value_t = ORGS)]
     pub orgs: usize,
+
+    #[command(flatten)]
+    pub projection: projection::ProjectionArgs,
 }
 
 pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
@@ -142,8 +148,9 @@ pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
         "bench: removed database {} and the {} streams",
         scratch.database_name, scratch.namespace
     );
+    let projections = projection::run(config, &args.projection, args.orgs, &nats).await;
     anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
-    Ok(())
+    projections
 }
 
 fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
