@@ -2,6 +2,7 @@
 //! admission decision over the facts the projections hold.
 
 pub mod admission;
+pub mod overage;
 pub mod plan;
 
 pub use admission::{decide, Action, Decision, Facts, Reason};

@@ -40,6 +40,10 @@ pub struct UsageResponse {
     command_ms: i64,
     ports_published: u64,
     running_containers: u64,
+    /// Runtime past the allowance, consumed in time order across the org's containers.
+    overage_ms: i64,
+    /// The plan in effect at the end of the window.
+    plan: String,
 }
 
 /// An org's usage in one period, as of an instant.
@@ -70,7 +74,8 @@ pub async fn get_usage(
             Period::parse(period).map_err(|error| invalid("invalid_period", error))
         })?;
     let as_of = as_of(params.as_of.as_deref())?;
-    let usage = query::usage(&state.pool, org_id.as_str(), period, as_of).await?;
+    let priced = query::priced_usage(&state.pool, org_id.as_str(), period, as_of).await?;
+    let usage = priced.usage;
     Ok(Json(UsageResponse {
         org_id: org_id.as_str().to_owned(),
         period: period.to_string(),
@@ -80,6 +85,8 @@ pub async fn get_usage(
         command_ms: usage.command_ms,
         ports_published: usage.ports_published,
         running_containers: usage.running_containers,
+        overage_ms: priced.overage.overage_ms,
+        plan: priced.plan.id.as_str().to_owned(),
     }))
 }
 

@@ -8,30 +8,10 @@ use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgExecutor};
 
+pub use crate::billing::overage::{in_effect, PlanVersion};
 use crate::billing::Plan;
 use crate::event::{Event, EventData, PlanId};
 use crate::runtime::FREE_PLAN;
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanVersion {
-    pub plan: Plan,
-    /// 1 for a plan's first definition; 0 for the built-in `free`.
-    pub version: i64,
-    pub effective_from: DateTime<Utc>,
-    /// The ledger position of its `plan.defined`; 0 for the built-in `free`.
-    pub position: i64,
-}
-
-impl PlanVersion {
-    pub fn builtin_free() -> PlanVersion {
-        PlanVersion {
-            plan: Plan::free(),
-            version: 0,
-            effective_from: DateTime::UNIX_EPOCH,
-            position: 0,
-        }
-    }
-}
 
 #[derive(FromRow)]
 struct VersionRow {
@@ -104,14 +84,6 @@ pub async fn versions(
         versions.push(row.into_version()?);
     }
     Ok(versions)
-}
-
-/// The version of `versions` (oldest first) in effect at `instant`: the last one effective
-/// at or before it; before the first, the first (a plan an org switched to before it was
-/// defined is priced as first defined). `None` only for an undefined plan.
-pub fn in_effect(versions: &[PlanVersion], instant: DateTime<Utc>) -> Option<&PlanVersion> {
-    let after = versions.partition_point(|version| version.effective_from <= instant);
-    versions.get(after.saturating_sub(1))
 }
 
 /// The first event of `events` that moves an org to a plan that does not exist (DESIGN §4:

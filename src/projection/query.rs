@@ -10,8 +10,16 @@
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgConnection, PgPool};
 
+use std::collections::HashMap;
+
+use anyhow::anyhow;
+
 use super::store::{self, LIVE};
-use crate::runtime::{self, OpenRuns, Period, PeriodTotals, Usage};
+use crate::billing::overage::{self, Overage, PlanVersion};
+use crate::billing::Plan;
+use crate::event::PlanId;
+use crate::ledger::plans;
+use crate::runtime::{self, AccountTimeline, Interval, OpenRuns, Period, PeriodTotals, Usage};
 
 #[derive(FromRow)]
 struct TotalsRow {
@@ -165,4 +173,81 @@ pub async fn container(
 ) -> anyhow::Result<Vec<store::StoredContainer>> {
     let mut connection = pool.acquire().await?;
     store::containers_by_id(&mut connection, container_id, org_id).await
+}
+
+/// Usage with its overage and the plan in effect (DESIGN §6 usage).
+#[derive(Debug, Clone)]
+pub struct PricedUsage {
+    pub usage: Usage,
+    /// Overage time and its amount, unrounded (exports round once per org and period).
+    pub overage: Overage,
+    /// The plan in effect at the last instant of the window (at the period's start when
+    /// `as_of` is before it).
+    pub plan: Plan,
+}
+
+/// [`usage`] plus overage: the allowance is consumed in time order across the org's
+/// containers, switching plan, allowance and price where the org's plan or that plan's
+/// version changes. With one plan over the whole window this needs no interval; with
+/// several it sweeps the org's intervals.
+pub async fn priced_usage(
+    pool: &PgPool,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+) -> anyhow::Result<PricedUsage> {
+    let usage = usage(pool, org_id, period, as_of).await?;
+    let mut connection = pool.acquire().await?;
+    let account = AccountTimeline::fold(&store::account_entries(&mut connection, org_id).await?);
+    let window = period.window().until(as_of);
+    let mut plan_ids: Vec<PlanId> = vec![account.state_at(window.start()).plan];
+    for change in account.changes() {
+        if window.contains(change.from) && !plan_ids.contains(&change.state.plan) {
+            plan_ids.push(change.state.plan.clone());
+        }
+    }
+    let mut versions: HashMap<String, Vec<PlanVersion>> = HashMap::new();
+    for id in &plan_ids {
+        versions.insert(
+            id.as_str().to_owned(),
+            plans::versions(&mut *connection, id).await?,
+        );
+    }
+    let versions_of = |id: &str| {
+        versions
+            .get(id)
+            .map(Vec::as_slice)
+            .filter(|found| !found.is_empty())
+    };
+    let last_instant = if window.length_ms() > 0 {
+        window.end() - chrono::Duration::milliseconds(1)
+    } else {
+        window.start()
+    };
+    let plan = plans::in_effect(
+        versions_of(account.state_at(last_instant).plan.as_str())
+            .ok_or_else(|| anyhow!("org {org_id} is on a plan with no version"))?,
+        last_instant,
+    )
+    .ok_or_else(|| anyhow!("org {org_id} is on a plan with no version"))?
+    .plan
+    .clone();
+    let segments = overage::plan_segments(&account, versions_of, window)
+        .ok_or_else(|| anyhow!("org {org_id} was on a plan with no version"))?;
+    let overage = match segments.as_slice() {
+        [only] => overage::single_plan(usage.runtime_ms, &only.plan),
+        _ => {
+            let lifecycles = store::org_lifecycles(&mut connection, org_id).await?;
+            let intervals: Vec<Interval> = lifecycles
+                .iter()
+                .flat_map(|lifecycle| lifecycle.intervals().iter().copied())
+                .collect();
+            overage::overage(&intervals, &segments, window)
+        }
+    };
+    Ok(PricedUsage {
+        usage,
+        overage,
+        plan,
+    })
 }

@@ -139,6 +139,23 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
     );
     assert_eq!(answer["overage"], true);
     assert!(answer["runtime_used_ms"].as_i64().unwrap() >= 3_400_000 + 1_800_000);
+
+    // The org moved to pro ten minutes ago; before that it was on free, where nothing is
+    // included, and by the time of the move it had used more than pro's hour: every
+    // millisecond so far is overage, and the plan reported is pro.
+    let period = Utc::now().format("%Y-%m").to_string();
+    let usage: Value = app
+        .client
+        .get(app.url(&format!("/v1/orgs/acme/usage?period={period}")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(usage["plan"], "pro", "{usage}");
+    assert_eq!(usage["overage_ms"], usage["runtime_ms"], "{usage}");
     app.stop().await;
 }
 

@@ -310,6 +310,8 @@ async fn a_shuffled_month_with_duplicates_projects_to_the_pure_figures_and_repla
                         "runtime_ms": expected.runtime_ms, "commands": expected.commands,
                         "command_ms": expected.command_ms, "ports_published": expected.ports_published,
                         "running_containers": expected.running_containers,
+                        // On the free plan nothing is included: all runtime is overage.
+                        "overage_ms": expected.runtime_ms, "plan": "free",
                     }),
                     "{path}"
                 );
@@ -468,7 +470,7 @@ async fn usage_of_an_unknown_org_is_zero_and_bad_parameters_are_refused_with_422
         zero,
         json!({"org_id": "nobody", "period": "2026-11", "as_of": "2026-11-15T00:00:00.000Z",
                "runtime_ms": 0, "commands": 0, "command_ms": 0, "ports_published": 0,
-               "running_containers": 0})
+               "running_containers": 0, "overage_ms": 0, "plan": "free"})
     );
     let cases = [
         ("/v1/orgs/acme/usage", 422, "invalid_period"),
