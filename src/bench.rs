@@ -596,10 +596,14 @@ impl Phases<'_> {
     ) -> anyhow::Result<(Figure, Duration)> {
         checkpoint(&mut self.connection).await;
         eprintln!("bench: {label}: {events} events from {clients} clients");
+        let wal_before = WalPosition::now(&mut self.connection).await?;
         let commits_before = GroupCommits::now();
         let started = Instant::now();
         let posted = self.endpoint.post_all(bodies, clients).await?;
         let group_commits = GroupCommits::now().since(commits_before);
+        let wal = WalPosition::now(&mut self.connection)
+            .await?
+            .since(wal_before, label);
         self.head += i64::try_from(events)?;
         // Every answer came after its commit, so the head is already there.
         let head = *self.service.appender.head().borrow();
@@ -613,7 +617,8 @@ impl Phases<'_> {
         let figure = Figure::new(label, events, posted.elapsed)
             .with_latencies(&posted.latencies)
             .with_group_commits(group_commits)
-            .with_retries(posted.retries);
+            .with_retries(posted.retries)
+            .with_wal(wal);
         Ok((figure, relayed))
     }
 
@@ -622,6 +627,7 @@ impl Phases<'_> {
     async fn nats(&mut self, payloads: &Arc<Vec<Bytes>>) -> anyhow::Result<Figure> {
         checkpoint(&mut self.connection).await;
         eprintln!("bench: NATS ingest: {} messages", payloads.len());
+        let wal_before = WalPosition::now(&mut self.connection).await?;
         let commits_before = GroupCommits::now();
         let started = Instant::now();
         // Aborted on any early return, so that no publish outlives the run.
@@ -637,6 +643,9 @@ impl Phases<'_> {
             .await
             .context("the publishing task failed")??;
         let group_commits = GroupCommits::now().since(commits_before);
+        let wal = WalPosition::now(&mut self.connection)
+            .await?
+            .since(wal_before, "NATS ingest");
         wait_for_relay(self.nats, self.names, self.head).await?;
         Ok(Figure::new(
             "NATS ingest, publish to committed",
@@ -644,6 +653,7 @@ impl Phases<'_> {
             ingested,
         )
         .with_group_commits(group_commits)
+        .with_wal(wal)
         .with_note(format!("all acks after {:.2} s", published.as_secs_f64())))
     }
 }
@@ -766,6 +776,7 @@ async fn baseline_copy(
     create_baseline_table(connection).await?;
     checkpoint(connection).await;
     eprintln!("bench: baseline COPY of {} rows", rows.count);
+    let wal_before = WalPosition::now(connection).await?;
     let started = Instant::now();
     let statement = format!(
         "COPY baseline ({}) FROM STDIN WITH (FORMAT csv)",
@@ -777,12 +788,15 @@ async fn baseline_copy(
     }
     let copied = copy.finish().await?;
     let elapsed = started.elapsed();
+    let wal = WalPosition::now(connection)
+        .await?
+        .since(wal_before, "COPY");
     anyhow::ensure!(
         copied == rows.count as u64,
         "COPY stored {copied} rows of {}",
         rows.count
     );
-    Ok(Figure::new("COPY, one connection", rows.count, elapsed))
+    Ok(Figure::new("COPY, one connection", rows.count, elapsed).with_wal(wal))
 }
 
 async fn baseline_unnest(
@@ -1045,6 +1059,42 @@ impl GroupCommits {
     }
 }
 
+/// Where the server's write-ahead log ends: the difference over a phase is the WAL that
+/// phase wrote, full-page images included, which unlike the timings does not depend on how
+/// busy the machine is. It counts the whole server, so other databases' writes at the same
+/// time are included.
+#[derive(Debug, Clone)]
+struct WalPosition {
+    /// Bytes since `0/0`.
+    bytes: i64,
+    /// As Postgres prints it, for `pg_waldump --start … --end …`.
+    lsn: String,
+}
+
+impl WalPosition {
+    async fn now(connection: &mut PgConnection) -> anyhow::Result<WalPosition> {
+        let (bytes, lsn): (i64, String) = sqlx::query_as(
+            "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint, \
+             pg_current_wal_insert_lsn()::text",
+        )
+        .fetch_one(&mut *connection)
+        .await?;
+        Ok(WalPosition { bytes, lsn })
+    }
+
+    /// The WAL written since `before`; names the range so that `pg_waldump --stats` can
+    /// break it down into records and full-page images.
+    fn since(self, before: WalPosition, label: &str) -> u64 {
+        eprintln!(
+            "bench: {label}: WAL {} .. {} ({} bytes)",
+            before.lsn,
+            self.lsn,
+            self.bytes - before.bytes
+        );
+        u64::try_from(self.bytes - before.bytes).expect("the WAL only grows")
+    }
+}
+
 /// One measured line of the table.
 struct Figure {
     label: String,
@@ -1076,6 +1126,12 @@ impl Figure {
     fn with_group_commits(mut self, group_commits: GroupCommits) -> Figure {
         self.group_commits = (group_commits.commits > 0.0).then_some(group_commits);
         self
+    }
+
+    /// Notes the WAL written per event.
+    fn with_wal(self, wal_bytes: u64) -> Figure {
+        let per_event = wal_bytes as f64 / self.count as f64;
+        self.with_note(format!("WAL {per_event:.0} B/event"))
     }
 
     fn with_retries(self, retries: u64) -> Figure {
