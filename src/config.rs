@@ -4,8 +4,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Postgres pool size: the appender needs one connection, the relay one, reads the rest.
-/// Postgres itself defaults to 100 connections; several instances must fit under that.
+/// Postgres pool size: the relay holds one, the projector one per round, requests the rest;
+/// the appender has one more of its own, outside the pool. Postgres itself defaults to 100
+/// connections; several instances must fit under that.
 pub const DB_POOL_MAX: u32 = 16;
 /// How long a request waits for a pool connection before failing with 503: long enough to
 /// ride out a burst, short enough that a dead database fails requests fast.
