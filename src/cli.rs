@@ -1,4 +1,4 @@
-//! The command line: `tally serve | migrate | verify | replay | bench`.
+//! The command line: `tally serve | migrate | verify | replay | audit | bench`.
 
 use std::process::ExitCode;
 
@@ -31,8 +31,27 @@ pub enum Command {
     Verify,
     /// Rebuild every projection from the ledger (into fresh tables, then swapped in).
     Replay,
+    /// Print ledger events as a readable timeline, filtered, in position order.
+    Audit(AuditArgs),
     /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
     Bench(crate::bench::BenchArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AuditArgs {
+    #[arg(long)]
+    pub org: Option<String>,
+    #[arg(long)]
+    pub container: Option<String>,
+    /// An event type, e.g. `container.stopped`.
+    #[arg(long = "type")]
+    pub event_type: Option<String>,
+    /// Start after this position.
+    #[arg(long, default_value_t = 0)]
+    pub after: i64,
+    /// Events to print at most.
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -80,6 +99,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 report.elapsed.as_secs_f64(),
                 report.events_per_second()
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Audit(args) => {
+            let pool = db::prepare(&cli.config).await?;
+            let printed = crate::audit::print_timeline(&pool, &args, &mut std::io::stdout()).await;
+            pool.close().await;
+            printed?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => {

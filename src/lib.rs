@@ -2,6 +2,8 @@
 
 /// Admission against the database: facts, reservations (grant, release, consume).
 pub mod admission;
+/// `tally audit`: the ledger as a readable timeline.
+pub mod audit;
 /// `tally bench`: throughput and latency against raw baselines, in one run.
 pub mod bench;
 /// Plans with decimal money and the admission decision (pure).

@@ -2,6 +2,7 @@
 //! its routes. Handlers are thin: extract, parse into domain types, call the ledger, map.
 
 pub mod admission;
+pub mod audit;
 pub mod auth;
 pub mod error;
 pub mod events;
@@ -60,6 +61,7 @@ pub fn app(state: AppState) -> Router {
         .merge(usage::router())
         .merge(plans::router())
         .merge(admission::router())
+        .merge(audit::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

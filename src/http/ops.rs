@@ -135,6 +135,8 @@ impl Modify for BearerAuth {
         super::admission::post_check,
         super::admission::post_reservation,
         super::admission::delete_reservation,
+        super::audit::get_events,
+        super::audit::get_container_events,
     ),
     components(schemas(
         EventInput,
@@ -147,6 +149,7 @@ impl Modify for BearerAuth {
         super::admission::CheckResponse,
         super::admission::ReservationResponse,
         super::admission::ReleaseResponse,
+        super::audit::EventsPage,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

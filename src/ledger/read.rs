@@ -122,3 +122,40 @@ pub async fn head(executor: impl PgExecutor<'_>) -> Result<Head, sqlx::Error> {
         },
     })
 }
+
+/// Which events an audit page holds; every filter is optional.
+#[derive(Debug, Clone, Default)]
+pub struct Filter<'a> {
+    pub org_id: Option<&'a str>,
+    pub container_id: Option<&'a str>,
+    pub event_type: Option<&'a str>,
+}
+
+/// Up to `limit` rows after `position` that match `filter`, in position order. The
+/// statement names only the filters given, so that Postgres plans each combination on its
+/// own index: (org_id, position) or (container_id, position).
+#[tracing::instrument(skip_all)]
+pub async fn read_filtered(
+    executor: impl PgExecutor<'_>,
+    filter: &Filter<'_>,
+    position: i64,
+    limit: usize,
+) -> Result<Vec<LedgerRow>, sqlx::Error> {
+    let mut query = sqlx::QueryBuilder::new(format!(
+        "SELECT {ROW_COLUMNS} FROM ledger WHERE position > "
+    ));
+    query.push_bind(position);
+    if let Some(org_id) = filter.org_id {
+        query.push(" AND org_id = ").push_bind(org_id);
+    }
+    if let Some(container_id) = filter.container_id {
+        query.push(" AND container_id = ").push_bind(container_id);
+    }
+    if let Some(event_type) = filter.event_type {
+        query.push(" AND type = ").push_bind(event_type);
+    }
+    query
+        .push(" ORDER BY position LIMIT ")
+        .push_bind(i64::try_from(limit).unwrap_or(i64::MAX));
+    query.build_query_as().fetch_all(executor).await
+}

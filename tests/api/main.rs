@@ -3,6 +3,7 @@
 mod helpers;
 
 mod admission;
+mod audit;
 mod concurrency;
 mod crash;
 mod immutability;
