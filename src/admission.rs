@@ -371,6 +371,14 @@ pub enum Released {
     NotFound,
 }
 
+/// The org a reservation belongs to, if it exists.
+pub async fn reservation_org(pool: &PgPool, id: Uuid) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar("SELECT org_id FROM admission_reservation WHERE id = $1")
+        .bind(id)
+        .fetch_optional(pool)
+        .await
+}
+
 pub async fn release(pool: &PgPool, id: Uuid, actor: &str) -> sqlx::Result<Released> {
     let released: Option<Uuid> = sqlx::query_scalar(
         "UPDATE admission_reservation SET released_at = now(), released_by = $2 \

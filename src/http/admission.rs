@@ -11,6 +11,7 @@ use serde_json::{json, Map, Value};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::events::read_body;
 use super::AppState;
@@ -18,9 +19,7 @@ use crate::admission::{self, AdmissionError, Answer, Released, Request};
 use crate::billing::Action;
 use crate::event::canonical;
 use crate::event::{ContainerId, OrgId};
-
-/// Who acts, for the reservation audit columns; scoped tokens will name themselves here.
-const ACTOR: &str = "bootstrap";
+use axum::Extension;
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -93,11 +92,13 @@ pub struct ReservationResponse {
 )]
 pub async fn post_check(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<CheckResponse>, ApiError> {
     let fields = json_object(&state, &headers, body).await?;
     let request = parse_request(&fields, &["org_id", "action", "container_id"])?;
+    principal.check_org(request.org_id.as_str())?;
     let answer = admission::check(&state.pool, &state.appender.head(), &request)
         .await
         .map_err(admission_error)?;
@@ -125,6 +126,7 @@ pub async fn post_check(
 )]
 pub async fn post_reservation(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ReservationResponse>), ApiError> {
@@ -133,6 +135,7 @@ pub async fn post_reservation(
         &fields,
         &["org_id", "action", "container_id", "ttl_seconds"],
     )?;
+    principal.check_org(request.org_id.as_str())?;
     if !request.action.takes_slot() {
         return Err(invalid(
             "invalid_action",
@@ -160,7 +163,7 @@ pub async fn post_reservation(
         &state.appender.head(),
         &request,
         ttl_seconds,
-        ACTOR,
+        &principal.id,
     )
     .await
     .map_err(admission_error)?;
@@ -222,11 +225,15 @@ pub struct ReleaseResponse {
 )]
 pub async fn delete_reservation(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(reservation_id): Path<String>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let id = Uuid::try_parse(&reservation_id)
         .map_err(|_| invalid("invalid_reservation_id", "reservation_id: must be a UUID"))?;
-    match admission::release(&state.pool, id, ACTOR).await? {
+    if let Some(org_id) = admission::reservation_org(&state.pool, id).await? {
+        principal.check_org(&org_id)?;
+    }
+    match admission::release(&state.pool, id, &principal.id).await? {
         Released::Released | Released::AlreadyReleased => Ok(Json(ReleaseResponse {
             reservation_id: id,
             status: "released",

@@ -11,10 +11,12 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
+use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::{ContainerId, EventType, OrgId};
 use crate::ledger::read::{self, Filter};
+use axum::Extension;
 
 /// Events per page when `limit` is not given.
 pub const PAGE_DEFAULT: usize = 100;
@@ -67,9 +69,10 @@ pub struct EventsPage {
 )]
 pub async fn get_events(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Json<EventsPage>, ApiError> {
-    page(&state, &params, None).await
+    page(&state, &principal, &params, None).await
 }
 
 /// One container's events in position order.
@@ -88,6 +91,7 @@ pub async fn get_events(
 )]
 pub async fn get_container_events(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(container_id): Path<String>,
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Json<EventsPage>, ApiError> {
@@ -97,11 +101,12 @@ pub async fn get_container_events(
             "container_id: is already in the path",
         ));
     }
-    page(&state, &params, Some(container_id)).await
+    page(&state, &principal, &params, Some(container_id)).await
 }
 
 async fn page(
     state: &AppState,
+    principal: &Principal,
     params: &HashMap<String, String>,
     path_container: Option<String>,
 ) -> Result<Json<EventsPage>, ApiError> {
@@ -119,6 +124,17 @@ async fn page(
                 .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))
         })
         .transpose()?;
+    // An org-bound token sees only its org.
+    if let Some(org_id) = &org_id {
+        principal.check_org(org_id.as_str())?;
+    }
+    let org_id = match (org_id, &principal.org_id) {
+        (None, Some(bound)) => Some(
+            OrgId::parse(bound)
+                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))?,
+        ),
+        (org_id, _) => org_id,
+    };
     let container_id = path_container
         .as_ref()
         .or(params.get("container_id"))

@@ -8,11 +8,13 @@ use axum::{Json, Router};
 use serde::Serialize;
 use uuid::Uuid;
 
+use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
 use crate::ledger::plans;
+use axum::Extension;
 
 pub fn router() -> Router<AppState> {
     Router::new().route(
@@ -61,6 +63,7 @@ pub struct EventResult {
 )]
 pub async fn post_events(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<EventsResponse>, ApiError> {
@@ -84,6 +87,9 @@ pub async fn post_events(
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code())
             .increment(1);
     })?;
+    for event in &events {
+        principal.check_org(event.org_id.as_str())?;
+    }
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => "unknown_plan")
             .increment(1);

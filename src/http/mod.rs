@@ -9,6 +9,7 @@ pub mod events;
 pub mod ledger;
 pub mod ops;
 pub mod plans;
+pub mod tokens;
 pub mod usage;
 
 use std::sync::Arc;
@@ -62,6 +63,7 @@ pub fn app(state: AppState) -> Router {
         .merge(plans::router())
         .merge(admission::router())
         .merge(audit::router())
+        .merge(tokens::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -137,6 +137,8 @@ impl Modify for BearerAuth {
         super::admission::delete_reservation,
         super::audit::get_events,
         super::audit::get_container_events,
+        super::tokens::post_token,
+        super::tokens::delete_token,
     ),
     components(schemas(
         EventInput,
@@ -150,6 +152,8 @@ impl Modify for BearerAuth {
         super::admission::ReservationResponse,
         super::admission::ReleaseResponse,
         super::audit::EventsPage,
+        super::tokens::TokenCreated,
+        super::tokens::TokenRevoked,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

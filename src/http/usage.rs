@@ -9,12 +9,14 @@ use chrono::{DateTime, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
+use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::canonical;
 use crate::event::{ContainerId, OrgId};
 use crate::projection::query;
 use crate::runtime::{ContainerState, Period, Window};
+use axum::Extension;
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -62,10 +64,12 @@ pub struct UsageResponse {
 )]
 pub async fn get_usage(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(org_id): Path<String>,
     Query(params): Query<UsageParams>,
 ) -> Result<Json<UsageResponse>, ApiError> {
     let org_id = OrgId::parse(&org_id).map_err(|error| invalid("invalid_org_id", error))?;
+    principal.check_org(org_id.as_str())?;
     let period = params
         .period
         .as_deref()
@@ -143,6 +147,7 @@ pub struct AnomalyResponse {
 )]
 pub async fn get_container(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(container_id): Path<String>,
     Query(params): Query<ContainerParams>,
 ) -> Result<Json<ContainerResponse>, ApiError> {
@@ -154,6 +159,17 @@ pub async fn get_container(
         .map(OrgId::parse)
         .transpose()
         .map_err(|error| invalid("invalid_org_id", error))?;
+    // An org-bound token sees only its org's container of that id.
+    let org_id = match (org_id, &principal.org_id) {
+        (Some(org_id), _) => {
+            principal.check_org(org_id.as_str())?;
+            Some(org_id)
+        }
+        (None, Some(bound)) => {
+            Some(OrgId::parse(bound).map_err(|error| invalid("invalid_org_id", error))?)
+        }
+        (None, None) => None,
+    };
     let as_of = as_of(params.as_of.as_deref())?;
     let mut found = query::container(
         &state.pool,

@@ -12,4 +12,5 @@ mod nats;
 mod operations;
 mod plans;
 mod projection;
+mod tokens;
 mod verify;

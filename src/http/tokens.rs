@@ -1,0 +1,213 @@
+//! Tokens (DESIGN §6): `POST /v1/tokens` creates one — the secret is in the answer and
+//! nowhere else, since only its sha256 is stored — and `DELETE /v1/tokens/{id}` revokes one,
+//! at once.
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::{delete, post};
+use axum::{Extension, Json, Router};
+use chrono::Utc;
+use rand::Rng;
+use serde::Serialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::auth::{Principal, Scope};
+use super::error::{ApiError, ErrorBody};
+use super::events::read_body;
+use super::AppState;
+use crate::event::OrgId;
+
+/// Random bytes in a secret: 256 bits.
+const SECRET_BYTES: usize = 32;
+/// Every secret starts with this, so that a leaked one is easy to recognise in logs.
+pub const SECRET_PREFIX: &str = "tly_";
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/tokens", post(post_token))
+        .route("/v1/tokens/{token_id}", delete(delete_token))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TokenCreated {
+    id: Uuid,
+    /// The secret: shown this once, stored only as its sha256.
+    token: String,
+    scopes: Vec<&'static str>,
+    org_id: Option<String>,
+}
+
+/// Create a token with some scopes, optionally bound to one org.
+#[utoipa::path(
+    post,
+    path = "/v1/tokens",
+    tag = "tokens",
+    request_body(content = Object, description = "{\"scopes\": [\"events:write\"|\"usage:read\"|\"admission\"|\"finance\"|\"audit\"|\"admin\", ...], \"org_id\"?}"),
+    responses(
+        (status = 201, body = TokenCreated),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_token(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<TokenCreated>), ApiError> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be application/json",
+        ));
+    }
+    let bytes = read_body(body, state.body_max_bytes).await?;
+    let fields = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(Value::Object(fields)) => fields,
+        Ok(_) => return Err(invalid("invalid_body", "the body must be a JSON object")),
+        Err(error) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                format!("body is not JSON: {error}"),
+            ))
+        }
+    };
+    if let Some(unknown) = fields
+        .keys()
+        .find(|name| !["scopes", "org_id"].contains(&name.as_str()))
+    {
+        return Err(invalid(
+            "unknown_field",
+            format!("{unknown}: is not a token field"),
+        ));
+    }
+    let mut scopes: Vec<Scope> = fields
+        .get("scopes")
+        .and_then(Value::as_array)
+        .filter(|scopes| !scopes.is_empty())
+        .ok_or_else(|| invalid("invalid_scopes", "scopes: a non-empty list is required"))?
+        .iter()
+        .map(|scope| {
+            scope.as_str().and_then(Scope::parse).ok_or_else(|| {
+                invalid(
+                    "invalid_scopes",
+                    format!(
+                        "scopes: {scope} is not one of {}",
+                        Scope::ALL.map(Scope::as_str).join(", ")
+                    ),
+                )
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    scopes.sort_unstable();
+    scopes.dedup();
+    let org_id = match fields.get("org_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(org)) => Some(
+            OrgId::parse(org)
+                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))?,
+        ),
+        Some(_) => return Err(invalid("invalid_org_id", "org_id: must be a string")),
+    };
+    if org_id.is_some() && scopes.contains(&Scope::Admin) {
+        return Err(invalid(
+            "invalid_scopes",
+            "an org-bound token cannot be admin: admin acts on every org",
+        ));
+    }
+    let secret = format!(
+        "{SECRET_PREFIX}{}",
+        hex::encode(rand::rng().random::<[u8; SECRET_BYTES]>())
+    );
+    let id = Uuid::new_v4();
+    let names: Vec<&'static str> = scopes.iter().map(|scope| scope.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO api_token (id, secret_sha256, scopes, org_id, created_at, created_by) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(id)
+    .bind(&Sha256::digest(secret.as_bytes())[..])
+    .bind(&names)
+    .bind(org_id.as_ref().map(OrgId::as_str))
+    .bind(Utc::now())
+    .bind(&principal.id)
+    .execute(&state.pool)
+    .await?;
+    tracing::info!(token = %id, scopes = ?names, org = ?org_id.as_ref().map(OrgId::as_str), by = %principal.id, "token created");
+    Ok((
+        StatusCode::CREATED,
+        Json(TokenCreated {
+            id,
+            token: secret,
+            scopes: names,
+            org_id: org_id.map(|org| org.as_str().to_owned()),
+        }),
+    ))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TokenRevoked {
+    id: Uuid,
+    revoked: bool,
+}
+
+/// Revoke a token: it stops working at once. Revoking again is harmless.
+#[utoipa::path(
+    delete,
+    path = "/v1/tokens/{token_id}",
+    tag = "tokens",
+    params(("token_id" = String, Path, description = "the id returned when it was created")),
+    responses(
+        (status = 200, body = TokenRevoked),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn delete_token(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(token_id): Path<String>,
+) -> Result<Json<TokenRevoked>, ApiError> {
+    let id = Uuid::try_parse(&token_id)
+        .map_err(|_| invalid("invalid_token_id", "token_id: must be a UUID"))?;
+    let found: Option<bool> = sqlx::query_scalar(
+        "UPDATE api_token SET revoked_at = COALESCE(revoked_at, now()), \
+                              revoked_by = COALESCE(revoked_by, $2) \
+         WHERE id = $1 RETURNING true",
+    )
+    .bind(id)
+    .bind(&principal.id)
+    .fetch_optional(&state.pool)
+    .await?;
+    match found {
+        Some(_) => Ok(Json(TokenRevoked { id, revoked: true })),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "token_not_found",
+            format!("no token {id}"),
+        )),
+    }
+}
+
+fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+}
