@@ -6,6 +6,7 @@ mod admission;
 mod audit;
 mod concurrency;
 mod crash;
+mod faults;
 mod immutability;
 mod ingest;
 mod nats;
