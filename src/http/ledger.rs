@@ -1,6 +1,10 @@
-//! `GET /v1/ledger/verify`: recompute the hash chain and name the first broken position.
+//! `GET /v1/ledger/verify`: recompute the hash chain and name the first broken position —
+//! from the last verified checkpoint, or from the start with `?full=true`.
 
-use axum::extract::State;
+use std::collections::HashMap;
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
 use axum::routing::get;
 use axum::{Json, Router};
 
@@ -12,18 +16,47 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/v1/ledger/verify", get(get_verify))
 }
 
-/// Verify the whole hash chain.
+/// Verify the hash chain: the rows after the last verified checkpoint, or every row with
+/// `full=true`.
 #[utoipa::path(
     get,
     path = "/v1/ledger/verify",
     tag = "audit",
+    params(("full" = Option<bool>, Query, description = "verify from the first row (default false)")),
     responses(
         (status = 200, body = crate::http::ops::VerifyReportSchema),
         (status = 401, body = ErrorBody),
+        (status = 422, body = ErrorBody),
         (status = 503, body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
-pub async fn get_verify(State(state): State<AppState>) -> Result<Json<VerifyReport>, ApiError> {
-    Ok(Json(verify::verify(&state.pool).await?))
+pub async fn get_verify(
+    State(state): State<AppState>,
+    Query(params): Query<HashMap<String, String>>,
+) -> Result<Json<VerifyReport>, ApiError> {
+    if let Some(unknown) = params.keys().find(|name| name.as_str() != "full") {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_parameter",
+            format!("{unknown}: is not a parameter of verify"),
+        ));
+    }
+    let full = match params.get("full").map(String::as_str) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_full",
+                format!("full: {other:?} is not true or false"),
+            ))
+        }
+    };
+    let report = if full {
+        verify::verify(&state.pool).await?
+    } else {
+        verify::verify_incremental(&state.pool).await?
+    };
+    Ok(Json(report))
 }

@@ -103,6 +103,8 @@ pub struct VerifyReportSchema {
     head_position: i64,
     head_hash: String,
     first_bad_position: Option<i64>,
+    /// 0 for a full pass; the stored checkpoint for an incremental one.
+    from_position: i64,
     problem: Option<String>,
 }
 

@@ -1,5 +1,11 @@
 //! Verification: walk the ledger in position order, recompute every hash from the stored
 //! columns and name the first position where the chain or the numbering breaks.
+//!
+//! A full pass starts from the genesis hash. An incremental pass starts from the stored
+//! checkpoint (the last position a pass found intact, and its hash): it checks that the row
+//! there still has that hash and walks only the rows after it. Each intact pass moves the
+//! checkpoint to the head. What an incremental pass cannot see is a change to a row before
+//! the checkpoint made after it was verified; the full pass, on demand, sees everything.
 
 use futures::TryStreamExt;
 use serde::Serialize;
@@ -16,6 +22,8 @@ pub struct VerifyReport {
     /// The stored hash of the last row, hex; the genesis hash (zeros) for an empty ledger.
     pub head_hash: String,
     pub first_bad_position: Option<i64>,
+    /// Where the pass started: 0 for a full pass, the checkpoint for an incremental one.
+    pub from_position: i64,
     /// What was wrong at `first_bad_position`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
@@ -24,13 +32,90 @@ pub struct VerifyReport {
 /// A full pass over the ledger. Streams rows, so memory stays flat however long it is.
 #[tracing::instrument(skip_all)]
 pub async fn verify(pool: &PgPool) -> Result<VerifyReport, sqlx::Error> {
-    let query = format!("SELECT {ROW_COLUMNS} FROM ledger ORDER BY position");
-    let mut rows = sqlx::query_as::<_, LedgerRow>(&query).fetch(pool);
-    let mut prev_hash = GENESIS_HASH;
-    let mut expected_position = 1;
+    let report = verify_from(pool, 0, GENESIS_HASH).await?;
+    save_checkpoint(pool, &report).await?;
+    Ok(report)
+}
+
+/// A pass from the stored checkpoint (a full pass when there is none).
+#[tracing::instrument(skip_all)]
+pub async fn verify_incremental(pool: &PgPool) -> Result<VerifyReport, sqlx::Error> {
+    let checkpoint: Option<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT position, hash FROM verify_checkpoint")
+            .fetch_optional(pool)
+            .await?;
+    let (position, hash) = match checkpoint {
+        Some((position, hash)) => (
+            position,
+            hash.try_into().expect("the schema checks 32 bytes"),
+        ),
+        None => (0, GENESIS_HASH),
+    };
+    if position > 0 {
+        let stored: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT hash FROM ledger WHERE position = $1")
+                .bind(position)
+                .fetch_optional(pool)
+                .await?;
+        if stored.as_deref() != Some(&hash[..]) {
+            return Ok(VerifyReport {
+                ok: false,
+                events_checked: 0,
+                head_position: position,
+                head_hash: hex::encode(hash),
+                first_bad_position: Some(position),
+                from_position: position,
+                problem: Some(format!(
+                    "the row at the verified checkpoint {position} is missing or no longer has hash {}",
+                    hex::encode(hash)
+                )),
+            });
+        }
+    }
+    let report = verify_from(pool, position, hash).await?;
+    save_checkpoint(pool, &report).await?;
+    Ok(report)
+}
+
+/// Moves the checkpoint to an intact pass's head (never backwards).
+async fn save_checkpoint(pool: &PgPool, report: &VerifyReport) -> Result<(), sqlx::Error> {
+    if !report.ok || report.head_position == 0 {
+        return Ok(());
+    }
+    let hash = hex::decode(&report.head_hash).expect("the report's hash is hex");
+    sqlx::query(
+        "INSERT INTO verify_checkpoint (position, hash, verified_at) VALUES ($1, $2, now()) \
+         ON CONFLICT (singleton) DO UPDATE SET position = EXCLUDED.position, \
+             hash = EXCLUDED.hash, verified_at = EXCLUDED.verified_at \
+         WHERE verify_checkpoint.position < EXCLUDED.position",
+    )
+    .bind(report.head_position)
+    .bind(hash)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Walks the rows after `from` (whose hash is `from_hash`). Runs in a transaction of its
+/// own with no statement timeout: a pass over a long ledger is one long statement.
+async fn verify_from(
+    pool: &PgPool,
+    from: i64,
+    from_hash: [u8; 32],
+) -> Result<VerifyReport, sqlx::Error> {
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SET LOCAL statement_timeout = 0")
+        .execute(&mut *transaction)
+        .await?;
+    let query = format!("SELECT {ROW_COLUMNS} FROM ledger WHERE position > $1 ORDER BY position");
+    let mut rows = sqlx::query_as::<_, LedgerRow>(&query)
+        .bind(from)
+        .fetch(&mut *transaction);
+    let mut prev_hash = from_hash;
+    let mut expected_position = from + 1;
     let mut checked = 0;
-    let mut head_position = 0;
-    let mut head_hash = GENESIS_HASH.to_vec();
+    let mut head_position = from;
+    let mut head_hash = from_hash.to_vec();
     let mut first_bad = None;
     while let Some(row) = rows.try_next().await? {
         checked += 1;
@@ -65,6 +150,8 @@ pub async fn verify(pool: &PgPool) -> Result<VerifyReport, sqlx::Error> {
             }
         }
     }
+    drop(rows);
+    transaction.commit().await?;
     let (first_bad_position, problem) = match first_bad {
         Some((position, problem)) => (Some(position), Some(problem)),
         None => (None, None),
@@ -75,6 +162,7 @@ pub async fn verify(pool: &PgPool) -> Result<VerifyReport, sqlx::Error> {
         head_position,
         head_hash: hex::encode(head_hash),
         first_bad_position,
+        from_position: from,
         problem,
     })
 }
