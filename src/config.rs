@@ -26,6 +26,10 @@ pub const APPEND_QUEUE_MAX: usize = 8_192;
 pub const APPEND_GROUP_EVENTS_MAX: usize = 10_000;
 /// Whole-request deadline, in milliseconds.
 pub const REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// Requests in progress at once; past it a request is shed at once with 503 and
+/// `Retry-After` rather than queued. Far above what two cores serve (a request takes about
+/// a millisecond), low enough that a flood cannot hold unbounded memory.
+pub const HTTP_CONCURRENCY_MAX: usize = 1_024;
 /// Default backdate bound (DESIGN §2).
 pub const BACKDATE_DAYS: u32 = 35;
 /// Ledger rows the relay reads and publishes per round.
@@ -96,6 +100,9 @@ pub struct Config {
     #[arg(long, env = "TALLY_REQUEST_TIMEOUT_MS", default_value_t = REQUEST_TIMEOUT_MS)]
     pub request_timeout_ms: u64,
 
+    #[arg(long, env = "TALLY_HTTP_CONCURRENCY_MAX", default_value_t = HTTP_CONCURRENCY_MAX)]
+    pub http_concurrency_max: usize,
+
     #[arg(long, env = "TALLY_RELAY_BATCH_MAX", default_value_t = RELAY_BATCH_MAX)]
     pub relay_batch_max: usize,
 
@@ -130,6 +137,7 @@ impl Config {
             append_queue_max: APPEND_QUEUE_MAX,
             append_group_events_max: APPEND_GROUP_EVENTS_MAX,
             request_timeout_ms: REQUEST_TIMEOUT_MS,
+            http_concurrency_max: HTTP_CONCURRENCY_MAX,
             relay_batch_max: RELAY_BATCH_MAX,
             relay_poll_ms: RELAY_POLL_MS,
             ingest_fetch_max: INGEST_FETCH_MAX,

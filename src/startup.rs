@@ -96,6 +96,7 @@ impl Service {
             batch_events_max: config.batch_events_max,
             backdate_max: config.backdate_max(),
             request_timeout: config.request_timeout(),
+            concurrency_max: config.http_concurrency_max,
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

@@ -40,6 +40,8 @@ pub struct Inner {
     pub batch_events_max: usize,
     pub backdate_max: chrono::Duration,
     pub request_timeout: Duration,
+    /// Requests in progress at once before new ones are shed with 503.
+    pub concurrency_max: usize,
 }
 
 impl AppState {
@@ -69,6 +71,7 @@ pub fn app(state: AppState) -> Router {
             auth::require_token,
         ));
     let timeout = state.request_timeout;
+    let concurrency_max = state.concurrency_max.max(1);
     Router::new()
         .merge(ops::router())
         .merge(v1)
@@ -76,7 +79,13 @@ pub fn app(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(
             ServiceBuilder::new()
-                .layer(HandleErrorLayer::new(timed_out))
+                .layer(HandleErrorLayer::new(refused))
+                .load_shed()
+                // Global: `Router::layer` wraps every route on its own, and one semaphore
+                // shared by all of them makes the limit the service's, not each route's.
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+                    concurrency_max,
+                ))
                 .timeout(timeout),
         )
         .layer(tower_http::trace::TraceLayer::new_for_http())
@@ -95,8 +104,13 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
-async fn timed_out(error: BoxError) -> impl IntoResponse {
-    if error.is::<tower::timeout::error::Elapsed>() {
+/// A request the service would not finish: shed (too many in progress) or past its
+/// deadline. Both are 503 with `Retry-After`.
+async fn refused(error: BoxError) -> impl IntoResponse {
+    if error.is::<tower::load_shed::error::Overloaded>() {
+        metrics::counter!("tally_http_shed_total").increment(1);
+        ApiError::unavailable("overloaded", "too many requests in progress; retry later")
+    } else if error.is::<tower::timeout::error::Elapsed>() {
         ApiError::unavailable("timeout", "the request took too long; retry later")
     } else {
         ApiError::internal(&*error)

@@ -97,3 +97,49 @@ async fn unknown_routes_and_methods_get_json_errors() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn past_the_concurrency_limit_requests_are_shed_with_503_and_retry_after_not_queued() {
+    use std::io::Write as _;
+
+    let app = TestApp::spawn_with(|config| config.http_concurrency_max = 2).await;
+    // Two requests that hold their slot: each sends headers and half of its body, then
+    // waits.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut stream = std::net::TcpStream::connect(app.address).unwrap();
+        write!(
+            stream,
+            "POST /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\
+             Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"id\":"
+        )
+        .unwrap();
+        held.push(stream);
+    }
+    eventually(5, "a third request is shed", || async {
+        let response = app.client.get(app.url("/healthz")).send().await.unwrap();
+        response.status().as_u16() == 503 && response.headers().contains_key("retry-after")
+    })
+    .await;
+    let response = app.client.get(app.url("/healthz")).send().await.unwrap();
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "overloaded");
+
+    drop(held);
+    eventually(
+        5,
+        "slots are free again once the held requests end",
+        || async {
+            app.client
+                .get(app.url("/healthz"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+                == 200
+        },
+    )
+    .await;
+    app.stop().await;
+}
