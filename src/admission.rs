@@ -96,6 +96,8 @@ pub async fn wait_until_fresh(
 
 #[derive(FromRow)]
 struct FactsRow {
+    /// The projection's checkpoint in the same snapshot as the facts.
+    projected: i64,
     latest_at: Option<DateTime<Utc>>,
     closed_runtime_ms: i64,
     commands: i64,
@@ -112,16 +114,21 @@ struct FactsRow {
     account: Option<String>,
 }
 
-/// Everything the decision needs, read in one statement (one snapshot).
+/// Everything the decision needs, read in one statement (one snapshot); `None` when that
+/// snapshot's projection does not reach position `wanted` yet. The checkpoint is read in
+/// the facts statement rather than before it, which saves a statement per check and
+/// proves that the very snapshot the facts come from holds the wanted appends.
 async fn load(
     connection: &mut PgConnection,
     request: &Request,
     now: DateTime<Utc>,
-) -> anyhow::Result<Answer> {
+    wanted: i64,
+) -> anyhow::Result<Option<Answer>> {
     let period = Period::containing(now);
     let live = store::LIVE;
     let row: FactsRow = sqlx::query_as(&format!(
-        "SELECT (SELECT latest_at FROM {live}.org WHERE org_id = $1) AS latest_at, \
+        "SELECT (SELECT position FROM {live}.checkpoint) AS projected, \
+                (SELECT latest_at FROM {live}.org WHERE org_id = $1) AS latest_at, \
                 COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
                 COALESCE(p.commands, 0) AS commands, \
                 COALESCE(p.command_ms, 0) AS command_ms, \
@@ -152,6 +159,9 @@ async fn load(
     .bind(request.container_id.as_ref().map(ContainerId::as_str))
     .fetch_one(&mut *connection)
     .await?;
+    if row.projected < wanted {
+        return Ok(None);
+    }
 
     let open = row
         .open_periods
@@ -219,7 +229,7 @@ async fn load(
         ports_published: totals.ports_published,
     };
     let decision = billing::decide(request.action, &facts);
-    Ok(Answer {
+    Ok(Some(Answer {
         decision,
         plan: plan.id.clone(),
         period,
@@ -227,7 +237,7 @@ async fn load(
         running_containers,
         max_running_containers: plan.max_running_containers,
         at: now,
-    })
+    }))
 }
 
 fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
@@ -277,9 +287,28 @@ pub async fn check(
     head: &watch::Receiver<i64>,
     request: &Request,
 ) -> Result<Answer, AdmissionError> {
-    wait_until_fresh(pool, head).await?;
-    let mut connection = pool.acquire().await?;
-    Ok(load(&mut connection, request, Utc::now().trunc_subsecs(3)).await?)
+    let wanted = *head.borrow();
+    let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
+    loop {
+        // The connection goes back to the pool while waiting: the projector needs one to
+        // catch up.
+        let mut connection = pool.acquire().await?;
+        if let Some(answer) = load(
+            &mut connection,
+            request,
+            Utc::now().trunc_subsecs(3),
+            wanted,
+        )
+        .await?
+        {
+            return Ok(answer);
+        }
+        drop(connection);
+        if Instant::now() >= deadline {
+            return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
+        }
+        tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
+    }
 }
 
 /// A granted reservation.
@@ -310,7 +339,10 @@ pub async fn reserve(
         .await?;
     // The clock is read after the lock, so that expiry is judged at the moment of granting.
     let now = Utc::now().trunc_subsecs(3);
-    let answer = load(&mut transaction, request, now).await?;
+    // Fresh already (waited for above), and the checkpoint only moves forward.
+    let answer = load(&mut transaction, request, now, 0)
+        .await?
+        .expect("every snapshot's checkpoint is at least 0");
     let action = serde_json::to_value(request.action)
         .ok()
         .and_then(|value| value.as_str().map(str::to_owned))

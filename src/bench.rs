@@ -10,8 +10,10 @@
 //! body and build the baseline rows (nothing of that is timed) → baselines while the
 //! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
 //! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
-//! projection's own measurements, in a scratch database of their own (see `projection`).
+//! projection's own measurements, in a scratch database of their own (see `projection`),
+//! and then admission's, in another (see `admission`).
 
+mod admission;
 mod projection;
 
 use std::collections::HashSet;
@@ -112,6 +114,9 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub projection: projection::ProjectionArgs,
+
+    #[command(flatten)]
+    pub admission: admission::AdmissionArgs,
 }
 
 pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
@@ -148,9 +153,15 @@ pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
         "bench: removed database {} and the {} streams",
         scratch.database_name, scratch.namespace
     );
-    let projections = projection::run(config, &args.projection, args.orgs, &nats).await;
+    let projections = projection::run(config.clone(), &args.projection, args.orgs, &nats).await;
+    // A failed or interrupted projection part ends the run there: starting a third service
+    // after a Ctrl-C would not be what was asked for.
+    let admission = match projections {
+        Ok(()) => admission::run(config, &args.admission, &nats).await,
+        Err(error) => Err(error),
+    };
     anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
-    projections
+    admission
 }
 
 fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {

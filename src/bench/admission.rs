@@ -1,0 +1,1239 @@
+//! `tally bench`, third part: how many admission checks the service answers, how fast at
+//! half that load, and what the floor of the same HTTP path is (issue 4, acceptance 5).
+//!
+//! It runs after the projection part, in a scratch database and NATS namespace of its own,
+//! which it removes at the end, also when a step fails or the run is interrupted.
+//!
+//! Flow: start the service in-process → define two plans with sandboxes (`PUT /v1/plans`)
+//! and post a population over HTTP: orgs that are verified, billing eligible and on a plan,
+//! each with containers of which some run, some of them at their concurrency limit, some
+//! past a denying allowance → wait until the projection holds it all → checks from 64
+//! keep-alive connections as fast as they are answered, every answer compared with what the
+//! population says → checks paced at half that rate → `GET /healthz` from 64 connections,
+//! the floor → `admission::check` without HTTP, and its statements apart → the table.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use async_nats::jetstream;
+use bytes::Bytes;
+use chrono::{DateTime, Datelike, SubsecRound, TimeZone, Utc};
+use rand::seq::IndexedRandom;
+use rand::Rng;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use super::{
+    clean_up, percentile_ms, print_table, without_password, Check, Endpoint, Figure,
+    HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS,
+    SETTLE_TIMEOUT_MS, STOP_REASONS,
+};
+use crate::admission::{self, Request};
+use crate::billing::Action;
+use crate::config::Config;
+use crate::event::canonical;
+use crate::event::{ContainerId, OrgId, PlanId};
+use crate::ledger::plans;
+use crate::projection::store::{self, LIVE};
+use crate::startup::Service;
+
+/// Checks in the throughput phase: ten seconds at the target rate.
+const CHECKS: usize = 100_000;
+/// Orgs of the population: a platform's worth of paying tenants.
+const ORGS: usize = 1_000;
+/// How long the paced phase lasts: long enough for a stable p99 at thousands a second.
+const PACED_SECONDS: u64 = 10;
+/// Concurrent clients of the throughput and floor phases, each with a connection of its
+/// own, as in the single-event phase of the ingest part.
+const CLIENTS: usize = 64;
+/// Connections the paced checks are spread over: a check waits for no earlier one unless
+/// all of them are still waiting for their answers.
+const PACED_CLIENTS: usize = 32;
+/// Checks (and `/healthz` requests) before measuring, so that connections, the pool and
+/// Postgres's caches and plans are warm.
+const WARMUP_REQUESTS: usize = 2_000;
+/// Sequential calls of `admission::check` and of each of its statements, without HTTP.
+const DIRECT_REQUESTS: usize = 2_000;
+/// Containers per org: a handful of sandboxes each.
+const CONTAINERS_PER_ORG: usize = 6;
+/// Most orgs are on this plan: sandboxes, a generous allowance, four running slots.
+const TEAM_PLAN: &str = "bench_team";
+/// One org in [`TRIAL_ONE_IN`] is on this plan: ten minutes included, overage denied, so
+/// that its checks are refused with `runtime_allowance_exhausted`.
+const TRIAL_PLAN: &str = "bench_trial";
+const TRIAL_ONE_IN: usize = 20;
+/// One org in this many runs as many containers as its plan allows: `concurrency_limit`.
+const FULL_ONE_IN: usize = 10;
+/// Running slots of both plans.
+const MAX_RUNNING: u64 = 4;
+/// Far more ports than any org publishes here: `port_limit` is not what this measures.
+const MAX_PORTS: u64 = 1_000;
+const TEAM_INCLUDED_SECONDS: u64 = 100 * 3_600;
+const TRIAL_INCLUDED_SECONDS: u64 = 600;
+/// The account events occurred this long ago; the containers' histories after them.
+const ACCOUNT_AGO_MS: i64 = 3 * 3_600 * 1_000;
+/// A container was created between these long ago.
+const CREATED_AGO_MIN_MS: i64 = 40 * 60 * 1_000;
+const CREATED_AGO_MAX_MS: i64 = 2 * 3_600 * 1_000;
+/// A stopped container ran between these.
+const RUN_MIN_MS: i64 = 5 * 60 * 1_000;
+const RUN_MAX_MS: i64 = 30 * 60 * 1_000;
+/// Commands per container.
+const COMMANDS_PER_CONTAINER: usize = 3;
+/// Events per population batch: the service's batch limit.
+const POPULATION_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
+/// Connections the population is posted on.
+const POPULATION_CLIENTS: usize = 4;
+/// Between looks at the projection's checkpoint while waiting for it.
+const POLL_MS: u64 = 20;
+/// Linux reports CPU time in clock ticks of `USER_HZ`, which is 100 on every architecture
+/// the service runs on.
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+/// Targets (issue 4, acceptance 5).
+const TARGET_CHECKS_PER_SECOND: u64 = 10_000;
+const TARGET_PACED_P99_MS: f64 = 3.0;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdmissionArgs {
+    /// Admission checks posted as fast as they are answered, from 64 connections.
+    #[arg(long, default_value_t = CHECKS)]
+    pub admission_checks: usize,
+
+    /// Orgs of the admission population.
+    #[arg(long, default_value_t = ORGS)]
+    pub admission_orgs: usize,
+
+    /// Seconds the checks paced at half the measured throughput last.
+    #[arg(long, default_value_t = PACED_SECONDS)]
+    pub admission_paced_seconds: u64,
+}
+
+/// Measures admission and prints its table. `config` is the service configuration of the
+/// ingest part: only its server addresses and credentials are used.
+pub(super) async fn run(
+    mut config: Config,
+    args: &AdmissionArgs,
+    nats: &jetstream::Context,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.admission_checks > 0,
+        "--admission-checks must be at least 1"
+    );
+    anyhow::ensure!(
+        args.admission_orgs >= FULL_ONE_IN.max(TRIAL_ONE_IN),
+        "--admission-orgs must be at least {}, so that every kind of org is there",
+        FULL_ONE_IN.max(TRIAL_ONE_IN)
+    );
+    anyhow::ensure!(
+        args.admission_paced_seconds > 0,
+        "--admission-paced-seconds must be at least 1"
+    );
+    let scratch = Scratch::new(&config.database_url)?;
+    let shown_database_url = without_password(&config.database_url);
+    config.database_url = scratch.database_url.clone();
+    config.nats_namespace = scratch.namespace.clone();
+    config.bootstrap_token = Some(scratch.token.clone());
+    eprintln!(
+        "bench: admission: database {}, namespace {}",
+        scratch.database_name, scratch.namespace
+    );
+
+    let outcome = start_and_measure(&config, args, &scratch).await;
+    let cleaned = clean_up(&scratch, nats).await;
+    let report = match (outcome, cleaned) {
+        (Ok(report), Ok(())) => report,
+        (Ok(_), Err(error)) => return Err(error),
+        (Err(error), Ok(())) => return Err(error),
+        (Err(error), Err(cleanup_error)) => {
+            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
+            return Err(error);
+        }
+    };
+    report.print(args, &shown_database_url, &scratch);
+    eprintln!(
+        "bench: removed database {} and the {} streams",
+        scratch.database_name, scratch.namespace
+    );
+    anyhow::ensure!(
+        report.checks.iter().all(|check| check.passed),
+        "an admission check failed; see the table"
+    );
+    Ok(())
+}
+
+/// Starts the service, measures, and stops the service whatever happened, so that nothing
+/// of it outlives the run and recreates a stream after clean-up.
+async fn start_and_measure(
+    config: &Config,
+    args: &AdmissionArgs,
+    scratch: &Scratch,
+) -> anyhow::Result<Report> {
+    let service = Service::start(config.clone()).await?;
+    let outcome = tokio::select! {
+        outcome = measure(&service, args, scratch) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    eprintln!("bench: admission: stopping the service");
+    service.stop().await;
+    outcome
+}
+
+/// What an org is, by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Under every limit.
+    Open,
+    /// Runs [`MAX_RUNNING`] containers.
+    Full,
+    /// On the trial plan, past its allowance.
+    Exhausted,
+}
+
+/// One container's history: created at `start_ms`, stopped at `stop_ms` if it was.
+#[derive(Debug, Clone, Copy)]
+struct Container {
+    start_ms: i64,
+    stop_ms: Option<i64>,
+}
+
+#[derive(Debug, Clone)]
+struct Org {
+    kind: Kind,
+    /// The first `running` containers run.
+    containers: Vec<Container>,
+    running: u64,
+}
+
+impl Org {
+    fn plan(&self) -> &'static str {
+        match self.kind {
+            Kind::Exhausted => TRIAL_PLAN,
+            Kind::Open | Kind::Full => TEAM_PLAN,
+        }
+    }
+
+    /// Runtime up to `at_ms`, every interval inside the current period.
+    fn runtime_ms(&self, at_ms: i64) -> i64 {
+        self.containers
+            .iter()
+            .map(|c| c.stop_ms.unwrap_or(at_ms).min(at_ms) - c.start_ms)
+            .sum()
+    }
+}
+
+fn org_id(org: usize) -> String {
+    format!("org_{org}")
+}
+
+fn container_id(org: usize, container: usize) -> String {
+    format!("ctr_{org}_{container}")
+}
+
+/// The orgs, their events as `POST /v1/events` bodies, and when the earliest event
+/// occurred.
+struct Population {
+    orgs: Vec<Org>,
+    bodies: Arc<Vec<Bytes>>,
+    events: usize,
+    earliest_ms: i64,
+}
+
+impl Population {
+    fn generate(orgs: usize, now: DateTime<Utc>) -> Population {
+        let mut rng = rand::rng();
+        let now_ms = now.timestamp_millis();
+        let at = |ms: i64| {
+            canonical::timestamp(
+                Utc.timestamp_millis_opt(ms)
+                    .single()
+                    .expect("a valid instant"),
+            )
+        };
+        let mut population = Vec::with_capacity(orgs);
+        let mut events = Vec::new();
+        for org in 0..orgs {
+            let kind = if org % FULL_ONE_IN == 0 {
+                Kind::Full
+            } else if org % TRIAL_ONE_IN == 1 {
+                Kind::Exhausted
+            } else {
+                Kind::Open
+            };
+            let running = match kind {
+                Kind::Full => MAX_RUNNING,
+                Kind::Exhausted => rng.random_range(1..MAX_RUNNING),
+                Kind::Open => rng.random_range(0..MAX_RUNNING),
+            };
+            let containers: Vec<Container> = (0..CONTAINERS_PER_ORG)
+                .map(|container| {
+                    let start_ms =
+                        now_ms - rng.random_range(CREATED_AGO_MIN_MS..CREATED_AGO_MAX_MS);
+                    let stopped = container as u64 >= running;
+                    Container {
+                        start_ms,
+                        stop_ms: stopped
+                            .then(|| start_ms + rng.random_range(RUN_MIN_MS..RUN_MAX_MS)),
+                    }
+                })
+                .collect();
+            let entry = Org {
+                kind,
+                containers,
+                running,
+            };
+            let account_at = at(now_ms - ACCOUNT_AGO_MS);
+            for (event_type, data) in [
+                ("org.plan_changed", json!({"plan": entry.plan()})),
+                ("org.verification_changed", json!({"verified": true})),
+                ("org.billing_eligibility_changed", json!({"eligible": true})),
+            ] {
+                events.push(
+                    json!({"id": Uuid::now_v7(), "type": event_type, "org_id": org_id(org),
+                                   "occurred_at": account_at, "data": data}),
+                );
+            }
+            for (index, container) in entry.containers.iter().enumerate() {
+                let mut event = |event_type: &str, at_ms: i64, data: serde_json::Value| {
+                    events.push(json!({"id": Uuid::now_v7(), "type": event_type,
+                                       "org_id": org_id(org), "container_id": container_id(org, index),
+                                       "occurred_at": at(at_ms), "data": data}));
+                };
+                let start = container.start_ms;
+                event(
+                    "container.created",
+                    start,
+                    json!({"name": format!("task-{org}-{index}"),
+                           "image": IMAGES.choose(&mut rng).expect("a non-empty list")}),
+                );
+                let port = *PORTS.choose(&mut rng).expect("a non-empty list");
+                let cid = container_id(org, index);
+                event(
+                    "container.port_published",
+                    start + 1_000,
+                    json!({"port": port, "url": format!("https://{cid}-{port}.sandbox.example.com")}),
+                );
+                for command in 0..COMMANDS_PER_CONTAINER {
+                    event(
+                        "container.command_ran",
+                        start + 2_000 + 1_000 * command as i64,
+                        json!({"command_id": format!("cmd_{:016x}", rng.random::<u64>()),
+                               "exit_code": 0, "duration_ms": rng.random_range(5..900u64)}),
+                    );
+                }
+                if let Some(stop) = container.stop_ms {
+                    event(
+                        "container.stopped",
+                        stop,
+                        json!({"reason": STOP_REASONS.choose(&mut rng).expect("a non-empty list")}),
+                    );
+                }
+            }
+            population.push(entry);
+        }
+        let count = events.len();
+        let bodies = events
+            .chunks(POPULATION_BATCH_EVENTS)
+            .map(|chunk| Bytes::from(json!({ "events": chunk }).to_string()))
+            .collect();
+        let earliest_ms = population
+            .iter()
+            .flat_map(|org| org.containers.iter().map(|c| c.start_ms))
+            .min()
+            .unwrap_or(now_ms);
+        Population {
+            orgs: population,
+            bodies: Arc::new(bodies),
+            events: count,
+            earliest_ms,
+        }
+    }
+}
+
+fn plan_body(included_runtime_seconds: u64) -> Bytes {
+    Bytes::from(
+        json!({"sandbox_runtime": true, "included_runtime_seconds": included_runtime_seconds,
+               "overage": "deny", "overage_price_per_hour": "0.12", "currency": "USD",
+               "max_running_containers": MAX_RUNNING, "max_published_ports": MAX_PORTS})
+        .to_string(),
+    )
+}
+
+/// One admission question of the workload.
+#[derive(Debug, Clone)]
+struct Probe {
+    org: usize,
+    action: &'static str,
+    /// An existing container's index, or `None` for a new container (create) or none.
+    container: Option<usize>,
+    body: Bytes,
+}
+
+impl Probe {
+    fn random(rng: &mut impl Rng, orgs: usize, serial: usize) -> Probe {
+        let org = rng.random_range(0..orgs);
+        let action = *["create", "resume", "run", "publish_port"]
+            .choose(rng)
+            .expect("a non-empty list");
+        let container = match action {
+            "create" => None,
+            _ => Some(rng.random_range(0..CONTAINERS_PER_ORG)),
+        };
+        let container_id = match container {
+            Some(index) => container_id(org, index),
+            None => format!("ctr_{org}_new_{serial}"),
+        };
+        let body = Bytes::from(
+            json!({"org_id": org_id(org), "action": action, "container_id": container_id})
+                .to_string(),
+        );
+        Probe {
+            org,
+            action,
+            container,
+            body,
+        }
+    }
+
+    /// The reasons DESIGN §4 gives for this question, from what the population is by
+    /// construction (no reservations are taken in this bench).
+    fn expected_reasons(&self, orgs: &[Org]) -> Vec<&'static str> {
+        let org = &orgs[self.org];
+        let takes_slot = matches!(self.action, "create" | "resume");
+        let needs_running = matches!(self.action, "run" | "publish_port");
+        let mut reasons = Vec::new();
+        if takes_slot && org.running >= MAX_RUNNING {
+            reasons.push("concurrency_limit");
+        }
+        if org.kind == Kind::Exhausted {
+            reasons.push("runtime_allowance_exhausted");
+        }
+        let running = self
+            .container
+            .is_some_and(|index| (index as u64) < org.running);
+        if needs_running && !running {
+            reasons.push("container_not_running");
+        }
+        reasons
+    }
+
+    fn request(&self) -> anyhow::Result<Request> {
+        Ok(Request {
+            org_id: OrgId::parse(&org_id(self.org))?,
+            action: Action::parse(self.action).context("a known action")?,
+            container_id: Some(ContainerId::parse(&match self.container {
+                Some(index) => container_id(self.org, index),
+                None => format!("ctr_{}_new", self.org),
+            })?),
+        })
+    }
+}
+
+/// `POST /v1/admission/check`'s answer.
+#[derive(Debug, Deserialize, PartialEq, Eq)]
+struct CheckAnswer {
+    allowed: bool,
+    reasons: Vec<String>,
+    plan: String,
+    runtime_used_ms: i64,
+    runtime_included_ms: i64,
+    overage: bool,
+    running_containers: u64,
+    max_running_containers: u64,
+}
+
+impl HttpConnection {
+    /// One request on this connection, its answer read to the end whatever its status.
+    async fn round_trip(
+        &mut self,
+        method: &hyper::Method,
+        uri: &hyper::Uri,
+        body: Bytes,
+    ) -> anyhow::Result<(hyper::StatusCode, Bytes)> {
+        use http_body_util::BodyExt;
+
+        let request = hyper::Request::builder()
+            .method(method.clone())
+            .uri(uri.clone())
+            .header(hyper::header::HOST, self.host.clone())
+            .header(hyper::header::AUTHORIZATION, self.authorization.clone())
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(http_body_util::Full::new(body))?;
+        self.sender.ready().await?;
+        let response = tokio::time::timeout(
+            Duration::from_millis(HTTP_TIMEOUT_MS),
+            self.sender.send_request(request),
+        )
+        .await
+        .with_context(|| format!("{method} {uri} timed out"))?
+        .with_context(|| format!("{method} {uri} failed"))?;
+        let status = response.status();
+        Ok((status, response.into_body().collect().await?.to_bytes()))
+    }
+
+    /// As [`round_trip`](Self::round_trip), failing on any status but `expected`: a bench
+    /// must not pass on errors.
+    async fn expect(
+        &mut self,
+        method: &hyper::Method,
+        uri: &hyper::Uri,
+        body: Bytes,
+        expected: hyper::StatusCode,
+    ) -> anyhow::Result<Bytes> {
+        let (status, answer) = self.round_trip(method, uri, body).await?;
+        if status != expected {
+            let excerpt = &answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)];
+            anyhow::bail!(
+                "{method} {uri} answered {status}: {}",
+                String::from_utf8_lossy(excerpt)
+            );
+        }
+        Ok(answer)
+    }
+}
+
+/// A request every client of a phase can send: all checks go to one URI, all floor
+/// requests to another.
+#[derive(Clone)]
+struct Target {
+    method: hyper::Method,
+    uri: hyper::Uri,
+}
+
+impl Target {
+    fn check() -> Target {
+        Target {
+            method: hyper::Method::POST,
+            uri: hyper::Uri::from_static("/v1/admission/check"),
+        }
+    }
+
+    fn healthz() -> Target {
+        Target {
+            method: hyper::Method::GET,
+            uri: hyper::Uri::from_static("/healthz"),
+        }
+    }
+}
+
+/// What a phase sends, and how.
+struct Load<'a> {
+    target: &'a Target,
+    bodies: &'a Arc<Vec<Bytes>>,
+    count: usize,
+    clients: usize,
+    /// `None`: as fast as answered.
+    rate_per_second: Option<f64>,
+    /// Keep every answer, by request index, for checking after the clock stops.
+    keep_answers: bool,
+}
+
+impl<'a> Load<'a> {
+    fn closed(target: &'a Target, bodies: &'a Arc<Vec<Bytes>>, count: usize) -> Load<'a> {
+        Load {
+            target,
+            bodies,
+            count,
+            clients: CLIENTS,
+            rate_per_second: None,
+            keep_answers: false,
+        }
+    }
+}
+
+/// What a phase's clients saw.
+struct Answered {
+    elapsed: Duration,
+    /// Sorted, from each request's send.
+    latencies: Vec<Duration>,
+    /// Sorted, from each request's due instant (paced phases only).
+    latencies_from_due: Vec<Duration>,
+    /// By request index, when kept.
+    answers: Vec<Bytes>,
+}
+
+/// Sends `bodies` (`count` requests, body `index % bodies.len()`) from `clients` connections.
+/// Unpaced (`rate_per_second` is `None`), each client sends its next request as soon as
+/// the previous one is answered; paced, request `index` is due `index / rate` after the
+/// start, whichever client is free takes it, and its latency is also taken from when it
+/// was due (open loop: a late send counts against the service, not hidden).
+async fn send_all(service: &Service, token: &str, load: Load<'_>) -> anyhow::Result<Answered> {
+    let Load {
+        target,
+        bodies,
+        count,
+        clients,
+        rate_per_second,
+        keep_answers,
+    } = load;
+    assert!(!bodies.is_empty(), "something to send");
+    let next = Arc::new(AtomicUsize::new(0));
+    let interval_ns = rate_per_second.map(|rate| 1e9 / rate);
+    // Connections are opened before the clock starts.
+    let mut connections = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        connections.push(HttpConnection::open(service.local_addr, "/healthz", token).await?);
+    }
+    let started = tokio::time::Instant::now();
+    // A JoinSet aborts the other clients as soon as one fails and this returns.
+    let mut tasks = JoinSet::new();
+    for mut connection in connections {
+        let (next, bodies, target) = (next.clone(), bodies.clone(), target.clone());
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            let mut from_due = Vec::new();
+            let mut answers = Vec::new();
+            loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                if index >= count {
+                    break;
+                }
+                let due = interval_ns
+                    .map(|ns| started + Duration::from_nanos((ns * index as f64) as u64));
+                if let Some(due) = due {
+                    tokio::time::sleep_until(due).await;
+                }
+                let body = bodies[index % bodies.len()].clone();
+                let sent = Instant::now();
+                let answer = connection
+                    .expect(&target.method, &target.uri, body, hyper::StatusCode::OK)
+                    .await?;
+                let answered = Instant::now();
+                latencies.push(answered - sent);
+                if let Some(due) = due {
+                    from_due.push(answered.saturating_duration_since(due.into_std()));
+                }
+                if keep_answers {
+                    answers.push((index, answer));
+                }
+            }
+            anyhow::Ok((latencies, from_due, answers))
+        });
+    }
+    let mut latencies = Vec::with_capacity(count);
+    let mut latencies_from_due = Vec::new();
+    let mut indexed = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        let (client, due, answers) = joined.context("a client panicked")??;
+        latencies.extend(client);
+        latencies_from_due.extend(due);
+        indexed.extend(answers);
+    }
+    let elapsed = started.elapsed();
+    assert_eq!(latencies.len(), count, "every request is sent once");
+    latencies.sort_unstable();
+    latencies_from_due.sort_unstable();
+    indexed.sort_unstable_by_key(|(index, _)| *index);
+    Ok(Answered {
+        elapsed,
+        latencies,
+        latencies_from_due,
+        answers: indexed.into_iter().map(|(_, answer)| answer).collect(),
+    })
+}
+
+/// CPU time so far: this process's (the service and the load clients) and the machine's.
+#[derive(Debug, Clone, Copy)]
+struct CpuTime {
+    process_ticks: u64,
+    busy_ticks: u64,
+}
+
+impl CpuTime {
+    /// `None` where `/proc` does not tell.
+    fn now() -> Option<CpuTime> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command name, which may hold spaces: state is field 3, utime 14.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let process_ticks =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        let machine = std::fs::read_to_string("/proc/stat").ok()?;
+        let ticks: Vec<u64> = machine
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|value| value.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal …: idle and iowait are not busy.
+        let total: u64 = ticks.iter().take(8).sum();
+        let idle = ticks.get(3)? + ticks.get(4)?;
+        Some(CpuTime {
+            process_ticks,
+            busy_ticks: total - idle,
+        })
+    }
+
+    /// "tally N cores, the rest M cores" over `elapsed`.
+    fn describe(before: Option<CpuTime>, after: Option<CpuTime>, elapsed: Duration) -> String {
+        let (Some(before), Some(after)) = (before, after) else {
+            return "CPU use unknown".to_owned();
+        };
+        let cores = |ticks: u64| ticks as f64 / CLOCK_TICKS_PER_SECOND / elapsed.as_secs_f64();
+        let process = after.process_ticks - before.process_ticks;
+        let busy = after.busy_ticks - before.busy_ticks;
+        format!(
+            "CPU: tally process (service + clients) {:.2} cores, everything else (Postgres, \
+             NATS, other work) {:.2} cores",
+            cores(process),
+            cores(busy.saturating_sub(process))
+        )
+    }
+}
+
+/// The load average over 1, 5 and 15 minutes: the machine's other work shows in the
+/// figures.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// A line of the table: a figure and its target, with whether it was met.
+struct Line {
+    figure: Figure,
+    target: String,
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
+
+async fn measure(
+    service: &Service,
+    args: &AdmissionArgs,
+    scratch: &Scratch,
+) -> anyhow::Result<Report> {
+    let token = scratch.token.as_str();
+    let mut checks = Vec::new();
+
+    // The population.
+    let started = Instant::now();
+    let population = Population::generate(args.admission_orgs, Utc::now());
+    let mut connection = HttpConnection::open(service.local_addr, "/healthz", token).await?;
+    for (plan, included_seconds) in [
+        (TEAM_PLAN, TEAM_INCLUDED_SECONDS),
+        (TRIAL_PLAN, TRIAL_INCLUDED_SECONDS),
+    ] {
+        connection
+            .expect(
+                &hyper::Method::PUT,
+                &format!("/v1/plans/{plan}").parse()?,
+                plan_body(included_seconds),
+                hyper::StatusCode::CREATED,
+            )
+            .await?;
+    }
+    let endpoint = Endpoint {
+        address: service.local_addr,
+        url: "/v1/events".to_owned(),
+        token: token.to_owned(),
+    };
+    endpoint
+        .post_all(&population.bodies, POPULATION_CLIENTS)
+        .await?;
+    let head = *service.appender.head().borrow();
+    wait_for_projection(service, head).await?;
+    // A live database's autovacuum has analyzed its tables; freshly filled ones have no
+    // statistics, and the planner would guess.
+    sqlx::query("ANALYZE").execute(&service.pool).await?;
+    let running: u64 = population.orgs.iter().map(|org| org.running).sum();
+    let count_of = |kind: Kind| population.orgs.iter().filter(|o| o.kind == kind).count();
+    eprintln!(
+        "bench: admission: {} orgs ({} full, {} past their allowance), {} containers ({running} \
+         running), {} events posted and projected in {:.1} s",
+        population.orgs.len(),
+        count_of(Kind::Full),
+        count_of(Kind::Exhausted),
+        population.orgs.len() * CONTAINERS_PER_ORG,
+        population.events,
+        started.elapsed().as_secs_f64()
+    );
+    checks.push(Check {
+        description: format!(
+            "2 plans and {} population events appended (ledger head {head}) and projected",
+            population.events
+        ),
+        passed: head == i64::try_from(population.events)? + 2,
+    });
+    checks.extend(sample_checks(&mut connection, &population).await?);
+
+    // Throughput.
+    let mut rng = rand::rng();
+    let probes: Vec<Probe> = (0..args.admission_checks)
+        .map(|serial| Probe::random(&mut rng, population.orgs.len(), serial))
+        .collect();
+    let bodies = Arc::new(probes.iter().map(|p| p.body.clone()).collect::<Vec<_>>());
+    let check = Target::check();
+    eprintln!("bench: admission: warming up");
+    send_all(
+        service,
+        token,
+        Load::closed(&check, &bodies, WARMUP_REQUESTS),
+    )
+    .await?;
+    eprintln!(
+        "bench: admission: {} checks from {CLIENTS} clients",
+        args.admission_checks
+    );
+    let cpu_before = CpuTime::now();
+    let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
+    let answered = send_all(
+        service,
+        token,
+        Load {
+            keep_answers: true,
+            ..Load::closed(&check, &bodies, args.admission_checks)
+        },
+    )
+    .await?;
+    let phase_end_ms = Utc::now().timestamp_millis() + 1;
+    let cpu = CpuTime::describe(cpu_before, CpuTime::now(), answered.elapsed);
+    let load = load_average();
+    let verified = verify_answers(
+        &probes,
+        &answered.answers,
+        &population,
+        (phase_start_ms, phase_end_ms),
+    )?;
+    checks.push(verified.check);
+    let figure = Figure::new(
+        format!("checks, {CLIENTS} clients, closed loop"),
+        args.admission_checks,
+        answered.elapsed,
+    )
+    .with_latencies(&answered.latencies);
+    let checks_per_second = figure.per_second();
+    let throughput = Line {
+        target: format!(
+            "≥ {TARGET_CHECKS_PER_SECOND}/s: {}",
+            verdict(checks_per_second >= TARGET_CHECKS_PER_SECOND as f64)
+        ),
+        figure: figure
+            .with_note(format!(
+                "{:.0} % allowed; every answer as the population implies",
+                verified.allowed as f64 * 100.0 / args.admission_checks as f64
+            ))
+            .with_note(cpu)
+            .with_note(format!("load average {load}")),
+    };
+
+    // Latency at half the measured load.
+    let rate = (checks_per_second / 2.0).max(1.0);
+    let paced_count = ((rate * args.admission_paced_seconds as f64) as usize).max(1);
+    eprintln!(
+        "bench: admission: {paced_count} checks paced at {rate:.0}/s from {PACED_CLIENTS} clients"
+    );
+    let cpu_before = CpuTime::now();
+    let paced = send_all(
+        service,
+        token,
+        Load {
+            clients: PACED_CLIENTS,
+            rate_per_second: Some(rate),
+            ..Load::closed(&check, &bodies, paced_count)
+        },
+    )
+    .await?;
+    let cpu = CpuTime::describe(cpu_before, CpuTime::now(), paced.elapsed);
+    let figure = Figure::new(
+        format!("checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"),
+        paced_count,
+        paced.elapsed,
+    )
+    .with_latencies(&paced.latencies);
+    let p99_met = figure
+        .latency_ms
+        .is_some_and(|(_, p99)| p99 <= TARGET_PACED_P99_MS);
+    let paced = Line {
+        target: format!("p99 ≤ {TARGET_PACED_P99_MS} ms: {}", verdict(p99_met)),
+        figure: figure
+            .with_note(format!(
+                "latency from send; from when due (pacer's 1 ms timer included) p50 {:.2} ms, \
+                 p99 {:.2} ms",
+                percentile_ms(&paced.latencies_from_due, 0.50),
+                percentile_ms(&paced.latencies_from_due, 0.99)
+            ))
+            .with_note(cpu)
+            .with_note(format!("load average {}", load_average())),
+    };
+
+    // The floor: the same clients and connections, no admission.
+    let healthz = Target::healthz();
+    let empty = Arc::new(vec![Bytes::new()]);
+    send_all(
+        service,
+        token,
+        Load::closed(&healthz, &empty, WARMUP_REQUESTS),
+    )
+    .await?;
+    eprintln!(
+        "bench: admission: {} GET /healthz from {CLIENTS} clients",
+        args.admission_checks
+    );
+    let cpu_before = CpuTime::now();
+    let floor = send_all(
+        service,
+        token,
+        Load::closed(&healthz, &empty, args.admission_checks),
+    )
+    .await?;
+    let floor = Line {
+        figure: Figure::new(
+            format!("GET /healthz, {CLIENTS} clients, closed loop"),
+            args.admission_checks,
+            floor.elapsed,
+        )
+        .with_latencies(&floor.latencies)
+        .with_note("the floor: HTTP, routing, the clients".to_owned())
+        .with_note(CpuTime::describe(cpu_before, CpuTime::now(), floor.elapsed))
+        .with_note(format!("load average {}", load_average())),
+        target: "-".to_owned(),
+    };
+
+    let direct = measure_direct(service, &probes).await?;
+    let again = sample_checks(&mut connection, &population).await?;
+    checks.push(Check {
+        description: format!(
+            "the {} sample checks answer the same after the load",
+            again.len()
+        ),
+        passed: again.iter().all(|check| check.passed),
+    });
+    let mut lines = vec![throughput, paced, floor];
+    lines.extend(direct);
+    Ok(Report { lines, checks })
+}
+
+async fn wait_for_projection(service: &Service, head: i64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_millis(SETTLE_TIMEOUT_MS);
+    let mut connection = service.pool.acquire().await?;
+    loop {
+        let projected = store::checkpoint(&mut connection, LIVE).await?;
+        if projected >= head {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the projection reached {projected} of {head} within {SETTLE_TIMEOUT_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
+/// A few questions whose answers are known exactly, one of each kind, each a check.
+async fn sample_checks(
+    connection: &mut HttpConnection,
+    population: &Population,
+) -> anyhow::Result<Vec<Check>> {
+    let find = |kind: Kind| {
+        population
+            .orgs
+            .iter()
+            .position(|org| org.kind == kind && org.running > 0)
+            .context("the population has every kind of org")
+    };
+    let (open, full, exhausted) = (find(Kind::Open)?, find(Kind::Full)?, find(Kind::Exhausted)?);
+    let stopped = CONTAINERS_PER_ORG - 1;
+    let samples = [
+        (
+            json!({"org_id": org_id(open), "action": "create"}),
+            true,
+            vec![],
+        ),
+        (
+            json!({"org_id": org_id(open), "action": "run", "container_id": container_id(open, 0)}),
+            true,
+            vec![],
+        ),
+        (
+            json!({"org_id": org_id(open), "action": "publish_port", "container_id": container_id(open, stopped)}),
+            false,
+            vec!["container_not_running"],
+        ),
+        (
+            json!({"org_id": org_id(full), "action": "resume", "container_id": container_id(full, stopped)}),
+            false,
+            vec!["concurrency_limit"],
+        ),
+        (
+            json!({"org_id": org_id(exhausted), "action": "run", "container_id": container_id(exhausted, 0)}),
+            false,
+            vec!["runtime_allowance_exhausted"],
+        ),
+        (
+            json!({"org_id": "org_unknown", "action": "create"}),
+            false,
+            vec![
+                "plan_excludes_sandbox",
+                "not_verified",
+                "not_billing_eligible",
+            ],
+        ),
+    ];
+    let uri = Target::check().uri;
+    let mut checks = Vec::with_capacity(samples.len());
+    for (body, allowed, reasons) in samples {
+        let answer = connection
+            .expect(
+                &hyper::Method::POST,
+                &uri,
+                Bytes::from(body.to_string()),
+                hyper::StatusCode::OK,
+            )
+            .await?;
+        let answer: CheckAnswer =
+            serde_json::from_slice(&answer).context("a check answer does not parse")?;
+        checks.push(Check {
+            description: format!(
+                "{body} → allowed {}, reasons {:?} (expected {allowed}, {reasons:?})",
+                answer.allowed, answer.reasons
+            ),
+            passed: answer.allowed == allowed && answer.reasons == reasons,
+        });
+    }
+    Ok(checks)
+}
+
+struct Verified {
+    check: Check,
+    allowed: usize,
+}
+
+/// Compares every answer of the throughput phase with what the population implies:
+/// decision and reasons, plan, running containers, limits, and runtime between its values
+/// at the phase's start and end.
+fn verify_answers(
+    probes: &[Probe],
+    answers: &[Bytes],
+    population: &Population,
+    (start_ms, end_ms): (i64, i64),
+) -> anyhow::Result<Verified> {
+    assert_eq!(probes.len(), answers.len(), "one answer per probe");
+    // Runtime is summed within the period; the population's intervals are all inside it
+    // unless the month began less than a few hours ago.
+    let now = Utc::now();
+    let month_start = Utc
+        .with_ymd_and_hms(now.year(), now.month(), 1, 0, 0, 0)
+        .single()
+        .context("the month's first instant")?
+        .timestamp_millis();
+    let runtime_checked = population.earliest_ms >= month_start;
+    let mut wrong = 0_usize;
+    let mut first_wrong = None;
+    let mut allowed = 0_usize;
+    for (probe, answer) in probes.iter().zip(answers) {
+        let answer: CheckAnswer =
+            serde_json::from_slice(answer).context("a check answer does not parse")?;
+        let org = &population.orgs[probe.org];
+        let reasons = probe.expected_reasons(&population.orgs);
+        let included_ms = match org.kind {
+            Kind::Exhausted => TRIAL_INCLUDED_SECONDS,
+            Kind::Open | Kind::Full => TEAM_INCLUDED_SECONDS,
+        } as i64
+            * 1_000;
+        let runtime_right = !runtime_checked
+            || (org.runtime_ms(start_ms)..=org.runtime_ms(end_ms))
+                .contains(&answer.runtime_used_ms);
+        let right = answer.allowed == reasons.is_empty()
+            && answer.reasons == reasons
+            && answer.plan == org.plan()
+            && answer.running_containers == org.running
+            && answer.max_running_containers == MAX_RUNNING
+            && answer.runtime_included_ms == included_ms
+            && answer.overage == (answer.runtime_used_ms >= included_ms)
+            && runtime_right;
+        allowed += usize::from(answer.allowed);
+        if !right {
+            wrong += 1;
+            first_wrong.get_or_insert_with(|| {
+                format!(
+                    "; e.g. {} answered {answer:?}, expected reasons {reasons:?}, running {}, \
+                     runtime {}..{} ms",
+                    String::from_utf8_lossy(&probe.body),
+                    org.running,
+                    org.runtime_ms(start_ms),
+                    org.runtime_ms(end_ms)
+                )
+            });
+        }
+    }
+    Ok(Verified {
+        check: Check {
+            description: format!(
+                "{} of {} throughput answers are 200 with the decision, reasons, plan, running \
+                 containers and limits the population implies{}{}",
+                answers.len() - wrong,
+                answers.len(),
+                if runtime_checked {
+                    ", and runtime between its values at the phase's start and end"
+                } else {
+                    " (runtime not compared: the history starts in the previous month)"
+                },
+                first_wrong.unwrap_or_default()
+            ),
+            passed: wrong == 0 && allowed > 0 && allowed < answers.len(),
+        },
+        allowed,
+    })
+}
+
+/// `admission::check` called directly on the service's pool, without HTTP: from 64 tasks
+/// for its throughput, then one at a time for its latency next to its plan-versions
+/// statement alone and a bare checkpoint read, on the same pool.
+async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[Line; 2]> {
+    let requests: Arc<Vec<Request>> = Arc::new(
+        probes
+            .iter()
+            .map(Probe::request)
+            .collect::<anyhow::Result<_>>()?,
+    );
+    let count = requests.len();
+    eprintln!("bench: admission: {count} admission::check calls from {CLIENTS} tasks, no HTTP");
+    let next = Arc::new(AtomicUsize::new(0));
+    let cpu_before = CpuTime::now();
+    let started = Instant::now();
+    let mut tasks = JoinSet::new();
+    for _ in 0..CLIENTS {
+        let (next, requests) = (next.clone(), requests.clone());
+        let (pool, head) = (service.pool.clone(), service.appender.head());
+        tasks.spawn(async move {
+            while let Some(request) = requests.get(next.fetch_add(1, Ordering::Relaxed)) {
+                admission::check(&pool, &head, request).await?;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.context("a task panicked")??;
+    }
+    let elapsed = started.elapsed();
+    let concurrent = Line {
+        figure: Figure::new(
+            format!("admission::check alone, {CLIENTS} tasks (no HTTP)"),
+            count,
+            elapsed,
+        )
+        .with_note(format!(
+            "pool of {} connections",
+            service.pool.options().get_max_connections()
+        ))
+        .with_note(CpuTime::describe(cpu_before, CpuTime::now(), elapsed))
+        .with_note(format!("load average {}", load_average())),
+        target: "-".to_owned(),
+    };
+
+    let head = service.appender.head();
+    let plan = PlanId::parse(TEAM_PLAN)?;
+    let mut check_latencies = Vec::with_capacity(DIRECT_REQUESTS);
+    let mut fresh_latencies = Vec::with_capacity(DIRECT_REQUESTS);
+    let mut versions_latencies = Vec::with_capacity(DIRECT_REQUESTS);
+    for request in requests.iter().take(DIRECT_REQUESTS) {
+        let sent = Instant::now();
+        admission::check(&service.pool, &head, request).await?;
+        check_latencies.push(sent.elapsed());
+        let sent = Instant::now();
+        let mut connection = service.pool.acquire().await?;
+        store::checkpoint(&mut connection, LIVE).await?;
+        drop(connection);
+        fresh_latencies.push(sent.elapsed());
+        let sent = Instant::now();
+        plans::versions(&service.pool, &plan).await?;
+        versions_latencies.push(sent.elapsed());
+    }
+    for latencies in [
+        &mut check_latencies,
+        &mut fresh_latencies,
+        &mut versions_latencies,
+    ] {
+        latencies.sort_unstable();
+    }
+    let p50 = |sorted: &[Duration]| percentile_ms(sorted, 0.50);
+    let sequential = Line {
+        figure: Figure::new(
+            "admission::check alone, one at a time (no HTTP)",
+            check_latencies.len(),
+            check_latencies.iter().sum(),
+        )
+        .with_latencies(&check_latencies)
+        .with_note(format!(
+            "2 statements a check (facts with the checkpoint, plan versions); apart, p50: plan \
+             versions {:.3} ms, so facts and decision ≈ {:.3} ms; a bare checkpoint read {:.3} \
+             ms",
+            p50(&versions_latencies),
+            p50(&check_latencies) - p50(&versions_latencies),
+            p50(&fresh_latencies)
+        )),
+        target: "-".to_owned(),
+    };
+    Ok([concurrent, sequential])
+}
+
+/// Everything the admission table prints.
+struct Report {
+    lines: Vec<Line>,
+    checks: Vec<Check>,
+}
+
+impl Report {
+    fn print(&self, args: &AdmissionArgs, database_url: &str, scratch: &Scratch) {
+        println!();
+        println!(
+            "tally bench, admission: Postgres {database_url} (scratch database {}); {} orgs, \
+             {CONTAINERS_PER_ORG} containers each; one org in {FULL_ONE_IN} at its {MAX_RUNNING} \
+             running slots, one in {TRIAL_ONE_IN} past its allowance; random create, resume, run \
+             and publish_port",
+            scratch.database_name, args.admission_orgs,
+        );
+        println!();
+        let header = [
+            "measurement",
+            "count",
+            "seconds",
+            "per second",
+            "p50 ms",
+            "p99 ms",
+            "target",
+            "notes",
+        ];
+        let dash = || "-".to_owned();
+        let cells: Vec<Vec<String>> = self
+            .lines
+            .iter()
+            .map(|Line { figure, target }| {
+                let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
+                    (format!("{p50:.2}"), format!("{p99:.2}"))
+                });
+                vec![
+                    figure.label.clone(),
+                    figure.count.to_string(),
+                    format!("{:.2}", figure.elapsed.as_secs_f64()),
+                    format!("{:.0}", figure.per_second()),
+                    p50,
+                    p99,
+                    target.clone(),
+                    figure.notes.join("; "),
+                ]
+            })
+            .collect();
+        print_table(&header, &cells);
+        println!();
+        for check in &self.checks {
+            let verdict = if check.passed { "ok" } else { "FAILED" };
+            println!("check {verdict}: {}", check.description);
+        }
+    }
+}
