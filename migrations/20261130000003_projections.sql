@@ -82,6 +82,13 @@ BEGIN
             CHECK (num_nonnulls(plan, verified, billing_eligible) = 1)
         );
 
+        -- Events voided by a `ledger.event_voided` (at `position`): every history the
+        -- projection reads leaves them out, as if they had never been stored.
+        CREATE TABLE %1$I.voided (
+            event_id UUID   PRIMARY KEY,
+            position BIGINT NOT NULL
+        );
+
         -- Each (container, port) published in a period, with its first publication.
         CREATE TABLE %1$I.port (
             org_id       TEXT        NOT NULL,

@@ -42,10 +42,15 @@ pub enum EventType {
     OrgBillingEligibilityChanged,
     /// A plan version, appended by `PUT /v1/plans/{id}` only; producers cannot send it.
     PlanDefined,
+    /// An admin's void of an earlier event (`POST /v1/corrections/voids`).
+    LedgerEventVoided,
+    /// An admin's record of events added outside the producers' path, beyond the backdate
+    /// bound (`POST /v1/corrections/events`): who, why, which ids.
+    LedgerEventsAdded,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 9] = [
+    pub const ALL: [EventType; 11] = [
         EventType::ContainerCreated,
         EventType::ContainerCommandRan,
         EventType::ContainerStopped,
@@ -55,6 +60,8 @@ impl EventType {
         EventType::OrgVerificationChanged,
         EventType::OrgBillingEligibilityChanged,
         EventType::PlanDefined,
+        EventType::LedgerEventVoided,
+        EventType::LedgerEventsAdded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -68,6 +75,8 @@ impl EventType {
             EventType::OrgVerificationChanged => "org.verification_changed",
             EventType::OrgBillingEligibilityChanged => "org.billing_eligibility_changed",
             EventType::PlanDefined => "plan.defined",
+            EventType::LedgerEventVoided => "ledger.event_voided",
+            EventType::LedgerEventsAdded => "ledger.events_added",
         }
     }
 
@@ -105,6 +114,8 @@ pub enum EventData {
     OrgBillingEligibilityChanged(OrgBillingEligibilityChanged),
     /// The plan's definition, as [`crate::billing::Plan::to_data`] writes it.
     PlanDefined(serde_json::Value),
+    /// A correction's record (`ledger.*` types), as the corrections API writes it.
+    Correction(serde_json::Value),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -424,6 +435,12 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
             return Err(EventError::new(
                 "reserved_type",
                 "plan.defined is recorded by PUT /v1/plans/{plan_id}, not sent as an event",
+            ))
+        }
+        EventType::LedgerEventVoided | EventType::LedgerEventsAdded => {
+            return Err(EventError::new(
+                "reserved_type",
+                "ledger.* events are recorded by the corrections API, not sent as events",
             ))
         }
     })

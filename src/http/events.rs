@@ -38,6 +38,16 @@ pub struct EventResult {
     pub duplicate: bool,
 }
 
+impl From<crate::ledger::AppendedEvent> for EventResult {
+    fn from(appended: crate::ledger::AppendedEvent) -> Self {
+        EventResult {
+            id: appended.id.as_uuid(),
+            position: appended.position,
+            duplicate: appended.duplicate,
+        }
+    }
+}
+
 /// Append events to the ledger. Acknowledged only after they are committed; a batch is
 /// atomic.
 #[utoipa::path(
@@ -118,14 +128,7 @@ pub async fn post_events(
     metrics::counter!("tally_ingest_events_total", "source" => "http", "outcome" => "duplicate")
         .increment(duplicates);
     Ok(Json(EventsResponse {
-        results: appended
-            .into_iter()
-            .map(|a| EventResult {
-                id: a.id.as_uuid(),
-                position: a.position,
-                duplicate: a.duplicate,
-            })
-            .collect(),
+        results: appended.into_iter().map(EventResult::from).collect(),
     }))
 }
 

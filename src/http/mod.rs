@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod audit;
 pub mod auth;
+pub mod corrections;
 pub mod error;
 pub mod events;
 pub mod ledger;
@@ -66,6 +67,7 @@ pub fn app(state: AppState) -> Router {
         .merge(admission::router())
         .merge(audit::router())
         .merge(tokens::router())
+        .merge(corrections::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -141,6 +141,8 @@ impl Modify for BearerAuth {
         super::audit::get_container_events,
         super::tokens::post_token,
         super::tokens::delete_token,
+        super::corrections::post_void,
+        super::corrections::post_events,
     ),
     components(schemas(
         EventInput,
@@ -156,6 +158,8 @@ impl Modify for BearerAuth {
         super::audit::EventsPage,
         super::tokens::TokenCreated,
         super::tokens::TokenRevoked,
+        super::corrections::VoidResponse,
+        super::corrections::AddedResponse,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

@@ -35,6 +35,8 @@ pub struct ProjectedEvent {
     pub container: Option<(String, ContainerEntry)>,
     /// For org events: the value it sets.
     pub account: Option<AccountEntry>,
+    /// For `ledger.event_voided`: the event it voids.
+    pub voids: Option<uuid::Uuid>,
 }
 
 /// Additions to an org's totals for one period; runtime may shrink when a late event
@@ -84,6 +86,14 @@ pub struct Changes {
     pub ports: HashMap<PortKey, DateTime<Utc>>,
     /// Org events, stored as they are: the account state is folded from them when read.
     pub accounts: Vec<(String, AccountEntry)>,
+    /// Events voided in this run, with the position of the void: stored, so that every
+    /// later read of a history leaves them out.
+    pub voided: Vec<(uuid::Uuid, i64)>,
+    /// Voided org events: their account changes are removed.
+    pub voided_accounts: Vec<uuid::Uuid>,
+    /// Pairs a voided publication belonged to: their first instant (or existence) is
+    /// recomputed from the publications left.
+    pub voided_ports: HashSet<PortKey>,
     finished: bool,
 }
 
@@ -91,8 +101,11 @@ impl Changes {
     /// Applies `events` (in position order) to the `stored` lifecycles of their containers.
     /// Containers that a late event reached are listed by [`Changes::late`] and must be
     /// given their whole history with [`Changes::refold`] before [`Changes::finish`].
+    /// `voided` are the events that voids among `events` take back (as stored, earlier or
+    /// in this run): their containers are refolded without them.
     pub fn apply(
         events: &[ProjectedEvent],
+        voided: &[ProjectedEvent],
         mut stored: HashMap<ContainerKey, Lifecycle>,
     ) -> Changes {
         let mut changes = Changes::default();
@@ -121,6 +134,35 @@ impl Changes {
             if change.new.advance(entry).is_err() {
                 changes.late.insert(key);
             }
+        }
+        for void in events
+            .iter()
+            .filter_map(|event| Some((event.voids?, event.position)))
+        {
+            changes.voided.push(void);
+        }
+        // A voided event is taken back as if it had never been stored: its counts are
+        // subtracted and its container refolded without it.
+        for target in voided {
+            if let Some(entry) = &target.account {
+                changes.voided_accounts.push(entry.event_id.as_uuid());
+            }
+            let Some((container_id, entry)) = &target.container else {
+                continue;
+            };
+            let key = ContainerKey {
+                org_id: target.org_id.clone(),
+                container_id: container_id.clone(),
+            };
+            changes.uncount(&key, entry);
+            changes.containers.entry(key.clone()).or_insert_with(|| {
+                let old = stored.remove(&key);
+                ContainerChange {
+                    new: old.clone().unwrap_or_default(),
+                    old,
+                }
+            });
+            changes.late.insert(key);
         }
         changes
     }
@@ -205,7 +247,40 @@ impl Changes {
         assert!(self.finished, "lifecycles before finish");
         self.containers
             .iter()
+            .filter(|(_, change)| change.new.last_at().is_some())
             .map(|(key, change)| (key, &change.new))
+    }
+
+    /// Containers left with no event at all (every one voided): their rows go.
+    pub fn removed(&self) -> impl Iterator<Item = &ContainerKey> {
+        self.containers
+            .iter()
+            .filter(|(_, change)| change.new.last_at().is_none())
+            .map(|(key, _)| key)
+    }
+
+    /// Takes back what [`Self::count`] added for a voided event.
+    fn uncount(&mut self, key: &ContainerKey, entry: &ContainerEntry) {
+        let period = Period::containing(entry.occurred_at);
+        match entry.kind {
+            crate::runtime::EntryKind::CommandRan { duration_ms } => {
+                let totals = self
+                    .periods
+                    .entry((key.org_id.clone(), period))
+                    .or_default();
+                totals.commands -= 1;
+                totals.command_ms -= duration_ms;
+            }
+            crate::runtime::EntryKind::PortPublished { port } => {
+                self.voided_ports.insert(PortKey {
+                    org_id: key.org_id.clone(),
+                    period,
+                    container_id: key.container_id.clone(),
+                    port,
+                });
+            }
+            _ => {}
+        }
     }
 
     fn count(&mut self, key: &ContainerKey, entry: &ContainerEntry) {
@@ -262,6 +337,7 @@ mod tests {
             recorded_at: occurred_at,
             org_id: "org".into(),
             account: None,
+            voids: None,
             container: Some((
                 container.into(),
                 ContainerEntry {
@@ -297,7 +373,7 @@ mod tests {
             event(4, "a", at(1, 3), PortPublished { port: 443 }),
             event(5, "a", at(1, 4), Stopped),
         ];
-        let changes = Changes::apply(&events, HashMap::new());
+        let changes = Changes::apply(&events, &[], HashMap::new());
         assert_eq!(changes.late().count(), 0);
         let changes = changes.finish();
         let november = changes.periods[&period("2026-11")];
@@ -327,6 +403,7 @@ mod tests {
                 event(2, "a", at(2, 0), CommandRan { duration_ms: 1 }),
                 late_stop.clone(),
             ],
+            &[],
             HashMap::from([(key("a"), stored)]),
         );
         assert_eq!(changes.late().cloned().collect::<Vec<_>>(), vec![key("a")]);

@@ -108,8 +108,16 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         });
     };
     let (position, recorded_at) = (last.position, last.recorded_at);
+    // Voids first: the voided events are recorded (so that no history read from here on
+    // includes them) and read back, to be taken out of the figures.
+    let voids: Vec<(uuid::Uuid, i64)> = events
+        .iter()
+        .filter_map(|event| Some((event.voids?, event.position)))
+        .collect();
+    let voided = store::record_voids(&mut transaction, store::LIVE, &voids).await?;
     let keys: Vec<ContainerKey> = events
         .iter()
+        .chain(&voided)
         .filter_map(|event| {
             let (container_id, _) = event.container.as_ref()?;
             Some(ContainerKey {
@@ -121,7 +129,7 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         .into_iter()
         .collect();
     let stored = store::load_lifecycles(&mut transaction, store::LIVE, &keys).await?;
-    let mut changes = Changes::apply(&events, stored);
+    let mut changes = Changes::apply(&events, &voided, stored);
     let late: Vec<ContainerKey> = changes.late().cloned().collect();
     if !late.is_empty() {
         let histories = store::read_histories(&mut transaction, &late, position).await?;

@@ -46,7 +46,7 @@ impl Tables {
             .filter_map(key_of)
             .filter_map(|key| Some((key.clone(), self.lifecycles.get(&key)?.clone())))
             .collect();
-        let mut changes = Changes::apply(round, stored);
+        let mut changes = Changes::apply(round, &[], stored);
         let late: Vec<ContainerKey> = changes.late().cloned().collect();
         for key in late {
             let history: Vec<ContainerEntry> = ledger
@@ -192,6 +192,7 @@ proptest! {
                 recorded_at: occurred_at,
                 org_id: format!("org{org}"),
                 account: None,
+                voids: None,
                 container: Some((
                     format!("ctr{container}"),
                     ContainerEntry {

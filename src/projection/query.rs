@@ -134,7 +134,8 @@ async fn cut_at(
     let (commands, command_ms): (i64, i64) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum((data->>'duration_ms')::BIGINT), 0)::BIGINT FROM ledger \
          WHERE org_id = $1 AND occurred_at >= $2 AND occurred_at < $3 AND position <= $4 \
-           AND type = 'container.command_ran'",
+           AND type = 'container.command_ran' \
+           AND NOT EXISTS (SELECT 1 FROM proj.voided v WHERE v.event_id = ledger.id)",
     )
     .bind(org_id)
     .bind(window.start())

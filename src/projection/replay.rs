@@ -84,6 +84,7 @@ async fn build_and_swap(
 
     let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
     let mut accounts = Vec::new();
+    let mut voided: Vec<(uuid::Uuid, i64)> = Vec::new();
     let mut events = 0u64;
     {
         let sql = format!("SELECT {EVENT_COLUMNS} FROM ledger WHERE position <= $1");
@@ -93,6 +94,9 @@ async fn build_and_swap(
         while let Some(row) = rows.try_next().await? {
             events += 1;
             let event = row.into_event()?;
+            if let Some(target) = event.voids {
+                voided.push((target, event.position));
+            }
             if let Some(entry) = event.account {
                 accounts.push((event.org_id.clone(), entry));
             }
@@ -107,8 +111,20 @@ async fn build_and_swap(
             }
         }
     }
+    // Voided events are left out as if they had never been stored; a container with
+    // nothing left has no row.
+    let voided_ids: std::collections::HashSet<uuid::Uuid> =
+        voided.iter().map(|(id, _)| *id).collect();
+    if !voided_ids.is_empty() {
+        for entries in histories.values_mut() {
+            entries.retain(|entry| !voided_ids.contains(&entry.event_id.as_uuid()));
+        }
+        histories.retain(|_, entries| !entries.is_empty());
+        accounts.retain(|(_, entry)| !voided_ids.contains(&entry.event_id.as_uuid()));
+    }
     let containers = histories.len();
-    let changes = Changes::from_histories(histories, accounts);
+    let mut changes = Changes::from_histories(histories, accounts);
+    changes.voided = voided;
 
     let mut transaction = connection.begin().await?;
     store::write(&mut transaction, BUILD, changes, head).await?;

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
-use super::model::{Changes, ContainerKey, PeriodDelta, ProjectedEvent};
+use super::model::{Changes, ContainerKey, PeriodDelta, PortKey, ProjectedEvent};
 use crate::event::{EventId, EventType, PlanId};
 use crate::runtime::{
     AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval,
@@ -31,7 +31,8 @@ pub const WRITE_CHUNK_ROWS: usize = 10_000;
 pub const EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
      recorded_at, (data->>'duration_ms')::BIGINT AS duration_ms, (data->>'port')::INTEGER AS port, \
      data->>'plan' AS plan, (data->>'verified')::BOOLEAN AS verified, \
-     (data->>'eligible')::BOOLEAN AS eligible";
+     (data->>'eligible')::BOOLEAN AS eligible, \
+     CASE WHEN type = 'ledger.event_voided' THEN (data->>'event_id')::UUID END AS voids";
 
 #[derive(Debug, FromRow)]
 pub struct EventRow {
@@ -48,6 +49,7 @@ pub struct EventRow {
     plan: Option<String>,
     verified: Option<bool>,
     eligible: Option<bool>,
+    voids: Option<Uuid>,
 }
 
 impl EventRow {
@@ -97,6 +99,7 @@ impl EventRow {
             org_id: self.org_id,
             container,
             account,
+            voids: self.voids,
         })
     }
 }
@@ -149,7 +152,8 @@ pub async fn read_histories(
 ) -> anyhow::Result<HashMap<ContainerKey, Vec<ContainerEntry>>> {
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let rows: Vec<EventRow> = sqlx::query_as(&format!(
-        "SELECT {EVENT_COLUMNS} FROM ledger WHERE container_id = ANY($1) AND position <= $2"
+        "SELECT {EVENT_COLUMNS} FROM ledger WHERE container_id = ANY($1) AND position <= $2 \
+           AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)"
     ))
     .bind(&ids)
     .bind(until)
@@ -170,6 +174,36 @@ pub async fn read_histories(
         }
     }
     Ok(histories)
+}
+
+/// Records `voids` (voided event, position of the void) and returns the events voided for
+/// the first time, as the projection reads them. An event voided twice is taken back once.
+pub async fn record_voids(
+    connection: &mut PgConnection,
+    schema: &str,
+    voids: &[(Uuid, i64)],
+) -> anyhow::Result<Vec<ProjectedEvent>> {
+    if voids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = voids.iter().map(|(id, _)| *id).collect();
+    let positions: Vec<i64> = voids.iter().map(|(_, position)| *position).collect();
+    let newly: Vec<Uuid> = sqlx::query_scalar(&format!(
+        "INSERT INTO {schema}.voided (event_id, position) \
+         SELECT * FROM UNNEST($1::UUID[], $2::BIGINT[]) ON CONFLICT (event_id) DO NOTHING \
+         RETURNING event_id"
+    ))
+    .bind(&ids)
+    .bind(&positions)
+    .fetch_all(&mut *connection)
+    .await?;
+    let rows: Vec<EventRow> = sqlx::query_as(&format!(
+        "SELECT {EVENT_COLUMNS} FROM ledger WHERE id = ANY($1) ORDER BY position"
+    ))
+    .bind(&newly)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter().map(EventRow::into_event).collect()
 }
 
 /// The checkpoint of `schema`, locked for this transaction; `None` when another
@@ -358,7 +392,9 @@ pub async fn write(
     position: i64,
 ) -> anyhow::Result<()> {
     write_ports(connection, schema, &mut changes).await?;
+    recount_voided_ports(connection, schema, &mut changes, position).await?;
     write_containers(connection, schema, &changes).await?;
+    write_voids(connection, schema, &changes).await?;
     write_periods(connection, schema, &changes).await?;
     write_open(connection, schema, &changes).await?;
     write_latest(connection, schema, &changes).await?;
@@ -662,4 +698,112 @@ pub async fn account_entries(
             })
         })
         .collect()
+}
+
+/// Each pair a voided publication belonged to, recomputed from the publications left (up
+/// to `until`): its first instant moves, or the pair goes and its period counts one fewer.
+async fn recount_voided_ports(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &mut Changes,
+    until: i64,
+) -> anyhow::Result<()> {
+    let keys: Vec<PortKey> = changes.voided_ports.iter().cloned().collect();
+    for key in keys {
+        let window = key.period.window();
+        let first: Option<DateTime<Utc>> = sqlx::query_scalar(&format!(
+            "SELECT min(occurred_at) FROM ledger l \
+             WHERE l.org_id = $1 AND l.container_id = $2 AND l.type = 'container.port_published' \
+               AND (l.data->>'port')::INTEGER = $3 AND l.occurred_at >= $4 AND l.occurred_at < $5 \
+               AND l.position <= $6 \
+               AND NOT EXISTS (SELECT 1 FROM {schema}.voided v WHERE v.event_id = l.id)"
+        ))
+        .bind(&key.org_id)
+        .bind(&key.container_id)
+        .bind(i32::from(key.port))
+        .bind(window.start())
+        .bind(window.end())
+        .bind(until)
+        .fetch_one(&mut *connection)
+        .await?;
+        let period = key.period.to_string();
+        match first {
+            Some(first) => {
+                sqlx::query(&format!(
+                    "UPDATE {schema}.port SET first_at = $5 \
+                     WHERE org_id = $1 AND period = $2 AND container_id = $3 AND port = $4"
+                ))
+                .bind(&key.org_id)
+                .bind(&period)
+                .bind(&key.container_id)
+                .bind(i32::from(key.port))
+                .bind(first)
+                .execute(&mut *connection)
+                .await?;
+            }
+            None => {
+                let deleted = sqlx::query(&format!(
+                    "DELETE FROM {schema}.port \
+                     WHERE org_id = $1 AND period = $2 AND container_id = $3 AND port = $4"
+                ))
+                .bind(&key.org_id)
+                .bind(&period)
+                .bind(&key.container_id)
+                .bind(i32::from(key.port))
+                .execute(&mut *connection)
+                .await?;
+                if deleted.rows_affected() > 0 {
+                    changes
+                        .periods
+                        .entry((key.org_id.clone(), key.period))
+                        .or_default()
+                        .ports_published -= 1;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Stores the voids, removes the account changes of voided org events and the rows of
+/// containers left with no event.
+async fn write_voids(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    if !changes.voided.is_empty() {
+        let ids: Vec<Uuid> = changes.voided.iter().map(|(id, _)| *id).collect();
+        let positions: Vec<i64> = changes
+            .voided
+            .iter()
+            .map(|(_, position)| *position)
+            .collect();
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.voided (event_id, position) \
+             SELECT * FROM UNNEST($1::UUID[], $2::BIGINT[]) ON CONFLICT (event_id) DO NOTHING"
+        ))
+        .bind(&ids)
+        .bind(&positions)
+        .execute(&mut *connection)
+        .await?;
+    }
+    if !changes.voided_accounts.is_empty() {
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.account_change WHERE event_id = ANY($1)"
+        ))
+        .bind(&changes.voided_accounts)
+        .execute(&mut *connection)
+        .await?;
+    }
+    for key in changes.removed() {
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.container WHERE org_id = $1 AND container_id = $2"
+        ))
+        .bind(&key.org_id)
+        .bind(&key.container_id)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
 }

@@ -45,7 +45,8 @@ impl AccountEntry {
             | EventData::ContainerStopped(_)
             | EventData::ContainerResumed(_)
             | EventData::ContainerPortPublished(_)
-            | EventData::PlanDefined(_) => return None,
+            | EventData::PlanDefined(_)
+            | EventData::Correction(_) => return None,
         };
         Some(AccountEntry {
             occurred_at: event.occurred_at,

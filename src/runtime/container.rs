@@ -49,7 +49,8 @@ impl ContainerEntry {
             EventData::OrgPlanChanged(_)
             | EventData::OrgVerificationChanged(_)
             | EventData::OrgBillingEligibilityChanged(_)
-            | EventData::PlanDefined(_) => return None,
+            | EventData::PlanDefined(_)
+            | EventData::Correction(_) => return None,
         };
         Some(ContainerEntry {
             occurred_at: event.occurred_at,

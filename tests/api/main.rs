@@ -5,6 +5,7 @@ mod helpers;
 mod admission;
 mod audit;
 mod concurrency;
+mod corrections;
 mod crash;
 mod faults;
 mod immutability;

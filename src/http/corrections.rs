@@ -1,0 +1,288 @@
+//! Corrections, append-only (issue 6): an admin voids an event — a `ledger.event_voided`
+//! naming it, why, and who — or adds events the producers never sent, beyond the backdate
+//! bound, recorded with a `ledger.events_added` naming them, why, and who. Nothing is ever
+//! changed in place: the projections take a voided event back as if it had never been
+//! stored, and both events stay in the ledger and its chain.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use chrono::{SubsecRound, Utc};
+use serde::Serialize;
+use serde_json::{json, Value};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::auth::Principal;
+use super::error::{ApiError, ErrorBody};
+use super::events::{read_body, EventResult};
+use super::AppState;
+use crate::event::parse::{parse_body, BodyKind};
+use crate::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
+use crate::ledger::plans;
+
+/// The longest reason a correction may give.
+pub const REASON_MAX: usize = 1_024;
+/// The org id `ledger.events_added` records go under: a correction may span orgs.
+pub const CORRECTIONS_ORG_ID: &str = "_corrections";
+/// How far back an added event may go: the ledger's useful past, not the producers' bound.
+const ADDED_BACKDATE_DAYS: i64 = 3_660;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/corrections/voids", post(post_void))
+        .route("/v1/corrections/events", post(post_events))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct VoidResponse {
+    /// The void's own event id and position.
+    id: Uuid,
+    position: i64,
+    voided_event_id: Uuid,
+}
+
+/// Void an event: it stays in the ledger, and every figure is as if it had never been
+/// stored.
+#[utoipa::path(
+    post,
+    path = "/v1/corrections/voids",
+    tag = "corrections",
+    request_body(content = Object, description = "{\"event_id\", \"reason\"}"),
+    responses(
+        (status = 201, body = VoidResponse),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "already voided"),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_void(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<VoidResponse>), ApiError> {
+    let fields = json_object(&state, &headers, body).await?;
+    if let Some(unknown) = fields
+        .keys()
+        .find(|name| !["event_id", "reason"].contains(&name.as_str()))
+    {
+        return Err(invalid(
+            "unknown_field",
+            format!("{unknown}: is not a field of a void"),
+        ));
+    }
+    let event_id = fields
+        .get("event_id")
+        .and_then(Value::as_str)
+        .and_then(|id| EventId::parse(id).ok())
+        .ok_or_else(|| {
+            invalid(
+                "invalid_event_id",
+                "event_id: a hyphenated UUID is required",
+            )
+        })?;
+    let reason = reason(&fields)?;
+    let target: Option<(String, String)> =
+        sqlx::query_as("SELECT type, org_id FROM ledger WHERE id = $1")
+            .bind(event_id.as_uuid())
+            .fetch_optional(&state.pool)
+            .await?;
+    let Some((event_type, org_id)) = target else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "event_not_found",
+            format!("no event {event_id} in the ledger"),
+        ));
+    };
+    let voidable = EventType::parse(&event_type)
+        .is_some_and(|t| t.is_container_event() || event_type.starts_with("org."));
+    if !voidable {
+        return Err(invalid(
+            "not_voidable",
+            format!("{event_type} events cannot be voided (plans change by new versions; corrections stand)"),
+        ));
+    }
+    let voided_before: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ledger WHERE type = 'ledger.event_voided' \
+                        AND data->>'event_id' = $1)",
+    )
+    .bind(event_id.to_string())
+    .fetch_one(&state.pool)
+    .await?;
+    if voided_before {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "already_voided",
+            format!("event {event_id} is already voided"),
+        ));
+    }
+    let void = Event {
+        id: EventId::from_uuid(Uuid::now_v7()).expect("a v7 UUID is not nil"),
+        event_type: EventType::LedgerEventVoided,
+        org_id: OrgId::parse(&org_id).map_err(|error| ApiError::internal(&error))?,
+        container_id: None,
+        occurred_at: Utc::now().trunc_subsecs(3),
+        data: EventData::Correction(json!({
+            "event_id": event_id.to_string(),
+            "reason": reason,
+            "by": principal.id,
+        })),
+        origin: None,
+    };
+    let id = void.id.as_uuid();
+    let appended = state.appender.append(vec![void]).await?;
+    tracing::info!(voided = %event_id, by = %principal.id, "event voided");
+    Ok((
+        StatusCode::CREATED,
+        Json(VoidResponse {
+            id,
+            position: appended[0].position,
+            voided_event_id: event_id.as_uuid(),
+        }),
+    ))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AddedResponse {
+    /// One per added event, in input order.
+    results: Vec<EventResult>,
+    /// The `ledger.events_added` record of who added them and why.
+    record_id: Uuid,
+}
+
+/// Add events the producers never sent (for example a `stopped` the provider confirms),
+/// beyond the backdate bound; recorded with who and why.
+#[utoipa::path(
+    post,
+    path = "/v1/corrections/events",
+    tag = "corrections",
+    request_body(content = Object, description = "{\"events\": [native events], \"reason\"}"),
+    responses(
+        (status = 201, body = AddedResponse),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 409, body = ErrorBody),
+        (status = 413, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_events(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<AddedResponse>), ApiError> {
+    let fields = json_object(&state, &headers, body).await?;
+    if let Some(unknown) = fields
+        .keys()
+        .find(|name| !["events", "reason"].contains(&name.as_str()))
+    {
+        return Err(invalid(
+            "unknown_field",
+            format!("{unknown}: is not a field of a correction"),
+        ));
+    }
+    let reason = reason(&fields)?;
+    let batch = json!({"events": fields.get("events").cloned().unwrap_or(Value::Null)});
+    let bounds = TimeBounds {
+        now: Utc::now(),
+        backdate_max: chrono::Duration::days(ADDED_BACKDATE_DAYS),
+    };
+    let mut events = parse_body(
+        BodyKind::Native,
+        batch.to_string().as_bytes(),
+        bounds,
+        state.batch_events_max,
+    )?;
+    if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
+        return Err(invalid(
+            "unknown_plan",
+            format!("event {index}: plan {plan:?} is not defined"),
+        ));
+    }
+    let record = Event {
+        id: EventId::from_uuid(Uuid::now_v7()).expect("a v7 UUID is not nil"),
+        event_type: EventType::LedgerEventsAdded,
+        org_id: OrgId::parse(CORRECTIONS_ORG_ID).expect("a valid org id"),
+        container_id: None,
+        occurred_at: Utc::now().trunc_subsecs(3),
+        data: EventData::Correction(json!({
+            "event_ids": events.iter().map(|event| event.id.to_string()).collect::<Vec<_>>(),
+            "reason": reason,
+            "by": principal.id,
+        })),
+        origin: None,
+    };
+    let record_id = record.id.as_uuid();
+    events.push(record);
+    let mut appended = state.appender.append(events).await?;
+    appended.pop();
+    tracing::info!(count = appended.len(), by = %principal.id, "events added by correction");
+    Ok((
+        StatusCode::CREATED,
+        Json(AddedResponse {
+            results: appended.into_iter().map(EventResult::from).collect(),
+            record_id,
+        }),
+    ))
+}
+
+fn reason(fields: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
+    fields
+        .get("reason")
+        .and_then(Value::as_str)
+        .map(str::trim)
+        .filter(|reason| !reason.is_empty() && reason.chars().count() <= REASON_MAX)
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            invalid(
+                "invalid_reason",
+                format!("reason: 1 to {REASON_MAX} characters are required"),
+            )
+        })
+}
+
+async fn json_object(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be application/json",
+        ));
+    }
+    let bytes = read_body(body, state.body_max_bytes).await?;
+    match serde_json::from_slice(&bytes) {
+        Ok(Value::Object(fields)) => Ok(fields),
+        Ok(_) => Err(invalid("invalid_body", "the body must be a JSON object")),
+        Err(error) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            format!("body is not JSON: {error}"),
+        )),
+    }
+}
+
+fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+}

@@ -1,0 +1,286 @@
+//! Corrections (issue 6): a void takes an event back as if it had never been stored, while
+//! both stay in the ledger and its chain; admins can add events beyond the backdate bound,
+//! and the audit trail says who and why.
+
+use chrono::{Duration, DurationRound, Utc};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::helpers::{run_verify, TestApp, TOKEN};
+
+fn at(minutes_ago: i64) -> String {
+    let now = Utc::now().duration_trunc(Duration::seconds(1)).unwrap();
+    tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago))
+}
+
+fn event(org: &str, event_type: &str, minutes_ago: i64, data: Value) -> Value {
+    let mut event = json!({"id": Uuid::new_v4(), "type": event_type, "org_id": org,
+                           "occurred_at": at(minutes_ago), "data": data});
+    if event_type.starts_with("container.") {
+        event["container_id"] = json!("box");
+    }
+    event
+}
+
+/// The history both orgs share: a container that runs for an hour with a command and a
+/// published port.
+fn shared(org: &str) -> Vec<Value> {
+    vec![
+        event(org, "container.created", 120, json!({})),
+        event(
+            org,
+            "container.command_ran",
+            100,
+            json!({"command_id": "a", "exit_code": 0, "duration_ms": 400}),
+        ),
+        event(org, "container.port_published", 90, json!({"port": 443})),
+        event(org, "container.stopped", 60, json!({})),
+    ]
+}
+
+async fn post(app: &TestApp, path: &str, body: Value) -> (u16, Value) {
+    let response = app
+        .client
+        .post(app.url(path))
+        .bearer_auth(TOKEN)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+async fn get(app: &TestApp, path: &str) -> Value {
+    let response = app
+        .client
+        .get(app.url(path))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200, "{path}");
+    response.json().await.unwrap()
+}
+
+async fn projected(app: &TestApp) {
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    crate::helpers::eventually(20, "the projection reaches the head", || async {
+        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        at == head
+    })
+    .await;
+}
+
+/// What an org's figures look like from outside, with the org's name taken out.
+async fn figures(app: &TestApp, org: &str) -> Value {
+    let period = Utc::now().format("%Y-%m");
+    let as_of = at(0).replace(':', "%3A");
+    let mut usage = get(
+        app,
+        &format!("/v1/orgs/{org}/usage?period={period}&as_of={as_of}"),
+    )
+    .await;
+    usage["org_id"] = json!(null);
+    let mut container = get(
+        app,
+        &format!("/v1/containers/box?org_id={org}&as_of={as_of}"),
+    )
+    .await;
+    container["org_id"] = json!(null);
+    let (status, mut check) = post(
+        app,
+        "/v1/admission/check",
+        json!({"org_id": org, "action": "create"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    check["runtime_used_ms"] = json!(null);
+    json!({"usage": usage, "container": container, "check": check})
+}
+
+#[tokio::test]
+async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chain() {
+    let app = TestApp::spawn().await;
+    // The month must hold the whole history for the comparison of usage.
+    if (Utc::now() - tally::runtime::Period::containing(Utc::now()).start()) < Duration::hours(3) {
+        eprintln!("skipping: the period began less than three hours ago");
+        return;
+    }
+    let extra = vec![
+        // A stop in the middle: shortens the interval and strands the command.
+        event("real", "container.stopped", 110, json!({})),
+        event(
+            "real",
+            "container.command_ran",
+            80,
+            json!({"command_id": "b", "exit_code": 1, "duration_ms": 900}),
+        ),
+        event(
+            "real",
+            "container.port_published",
+            70,
+            json!({"port": 8080}),
+        ),
+        event("real", "container.port_published", 95, json!({"port": 443})),
+        event(
+            "real",
+            "org.verification_changed",
+            130,
+            json!({"verified": true}),
+        ),
+    ];
+    let mut real = shared("real");
+    real.extend(extra.clone());
+    for (org, events) in [("twin", shared("twin")), ("real", real)] {
+        let (status, response) = app.post_json(&json!({"events": events})).await;
+        assert_eq!(status, 200, "{org}: {response}");
+    }
+    projected(&app).await;
+    assert_ne!(
+        figures(&app, "real").await,
+        figures(&app, "twin").await,
+        "the extra events count"
+    );
+
+    for voided in &extra {
+        let (status, response) = post(
+            &app,
+            "/v1/corrections/voids",
+            json!({"event_id": voided["id"], "reason": "sent by a faulty agent"}),
+        )
+        .await;
+        assert_eq!(status, 201, "{response}");
+    }
+    projected(&app).await;
+    let after_voids = figures(&app, "real").await;
+    assert_eq!(
+        after_voids,
+        figures(&app, "twin").await,
+        "as if never stored"
+    );
+
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE org_id = 'real'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 4 + 5 + 5, "the events and their voids all stay");
+    let (code, report, _) = run_verify(&app.db.url);
+    assert_eq!(code, 0, "{report}");
+
+    // Replay takes the voids into account the same way.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("replay")
+        .env("DATABASE_URL", &app.db.url)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(figures(&app, "real").await, after_voids);
+
+    // Audit shows the void, why and by whom.
+    let page = get(&app, "/v1/events?org_id=real&type=ledger.event_voided").await;
+    assert_eq!(page["events"].as_array().unwrap().len(), 5);
+    assert_eq!(
+        page["events"][0]["data"]["reason"],
+        "sent by a faulty agent"
+    );
+    assert_eq!(page["events"][0]["data"]["by"], "bootstrap");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_change_nothing() {
+    let app = TestApp::spawn().await;
+    let old = json!({"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme",
+                     "container_id": "box", "occurred_at": at(40 * 24 * 60)});
+    let (status, refused) = app.post_json(&old).await;
+    assert_eq!(status, 422, "producers are bound: {refused}");
+    let (status, added) = post(
+        &app,
+        "/v1/corrections/events",
+        json!({"events": [old.clone()], "reason": "provider confirms the stop"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{added}");
+    assert_eq!(added["results"][0]["id"], old["id"]);
+    let record = get(&app, "/v1/events?type=ledger.events_added").await;
+    assert_eq!(record["events"][0]["data"]["event_ids"], json!([old["id"]]));
+    assert_eq!(
+        record["events"][0]["data"]["reason"],
+        "provider confirms the stop"
+    );
+    let before: i64 = app.ledger_count().await;
+
+    let created = event("acme", "container.created", 5, json!({}));
+    assert_eq!(app.post_json(&created).await.0, 200);
+    let before = before + 1;
+    let void = |event_id: Value, reason: Value| json!({"event_id": event_id, "reason": reason});
+    let (status, first) = post(
+        &app,
+        "/v1/corrections/voids",
+        void(created["id"].clone(), json!("dup")),
+    )
+    .await;
+    assert_eq!(status, 201, "{first}");
+    let before = before + 1;
+    let cases = [
+        (
+            void(created["id"].clone(), json!("again")),
+            409,
+            "already_voided",
+        ),
+        (
+            void(json!(Uuid::new_v4()), json!("x")),
+            404,
+            "event_not_found",
+        ),
+        (void(first["id"].clone(), json!("x")), 422, "not_voidable"),
+        (
+            void(json!("not-a-uuid"), json!("x")),
+            422,
+            "invalid_event_id",
+        ),
+        (
+            void(created["id"].clone(), json!("")),
+            422,
+            "invalid_reason",
+        ),
+        (
+            json!({"event_id": created["id"], "reason": "x", "extra": 1}),
+            422,
+            "unknown_field",
+        ),
+    ];
+    for (body, status, code) in cases {
+        let (actual, error) = post(&app, "/v1/corrections/voids", body.clone()).await;
+        assert_eq!(
+            (actual, error["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{body}: {error}"
+        );
+    }
+    let (status, _) = post(
+        &app,
+        "/v1/corrections/events",
+        json!({"events": [old], "reason": ""}),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(
+        app.ledger_count().await,
+        before,
+        "nothing stored by the refused corrections"
+    );
+    app.stop().await;
+}
