@@ -112,6 +112,8 @@ struct FactsRow {
     target_intervals: Option<String>,
     reservations: i64,
     account: Option<String>,
+    /// Every version of every plan the org has been on, and of `free`: [data, ms, position].
+    plan_versions: Option<String>,
 }
 
 /// Everything the decision needs, read in one statement (one snapshot); `None` when that
@@ -149,7 +151,14 @@ async fn load(
                 (SELECT json_agg(json_build_array(position, \
                         (extract(epoch FROM occurred_at) * 1000)::BIGINT, event_id, plan, verified, \
                         billing_eligible))::TEXT \
-                      FROM {live}.account_change WHERE org_id = $1) AS account \
+                      FROM {live}.account_change WHERE org_id = $1) AS account, \
+                (SELECT json_agg(json_build_array(l.data, \
+                        (extract(epoch FROM l.occurred_at) * 1000)::BIGINT, l.position) \
+                        ORDER BY l.occurred_at, l.position)::TEXT \
+                      FROM ledger l WHERE l.type = 'plan.defined' AND l.data->>'id' IN \
+                        (SELECT plan FROM {live}.account_change \
+                         WHERE org_id = $1 AND plan IS NOT NULL UNION ALL SELECT 'free')) \
+                      AS plan_versions \
          FROM (SELECT 1) AS one \
          LEFT JOIN {live}.org_period p ON p.org_id = $1 AND p.period = $2"
     ))
@@ -207,7 +216,7 @@ async fn load(
         Some(json) => AccountTimeline::fold(&account_entries(json)?).state_at(now),
         None => AccountState::default(),
     };
-    let versions = plans::versions(&mut *connection, &account.plan).await?;
+    let versions = plan_versions(&account.plan, row.plan_versions.as_deref())?;
     let plan = plans::in_effect(&versions, now)
         .ok_or_else(|| {
             anyhow!(
@@ -238,6 +247,38 @@ async fn load(
         max_running_containers: plan.max_running_containers,
         at: now,
     }))
+}
+
+/// The versions of plan `id`, oldest first, from the facts statement's `plan_versions`.
+fn plan_versions(id: &PlanId, json: Option<&str>) -> anyhow::Result<Vec<plans::PlanVersion>> {
+    let rows: Vec<(serde_json::Value, i64, i64)> = match json {
+        Some(json) => serde_json::from_str(json).context("stored plan versions")?,
+        None => Vec::new(),
+    };
+    let mut versions = Vec::new();
+    if id.as_str() == runtime::FREE_PLAN {
+        versions.push(plans::PlanVersion::builtin_free());
+    }
+    for (data, occurred_at_ms, position) in rows {
+        if data.get("id").and_then(serde_json::Value::as_str) != Some(id.as_str()) {
+            continue;
+        }
+        let plan = billing::Plan::parse(id, &data)
+            .map_err(|errors| anyhow!("stored plan {id} does not parse: {errors:?}"))?;
+        let version = versions
+            .iter()
+            .filter(|v: &&plans::PlanVersion| v.position > 0)
+            .count() as i64
+            + 1;
+        versions.push(plans::PlanVersion {
+            plan,
+            version,
+            effective_from: DateTime::from_timestamp_millis(occurred_at_ms)
+                .ok_or_else(|| anyhow!("{occurred_at_ms} ms"))?,
+            position,
+        });
+    }
+    Ok(versions)
 }
 
 fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {

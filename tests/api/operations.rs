@@ -85,7 +85,7 @@ async fn unknown_routes_and_methods_get_json_errors() {
     );
     let response = app
         .client
-        .get(app.url("/v1/events"))
+        .delete(app.url("/v1/events"))
         .bearer_auth(TOKEN)
         .send()
         .await
