@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod overage;
 pub mod plan;
+pub mod reconcile;
 
 pub use admission::{decide, Action, Decision, Facts, Reason};
 pub use plan::{Overage, Plan};
