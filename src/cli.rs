@@ -37,8 +37,23 @@ pub enum Command {
     Replay,
     /// Print ledger events as a readable timeline, filtered, in position order.
     Audit(AuditArgs),
+    /// Provider usage reports.
+    Reports {
+        #[command(subcommand)]
+        command: ReportsCommand,
+    },
     /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
     Bench(crate::bench::BenchArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReportsCommand {
+    /// Import a FOCUS CSV report (streamed; all-or-nothing; the same bytes again find the
+    /// same report). Prints the report as JSON.
+    Import {
+        /// The CSV file; `-` reads standard input.
+        file: std::path::PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -114,6 +129,37 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let printed = crate::audit::print_timeline(&pool, &args, &mut std::io::stdout()).await;
             pool.close().await;
             printed?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Reports {
+            command: ReportsCommand::Import { file },
+        } => {
+            let pool = db::prepare(&cli.config).await?;
+            let reader: Box<dyn tokio::io::AsyncRead + Unpin + Send> = if file.as_os_str() == "-" {
+                Box::new(tokio::io::stdin())
+            } else {
+                Box::new(tokio::fs::File::open(&file).await?)
+            };
+            let chunks = tokio_util::io::ReaderStream::new(reader);
+            let imported = crate::reports::import(&pool, chunks, u64::MAX, "cli").await;
+            pool.close().await;
+            let (report, new) = match imported {
+                Ok(crate::reports::Imported::Created(report)) => (report, true),
+                Ok(crate::reports::Imported::Existing(report)) => (report, false),
+                Err(error) => {
+                    eprintln!("import refused, nothing stored: {error}");
+                    return Ok(ExitCode::from(1));
+                }
+            };
+            println!(
+                "{}",
+                serde_json::json!({
+                    "report_id": report.id, "lines": report.lines, "sha256": report.sha256,
+                    "window_start": crate::event::canonical::timestamp(report.window_start),
+                    "window_end": crate::event::canonical::timestamp(report.window_end),
+                    "new": new,
+                })
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => {

@@ -30,6 +30,10 @@ pub const REQUEST_TIMEOUT_MS: u64 = 30_000;
 /// `Retry-After` rather than queued. Far above what two cores serve (a request takes about
 /// a millisecond), low enough that a flood cannot hold unbounded memory.
 pub const HTTP_CONCURRENCY_MAX: usize = 1_024;
+/// The largest provider report accepted, in bytes: imports stream, so this bounds disk
+/// and time, not memory. Over HTTP an import must also finish within the request
+/// timeout; `tally reports import` has none.
+pub const REPORT_MAX_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 /// Default backdate bound (DESIGN §2).
 pub const BACKDATE_DAYS: u32 = 35;
 /// Ledger rows the relay reads and publishes per round.
@@ -103,6 +107,9 @@ pub struct Config {
     #[arg(long, env = "TALLY_HTTP_CONCURRENCY_MAX", default_value_t = HTTP_CONCURRENCY_MAX)]
     pub http_concurrency_max: usize,
 
+    #[arg(long, env = "TALLY_REPORT_MAX_BYTES", default_value_t = REPORT_MAX_BYTES)]
+    pub report_max_bytes: u64,
+
     #[arg(long, env = "TALLY_RELAY_BATCH_MAX", default_value_t = RELAY_BATCH_MAX)]
     pub relay_batch_max: usize,
 
@@ -138,6 +145,7 @@ impl Config {
             append_group_events_max: APPEND_GROUP_EVENTS_MAX,
             request_timeout_ms: REQUEST_TIMEOUT_MS,
             http_concurrency_max: HTTP_CONCURRENCY_MAX,
+            report_max_bytes: REPORT_MAX_BYTES,
             relay_batch_max: RELAY_BATCH_MAX,
             relay_poll_ms: RELAY_POLL_MS,
             ingest_fetch_max: INGEST_FETCH_MAX,

@@ -5,6 +5,7 @@ pub mod admission;
 pub mod overage;
 pub mod plan;
 pub mod reconcile;
+pub mod report;
 
 pub use admission::{decide, Action, Decision, Facts, Reason};
 pub use plan::{Overage, Plan};

@@ -76,6 +76,7 @@ pub fn required_scope(method: &Method, route: &str) -> Scope {
         ("GET", "/v1/ledger/verify") => Scope::Audit,
         ("POST", "/v1/tokens") => Scope::Admin,
         ("DELETE", "/v1/tokens/{token_id}") => Scope::Admin,
+        ("POST", "/v1/provider-reports") => Scope::Finance,
         ("POST", "/v1/corrections/voids") => Scope::Admin,
         ("POST", "/v1/corrections/events") => Scope::Admin,
         _ => Scope::Admin,

@@ -10,6 +10,7 @@ pub mod events;
 pub mod ledger;
 pub mod ops;
 pub mod plans;
+pub mod reports;
 pub mod tokens;
 pub mod usage;
 
@@ -43,6 +44,8 @@ pub struct Inner {
     pub request_timeout: Duration,
     /// Requests in progress at once before new ones are shed with 503.
     pub concurrency_max: usize,
+    /// The largest provider report accepted.
+    pub report_max_bytes: u64,
 }
 
 impl AppState {
@@ -68,6 +71,7 @@ pub fn app(state: AppState) -> Router {
         .merge(audit::router())
         .merge(tokens::router())
         .merge(corrections::router())
+        .merge(reports::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -143,6 +143,7 @@ impl Modify for BearerAuth {
         super::tokens::delete_token,
         super::corrections::post_void,
         super::corrections::post_events,
+        super::reports::post_report,
     ),
     components(schemas(
         EventInput,
@@ -160,6 +161,7 @@ impl Modify for BearerAuth {
         super::tokens::TokenRevoked,
         super::corrections::VoidResponse,
         super::corrections::AddedResponse,
+        super::reports::ReportResponse,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

@@ -14,5 +14,6 @@ mod nats;
 mod operations;
 mod plans;
 mod projection;
+mod reports;
 mod tokens;
 mod verify;

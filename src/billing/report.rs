@@ -1,0 +1,400 @@
+//! Provider reports in FOCUS 1.x columns (DESIGN §5): the header and each record, checked
+//! and parsed into [`ReportLine`]s. Pure: the caller feeds records from any reader.
+//!
+//! Columns are found by name in any order; unknown columns are ignored; a required column
+//! missing or any column named twice refuses the whole report. Every error names its line
+//! (the header is line 1) and column.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use serde_json::Value;
+
+use super::reconcile::{ReportLine, Unit};
+use crate::event::{ContainerId, OrgId};
+use crate::runtime::Window;
+
+const REQUIRED: [&str; 7] = [
+    "ChargePeriodStart",
+    "ChargePeriodEnd",
+    "ResourceId",
+    "ConsumedQuantity",
+    "ConsumedUnit",
+    "BilledCost",
+    "BillingCurrency",
+];
+const OPTIONAL: [&str; 3] = ["Tags", "ProviderName", "ChargeCategory"];
+/// The longest free-text field kept (provider name, charge category).
+const TEXT_MAX: usize = 256;
+
+/// Why a report is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("line {line}{}: {message}", column.as_ref().map(|c| format!(", column {c}")).unwrap_or_default())]
+pub struct ReportError {
+    pub line: u64,
+    pub column: Option<String>,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ReportError {
+    pub fn new(
+        line: u64,
+        column: Option<&str>,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        ReportError {
+            line,
+            column: column.map(str::to_owned),
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// A parsed line with what is kept beside the reconciliation fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedLine {
+    pub line: u64,
+    pub report: ReportLine,
+    pub provider_name: Option<String>,
+    pub charge_category: Option<String>,
+}
+
+/// Where each known column is.
+#[derive(Debug, Clone)]
+pub struct Header {
+    positions: HashMap<&'static str, usize>,
+}
+
+impl Header {
+    pub fn parse(names: &csv::StringRecord) -> Result<Header, ReportError> {
+        let mut positions = HashMap::new();
+        let mut seen = HashMap::new();
+        for (index, name) in names.iter().enumerate() {
+            let name = name.trim().trim_start_matches('\u{feff}');
+            if seen.insert(name.to_owned(), index).is_some() {
+                return Err(ReportError::new(
+                    1,
+                    Some(name),
+                    "duplicate_column",
+                    format!("column {name} appears twice"),
+                ));
+            }
+            if let Some(known) = REQUIRED
+                .iter()
+                .chain(&OPTIONAL)
+                .find(|known| **known == name)
+            {
+                positions.insert(*known, index);
+            }
+        }
+        if let Some(missing) = REQUIRED.iter().find(|name| !positions.contains_key(*name)) {
+            return Err(ReportError::new(
+                1,
+                Some(missing),
+                "missing_column",
+                format!("the header has no {missing} column (FOCUS 1.x names are required)"),
+            ));
+        }
+        Ok(Header { positions })
+    }
+
+    /// One record (at file line `line`) into a line of the report.
+    pub fn line(&self, record: &csv::StringRecord, line: u64) -> Result<ParsedLine, ReportError> {
+        let field = |name: &'static str| -> Option<&str> {
+            self.positions
+                .get(name)
+                .and_then(|index| record.get(*index))
+                .map(str::trim)
+                .filter(|value| !value.is_empty())
+        };
+        let required = |name: &'static str| -> Result<&str, ReportError> {
+            field(name).ok_or_else(|| {
+                ReportError::new(
+                    line,
+                    Some(name),
+                    "missing_value",
+                    format!("{name} is empty"),
+                )
+            })
+        };
+        let instant = |name: &'static str| -> Result<DateTime<Utc>, ReportError> {
+            let value = required(name)?;
+            DateTime::parse_from_rfc3339(value)
+                .map(|instant| instant.with_timezone(&Utc))
+                .map_err(|_| {
+                    ReportError::new(
+                        line,
+                        Some(name),
+                        "invalid_timestamp",
+                        format!("{value:?} is not an ISO 8601 instant with an offset"),
+                    )
+                })
+        };
+        let decimal = |name: &'static str| -> Result<Decimal, ReportError> {
+            let value = required(name)?;
+            let plain = value
+                .bytes()
+                .all(|b| b.is_ascii_digit() || b == b'.' || b == b'-');
+            plain
+                .then(|| Decimal::from_str(value).ok())
+                .flatten()
+                .ok_or_else(|| {
+                    ReportError::new(
+                        line,
+                        Some(name),
+                        "invalid_number",
+                        format!("{value:?} is not a decimal number"),
+                    )
+                })
+        };
+        let start = instant("ChargePeriodStart")?;
+        let end = instant("ChargePeriodEnd")?;
+        if end <= start {
+            return Err(ReportError::new(
+                line,
+                Some("ChargePeriodEnd"),
+                "end_before_start",
+                format!("the charge period ends at {end}, not after its start {start}"),
+            ));
+        }
+        let container_id = required("ResourceId")?;
+        ContainerId::parse(container_id).map_err(|error| {
+            ReportError::new(
+                line,
+                Some("ResourceId"),
+                "invalid_resource_id",
+                error.to_string(),
+            )
+        })?;
+        let quantity = decimal("ConsumedQuantity")?;
+        if quantity.is_sign_negative() {
+            return Err(ReportError::new(
+                line,
+                Some("ConsumedQuantity"),
+                "invalid_number",
+                "a quantity cannot be negative",
+            ));
+        }
+        let unit = match required("ConsumedUnit")? {
+            "Seconds" => Unit::Seconds,
+            "Hours" => Unit::Hours,
+            other => {
+                return Err(ReportError::new(
+                    line,
+                    Some("ConsumedUnit"),
+                    "unknown_unit",
+                    format!("{other:?}: the unit must be Seconds or Hours"),
+                ))
+            }
+        };
+        let billed_cost = decimal("BilledCost")?;
+        let currency = required("BillingCurrency")?;
+        if !(currency.len() == 3 && currency.bytes().all(|b| b.is_ascii_uppercase())) {
+            return Err(ReportError::new(
+                line,
+                Some("BillingCurrency"),
+                "invalid_currency",
+                format!("{currency:?} is not an ISO 4217 code"),
+            ));
+        }
+        let org_id = match field("Tags") {
+            None => None,
+            Some(tags) => match serde_json::from_str::<Value>(tags) {
+                Ok(Value::Object(tags)) => match tags.get("org_id") {
+                    None => None,
+                    Some(Value::String(org)) => Some(
+                        OrgId::parse(org)
+                            .map_err(|error| {
+                                ReportError::new(
+                                    line,
+                                    Some("Tags"),
+                                    "invalid_tags",
+                                    format!("org_id: {error}"),
+                                )
+                            })?
+                            .as_str()
+                            .to_owned(),
+                    ),
+                    Some(_) => {
+                        return Err(ReportError::new(
+                            line,
+                            Some("Tags"),
+                            "invalid_tags",
+                            "org_id must be a string",
+                        ))
+                    }
+                },
+                _ => {
+                    return Err(ReportError::new(
+                        line,
+                        Some("Tags"),
+                        "invalid_tags",
+                        "Tags must be a JSON object",
+                    ))
+                }
+            },
+        };
+        let text = |name: &'static str| -> Result<Option<String>, ReportError> {
+            match field(name) {
+                Some(value) if value.chars().count() > TEXT_MAX => Err(ReportError::new(
+                    line,
+                    Some(name),
+                    "too_long",
+                    format!("at most {TEXT_MAX} characters"),
+                )),
+                value => Ok(value.map(str::to_owned)),
+            }
+        };
+        Ok(ParsedLine {
+            line,
+            report: ReportLine {
+                charge_period: Window::new(start, end),
+                container_id: container_id.to_owned(),
+                org_id,
+                quantity,
+                unit,
+                billed_cost,
+                currency: currency.to_owned(),
+            },
+            provider_name: text("ProviderName")?,
+            charge_category: text("ChargeCategory")?,
+        })
+    }
+}
+
+/// Parses a whole report from a reader (tests and small inputs; imports stream with
+/// [`Header`] directly).
+pub fn parse_all(reader: impl std::io::Read) -> Result<Vec<ParsedLine>, ReportError> {
+    let mut csv = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .flexible(true)
+        .from_reader(reader);
+    let mut records = csv.records();
+    let header = match records.next() {
+        None => {
+            return Err(ReportError::new(
+                1,
+                None,
+                "empty_report",
+                "the report is empty",
+            ))
+        }
+        Some(record) => Header::parse(&record.map_err(|error| csv_error(&error))?)?,
+    };
+    let mut lines = Vec::new();
+    for record in records {
+        let record = record.map_err(|error| csv_error(&error))?;
+        let line = record.position().map_or(0, |position| position.line());
+        lines.push(header.line(&record, line)?);
+    }
+    if lines.is_empty() {
+        return Err(ReportError::new(
+            2,
+            None,
+            "empty_report",
+            "the report has a header and no lines",
+        ));
+    }
+    Ok(lines)
+}
+
+/// A reader error as a report error at its line.
+pub fn csv_error(error: &csv::Error) -> ReportError {
+    let line = error.position().map_or(1, |position| position.line());
+    let message = match error.kind() {
+        csv::ErrorKind::Utf8 { .. } => "the report is not UTF-8 text".to_owned(),
+        _ => format!("not CSV: {error}"),
+    };
+    ReportError::new(line, None, "malformed_csv", message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,Extra";
+
+    fn report(lines: &[&str]) -> String {
+        std::iter::once(HEADER)
+            .chain(lines.iter().copied())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn error_of(text: &str) -> (u64, Option<String>, &'static str) {
+        let error = parse_all(text.as_bytes()).unwrap_err();
+        (error.line, error.column, error.code)
+    }
+
+    #[test]
+    fn a_report_parses_in_any_column_order_with_unknown_columns_ignored() {
+        let text = "BillingCurrency,ConsumedUnit,ResourceId,ChargePeriodEnd,ChargePeriodStart,BilledCost,ConsumedQuantity,Whatever\n\
+                    EUR,Hours,c1,2026-11-02T00:00:00Z,2026-11-01T00:00:00Z,1.250000,24,x\n";
+        let lines = parse_all(text.as_bytes()).unwrap();
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0].line, 2);
+        assert_eq!(lines[0].report.quantity, Decimal::from(24));
+        assert_eq!(lines[0].report.billed_cost, Decimal::new(125, 2));
+        assert_eq!(lines[0].report.provider_runtime_ms(), 86_400_000);
+    }
+
+    #[test]
+    fn tags_carry_the_org() {
+        let text = report(&[
+            r#"2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,"{""org_id"":""acme""}",y"#,
+        ]);
+        let lines = parse_all(text.as_bytes()).unwrap();
+        assert_eq!(lines[0].report.org_id.as_deref(), Some("acme"));
+    }
+
+    #[test]
+    fn broken_reports_name_the_line_and_column() {
+        let good = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,";
+        assert!(parse_all(report(&[good]).as_bytes()).is_ok());
+        let missing = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,BilledCost,BillingCurrency\n";
+        assert_eq!(
+            error_of(missing),
+            (1, Some("ConsumedUnit".into()), "missing_column")
+        );
+        let twice = "ResourceId,ResourceId,ChargePeriodStart,ChargePeriodEnd,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency\n";
+        assert_eq!(
+            error_of(twice),
+            (1, Some("ResourceId".into()), "duplicate_column")
+        );
+        let bad_number = report(&[
+            good,
+            "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,12abc,Seconds,0.5,USD,,",
+        ]);
+        assert_eq!(
+            error_of(&bad_number),
+            (3, Some("ConsumedQuantity".into()), "invalid_number")
+        );
+        let float_cost =
+            report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1e3,USD,,"]);
+        assert_eq!(
+            error_of(&float_cost),
+            (2, Some("BilledCost".into()), "invalid_number")
+        );
+        let backwards = report(&["2026-11-01T01:00:00Z,2026-11-01T00:00:00Z,c1,1,Seconds,1,USD,,"]);
+        assert_eq!(
+            error_of(&backwards),
+            (2, Some("ChargePeriodEnd".into()), "end_before_start")
+        );
+        let unit = report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Minutes,1,USD,,"]);
+        assert_eq!(
+            error_of(&unit),
+            (2, Some("ConsumedUnit".into()), "unknown_unit")
+        );
+        assert_eq!(error_of(""), (1, None, "empty_report"));
+        assert_eq!(error_of(HEADER), (2, None, "empty_report"));
+        let (line, _, code) = error_of("\u{1}\u{2}PNG\u{0} binary");
+        assert_eq!((line, code), (1, "missing_column"));
+        let not_utf8 = [0xff_u8, 0xfe, 0x00, 0x41];
+        assert_eq!(parse_all(&not_utf8[..]).unwrap_err().code, "malformed_csv");
+    }
+}

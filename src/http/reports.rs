@@ -1,0 +1,120 @@
+//! `POST /v1/provider-reports` (DESIGN §5, §6): a FOCUS CSV report, streamed into the
+//! database all-or-nothing; the same bytes again answer 200 with the same report.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use serde::Serialize;
+use serde_json::json;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::auth::Principal;
+use super::error::{ApiError, ErrorBody};
+use super::AppState;
+use crate::event::canonical;
+use crate::reports::{self, ImportError, Imported, StoredReport};
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/provider-reports", post(post_report))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReportResponse {
+    report_id: Uuid,
+    lines: i64,
+    sha256: String,
+    window_start: String,
+    window_end: String,
+}
+
+impl From<StoredReport> for ReportResponse {
+    fn from(report: StoredReport) -> Self {
+        ReportResponse {
+            report_id: report.id,
+            lines: report.lines,
+            sha256: report.sha256,
+            window_start: canonical::timestamp(report.window_start),
+            window_end: canonical::timestamp(report.window_end),
+        }
+    }
+}
+
+/// Import a provider usage report (FOCUS 1.x columns, `text/csv`).
+#[utoipa::path(
+    post,
+    path = "/v1/provider-reports",
+    tag = "finance",
+    request_body(content = String, content_type = "text/csv", description = "FOCUS columns: ChargePeriodStart, ChargePeriodEnd, ResourceId, ConsumedQuantity, ConsumedUnit, BilledCost, BillingCurrency; optional Tags, ProviderName, ChargeCategory"),
+    responses(
+        (status = 201, body = ReportResponse, description = "a new report"),
+        (status = 200, body = ReportResponse, description = "the same bytes were imported before"),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 413, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "details name the line and column"),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_report(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<ReportResponse>), ApiError> {
+    let is_csv = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("text/csv"));
+    if !is_csv {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be text/csv",
+        ));
+    }
+    let imported = reports::import(
+        &state.pool,
+        body.into_data_stream(),
+        state.report_max_bytes,
+        &principal.id,
+    )
+    .await
+    .map_err(import_error)?;
+    Ok(match imported {
+        Imported::Created(report) => (StatusCode::CREATED, Json(report.into())),
+        Imported::Existing(report) => (StatusCode::OK, Json(report.into())),
+    })
+}
+
+pub fn import_error(error: ImportError) -> ApiError {
+    match error {
+        ImportError::Invalid(error) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            error.code,
+            format!("{error}; nothing was stored"),
+        )
+        .with_details(vec![json!({
+            "line": error.line,
+            "column": error.column,
+            "code": error.code,
+            "message": error.message,
+        })]),
+        ImportError::TooLarge(max) => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "report_too_large",
+            format!("the report is larger than {max} bytes; nothing was stored"),
+        ),
+        ImportError::Read(message) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "unreadable_body",
+            format!("the report could not be read: {message}"),
+        ),
+        ImportError::Store(error) => ApiError::from(error),
+    }
+}

@@ -1,0 +1,324 @@
+//! Provider report import (DESIGN §5): streamed, all-or-nothing, stored immutably by the
+//! sha256 of its bytes.
+//!
+//! The bytes arrive in chunks (an HTTP body, a file). A blocking task reads them as CSV —
+//! hashing them as it goes — and hands parsed lines over in batches to the async side,
+//! which inserts each batch inside one transaction. Memory holds a few batches, whatever
+//! the report's size. Any bad line aborts the transaction: nothing of the report is
+//! stored. At the end, a report whose sha256 is already stored is the same report: the
+//! transaction is rolled back and the stored one returned.
+
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::billing::reconcile::Unit;
+use crate::billing::report::{self, Header, ParsedLine, ReportError};
+
+/// Lines per insert.
+pub const IMPORT_BATCH_LINES: usize = 5_000;
+/// Chunks of input waiting for the parser, and batches waiting for the database: a few
+/// of each bound the memory an import holds.
+const CHANNEL_DEPTH: usize = 4;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredReport {
+    pub id: Uuid,
+    pub lines: i64,
+    pub sha256: String,
+    pub window_start: DateTime<Utc>,
+    pub window_end: DateTime<Utc>,
+}
+
+#[derive(Debug)]
+pub enum Imported {
+    /// A new report.
+    Created(StoredReport),
+    /// The same bytes were imported before.
+    Existing(StoredReport),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error(transparent)]
+    Invalid(#[from] ReportError),
+    #[error("the report is larger than {0} bytes")]
+    TooLarge(u64),
+    #[error("reading the report failed: {0}")]
+    Read(String),
+    #[error(transparent)]
+    Store(#[from] sqlx::Error),
+}
+
+/// A `Read` over chunks sent from async code; hashes and counts what it reads.
+struct ChunkReader {
+    chunks: mpsc::Receiver<Result<bytes::Bytes, String>>,
+    current: bytes::Bytes,
+    hasher: Sha256,
+}
+
+impl std::io::Read for ChunkReader {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.chunks.blocking_recv() {
+                None => return Ok(0),
+                Some(Ok(chunk)) => {
+                    self.hasher.update(&chunk);
+                    self.current = chunk;
+                }
+                Some(Err(message)) => return Err(std::io::Error::other(message)),
+            }
+        }
+        let n = buffer.len().min(self.current.len());
+        buffer[..n].copy_from_slice(&self.current[..n]);
+        self.current = self.current.slice(n..);
+        Ok(n)
+    }
+}
+
+/// What the parser reports at the end.
+struct Parsed {
+    sha256: [u8; 32],
+    lines: i64,
+    window: (DateTime<Utc>, DateTime<Utc>),
+}
+
+/// Imports the report whose bytes `chunks` yields, refusing more than `max_bytes`.
+pub async fn import<S, E>(
+    pool: &PgPool,
+    mut chunks: S,
+    max_bytes: u64,
+    actor: &str,
+) -> Result<Imported, ImportError>
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    use futures::StreamExt;
+
+    let (chunk_sender, chunk_receiver) = mpsc::channel(CHANNEL_DEPTH);
+    // Dropped when the input ends, which ends the parser's input.
+    let mut chunk_sender = Some(chunk_sender);
+    let (batch_sender, mut batches) = mpsc::channel::<Vec<ParsedLine>>(CHANNEL_DEPTH);
+    let parser = tokio::task::spawn_blocking(move || parse(chunk_receiver, batch_sender));
+
+    let report_id = Uuid::now_v7();
+    let mut transaction = pool.begin().await?;
+    let mut read = 0u64;
+    let mut too_large = false;
+    loop {
+        tokio::select! {
+            chunk = chunks.next(), if chunk_sender.is_some() => {
+                let sender = chunk_sender.as_ref().expect("guarded by the branch condition");
+                let keep = match chunk {
+                    Some(Ok(chunk)) => {
+                        read += chunk.len() as u64;
+                        if read > max_bytes {
+                            too_large = true;
+                            let _ = sender.send(Err("the report is too large".into())).await;
+                            false
+                        } else {
+                            // A closed channel means the parser stopped: its error says why.
+                            sender.send(Ok(chunk)).await.is_ok()
+                        }
+                    }
+                    Some(Err(error)) => {
+                        let _ = sender.send(Err(error.to_string())).await;
+                        false
+                    }
+                    None => false,
+                };
+                if !keep {
+                    chunk_sender = None;
+                }
+            },
+            batch = batches.recv() => match batch {
+                Some(batch) => insert(&mut transaction, report_id, &batch).await?,
+                None => break,
+            },
+        }
+    }
+    drop(chunk_sender);
+    let parsed = parser
+        .await
+        .map_err(|error| ImportError::Read(error.to_string()))?;
+    if too_large {
+        return Err(ImportError::TooLarge(max_bytes));
+    }
+    let parsed = parsed?;
+
+    if let Some(existing) = find(pool, &parsed.sha256).await? {
+        transaction.rollback().await?;
+        return Ok(Imported::Existing(existing));
+    }
+    let stored = StoredReport {
+        id: report_id,
+        lines: parsed.lines,
+        sha256: hex::encode(parsed.sha256),
+        window_start: parsed.window.0,
+        window_end: parsed.window.1,
+    };
+    let inserted = sqlx::query(
+        "INSERT INTO provider_report (id, sha256, lines, window_start, window_end, imported_at, imported_by) \
+         VALUES ($1, $2, $3, $4, $5, now(), $6) ON CONFLICT (sha256) DO NOTHING",
+    )
+    .bind(report_id)
+    .bind(&parsed.sha256[..])
+    .bind(parsed.lines)
+    .bind(parsed.window.0)
+    .bind(parsed.window.1)
+    .bind(actor)
+    .execute(&mut *transaction)
+    .await?;
+    if inserted.rows_affected() == 0 {
+        // The same bytes were imported concurrently and committed first.
+        transaction.rollback().await?;
+        let existing = find(pool, &parsed.sha256).await?.ok_or_else(|| {
+            ImportError::Read("a concurrent import of the same report vanished".into())
+        })?;
+        return Ok(Imported::Existing(existing));
+    }
+    transaction.commit().await?;
+    Ok(Imported::Created(stored))
+}
+
+fn parse(
+    chunks: mpsc::Receiver<Result<bytes::Bytes, String>>,
+    batches: mpsc::Sender<Vec<ParsedLine>>,
+) -> Result<Parsed, ImportError> {
+    let mut reader = ChunkReader {
+        chunks,
+        current: bytes::Bytes::new(),
+        hasher: Sha256::new(),
+    };
+    let (lines, window) = {
+        let mut csv = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .flexible(true)
+            .from_reader(&mut reader);
+        let mut record = csv::StringRecord::new();
+        let read = |csv: &mut csv::Reader<&mut ChunkReader>, record: &mut csv::StringRecord| {
+            csv.read_record(record).map_err(|error| match error.kind() {
+                csv::ErrorKind::Io(io) => ImportError::Read(io.to_string()),
+                _ => ImportError::Invalid(report::csv_error(&error)),
+            })
+        };
+        if !read(&mut csv, &mut record)? {
+            return Err(ReportError::new(1, None, "empty_report", "the report is empty").into());
+        }
+        let header = Header::parse(&record)?;
+        let mut batch = Vec::with_capacity(IMPORT_BATCH_LINES);
+        let mut lines = 0i64;
+        let mut window: Option<(DateTime<Utc>, DateTime<Utc>)> = None;
+        while read(&mut csv, &mut record)? {
+            let line = record.position().map_or(0, |position| position.line());
+            let parsed = header.line(&record, line)?;
+            let period = parsed.report.charge_period;
+            window = Some(match window {
+                None => (period.start(), period.end()),
+                Some((start, end)) => (start.min(period.start()), end.max(period.end())),
+            });
+            lines += 1;
+            batch.push(parsed);
+            if batch.len() == IMPORT_BATCH_LINES {
+                let full = std::mem::replace(&mut batch, Vec::with_capacity(IMPORT_BATCH_LINES));
+                if batches.blocking_send(full).is_err() {
+                    return Err(ImportError::Read("the import stopped".into()));
+                }
+            }
+        }
+        if !batch.is_empty() && batches.blocking_send(batch).is_err() {
+            return Err(ImportError::Read("the import stopped".into()));
+        }
+        let Some(window) = window else {
+            return Err(ReportError::new(
+                2,
+                None,
+                "empty_report",
+                "the report has a header and no lines",
+            )
+            .into());
+        };
+        (lines, window)
+    };
+    // Whatever follows the last record (nothing, normally) is part of the bytes too.
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut reader, &mut rest)
+        .map_err(|error| ImportError::Read(error.to_string()))?;
+    Ok(Parsed {
+        sha256: reader.hasher.finalize().into(),
+        lines,
+        window,
+    })
+}
+
+async fn insert(
+    transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    report_id: Uuid,
+    batch: &[ParsedLine],
+) -> Result<(), ImportError> {
+    let column = |pick: fn(&ParsedLine) -> Option<String>| -> Vec<Option<String>> {
+        batch.iter().map(pick).collect()
+    };
+    let numbers: Vec<i64> = batch.iter().map(|line| line.line as i64).collect();
+    let starts: Vec<DateTime<Utc>> = batch
+        .iter()
+        .map(|line| line.report.charge_period.start())
+        .collect();
+    let ends: Vec<DateTime<Utc>> = batch
+        .iter()
+        .map(|line| line.report.charge_period.end())
+        .collect();
+    let quantities: Vec<Decimal> = batch.iter().map(|line| line.report.quantity).collect();
+    let costs: Vec<Decimal> = batch.iter().map(|line| line.report.billed_cost).collect();
+    let units: Vec<&str> = batch
+        .iter()
+        .map(|line| match line.report.unit {
+            Unit::Seconds => "Seconds",
+            Unit::Hours => "Hours",
+        })
+        .collect();
+    sqlx::query(
+        "INSERT INTO provider_report_line (report_id, line, charge_period_start, charge_period_end, \
+             container_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
+             provider_name, charge_category) \
+         SELECT $1, * FROM UNNEST($2::BIGINT[], $3::TIMESTAMPTZ[], $4::TIMESTAMPTZ[], $5::TEXT[], \
+             $6::TEXT[], $7::NUMERIC[], $8::TEXT[], $9::NUMERIC[], $10::TEXT[], $11::TEXT[], $12::TEXT[])",
+    )
+    .bind(report_id)
+    .bind(&numbers)
+    .bind(&starts)
+    .bind(&ends)
+    .bind(column(|line| Some(line.report.container_id.clone())))
+    .bind(column(|line| line.report.org_id.clone()))
+    .bind(&quantities)
+    .bind(&units)
+    .bind(&costs)
+    .bind(column(|line| Some(line.report.currency.clone())))
+    .bind(column(|line| line.provider_name.clone()))
+    .bind(column(|line| line.charge_category.clone()))
+    .execute(&mut **transaction)
+    .await?;
+    Ok(())
+}
+
+async fn find(pool: &PgPool, sha256: &[u8; 32]) -> Result<Option<StoredReport>, sqlx::Error> {
+    let row: Option<(Uuid, i64, Vec<u8>, DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT id, lines, sha256, window_start, window_end FROM provider_report WHERE sha256 = $1",
+    )
+    .bind(&sha256[..])
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(
+        |(id, lines, sha256, window_start, window_end)| StoredReport {
+            id,
+            lines,
+            sha256: hex::encode(sha256),
+            window_start,
+            window_end,
+        },
+    ))
+}
