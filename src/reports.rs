@@ -305,20 +305,27 @@ async fn insert(
     Ok(())
 }
 
+#[derive(sqlx::FromRow)]
+struct ReportRow {
+    id: Uuid,
+    lines: i64,
+    sha256: Vec<u8>,
+    window_start: DateTime<Utc>,
+    window_end: DateTime<Utc>,
+}
+
 async fn find(pool: &PgPool, sha256: &[u8; 32]) -> Result<Option<StoredReport>, sqlx::Error> {
-    let row: Option<(Uuid, i64, Vec<u8>, DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+    let row: Option<ReportRow> = sqlx::query_as(
         "SELECT id, lines, sha256, window_start, window_end FROM provider_report WHERE sha256 = $1",
     )
     .bind(&sha256[..])
     .fetch_optional(pool)
     .await?;
-    Ok(row.map(
-        |(id, lines, sha256, window_start, window_end)| StoredReport {
-            id,
-            lines,
-            sha256: hex::encode(sha256),
-            window_start,
-            window_end,
-        },
-    ))
+    Ok(row.map(|row| StoredReport {
+        id: row.id,
+        lines: row.lines,
+        sha256: hex::encode(row.sha256),
+        window_start: row.window_start,
+        window_end: row.window_end,
+    }))
 }
