@@ -22,6 +22,8 @@ pub mod http;
 pub mod ledger;
 /// Projections of the ledger (runtime, usage, container timelines), the projector, replay.
 pub mod projection;
+/// Reconciliation runs: a stored report against the projection, results stored.
+pub mod reconciliation;
 /// Provider report import: streamed CSV, stored immutably by its sha256.
 pub mod reports;
 /// The runtime rules of DESIGN §3: intervals, anomalies, periods, usage, account state (pure).

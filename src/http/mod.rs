@@ -10,6 +10,7 @@ pub mod events;
 pub mod ledger;
 pub mod ops;
 pub mod plans;
+pub mod reconciliations;
 pub mod reports;
 pub mod tokens;
 pub mod usage;
@@ -72,6 +73,7 @@ pub fn app(state: AppState) -> Router {
         .merge(tokens::router())
         .merge(corrections::router())
         .merge(reports::router())
+        .merge(reconciliations::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

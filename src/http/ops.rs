@@ -144,6 +144,8 @@ impl Modify for BearerAuth {
         super::corrections::post_void,
         super::corrections::post_events,
         super::reports::post_report,
+        super::reconciliations::post_reconciliation,
+        super::reconciliations::get_lines,
     ),
     components(schemas(
         EventInput,
@@ -162,6 +164,7 @@ impl Modify for BearerAuth {
         super::corrections::VoidResponse,
         super::corrections::AddedResponse,
         super::reports::ReportResponse,
+        super::reconciliations::ReconciliationResponse,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

@@ -807,3 +807,58 @@ async fn write_voids(
     }
     Ok(())
 }
+
+/// Every org's record of each of `container_ids`, as (container id, stored container).
+pub async fn containers_by_ids(
+    connection: &mut PgConnection,
+    container_ids: &[&str],
+) -> anyhow::Result<Vec<(String, StoredContainer)>> {
+    let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
+        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
+                last_at \
+         FROM {LIVE}.container WHERE container_id = ANY($1)"
+    ))
+    .bind(container_ids)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            let lifecycle = decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)?;
+            Ok((
+                row.container_id,
+                StoredContainer {
+                    org_id: row.org_id,
+                    lifecycle,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Containers that may have run at or after `since`: an event then, or still running.
+pub async fn containers_running_since(
+    connection: &mut PgConnection,
+    since: DateTime<Utc>,
+) -> anyhow::Result<Vec<(String, StoredContainer)>> {
+    let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
+        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
+                last_at \
+         FROM {LIVE}.container \
+         WHERE last_at >= $1 OR jsonb_path_exists(intervals, '$[*] ? (@[1] == null)')"
+    ))
+    .bind(since)
+    .fetch_all(connection)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            let lifecycle = decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)?;
+            Ok((
+                row.container_id,
+                StoredContainer {
+                    org_id: row.org_id,
+                    lifecycle,
+                },
+            ))
+        })
+        .collect()
+}

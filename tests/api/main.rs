@@ -14,6 +14,7 @@ mod nats;
 mod operations;
 mod plans;
 mod projection;
+mod reconciliation;
 mod reports;
 mod tokens;
 mod verify;

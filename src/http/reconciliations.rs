@@ -1,0 +1,349 @@
+//! Reconciliations (DESIGN §5, §6): `POST /v1/reconciliations` runs one;
+//! `GET /v1/reconciliations/{id}/lines.csv` streams its lines (`?format=json` for JSON).
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use serde::Serialize;
+use serde_json::{json, Value};
+use sqlx::{FromRow, PgPool};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::auth::Principal;
+use super::error::{ApiError, ErrorBody};
+use super::events::read_body;
+use super::AppState;
+use crate::billing::overage::minor_unit_digits;
+use crate::billing::reconcile::Tolerance;
+use crate::event::canonical;
+use crate::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
+
+/// Lines read per query while streaming an export.
+const EXPORT_CHUNK_LINES: i64 = 1_000;
+/// The widest tolerance accepted: a day.
+const TOLERANCE_MS_MAX: u64 = 86_400_000;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/reconciliations", post(post_reconciliation))
+        .route(
+            "/v1/reconciliations/{reconciliation_id}/lines.csv",
+            get(get_lines),
+        )
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReconciliationResponse {
+    reconciliation_id: Uuid,
+    /// Lines per status.
+    #[schema(value_type = Object)]
+    counts: Value,
+    /// Money per status and per org, as decimal strings rounded to the currency's minor unit.
+    #[schema(value_type = Object)]
+    totals: Value,
+}
+
+/// Reconcile a stored provider report against the ledger.
+#[utoipa::path(
+    post,
+    path = "/v1/reconciliations",
+    tag = "finance",
+    request_body(content = Object, description = "{\"report_id\", \"tolerance_ms\"? (default 2000), \"tolerance_ratio\"? (default 0.005)}"),
+    responses(
+        (status = 201, body = ReconciliationResponse),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 415, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn post_reconciliation(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<ReconciliationResponse>), ApiError> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Content-Type must be application/json",
+        ));
+    }
+    let bytes = read_body(body, state.body_max_bytes).await?;
+    let fields = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(Value::Object(fields)) => fields,
+        Ok(_) => return Err(invalid("invalid_body", "the body must be a JSON object")),
+        Err(error) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                format!("body is not JSON: {error}"),
+            ))
+        }
+    };
+    let known = ["report_id", "tolerance_ms", "tolerance_ratio"];
+    if let Some(unknown) = fields.keys().find(|name| !known.contains(&name.as_str())) {
+        return Err(invalid(
+            "unknown_field",
+            format!("{unknown}: is not a field of a reconciliation"),
+        ));
+    }
+    let report_id = fields
+        .get("report_id")
+        .and_then(Value::as_str)
+        .and_then(|id| Uuid::try_parse(id).ok())
+        .ok_or_else(|| invalid("invalid_report_id", "report_id: a UUID is required"))?;
+    let mut tolerance = Tolerance::default();
+    if let Some(value) = fields.get("tolerance_ms") {
+        tolerance.min_ms = value
+            .as_u64()
+            .filter(|ms| *ms <= TOLERANCE_MS_MAX)
+            .and_then(|ms| i64::try_from(ms).ok())
+            .ok_or_else(|| {
+                invalid(
+                    "invalid_tolerance",
+                    format!("tolerance_ms: a whole number from 0 to {TOLERANCE_MS_MAX}"),
+                )
+            })?;
+    }
+    if let Some(value) = fields.get("tolerance_ratio") {
+        // A ratio, not money: a JSON number is read by its decimal text, never as a float.
+        let text = match value {
+            Value::Number(number) => number.to_string(),
+            Value::String(text) => text.clone(),
+            _ => String::new(),
+        };
+        tolerance.ratio = Decimal::from_str(&text)
+            .ok()
+            .filter(|ratio| *ratio >= Decimal::ZERO && *ratio <= Decimal::ONE)
+            .ok_or_else(|| {
+                invalid(
+                    "invalid_tolerance",
+                    "tolerance_ratio: a decimal from 0 to 1",
+                )
+            })?;
+    }
+    let summary = reconciliation::run(&state.pool, report_id, tolerance, &principal.id)
+        .await
+        .map_err(|error| match error {
+            ReconcileError::UnknownReport(id) => ApiError::new(
+                StatusCode::NOT_FOUND,
+                "report_not_found",
+                format!("no report {id}"),
+            ),
+            ReconcileError::Store(error) => ApiError::from(error),
+        })?;
+    Ok((
+        StatusCode::CREATED,
+        Json(ReconciliationResponse {
+            reconciliation_id: summary.id,
+            counts: summary.counts,
+            totals: summary.totals,
+        }),
+    ))
+}
+
+#[derive(FromRow)]
+struct LineRow {
+    seq: i64,
+    org_id: Option<String>,
+    container_id: String,
+    charge_period_start: DateTime<Utc>,
+    charge_period_end: DateTime<Utc>,
+    ledger_runtime_ms: i64,
+    provider_runtime_ms: i64,
+    delta_ms: i64,
+    status: String,
+    provider_cost: Decimal,
+    expected_cost: Decimal,
+    cost_delta: Decimal,
+    currency: String,
+}
+
+impl LineRow {
+    fn money(&self, amount: Decimal) -> String {
+        let digits = minor_unit_digits(&self.currency) as usize;
+        let rounded = crate::billing::overage::round_amount(amount, &self.currency);
+        format!("{rounded:.digits$}")
+    }
+
+    fn csv(&self) -> String {
+        format!(
+            "{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            self.org_id.as_deref().unwrap_or_default(),
+            self.container_id,
+            canonical::timestamp(self.charge_period_start),
+            canonical::timestamp(self.charge_period_end),
+            self.ledger_runtime_ms,
+            self.provider_runtime_ms,
+            self.delta_ms,
+            self.status,
+            self.money(self.provider_cost),
+            self.money(self.expected_cost),
+            self.money(self.cost_delta),
+            self.currency,
+        )
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "org_id": self.org_id, "container_id": self.container_id,
+            "charge_period_start": canonical::timestamp(self.charge_period_start),
+            "charge_period_end": canonical::timestamp(self.charge_period_end),
+            "ledger_runtime_ms": self.ledger_runtime_ms, "provider_runtime_ms": self.provider_runtime_ms,
+            "delta_ms": self.delta_ms, "status": self.status,
+            "provider_cost": self.money(self.provider_cost), "expected_cost": self.money(self.expected_cost),
+            "cost_delta": self.money(self.cost_delta), "currency": self.currency,
+        })
+    }
+}
+
+/// A reconciliation's lines, streamed: CSV with the header of DESIGN §6, or JSON.
+#[utoipa::path(
+    get,
+    path = "/v1/reconciliations/{reconciliation_id}/lines.csv",
+    tag = "finance",
+    params(
+        ("reconciliation_id" = String, Path, description = "the id a reconciliation returned"),
+        ("format" = Option<String>, Query, description = "csv (default) or json"),
+    ),
+    responses(
+        (status = 200, content_type = "text/csv", body = String),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_lines(
+    State(state): State<AppState>,
+    Path(reconciliation_id): Path<String>,
+    Query(params): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    if let Some(unknown) = params.keys().find(|name| name.as_str() != "format") {
+        return Err(invalid(
+            "unknown_parameter",
+            format!("{unknown}: is not a parameter of this export"),
+        ));
+    }
+    let json_format = match params.get("format").map(String::as_str) {
+        None | Some("csv") => false,
+        Some("json") => true,
+        Some(other) => {
+            return Err(invalid(
+                "invalid_format",
+                format!("format: {other:?} is not csv or json"),
+            ))
+        }
+    };
+    let id = Uuid::try_parse(&reconciliation_id).map_err(|_| {
+        invalid(
+            "invalid_reconciliation_id",
+            "reconciliation_id: must be a UUID",
+        )
+    })?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM reconciliation WHERE id = $1)")
+            .bind(id)
+            .fetch_one(&state.pool)
+            .await?;
+    if !exists {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "reconciliation_not_found",
+            format!("no reconciliation {id}"),
+        ));
+    }
+    let pool = state.pool.clone();
+    // (next seq to read, lines written so far, done)
+    let chunks = futures::stream::unfold((0i64, 0u64, false), move |(after, written, done)| {
+        let pool = pool.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let rows = match read_lines(&pool, id, after).await {
+                Ok(rows) => rows,
+                Err(error) => {
+                    return Some((Err(std::io::Error::other(error)), (after, written, true)))
+                }
+            };
+            let last = rows.last().map_or(after, |row| row.seq);
+            let mut text = String::new();
+            if written == 0 {
+                text.push_str(if json_format {
+                    "{\"lines\":["
+                } else {
+                    LINES_CSV_HEADER
+                });
+                if !json_format {
+                    text.push('\n');
+                }
+            }
+            for (index, row) in rows.iter().enumerate() {
+                if json_format {
+                    if written + index as u64 > 0 {
+                        text.push(',');
+                    }
+                    text.push_str(&row.json().to_string());
+                } else {
+                    text.push_str(&row.csv());
+                }
+            }
+            let finished = (rows.len() as i64) < EXPORT_CHUNK_LINES;
+            if finished && json_format {
+                text.push_str("]}");
+            }
+            Some((
+                Ok(Bytes::from(text)),
+                (last, written + rows.len() as u64, finished),
+            ))
+        }
+    });
+    let content_type = if json_format {
+        "application/json"
+    } else {
+        "text/csv; charset=utf-8"
+    };
+    Response::builder()
+        .header(header::CONTENT_TYPE, content_type)
+        .body(Body::from_stream(chunks))
+        .map_err(|error| ApiError::internal(&error))
+}
+
+async fn read_lines(pool: &PgPool, id: Uuid, after: i64) -> Result<Vec<LineRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT seq, org_id, container_id, charge_period_start, charge_period_end, ledger_runtime_ms, \
+                provider_runtime_ms, delta_ms, status, provider_cost, expected_cost, cost_delta, currency \
+         FROM reconciliation_line WHERE reconciliation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+    )
+    .bind(id)
+    .bind(after)
+    .bind(EXPORT_CHUNK_LINES)
+    .fetch_all(pool)
+    .await
+}
+
+fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+}

@@ -1,0 +1,193 @@
+//! Reconciliation (issue 5): a report derived from the ledger with one planted discrepancy
+//! of every kind is reconciled to exactly those, with exact deltas and costs to the cent.
+
+use chrono::{Duration, DurationRound, Utc};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::helpers::{eventually, TestApp, TOKEN};
+
+#[tokio::test]
+async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    let lifecycle = |org: &str, container: &str, start: i64, stop: i64| {
+        vec![
+            json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": org, "container_id": container, "occurred_at": at(start)}),
+            json!({"id": Uuid::new_v4(), "type": "container.stopped", "org_id": org, "container_id": container, "occurred_at": at(stop)}),
+        ]
+    };
+    let mut events = Vec::new();
+    events.extend(lifecycle("acme", "c_match", 5, 3)); // 2 h
+    events.extend(lifecycle("acme", "c_over", 5, 4)); // 1 h
+    events.extend(lifecycle("beta", "c_under", 5, 3)); // 2 h
+    events.extend(lifecycle("beta", "c_wrong", 5, 4)); // 1 h, billed to acme
+    events.extend(lifecycle("acme", "c_silent", 5, 4)); // 1 h, not in the report
+    let (status, response) = app.post_json(&json!({"events": events})).await;
+    assert_eq!(status, 200, "{response}");
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    eventually(20, "projected", || async {
+        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        at == head
+    })
+    .await;
+
+    let (start, end) = (at(6), at(2));
+    let line = |container: &str, org: &str, quantity: &str, unit: &str, cost: &str| {
+        format!(
+            r#"{start},{end},{container},{quantity},{unit},{cost},USD,"{{""org_id"":""{org}""}}""#
+        )
+    };
+    let csv = [
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned(),
+        line("c_match", "acme", "7200", "Seconds", "1.44"),
+        line("c_over", "acme", "3660", "Seconds", "0.61"),
+        line("c_under", "beta", "1.5", "Hours", "3.00"),
+        line("c_ghost", "acme", "100", "Seconds", "0.01"),
+        line("c_wrong", "acme", "3600", "Seconds", "0.50"),
+    ]
+    .join("\n");
+    let response = app
+        .client
+        .post(app.url("/v1/provider-reports"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "text/csv")
+        .body(csv)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    let report: Value = response.json().await.unwrap();
+
+    let post = |body: Value| {
+        let request = app
+            .client
+            .post(app.url("/v1/reconciliations"))
+            .bearer_auth(TOKEN)
+            .json(&body);
+        async move {
+            let response = request.send().await.unwrap();
+            (
+                response.status().as_u16(),
+                response.json::<Value>().await.unwrap(),
+            )
+        }
+    };
+    let (status, result) = post(json!({"report_id": report["report_id"]})).await;
+    assert_eq!(status, 201, "{result}");
+    assert_eq!(
+        result["counts"],
+        json!({"matched": 1, "provider_over": 1, "provider_under": 1, "missing_in_ledger": 1,
+               "org_mismatch": 1, "missing_in_provider": 1})
+    );
+    assert_eq!(
+        result["totals"]["by_status"]["provider_under"]["cost_delta"],
+        "-1.00"
+    );
+
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let csv = app
+        .client
+        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(
+        lines.next().unwrap(),
+        "org_id,container_id,charge_period_start,charge_period_end,ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency"
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|line| line.split(',').collect()).collect();
+    assert_eq!(rows.len(), 6);
+    let row = |container: &str| rows.iter().find(|row| row[1] == container).unwrap().clone();
+    assert_eq!(
+        row("c_match")[4..],
+        ["7200000", "7200000", "0", "matched", "1.44", "1.44", "0.00", "USD"]
+    );
+    assert_eq!(
+        row("c_over")[4..],
+        [
+            "3600000",
+            "3660000",
+            "60000",
+            "provider_over",
+            "0.61",
+            "0.60",
+            "0.01",
+            "USD"
+        ]
+    );
+    assert_eq!(
+        row("c_under")[4..],
+        [
+            "7200000",
+            "5400000",
+            "-1800000",
+            "provider_under",
+            "3.00",
+            "4.00",
+            "-1.00",
+            "USD"
+        ]
+    );
+    assert_eq!(row("c_ghost")[7], "missing_in_ledger");
+    assert_eq!(
+        (row("c_wrong")[0], row("c_wrong")[7]),
+        ("beta", "org_mismatch")
+    );
+    assert_eq!(row("c_silent")[0..1], ["acme"]);
+    assert_eq!(
+        row("c_silent")[4..8],
+        ["3600000", "0", "-3600000", "missing_in_provider"]
+    );
+
+    let json_lines: Value = app
+        .client
+        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv?format=json")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(json_lines["lines"].as_array().unwrap().len(), 6);
+
+    for (body, status, code) in [
+        (
+            json!({"report_id": Uuid::new_v4()}),
+            404,
+            "report_not_found",
+        ),
+        (json!({"report_id": "nope"}), 422, "invalid_report_id"),
+        (
+            json!({"report_id": report["report_id"], "tolerance_ratio": 2}),
+            422,
+            "invalid_tolerance",
+        ),
+        (
+            json!({"report_id": report["report_id"], "tolerance_ms": -1}),
+            422,
+            "invalid_tolerance",
+        ),
+    ] {
+        let (actual, error) = post(body.clone()).await;
+        assert_eq!(
+            (actual, error["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{body}"
+        );
+    }
+    app.stop().await;
+}
