@@ -37,6 +37,11 @@ pub enum Command {
     Replay,
     /// Print ledger events as a readable timeline, filtered, in position order.
     Audit(AuditArgs),
+    /// Finance exports to standard output.
+    Export {
+        #[command(subcommand)]
+        command: ExportCommand,
+    },
     /// Provider usage reports.
     Reports {
         #[command(subcommand)]
@@ -44,6 +49,17 @@ pub enum Command {
     },
     /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
     Bench(crate::bench::BenchArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ExportCommand {
+    /// Usage per org for a period, as CSV (`--format json` for JSON lines).
+    Usage {
+        #[arg(long)]
+        period: String,
+        #[arg(long, default_value = "csv")]
+        format: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -129,6 +145,37 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let printed = crate::audit::print_timeline(&pool, &args, &mut std::io::stdout()).await;
             pool.close().await;
             printed?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Export {
+            command: ExportCommand::Usage { period, format },
+        } => {
+            use futures::StreamExt;
+            use std::io::Write;
+            let period = crate::runtime::Period::parse(&period)?;
+            let json = match format.as_str() {
+                "csv" => false,
+                "json" => true,
+                other => anyhow::bail!("--format {other:?}: csv or json"),
+            };
+            let pool = db::prepare(&cli.config).await?;
+            let as_of = chrono::Utc::now().min(period.end());
+            let mut rows = std::pin::pin!(crate::exports::usage_rows(pool.clone(), period, as_of));
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            if !json {
+                writeln!(out, "{}", crate::exports::USAGE_CSV_HEADER)?;
+            }
+            while let Some(row) = rows.next().await {
+                let row = row?;
+                if json {
+                    writeln!(out, "{}", row.json())?;
+                } else {
+                    write!(out, "{}", row.csv())?;
+                }
+            }
+            out.flush()?;
+            drop(out);
+            pool.close().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Reports {

@@ -16,6 +16,8 @@ pub mod cli;
 pub mod config;
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
 pub mod event;
+/// Finance exports: usage per org and period, streamed.
+pub mod exports;
 /// The HTTP API: one module per feature, mapped errors, operations endpoints.
 pub mod http;
 /// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod corrections;
 pub mod error;
 pub mod events;
+pub mod exports;
 pub mod ledger;
 pub mod ops;
 pub mod plans;
@@ -74,6 +75,7 @@ pub fn app(state: AppState) -> Router {
         .merge(corrections::router())
         .merge(reports::router())
         .merge(reconciliations::router())
+        .merge(exports::router())
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -146,6 +146,7 @@ impl Modify for BearerAuth {
         super::reports::post_report,
         super::reconciliations::post_reconciliation,
         super::reconciliations::get_lines,
+        super::exports::get_usage_export,
     ),
     components(schemas(
         EventInput,

@@ -7,6 +7,7 @@ mod audit;
 mod concurrency;
 mod corrections;
 mod crash;
+mod exports;
 mod faults;
 mod immutability;
 mod ingest;

@@ -1,0 +1,105 @@
+//! The usage export (issue 5): one row per org, priced with its plan, overage rounded
+//! half-up to the currency's minor unit; the CLI prints the same.
+
+use chrono::{Duration, DurationRound, Utc};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::helpers::{eventually, TestApp, TOKEN};
+use crate::plans::put_plan;
+
+#[tokio::test]
+async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let period = tally::runtime::Period::containing(now);
+    if now - period.start() < Duration::hours(5) {
+        eprintln!("skipping: the period began less than five hours ago");
+        return;
+    }
+    let plan = json!({
+        "sandbox_runtime": true, "included_runtime_seconds": 3600, "overage": "bill",
+        "overage_price_per_hour": "0.125", "currency": "USD",
+        "max_running_containers": 5, "max_published_ports": 5,
+    });
+    assert_eq!(put_plan(&app, "pro", &plan).await.0, 201);
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    let before_period = tally::event::canonical::timestamp(period.start() - Duration::days(1));
+    let events = json!({"events": [
+        {"id": Uuid::new_v4(), "type": "org.plan_changed", "org_id": "paid", "occurred_at": before_period, "data": {"plan": "pro"}},
+        {"id": Uuid::new_v4(), "type": "container.created", "org_id": "paid", "container_id": "p1", "occurred_at": at(4)},
+        {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "paid", "container_id": "p1", "occurred_at": at(1)},
+        {"id": Uuid::new_v4(), "type": "container.created", "org_id": "thrifty", "container_id": "t1", "occurred_at": at(3)},
+        {"id": Uuid::new_v4(), "type": "container.command_ran", "org_id": "thrifty", "container_id": "t1", "occurred_at": at(3),
+         "data": {"command_id": "c", "exit_code": 0, "duration_ms": 5}},
+        {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "thrifty", "container_id": "t1", "occurred_at": at(2)},
+    ]});
+    let (status, response) = app.post_json(&events).await;
+    assert_eq!(status, 200, "{response}");
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    eventually(20, "projected", || async {
+        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        at == head
+    })
+    .await;
+
+    let csv = app
+        .client
+        .get(app.url(&format!("/v1/exports/usage.csv?period={period}")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let expected = format!(
+        "org_id,plan,period,runtime_ms,included_ms,overage_ms,overage_amount,currency,commands,ports_published\n\
+         paid,pro,{period},10800000,3600000,7200000,0.25,USD,0,0\n\
+         thrifty,free,{period},3600000,0,3600000,0.00,USD,1,0\n"
+    );
+    assert_eq!(csv, expected);
+    let json_rows: Value = app
+        .client
+        .get(app.url(&format!(
+            "/v1/exports/usage.csv?period={period}&format=json"
+        )))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(json_rows["rows"][0]["overage_amount"], "0.25");
+    assert_eq!(json_rows["rows"].as_array().unwrap().len(), 2);
+
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["export", "usage", "--period", &period.to_string()])
+        .env("DATABASE_URL", &app.db.url)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(String::from_utf8(output.stdout).unwrap(), expected);
+
+    let bad = app
+        .client
+        .get(app.url("/v1/exports/usage.csv?period=2026-13"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status().as_u16(), 422);
+    app.stop().await;
+}
