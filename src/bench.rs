@@ -11,9 +11,11 @@
 //! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
 //! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
 //! projection's own measurements, in a scratch database of their own (see `projection`),
-//! and then admission's, in another (see `admission`).
+//! then admission's, in another (see `admission`), and last audit pages and verification
+//! on a ledger of millions of events, in another (see `audit`).
 
 mod admission;
+mod audit;
 mod projection;
 
 use std::collections::HashSet;
@@ -117,6 +119,9 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub admission: admission::AdmissionArgs,
+
+    #[command(flatten)]
+    pub audit: audit::AuditArgs,
 }
 
 pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
@@ -157,11 +162,15 @@ pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
     // A failed or interrupted projection part ends the run there: starting a third service
     // after a Ctrl-C would not be what was asked for.
     let admission = match projections {
-        Ok(()) => admission::run(config, &args.admission, &nats).await,
+        Ok(()) => admission::run(config.clone(), &args.admission, &nats).await,
+        Err(error) => Err(error),
+    };
+    let audit = match admission {
+        Ok(()) => audit::run(config, &args.audit, &nats).await,
         Err(error) => Err(error),
     };
     anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
-    admission
+    audit
 }
 
 fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
@@ -497,6 +506,90 @@ fn write_csv_row(out: &mut String, rows: &Rows, row: usize) {
         hex::encode(&rows.content_digest[row]),
         hex::encode(&rows.hash[row])
     );
+}
+
+/// Writes events into an empty `ledger` with `COPY`, as rows the appender would have written
+/// (its own [`Rows`], so content digests and the hash chain are the real ones); returns the
+/// head. `next_chunk` yields the next events in position order, each a native body and when
+/// the ledger recorded it, until it yields `None`: the caller decides how many events are
+/// built and held at once, so the ledger can be far larger than memory. Each event goes
+/// through the service's parser first, so a generator bug fails here.
+async fn copy_into_ledger(
+    connection: &mut PgConnection,
+    config: &Config,
+    mut next_chunk: impl FnMut() -> Option<Vec<(String, DateTime<Utc>)>>,
+) -> anyhow::Result<i64> {
+    let bounds = TimeBounds {
+        now: Utc::now(),
+        backdate_max: config.backdate_max(),
+    };
+    let statement = format!(
+        "COPY ledger ({}) FROM STDIN WITH (FORMAT csv)",
+        rows::COLUMNS
+    );
+    let mut copy = connection.copy_in_raw(&statement).await?;
+    let mut prev_hash = canonical::GENESIS_HASH;
+    let mut position = 0_i64;
+    while let Some(chunk) = next_chunk() {
+        let csv = {
+            let mut rows = Rows::default();
+            for (body, recorded_at) in chunk {
+                let mut parsed = parse_body(BodyKind::Native, body.as_bytes(), bounds, 1)
+                    .map_err(|e| anyhow::anyhow!("a planned event is invalid: {}", e.describe()))?;
+                let event = parsed.pop().expect("one body, one event");
+                position += 1;
+                let data = event.data_json();
+                let digest = canonical::content_digest(&event.record_fields(&data));
+                prev_hash = rows.push(&event, data, digest, position, recorded_at, &prev_hash);
+            }
+            let mut csv = String::new();
+            for row in 0..rows.len() {
+                write_csv_row(&mut csv, &rows, row);
+            }
+            csv
+        };
+        copy.send(csv.into_bytes()).await?;
+    }
+    let copied = copy.finish().await?;
+    anyhow::ensure!(
+        copied == position as u64,
+        "COPY stored {copied} rows of {position}"
+    );
+    Ok(position)
+}
+
+/// Puts the ledger's last event into the scratch `TALLY_LEDGER`, as the relay would have
+/// published it. The relay resumes after the last position in its stream, so it starts
+/// caught up — as it is in production, where the history was relayed as it was written —
+/// instead of publishing a whole `COPY`-built ledger during the measurements.
+async fn seed_ledger_stream(
+    connection: &mut PgConnection,
+    nats: &jetstream::Context,
+    scratch: &Scratch,
+    head: i64,
+) -> anyhow::Result<()> {
+    let names = &scratch.names;
+    bus::apply_streams(nats, names, &["TALLY_LEDGER"]).await?;
+    let rows = crate::ledger::read::read_after(&mut *connection, head - 1, 1).await?;
+    let row = rows.first().context("the ledger has no head row")?;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
+    headers.insert("Nats-Expected-Last-Sequence", "0");
+    headers.insert(
+        bus::relay::POSITION_HEADER,
+        row.position.to_string().as_str(),
+    );
+    let ack = nats
+        .publish_with_headers(
+            names.ledger_subject(&row.org_id, &row.event_type),
+            headers,
+            serde_json::to_vec(&row.to_message())?.into(),
+        )
+        .await?
+        .await
+        .context("the seed of the ledger stream was not acknowledged")?;
+    anyhow::ensure!(ack.sequence == 1, "the ledger stream was not empty");
+    Ok(())
 }
 
 /// Starts the service, measures, and stops the service whatever happened, so that no relay

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use async_nats::jetstream;
-use async_nats::HeaderMap;
 use bytes::Bytes;
 use chrono::{DateTime, SubsecRound, Utc};
 use futures::TryStreamExt;
@@ -33,17 +32,13 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    checkpoint, clean_up, percentile_ms, print_table, without_password, write_csv_row, AbortOnDrop,
-    Check, Figure, HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES,
-    PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
+    checkpoint, clean_up, copy_into_ledger, percentile_ms, print_table, seed_ledger_stream,
+    without_password, AbortOnDrop, Check, Figure, HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX,
+    HTTP_TIMEOUT_MS, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
-use crate::bus::{self, relay};
 use crate::config::Config;
 use crate::event::canonical;
-use crate::event::parse::{parse_body, BodyKind};
-use crate::event::TimeBounds;
-use crate::ledger::rows::{self, Rows};
-use crate::ledger::{read, verify};
+use crate::ledger::verify;
 use crate::projection::model::{Changes, ContainerKey};
 use crate::projection::query;
 use crate::projection::store::{self, EventRow, EVENT_COLUMNS, LIVE};
@@ -240,7 +235,7 @@ async fn prepare(
         .await
         .context("cannot connect to the scratch database")?;
     let started = Instant::now();
-    let head = copy_into_ledger(&mut connection, config, &plan).await?;
+    let head = copy_plan_into_ledger(&mut connection, config, &plan).await?;
     // A ledger that has been live for a month has been vacuumed and analyzed; a replay
     // should not pay for setting the hint bits of freshly loaded rows.
     sqlx::query("VACUUM (ANALYZE) ledger")
@@ -672,94 +667,39 @@ impl Expected {
     }
 }
 
-/// Writes the plan into `ledger` with `COPY`, as rows the appender would have written (its
-/// own [`Rows`], so content digests and the hash chain are the real ones); returns the head.
-/// Each event goes through the service's parser first, so a generator bug fails here.
-async fn copy_into_ledger(
+/// Writes the plan into `ledger` with `COPY`, in chunks of [`COPY_CHUNK_EVENTS`]; returns
+/// the head.
+async fn copy_plan_into_ledger(
     connection: &mut PgConnection,
     config: &Config,
     plan: &Plan,
 ) -> anyhow::Result<i64> {
-    let bounds = TimeBounds {
-        now: Utc::now(),
-        backdate_max: config.backdate_max(),
-    };
-    let statement = format!(
-        "COPY ledger ({}) FROM STDIN WITH (FORMAT csv)",
-        rows::COLUMNS
-    );
-    let mut copy = connection.copy_in_raw(&statement).await?;
     let mut rng = rand::rng();
-    let mut prev_hash = canonical::GENESIS_HASH;
-    let mut position = 0_i64;
-    for chunk in plan.events.chunks(COPY_CHUNK_EVENTS) {
-        let csv = {
-            let mut rows = Rows::default();
-            for planned in chunk {
-                let occurred_at = DateTime::from_timestamp_millis(planned.at_ms)
-                    .expect("planned instants are recent");
-                let body = event_json(
-                    &mut rng,
-                    planned.org,
-                    planned.container,
-                    occurred_at,
-                    planned.step,
-                )
-                .to_string();
-                let mut parsed = parse_body(BodyKind::Native, body.as_bytes(), bounds, 1)
-                    .map_err(|e| anyhow::anyhow!("a planned event is invalid: {}", e.describe()))?;
-                let event = parsed.pop().expect("one body, one event");
-                position += 1;
-                let data = event.data_json();
-                let digest = canonical::content_digest(&event.record_fields(&data));
-                let recorded_at = occurred_at + chrono::Duration::milliseconds(RECORDED_DELAY_MS);
-                prev_hash = rows.push(&event, data, digest, position, recorded_at, &prev_hash);
-            }
-            let mut csv = String::new();
-            for row in 0..rows.len() {
-                write_csv_row(&mut csv, &rows, row);
-            }
-            csv
-        };
-        copy.send(csv.into_bytes()).await?;
-    }
-    let copied = copy.finish().await?;
-    anyhow::ensure!(
-        copied == position as u64,
-        "COPY stored {copied} rows of {position}"
-    );
-    Ok(position)
-}
-
-/// Puts the ledger's last event into the scratch `TALLY_LEDGER`, as the relay would have
-/// published it. The relay resumes after the last position in its stream, so it starts
-/// caught up — as it is in production, where the history was relayed as it was written —
-/// instead of publishing the whole planned ledger during the measurements.
-async fn seed_ledger_stream(
-    connection: &mut PgConnection,
-    nats: &jetstream::Context,
-    scratch: &Scratch,
-    head: i64,
-) -> anyhow::Result<()> {
-    let names = &scratch.names;
-    bus::apply_streams(nats, names, &["TALLY_LEDGER"]).await?;
-    let rows = read::read_after(&mut *connection, head - 1, 1).await?;
-    let row = rows.first().context("the ledger has no head row")?;
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
-    headers.insert("Nats-Expected-Last-Sequence", "0");
-    headers.insert(relay::POSITION_HEADER, row.position.to_string().as_str());
-    let ack = nats
-        .publish_with_headers(
-            names.ledger_subject(&row.org_id, &row.event_type),
-            headers,
-            serde_json::to_vec(&row.to_message())?.into(),
+    let mut chunks = plan.events.chunks(COPY_CHUNK_EVENTS);
+    copy_into_ledger(connection, config, || {
+        let chunk = chunks.next()?;
+        Some(
+            chunk
+                .iter()
+                .map(|planned| {
+                    let occurred_at = DateTime::from_timestamp_millis(planned.at_ms)
+                        .expect("planned instants are recent");
+                    let body = event_json(
+                        &mut rng,
+                        planned.org,
+                        planned.container,
+                        occurred_at,
+                        planned.step,
+                    )
+                    .to_string();
+                    let recorded_at =
+                        occurred_at + chrono::Duration::milliseconds(RECORDED_DELAY_MS);
+                    (body, recorded_at)
+                })
+                .collect(),
         )
-        .await?
-        .await
-        .context("the seed of the ledger stream was not acknowledged")?;
-    anyhow::ensure!(ack.sequence == 1, "the ledger stream was not empty");
-    Ok(())
+    })
+    .await
 }
 
 /// Replay's work done again in parts, each timed: reading the rows, decoding and grouping
