@@ -173,6 +173,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     write!(out, "{}", row.csv())?;
                 }
             }
+            for adjustment in crate::periods::adjustments(&pool, period).await? {
+                if json {
+                    writeln!(out, "{}", adjustment.json())?;
+                } else {
+                    write!(out, "{}", adjustment.delta.csv())?;
+                }
+            }
             out.flush()?;
             drop(out);
             pool.close().await;

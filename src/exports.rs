@@ -7,6 +7,8 @@ use futures::Stream;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+use rust_decimal::Decimal;
+
 use crate::billing::overage::{minor_unit_digits, round_amount};
 use crate::projection::query::{self, PricedUsage};
 use crate::projection::store::LIVE;
@@ -38,49 +40,110 @@ async fn orgs_after(
     .await
 }
 
-/// One org's row.
-pub struct UsageRow {
+/// One org's figures for a period, as exported and as frozen by a period close.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Figures {
     pub org_id: String,
+    pub plan: String,
     pub period: Period,
-    pub priced: PricedUsage,
+    pub runtime_ms: i64,
+    pub included_ms: i64,
+    pub overage_ms: i64,
+    /// Rounded once, half-up, to the currency's minor unit.
+    pub overage_amount: Decimal,
+    pub currency: String,
+    pub commands: i64,
+    pub ports_published: i64,
 }
 
-impl UsageRow {
+impl Figures {
+    pub fn from_priced(org_id: String, period: Period, priced: &PricedUsage) -> Figures {
+        let currency = priced.plan.currency.clone();
+        Figures {
+            org_id,
+            plan: priced.plan.id.as_str().to_owned(),
+            period,
+            runtime_ms: priced.usage.runtime_ms,
+            included_ms: priced.plan.included_runtime_ms(),
+            overage_ms: priced.overage.overage_ms,
+            overage_amount: round_amount(priced.overage.amount, &currency),
+            currency,
+            commands: priced.usage.commands as i64,
+            ports_published: priced.usage.ports_published as i64,
+        }
+    }
+
     fn amount(&self) -> String {
-        let currency = &self.priced.plan.currency;
-        let digits = minor_unit_digits(currency) as usize;
-        format!(
-            "{:.digits$}",
-            round_amount(self.priced.overage.amount, currency)
-        )
+        let digits = minor_unit_digits(&self.currency) as usize;
+        format!("{:.digits$}", self.overage_amount)
     }
 
     pub fn csv(&self) -> String {
-        let usage = &self.priced.usage;
         format!(
             "{},{},{},{},{},{},{},{},{},{}\n",
             self.org_id,
-            self.priced.plan.id,
+            self.plan,
             self.period,
-            usage.runtime_ms,
-            self.priced.plan.included_runtime_ms(),
-            self.priced.overage.overage_ms,
+            self.runtime_ms,
+            self.included_ms,
+            self.overage_ms,
             self.amount(),
-            self.priced.plan.currency,
-            usage.commands,
-            usage.ports_published,
+            self.currency,
+            self.commands,
+            self.ports_published,
         )
     }
 
     pub fn json(&self) -> Value {
-        let usage = &self.priced.usage;
         json!({
-            "org_id": self.org_id, "plan": self.priced.plan.id.as_str(), "period": self.period.to_string(),
-            "runtime_ms": usage.runtime_ms, "included_ms": self.priced.plan.included_runtime_ms(),
-            "overage_ms": self.priced.overage.overage_ms, "overage_amount": self.amount(),
-            "currency": self.priced.plan.currency, "commands": usage.commands,
-            "ports_published": usage.ports_published,
+            "org_id": self.org_id, "plan": self.plan, "period": self.period.to_string(),
+            "runtime_ms": self.runtime_ms, "included_ms": self.included_ms,
+            "overage_ms": self.overage_ms, "overage_amount": self.amount(),
+            "currency": self.currency, "commands": self.commands,
+            "ports_published": self.ports_published,
         })
+    }
+
+    /// `self − before`, as an adjustment row: the same columns, figures as differences
+    /// (`included_ms` 0), `period` the affected period.
+    pub fn minus(&self, before: &Figures) -> Figures {
+        Figures {
+            org_id: self.org_id.clone(),
+            plan: self.plan.clone(),
+            period: self.period,
+            runtime_ms: self.runtime_ms - before.runtime_ms,
+            included_ms: 0,
+            overage_ms: self.overage_ms - before.overage_ms,
+            overage_amount: self.overage_amount - before.overage_amount,
+            currency: self.currency.clone(),
+            commands: self.commands - before.commands,
+            ports_published: self.ports_published - before.ports_published,
+        }
+    }
+
+    /// No figure differs from zero (for an adjustment).
+    pub fn is_zero(&self) -> bool {
+        self.runtime_ms == 0
+            && self.overage_ms == 0
+            && self.overage_amount.is_zero()
+            && self.commands == 0
+            && self.ports_published == 0
+    }
+
+    /// Figures of an org with nothing in the period.
+    pub fn empty(org_id: &str, period: Period, plan: &str, currency: &str) -> Figures {
+        Figures {
+            org_id: org_id.to_owned(),
+            plan: plan.to_owned(),
+            period,
+            runtime_ms: 0,
+            included_ms: 0,
+            overage_ms: 0,
+            overage_amount: Decimal::ZERO,
+            currency: currency.to_owned(),
+            commands: 0,
+            ports_published: 0,
+        }
     }
 }
 
@@ -89,7 +152,7 @@ pub fn usage_rows(
     pool: PgPool,
     period: Period,
     as_of: DateTime<Utc>,
-) -> impl Stream<Item = anyhow::Result<UsageRow>> {
+) -> impl Stream<Item = anyhow::Result<Figures>> + Send {
     // (orgs fetched but not yet priced, the last org listed, whether the list is done)
     futures::stream::unfold(
         (Vec::<String>::new(), String::new(), false),
@@ -111,11 +174,7 @@ pub fn usage_rows(
                 let org_id = pending.pop()?;
                 let row = query::priced_usage(&pool, &org_id, period, as_of)
                     .await
-                    .map(|priced| UsageRow {
-                        org_id,
-                        period,
-                        priced,
-                    });
+                    .map(|priced| Figures::from_priced(org_id, period, &priced));
                 Some((row, (pending, last, listed)))
             }
         },

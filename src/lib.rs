@@ -22,6 +22,8 @@ pub mod exports;
 pub mod http;
 /// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
 pub mod ledger;
+/// Period close: frozen, hashed snapshots; adjustments for late events.
+pub mod periods;
 /// Projections of the ledger (runtime, usage, container timelines), the projector, replay.
 pub mod projection;
 /// Reconciliation runs: a stored report against the projection, results stored.

@@ -79,6 +79,8 @@ pub fn required_scope(method: &Method, route: &str) -> Scope {
         ("POST", "/v1/provider-reports") => Scope::Finance,
         ("POST", "/v1/reconciliations") => Scope::Finance,
         ("GET", "/v1/exports/usage.csv") => Scope::Finance,
+        ("POST", "/v1/periods/{period}/close") => Scope::Finance,
+        ("GET", "/v1/periods/{period}") => Scope::Finance,
         ("GET", "/v1/reconciliations/{reconciliation_id}/lines.csv") => Scope::Finance,
         ("POST", "/v1/corrections/voids") => Scope::Admin,
         ("POST", "/v1/corrections/events") => Scope::Admin,

@@ -147,6 +147,8 @@ impl Modify for BearerAuth {
         super::reconciliations::post_reconciliation,
         super::reconciliations::get_lines,
         super::exports::get_usage_export,
+        super::exports::post_close,
+        super::exports::get_period,
     ),
     components(schemas(
         EventInput,
@@ -166,6 +168,7 @@ impl Modify for BearerAuth {
         super::corrections::AddedResponse,
         super::reports::ReportResponse,
         super::reconciliations::ReconciliationResponse,
+        super::exports::PeriodResponse,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

@@ -13,6 +13,7 @@ mod immutability;
 mod ingest;
 mod nats;
 mod operations;
+mod periods;
 mod plans;
 mod projection;
 mod reconciliation;

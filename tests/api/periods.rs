@@ -1,0 +1,143 @@
+//! Period close (issue 5): figures frozen in a hashed snapshot; a late event leaves it
+//! untouched and shows as an adjustment in the next open period's export.
+
+use chrono::Duration;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::helpers::{eventually, TestApp, TOKEN};
+
+async fn projected(app: &TestApp) {
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    eventually(20, "projected", || async {
+        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        at == head
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_next_period() {
+    let app = TestApp::spawn().await;
+    let current = tally::runtime::Period::containing(chrono::Utc::now());
+    let closed = tally::runtime::Period::containing(current.start() - Duration::days(1));
+    let at = |hours_before_end: i64| {
+        tally::event::canonical::timestamp(closed.end() - Duration::hours(hours_before_end))
+    };
+    let run = |container: &str, from: i64, to: i64| {
+        json!({"events": [
+            {"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme", "container_id": container, "occurred_at": at(from)},
+            {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme", "container_id": container, "occurred_at": at(to)},
+        ]})
+    };
+    assert_eq!(app.post_json(&run("c1", 5, 2)).await.0, 200);
+    projected(&app).await;
+
+    let post = |path: String| {
+        let request = app.client.post(app.url(&path)).bearer_auth(TOKEN);
+        async move {
+            let response = request.send().await.unwrap();
+            (
+                response.status().as_u16(),
+                response.json::<Value>().await.unwrap(),
+            )
+        }
+    };
+    let get = |path: String| {
+        let request = app.client.get(app.url(&path)).bearer_auth(TOKEN);
+        async move { request.send().await.unwrap() }
+    };
+    let (status, snapshot) = post(format!("/v1/periods/{closed}/close")).await;
+    assert_eq!(status, 201, "{snapshot}");
+    assert_eq!(
+        (snapshot["orgs"].clone(), snapshot["verified"].clone()),
+        (json!(1), json!(true))
+    );
+    let (status, again) = post(format!("/v1/periods/{closed}/close")).await;
+    assert_eq!(
+        (status, again["error"]["code"].as_str()),
+        (409, Some("period_closed"))
+    );
+    let (status, running) = post(format!("/v1/periods/{current}/close")).await;
+    assert_eq!(
+        (status, running["error"]["code"].as_str()),
+        (409, Some("period_running"))
+    );
+
+    // Late: another two hours in the closed period.
+    let late = run("c2", 3, 1);
+    assert_eq!(app.post_json(&late).await.0, 200);
+    projected(&app).await;
+
+    let stored: Value = get(format!("/v1/periods/{closed}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        stored["sha256"], snapshot["sha256"],
+        "the snapshot is untouched"
+    );
+    assert_eq!(stored["verified"], true, "and still verifies");
+    let frozen: i64 =
+        sqlx::query_scalar("SELECT runtime_ms FROM period_snapshot WHERE org_id = 'acme'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(frozen, 3 * 3_600_000);
+    assert!(sqlx::query("UPDATE period_snapshot SET runtime_ms = 0")
+        .execute(&app.pool)
+        .await
+        .is_err());
+
+    let csv = get(format!("/v1/exports/usage.csv?period={current}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let adjustment = format!("acme,free,{closed},7200000,0,7200000,0.00,USD,0,0");
+    assert!(csv.lines().any(|line| line == adjustment), "{csv}");
+    let exported: Value = get(format!(
+        "/v1/exports/usage.csv?period={current}&format=json"
+    ))
+    .await
+    .json()
+    .await
+    .unwrap();
+    let caused_by = exported["adjustments"][0]["caused_by"].as_array().unwrap();
+    let late_ids: Vec<&Value> = late["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|event| &event["id"])
+        .collect();
+    assert_eq!(caused_by.iter().collect::<Vec<_>>(), late_ids);
+    // The closed period's own export still shows the figures as they are now, not frozen.
+    let closed_csv = get(format!("/v1/exports/usage.csv?period={closed}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        closed_csv.contains(&format!("acme,free,{closed},18000000,")),
+        "{closed_csv}"
+    );
+    assert_eq!(
+        get("/v1/periods/2026-13".into()).await.status().as_u16(),
+        422
+    );
+    assert_eq!(
+        get(format!("/v1/periods/{current}"))
+            .await
+            .status()
+            .as_u16(),
+        404
+    );
+    app.stop().await;
+}
