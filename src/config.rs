@@ -33,6 +33,8 @@ pub const HTTP_CONCURRENCY_MAX: usize = 1_024;
 /// The largest provider report accepted, in bytes: imports stream, so this bounds disk
 /// and time, not memory. Over HTTP an import must also finish within the request
 /// timeout; `tally reports import` has none.
+/// The largest audit page (`limit`); DESIGN §6 caps it at 1000, so this may only lower it.
+pub const PAGE_EVENTS_MAX: usize = 1_000;
 pub const REPORT_MAX_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 /// Default backdate bound (DESIGN §2).
 pub const BACKDATE_DAYS: u32 = 35;
@@ -110,6 +112,9 @@ pub struct Config {
     #[arg(long, env = "TALLY_REPORT_MAX_BYTES", default_value_t = REPORT_MAX_BYTES)]
     pub report_max_bytes: u64,
 
+    #[arg(long, env = "TALLY_PAGE_EVENTS_MAX", default_value_t = PAGE_EVENTS_MAX, value_parser = page_events_max)]
+    pub page_events_max: usize,
+
     #[arg(long, env = "TALLY_RELAY_BATCH_MAX", default_value_t = RELAY_BATCH_MAX)]
     pub relay_batch_max: usize,
 
@@ -124,6 +129,15 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_PROJECTOR_POLL_MS", default_value_t = PROJECTOR_POLL_MS)]
     pub projector_poll_ms: u64,
+}
+
+/// 1 to 1000: DESIGN §6 allows no larger page.
+fn page_events_max(value: &str) -> Result<usize, String> {
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|max| (1..=PAGE_EVENTS_MAX).contains(max))
+        .ok_or_else(|| format!("{value:?}: a whole number from 1 to {PAGE_EVENTS_MAX}"))
 }
 
 impl Config {
@@ -146,6 +160,7 @@ impl Config {
             request_timeout_ms: REQUEST_TIMEOUT_MS,
             http_concurrency_max: HTTP_CONCURRENCY_MAX,
             report_max_bytes: REPORT_MAX_BYTES,
+            page_events_max: PAGE_EVENTS_MAX,
             relay_batch_max: RELAY_BATCH_MAX,
             relay_poll_ms: RELAY_POLL_MS,
             ingest_fetch_max: INGEST_FETCH_MAX,

@@ -98,6 +98,7 @@ impl Service {
             request_timeout: config.request_timeout(),
             concurrency_max: config.http_concurrency_max,
             report_max_bytes: config.report_max_bytes,
+            page_events_max: config.page_events_max,
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

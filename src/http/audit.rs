@@ -20,8 +20,8 @@ use axum::Extension;
 
 /// Events per page when `limit` is not given.
 pub const PAGE_DEFAULT: usize = 100;
-/// The largest page.
-pub const PAGE_MAX: usize = 1_000;
+/// The largest page DESIGN §6 allows; `TALLY_PAGE_EVENTS_MAX` may lower it.
+pub const PAGE_MAX: usize = crate::config::PAGE_EVENTS_MAX;
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/v1/events", get(get_events)).route(
@@ -168,15 +168,18 @@ async fn page(
             })?,
     };
     let limit = match params.get("limit") {
-        None => PAGE_DEFAULT,
+        None => PAGE_DEFAULT.min(state.page_events_max),
         Some(value) => value
             .parse::<usize>()
             .ok()
-            .filter(|limit| (1..=PAGE_MAX).contains(limit))
+            .filter(|limit| (1..=state.page_events_max).contains(limit))
             .ok_or_else(|| {
                 invalid(
                     "invalid_limit",
-                    format!("limit: must be a whole number from 1 to {PAGE_MAX}"),
+                    format!(
+                        "limit: must be a whole number from 1 to {}",
+                        state.page_events_max
+                    ),
                 )
             })?,
     };

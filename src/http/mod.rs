@@ -48,6 +48,8 @@ pub struct Inner {
     pub concurrency_max: usize,
     /// The largest provider report accepted.
     pub report_max_bytes: u64,
+    /// The largest audit page.
+    pub page_events_max: usize,
 }
 
 impl AppState {

@@ -154,3 +154,19 @@ async fn bad_audit_parameters_are_refused_with_422() {
     }
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_lowered_page_limit_caps_both_the_default_and_the_largest_page() {
+    let app = TestApp::spawn_with(|config| config.page_events_max = 5).await;
+    let events: Vec<Value> = (0..12).map(|n| valid_event("org_a", "c1", n)).collect();
+    assert_eq!(app.post_json(&json!({"events": events})).await.0, 200);
+    let (status, page) = get(&app, "/v1/events").await;
+    assert_eq!(status, 200);
+    assert_eq!(page["events"].as_array().unwrap().len(), 5);
+    let (status, error) = get(&app, "/v1/events?limit=6").await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (422, Some("invalid_limit"))
+    );
+    app.stop().await;
+}
