@@ -78,10 +78,12 @@ async fn projected(app: &TestApp) {
     .await;
 }
 
-/// What an org's figures look like from outside, with the org's name taken out.
+/// What an org's figures look like from outside as of one instant fixed for the whole
+/// test (so that two reads compare the same window), with the org's name taken out.
 async fn figures(app: &TestApp, org: &str) -> Value {
+    static AS_OF: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let period = Utc::now().format("%Y-%m");
-    let as_of = at(0).replace(':', "%3A");
+    let as_of = AS_OF.get_or_init(|| at(0)).replace(':', "%3A");
     let mut usage = get(
         app,
         &format!("/v1/orgs/{org}/usage?period={period}&as_of={as_of}"),
