@@ -11,12 +11,15 @@
 //! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
 //! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
 //! projection's own measurements, in a scratch database of their own (see `projection`),
-//! then admission's, in another (see `admission`), and last audit pages and verification
-//! on a ledger of millions of events, in another (see `audit`).
+//! then admission's, in another (see `admission`), then audit pages and verification on a
+//! ledger of millions of events, in another (see `audit`), and last the import and
+//! reconciliation of a provider report of a million lines, in another (see
+//! `reconciliation`).
 
 mod admission;
 mod audit;
 mod projection;
+mod reconciliation;
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -122,6 +125,9 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub audit: audit::AuditArgs,
+
+    #[command(flatten)]
+    pub reconciliation: reconciliation::ReconciliationArgs,
 }
 
 pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
@@ -166,11 +172,15 @@ pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
         Err(error) => Err(error),
     };
     let audit = match admission {
-        Ok(()) => audit::run(config, &args.audit, &nats).await,
+        Ok(()) => audit::run(config.clone(), &args.audit, &nats).await,
+        Err(error) => Err(error),
+    };
+    let reconciliation = match audit {
+        Ok(()) => reconciliation::run(config, &args.reconciliation, &nats).await,
         Err(error) => Err(error),
     };
     anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
-    audit
+    reconciliation
 }
 
 fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {

@@ -9,7 +9,6 @@
 //! transaction is rolled back and the stored one returned.
 
 use chrono::{DateTime, Utc};
-use rust_decimal::Decimal;
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use tokio::sync::mpsc;
@@ -100,48 +99,51 @@ where
     use futures::StreamExt;
 
     let (chunk_sender, chunk_receiver) = mpsc::channel(CHANNEL_DEPTH);
-    // Dropped when the input ends, which ends the parser's input.
-    let mut chunk_sender = Some(chunk_sender);
     let (batch_sender, mut batches) = mpsc::channel::<Vec<ParsedLine>>(CHANNEL_DEPTH);
     let parser = tokio::task::spawn_blocking(move || parse(chunk_receiver, batch_sender));
 
     let report_id = Uuid::now_v7();
     let mut transaction = pool.begin().await?;
-    let mut read = 0u64;
-    let mut too_large = false;
-    loop {
-        tokio::select! {
-            chunk = chunks.next(), if chunk_sender.is_some() => {
-                let sender = chunk_sender.as_ref().expect("guarded by the branch condition");
-                let keep = match chunk {
-                    Some(Ok(chunk)) => {
-                        read += chunk.len() as u64;
-                        if read > max_bytes {
-                            too_large = true;
-                            let _ = sender.send(Err("the report is too large".into())).await;
-                            false
-                        } else {
-                            // A closed channel means the parser stopped: its error says why.
-                            sender.send(Ok(chunk)).await.is_ok()
-                        }
+    // Feeding the parser and inserting run side by side, not in turns: while Postgres
+    // inserts one batch, the parser reads and checks the next lines, instead of stopping
+    // once the few chunks in its channel are used up.
+    let feed = async {
+        // Dropped when the input ends, which ends the parser's input.
+        let sender = chunk_sender;
+        let mut read = 0u64;
+        loop {
+            let chunk = tokio::select! {
+                chunk = chunks.next() => chunk,
+                // The parser stopped: its error says why.
+                () = sender.closed() => return Ok::<bool, ImportError>(false),
+            };
+            match chunk {
+                Some(Ok(chunk)) => {
+                    read += chunk.len() as u64;
+                    if read > max_bytes {
+                        let _ = sender.send(Err("the report is too large".into())).await;
+                        return Ok(true);
                     }
-                    Some(Err(error)) => {
-                        let _ = sender.send(Err(error.to_string())).await;
-                        false
+                    if sender.send(Ok(chunk)).await.is_err() {
+                        return Ok(false);
                     }
-                    None => false,
-                };
-                if !keep {
-                    chunk_sender = None;
                 }
-            },
-            batch = batches.recv() => match batch {
-                Some(batch) => insert(&mut transaction, report_id, &batch).await?,
-                None => break,
-            },
+                Some(Err(error)) => {
+                    let _ = sender.send(Err(error.to_string())).await;
+                    return Ok(false);
+                }
+                None => return Ok(false),
+            }
         }
-    }
-    drop(chunk_sender);
+    };
+    let store = async {
+        while let Some(batch) = batches.recv().await {
+            insert(&mut transaction, report_id, &batch).await?;
+        }
+        Ok::<(), ImportError>(())
+    };
+    // A failed insert returns at once, dropping the batch receiver, which stops the parser.
+    let (too_large, ()) = tokio::try_join!(feed, store)?;
     let parsed = parser
         .await
         .map_err(|error| ImportError::Read(error.to_string()))?;
@@ -255,54 +257,81 @@ fn parse(
     })
 }
 
+/// The columns each line is copied into, in the order [`write_copy_row`] writes them.
+const LINE_COLUMNS: &str = "report_id, line, charge_period_start, charge_period_end, \
+     container_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
+     provider_name, charge_category";
+
+/// Inserts a batch with one `COPY`: Postgres takes CSV rows several times faster than it
+/// takes the same rows bound as arrays to `INSERT … UNNEST`, which made import half as fast
+/// as its target.
 async fn insert(
     transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     report_id: Uuid,
     batch: &[ParsedLine],
 ) -> Result<(), ImportError> {
-    let column = |pick: fn(&ParsedLine) -> Option<String>| -> Vec<Option<String>> {
-        batch.iter().map(pick).collect()
-    };
-    let numbers: Vec<i64> = batch.iter().map(|line| line.line as i64).collect();
-    let starts: Vec<DateTime<Utc>> = batch
-        .iter()
-        .map(|line| line.report.charge_period.start())
-        .collect();
-    let ends: Vec<DateTime<Utc>> = batch
-        .iter()
-        .map(|line| line.report.charge_period.end())
-        .collect();
-    let quantities: Vec<Decimal> = batch.iter().map(|line| line.report.quantity).collect();
-    let costs: Vec<Decimal> = batch.iter().map(|line| line.report.billed_cost).collect();
-    let units: Vec<&str> = batch
-        .iter()
-        .map(|line| match line.report.unit {
-            Unit::Seconds => "Seconds",
-            Unit::Hours => "Hours",
-        })
-        .collect();
-    sqlx::query(
-        "INSERT INTO provider_report_line (report_id, line, charge_period_start, charge_period_end, \
-             container_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
-             provider_name, charge_category) \
-         SELECT $1, * FROM UNNEST($2::BIGINT[], $3::TIMESTAMPTZ[], $4::TIMESTAMPTZ[], $5::TEXT[], \
-             $6::TEXT[], $7::NUMERIC[], $8::TEXT[], $9::NUMERIC[], $10::TEXT[], $11::TEXT[], $12::TEXT[])",
-    )
-    .bind(report_id)
-    .bind(&numbers)
-    .bind(&starts)
-    .bind(&ends)
-    .bind(column(|line| Some(line.report.container_id.clone())))
-    .bind(column(|line| line.report.org_id.clone()))
-    .bind(&quantities)
-    .bind(&units)
-    .bind(&costs)
-    .bind(column(|line| Some(line.report.currency.clone())))
-    .bind(column(|line| line.provider_name.clone()))
-    .bind(column(|line| line.charge_category.clone()))
-    .execute(&mut **transaction)
-    .await?;
+    let report_id = report_id.hyphenated().to_string();
+    let mut rows = String::with_capacity(batch.len() * 192);
+    for line in batch {
+        write_copy_row(&mut rows, &report_id, line);
+    }
+    let mut copy = transaction
+        .copy_in_raw(&format!(
+            "COPY provider_report_line ({LINE_COLUMNS}) FROM STDIN WITH (FORMAT csv)"
+        ))
+        .await?;
+    copy.send(rows.into_bytes()).await?;
+    let copied = copy.finish().await?;
+    assert_eq!(
+        copied,
+        batch.len() as u64,
+        "COPY stores every line of a batch"
+    );
     Ok(())
+}
+
+/// One line as a `COPY … (FORMAT csv)` row: text quoted with `"` doubled, so that an
+/// unquoted empty field can only be a NULL; decimals as written (their scale kept), and
+/// instants at microseconds as the binary encoding sends them.
+fn write_copy_row(out: &mut String, report_id: &str, line: &ParsedLine) {
+    use std::fmt::Write as _;
+
+    fn text(out: &mut String, value: Option<&str>) {
+        if let Some(value) = value {
+            out.push('"');
+            out.push_str(&value.replace('"', "\"\""));
+            out.push('"');
+        }
+    }
+    fn instant(out: &mut String, value: DateTime<Utc>) {
+        // What sqlx sends for a `TIMESTAMPTZ`: whole microseconds since 2000, truncated.
+        let epoch = DateTime::<Utc>::from_timestamp(946_684_800, 0).expect("a valid instant");
+        let micros = (value - epoch)
+            .num_microseconds()
+            .expect("a report instant is within Postgres's range");
+        let value = epoch + chrono::Duration::microseconds(micros);
+        out.push_str(&value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
+    }
+    let report = &line.report;
+    let _ = write!(out, "{report_id},{},", line.line);
+    instant(out, report.charge_period.start());
+    out.push(',');
+    instant(out, report.charge_period.end());
+    out.push(',');
+    text(out, Some(&report.container_id));
+    out.push(',');
+    text(out, report.org_id.as_deref());
+    let unit = match report.unit {
+        Unit::Seconds => "Seconds",
+        Unit::Hours => "Hours",
+    };
+    let _ = write!(out, ",{},{unit},{},", report.quantity, report.billed_cost);
+    text(out, Some(&report.currency));
+    out.push(',');
+    text(out, line.provider_name.as_deref());
+    out.push(',');
+    text(out, line.charge_category.as_deref());
+    out.push('\n');
 }
 
 #[derive(sqlx::FromRow)]
