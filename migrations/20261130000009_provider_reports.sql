@@ -10,9 +10,11 @@ CREATE TABLE provider_report (
     imported_by  TEXT        NOT NULL
 );
 
+-- No foreign key to provider_report: lines and their report are written in one
+-- transaction (the report row last, once every line parsed) and neither is ever changed,
+-- while a deferred key check at commit costs as much as the COPY of the lines itself.
 CREATE TABLE provider_report_line (
-    report_id           UUID        NOT NULL
-        REFERENCES provider_report (id) DEFERRABLE INITIALLY DEFERRED,
+    report_id           UUID        NOT NULL,
     -- The line number in the file (the header is line 1).
     line                BIGINT      NOT NULL,
     charge_period_start TIMESTAMPTZ NOT NULL,
