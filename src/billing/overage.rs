@@ -219,10 +219,6 @@ mod tests {
         Period::parse("2026-11").unwrap().window()
     }
 
-    fn hours(ms: i64) -> f64 {
-        ms as f64 / 3_600_000.0
-    }
-
     #[test]
     fn allowance_is_consumed_in_time_order_across_containers() {
         let pro = plan("pro", 3, "2");
@@ -236,7 +232,7 @@ mod tests {
             Interval::new(at(1, 1), Some(at(1, 3))),
         ];
         let result = overage(&intervals, &segments, november());
-        assert_eq!(hours(result.overage_ms), 1.0);
+        assert_eq!(result.overage_ms, 3_600_000);
         assert_eq!(result.amount, Decimal::from(2));
         assert_eq!(result, single_plan(4 * 3_600_000, &pro));
     }

@@ -191,3 +191,191 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     }
     app.stop().await;
 }
+
+/// A container-day of the generated month: (org, container, day start, session start and
+/// length in seconds).
+struct Session {
+    org: String,
+    container: String,
+    day: chrono::DateTime<Utc>,
+    start: chrono::DateTime<Utc>,
+    seconds: i64,
+}
+
+#[tokio::test]
+async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_discrepancies() {
+    use rust_decimal::Decimal;
+
+    let app = TestApp::spawn().await;
+    let today = Utc::now().duration_trunc(Duration::days(1)).unwrap();
+    let mut sessions = Vec::new();
+    for org in 0..20 {
+        for k in 0..3 {
+            for n in 0..10i64 {
+                let day = today - Duration::days(1 + (n * 3 + org + k) % 27);
+                if sessions
+                    .iter()
+                    .any(|s: &Session| s.container == format!("c{org:02}_{k}") && s.day == day)
+                {
+                    continue;
+                }
+                let seconds = 3_600 + (org * 7 + k * 13 + n) * 60 + org;
+                sessions.push(Session {
+                    org: format!("org_{org:02}"),
+                    container: format!("c{org:02}_{k}"),
+                    day,
+                    start: day + Duration::hours(6 + k),
+                    seconds,
+                });
+            }
+        }
+    }
+    // The ledger: each container's sessions in time order (created, then resumed).
+    let mut events = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut ordered: Vec<&Session> = sessions.iter().collect();
+    ordered.sort_by_key(|s| (s.container.clone(), s.start));
+    for s in &ordered {
+        let first = seen.insert(s.container.clone());
+        let stamp = tally::event::canonical::timestamp;
+        events.push(json!({"id": Uuid::new_v4(), "type": if first { "container.created" } else { "container.resumed" },
+            "org_id": s.org, "container_id": s.container, "occurred_at": stamp(s.start)}));
+        events.push(json!({"id": Uuid::new_v4(), "type": "container.stopped", "org_id": s.org,
+            "container_id": s.container, "occurred_at": stamp(s.start + Duration::seconds(s.seconds))}));
+    }
+    for chunk in events.chunks(1000) {
+        let (status, response) = app.post_json(&json!({"events": chunk})).await;
+        assert_eq!(status, 200, "{response}");
+    }
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    eventually(30, "projected", || async {
+        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        at == head
+    })
+    .await;
+
+    // The report: one line per container-day at 0.36 an hour, derived from the ledger, with
+    // planted discrepancies; most other lines a second off (within tolerance).
+    let price = Decimal::new(36, 2);
+    let cost = |seconds: i64| (Decimal::from(seconds) * price / Decimal::from(3600)).round_dp(2);
+    let stamp = tally::event::canonical::timestamp;
+    let mut lines = vec!["ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned()];
+    let mut planted = std::collections::HashMap::new();
+    for (index, s) in sessions.iter().enumerate() {
+        if s.container == "c09_0" {
+            continue; // left out: missing_in_provider
+        }
+        let (seconds, tag, plant) = match (s.container.as_str(), index % 10) {
+            ("c03_0", 2) => (s.seconds + 90, s.org.clone(), true),
+            ("c05_1", 4) => (s.seconds - 600, s.org.clone(), true),
+            ("c07_2", 1) => (s.seconds, "org_08".to_owned(), true),
+            _ => (s.seconds + (index as i64 % 2), s.org.clone(), false),
+        };
+        if plant {
+            planted.insert(
+                s.container.clone(),
+                (seconds - s.seconds, cost(seconds), s.seconds),
+            );
+        }
+        lines.push(format!(
+            r#"{},{},{},{seconds},Seconds,{},USD,"{{""org_id"":""{tag}""}}""#,
+            stamp(s.day),
+            stamp(s.day + Duration::days(1)),
+            s.container,
+            cost(seconds)
+        ));
+    }
+    lines.push(format!(
+        r#"{},{},ghost,100,Seconds,0.01,USD,"{{""org_id"":""org_00""}}""#,
+        stamp(today - Duration::days(2)),
+        stamp(today - Duration::days(1))
+    ));
+    let report_lines = lines.len() - 1;
+    let response = app
+        .client
+        .post(app.url("/v1/provider-reports"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "text/csv")
+        .body(lines.join("\n"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    let report: Value = response.json().await.unwrap();
+    let response = app
+        .client
+        .post(app.url("/v1/reconciliations"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"report_id": report["report_id"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    let result: Value = response.json().await.unwrap();
+    assert_eq!(
+        result["counts"],
+        json!({"matched": report_lines - 4, "provider_over": 1, "provider_under": 1,
+               "missing_in_ledger": 1, "org_mismatch": 1, "missing_in_provider": 1})
+    );
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let csv = app
+        .client
+        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let rows: Vec<Vec<String>> = csv
+        .lines()
+        .skip(1)
+        .map(|line| line.split(',').map(str::to_owned).collect())
+        .collect();
+    for (status, container) in [("provider_over", "c03_0"), ("provider_under", "c05_1")] {
+        let row = rows.iter().find(|row| row[7] == status).unwrap();
+        let (delta_s, provider_cost, ledger_s) = &planted[container];
+        assert_eq!(row[1], container);
+        assert_eq!(row[6], (delta_s * 1000).to_string(), "exact delta_ms");
+        assert_eq!(row[4], (ledger_s * 1000).to_string());
+        assert_eq!(
+            row[8],
+            provider_cost.to_string(),
+            "provider cost to the cent"
+        );
+        // Expected: ledger hours at the line's own unit price.
+        let expected = (*provider_cost * Decimal::from(*ledger_s)
+            / Decimal::from(ledger_s + delta_s))
+        .round_dp_with_strategy(2, rust_decimal::RoundingStrategy::MidpointAwayFromZero);
+        assert_eq!(
+            row[9],
+            format!("{expected:.2}"),
+            "expected cost to the cent"
+        );
+    }
+    let silent = rows
+        .iter()
+        .find(|row| row[7] == "missing_in_provider")
+        .unwrap();
+    let silent_total: i64 = sessions
+        .iter()
+        .filter(|s| s.container == "c09_0")
+        .map(|s| s.seconds * 1000)
+        .sum();
+    assert_eq!(
+        (silent[1].as_str(), silent[4].clone()),
+        ("c09_0", silent_total.to_string())
+    );
+    assert_eq!(
+        rows.iter().find(|row| row[7] == "org_mismatch").unwrap()[1],
+        "c07_2"
+    );
+    app.stop().await;
+}
