@@ -23,8 +23,7 @@ use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
 use crate::projection::{query, store};
 use crate::runtime::{
-    self, AccountChange, AccountEntry, AccountState, AccountTimeline, Interval, Lifecycle,
-    OpenRuns, Period, PeriodTotals,
+    self, AccountEntry, AccountState, AccountTimeline, Lifecycle, Period, PeriodTotals,
 };
 
 /// How long a check waits for the projection to include this instance's own appends
@@ -172,19 +171,7 @@ async fn load(
         return Ok(None);
     }
 
-    let open = row
-        .open_periods
-        .iter()
-        .zip(&row.open_running)
-        .zip(&row.open_offsets)
-        .map(|((since_period, running), offset)| {
-            Ok(OpenRuns {
-                since_period: Period::parse(since_period)?,
-                running: u64::try_from(*running)?,
-                since_offset_ms: *offset,
-            })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let open = query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?;
     // Open intervals, corrected by the few containers with events after now.
     let mut running: i64 = open.iter().map(|runs| runs.running as i64).sum();
     for intervals in &row.future_intervals {
@@ -282,19 +269,11 @@ fn plan_versions(id: &PlanId, json: Option<&str>) -> anyhow::Result<Vec<plans::P
 }
 
 fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
-    let pairs: Vec<(i64, Option<i64>)> =
-        serde_json::from_str(intervals).context("stored intervals")?;
-    let instant = |ms: i64| DateTime::from_timestamp_millis(ms).ok_or_else(|| anyhow!("{ms} ms"));
-    let intervals = pairs
-        .into_iter()
-        .map(|(start, end)| {
-            Ok(Interval::new(
-                instant(start)?,
-                end.map(instant).transpose()?,
-            ))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    Ok(Lifecycle::restore(intervals, Vec::new(), None))
+    Ok(Lifecycle::restore(
+        store::decode_intervals(intervals)?,
+        Vec::new(),
+        None,
+    ))
 }
 
 type StoredChange = (i64, i64, Uuid, Option<String>, Option<bool>, Option<bool>);
@@ -304,12 +283,7 @@ fn account_entries(json: &str) -> anyhow::Result<Vec<AccountEntry>> {
     rows.into_iter()
         .map(
             |(position, occurred_at_ms, event_id, plan, verified, eligible)| {
-                let change = match (plan, verified, eligible) {
-                    (Some(plan), None, None) => AccountChange::Plan(PlanId::parse(&plan)?),
-                    (None, Some(value), None) => AccountChange::Verified(value),
-                    (None, None, Some(value)) => AccountChange::BillingEligible(value),
-                    _ => anyhow::bail!("account change {position} sets not exactly one value"),
-                };
+                let change = store::account_change(position, plan, verified, eligible)?;
                 Ok(AccountEntry {
                     occurred_at: DateTime::from_timestamp_millis(occurred_at_ms)
                         .ok_or_else(|| anyhow!("{occurred_at_ms} ms"))?,

@@ -131,8 +131,11 @@ pub async fn run(
             .into_iter()
             .collect();
         let mut known: HashMap<String, Vec<StoredContainer>> = HashMap::new();
-        for (container_id, stored) in store::containers_by_ids(&mut transaction, &ids).await? {
-            known.entry(container_id).or_default().push(stored);
+        for stored in store::containers_by_ids(&mut transaction, &ids).await? {
+            known
+                .entry(stored.container_id.clone())
+                .or_default()
+                .push(stored);
         }
         let mut results = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -170,15 +173,13 @@ pub async fn run(
     }
 
     let mut missing = Vec::new();
-    for (container_id, stored) in
-        store::containers_running_since(&mut transaction, window_start).await?
-    {
-        if mentioned.contains(&container_id) {
+    for stored in store::containers_running_since(&mut transaction, window_start).await? {
+        if mentioned.contains(&stored.container_id) {
             continue;
         }
         missing.extend(reconcile::missing_in_provider(
             &stored.org_id,
-            &container_id,
+            &stored.container_id,
             &stored.lifecycle,
             report_window,
             tolerance,

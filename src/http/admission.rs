@@ -3,7 +3,7 @@
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{delete, post};
 use axum::{Json, Router};
 use serde::Serialize;
@@ -13,7 +13,6 @@ use uuid::Uuid;
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
-use super::events::read_body;
 use super::AppState;
 use crate::admission::{self, AdmissionError, Answer, Released, Request};
 use crate::billing::Action;
@@ -96,7 +95,7 @@ pub async fn post_check(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<CheckResponse>, ApiError> {
-    let fields = json_object(&state, &headers, body).await?;
+    let fields = super::body::json_object(&state, &headers, body).await?;
     let request = parse_request(&fields, &["org_id", "action", "container_id"])?;
     principal.check_org(request.org_id.as_str())?;
     let answer = admission::check(&state.pool, &state.appender.head(), &request)
@@ -130,14 +129,14 @@ pub async fn post_reservation(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ReservationResponse>), ApiError> {
-    let fields = json_object(&state, &headers, body).await?;
+    let fields = super::body::json_object(&state, &headers, body).await?;
     let request = parse_request(
         &fields,
         &["org_id", "action", "container_id", "ttl_seconds"],
     )?;
     principal.check_org(request.org_id.as_str())?;
     if !request.action.takes_slot() {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "invalid_action",
             "reservations hold a running slot: action must be \"create\" or \"resume\"",
         ));
@@ -148,7 +147,7 @@ pub async fn post_reservation(
             .as_u64()
             .filter(|ttl| (admission::TTL_SECONDS_MIN..=admission::TTL_SECONDS_MAX).contains(ttl))
             .ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_ttl",
                     format!(
                         "ttl_seconds: must be a whole number from {} to {}",
@@ -228,8 +227,9 @@ pub async fn delete_reservation(
     Extension(principal): Extension<Principal>,
     Path(reservation_id): Path<String>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
-    let id = Uuid::try_parse(&reservation_id)
-        .map_err(|_| invalid("invalid_reservation_id", "reservation_id: must be a UUID"))?;
+    let id = Uuid::try_parse(&reservation_id).map_err(|_| {
+        ApiError::invalid("invalid_reservation_id", "reservation_id: must be a UUID")
+    })?;
     if let Some(org_id) = admission::reservation_org(&state.pool, id).await? {
         principal.check_org(&org_id)?;
     }
@@ -251,69 +251,35 @@ pub async fn delete_reservation(
     }
 }
 
-async fn json_object(
-    state: &AppState,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<Map<String, Value>, ApiError> {
-    let is_json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
-    if !is_json {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "Content-Type must be application/json",
-        ));
-    }
-    let bytes = read_body(body, state.body_max_bytes).await?;
-    match serde_json::from_slice(&bytes) {
-        Ok(Value::Object(fields)) => Ok(fields),
-        Ok(_) => Err(invalid("invalid_body", "the body must be a JSON object")),
-        Err(error) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "malformed_json",
-            format!("body is not JSON: {error}"),
-        )),
-    }
-}
-
 fn parse_request(fields: &Map<String, Value>, known: &[&str]) -> Result<Request, ApiError> {
-    if let Some(unknown) = fields.keys().find(|name| !known.contains(&name.as_str())) {
-        return Err(invalid(
-            "unknown_field",
-            format!("{unknown}: is not a field of this request"),
-        ));
-    }
+    super::body::only_fields(fields, known, "this request")?;
     let text = |name: &str| fields.get(name).and_then(Value::as_str);
     let org_id = text("org_id")
-        .ok_or_else(|| invalid("invalid_org_id", "org_id: is required"))
+        .ok_or_else(|| ApiError::invalid("invalid_org_id", "org_id: is required"))
         .and_then(|value| {
             OrgId::parse(value)
-                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))
+                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))
         })?;
     let action = text("action").and_then(Action::parse).ok_or_else(|| {
-        invalid(
+        ApiError::invalid(
             "invalid_action",
             "action: must be \"create\", \"resume\", \"run\" or \"publish_port\"",
         )
     })?;
-    let container_id =
-        match fields.get("container_id") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(value)) => Some(ContainerId::parse(value).map_err(|error| {
-                invalid("invalid_container_id", format!("container_id: {error}"))
-            })?),
-            Some(_) => {
-                return Err(invalid(
-                    "invalid_container_id",
-                    "container_id: must be a string",
-                ))
-            }
-        };
+    let container_id = match fields.get("container_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(value)) => Some(ContainerId::parse(value).map_err(|error| {
+            ApiError::invalid("invalid_container_id", format!("container_id: {error}"))
+        })?),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_container_id",
+                "container_id: must be a string",
+            ))
+        }
+    };
     if action.needs_running_container() && container_id.is_none() {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "missing_container_id",
             "container_id: is required for run and publish_port",
         ));
@@ -330,8 +296,4 @@ fn admission_error(error: AdmissionError) -> ApiError {
         AdmissionError::Stale(_) => ApiError::unavailable("projection_lagging", error.to_string()),
         AdmissionError::Store(error) => ApiError::from(error),
     }
-}
-
-fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
 }

@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
@@ -96,7 +95,7 @@ pub async fn get_container_events(
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Json<EventsPage>, ApiError> {
     if params.contains_key("container_id") {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "unknown_parameter",
             "container_id: is already in the path",
         ));
@@ -112,7 +111,7 @@ async fn page(
 ) -> Result<Json<EventsPage>, ApiError> {
     const KNOWN: [&str; 5] = ["org_id", "container_id", "type", "after", "limit"];
     if let Some(unknown) = params.keys().find(|name| !KNOWN.contains(&name.as_str())) {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "unknown_parameter",
             format!("{unknown}: is not a filter"),
         ));
@@ -121,7 +120,7 @@ async fn page(
         .get("org_id")
         .map(|value| {
             OrgId::parse(value)
-                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))
+                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))
         })
         .transpose()?;
     // An org-bound token sees only its org.
@@ -131,7 +130,7 @@ async fn page(
     let org_id = match (org_id, &principal.org_id) {
         (None, Some(bound)) => Some(
             OrgId::parse(bound)
-                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))?,
+                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))?,
         ),
         (org_id, _) => org_id,
     };
@@ -139,15 +138,16 @@ async fn page(
         .as_ref()
         .or(params.get("container_id"))
         .map(|value| {
-            ContainerId::parse(value)
-                .map_err(|error| invalid("invalid_container_id", format!("container_id: {error}")))
+            ContainerId::parse(value).map_err(|error| {
+                ApiError::invalid("invalid_container_id", format!("container_id: {error}"))
+            })
         })
         .transpose()?;
     let event_type = params
         .get("type")
         .map(|value| {
             EventType::parse(value).ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_type",
                     format!("type: {value:?} is not an event type"),
                 )
@@ -161,7 +161,7 @@ async fn page(
             .ok()
             .filter(|after| *after >= 0)
             .ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_after",
                     "after: must be a position, a whole number from 0",
                 )
@@ -174,7 +174,7 @@ async fn page(
             .ok()
             .filter(|limit| (1..=state.page_events_max).contains(limit))
             .ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_limit",
                     format!(
                         "limit: must be a whole number from 1 to {}",
@@ -195,8 +195,4 @@ async fn page(
         .map(|row| serde_json::to_value(row.to_message()).expect("a ledger row serializes"))
         .collect();
     Ok(Json(EventsPage { events, next_after }))
-}
-
-fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
 }

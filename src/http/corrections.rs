@@ -6,7 +6,7 @@
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use chrono::{SubsecRound, Utc};
@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
-use super::events::{read_body, EventResult};
+use super::events::EventResult;
 use super::AppState;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
@@ -70,22 +70,14 @@ pub async fn post_void(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<VoidResponse>), ApiError> {
-    let fields = json_object(&state, &headers, body).await?;
-    if let Some(unknown) = fields
-        .keys()
-        .find(|name| !["event_id", "reason"].contains(&name.as_str()))
-    {
-        return Err(invalid(
-            "unknown_field",
-            format!("{unknown}: is not a field of a void"),
-        ));
-    }
+    let fields = super::body::json_object(&state, &headers, body).await?;
+    super::body::only_fields(&fields, &["event_id", "reason"], "a void")?;
     let event_id = fields
         .get("event_id")
         .and_then(Value::as_str)
         .and_then(|id| EventId::parse(id).ok())
         .ok_or_else(|| {
-            invalid(
+            ApiError::invalid(
                 "invalid_event_id",
                 "event_id: a hyphenated UUID is required",
             )
@@ -106,7 +98,7 @@ pub async fn post_void(
     let voidable = EventType::parse(&event_type)
         .is_some_and(|t| t.is_container_event() || event_type.starts_with("org."));
     if !voidable {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "not_voidable",
             format!("{event_type} events cannot be voided (plans change by new versions; corrections stand)"),
         ));
@@ -185,16 +177,8 @@ pub async fn post_events(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<AddedResponse>), ApiError> {
-    let fields = json_object(&state, &headers, body).await?;
-    if let Some(unknown) = fields
-        .keys()
-        .find(|name| !["events", "reason"].contains(&name.as_str()))
-    {
-        return Err(invalid(
-            "unknown_field",
-            format!("{unknown}: is not a field of a correction"),
-        ));
-    }
+    let fields = super::body::json_object(&state, &headers, body).await?;
+    super::body::only_fields(&fields, &["events", "reason"], "a correction")?;
     let reason = reason(&fields)?;
     let batch = json!({"events": fields.get("events").cloned().unwrap_or(Value::Null)});
     let bounds = TimeBounds {
@@ -208,7 +192,7 @@ pub async fn post_events(
         state.batch_events_max,
     )?;
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "unknown_plan",
             format!("event {index}: plan {plan:?} is not defined"),
         ));
@@ -248,41 +232,9 @@ fn reason(fields: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
         .filter(|reason| !reason.is_empty() && reason.chars().count() <= REASON_MAX)
         .map(str::to_owned)
         .ok_or_else(|| {
-            invalid(
+            ApiError::invalid(
                 "invalid_reason",
                 format!("reason: 1 to {REASON_MAX} characters are required"),
             )
         })
-}
-
-async fn json_object(
-    state: &AppState,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<serde_json::Map<String, Value>, ApiError> {
-    let is_json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
-    if !is_json {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "Content-Type must be application/json",
-        ));
-    }
-    let bytes = read_body(body, state.body_max_bytes).await?;
-    match serde_json::from_slice(&bytes) {
-        Ok(Value::Object(fields)) => Ok(fields),
-        Ok(_) => Err(invalid("invalid_body", "the body must be a JSON object")),
-        Err(error) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "malformed_json",
-            format!("body is not JSON: {error}"),
-        )),
-    }
-}
-
-fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
 }

@@ -48,6 +48,11 @@ impl ApiError {
         }
     }
 
+    /// 422: the request is well formed but breaks a rule.
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+    }
+
     pub fn with_details(mut self, details: Vec<Value>) -> Self {
         self.details = details;
         self

@@ -71,8 +71,8 @@ pub async fn post_close(
     Extension(principal): Extension<Principal>,
     Path(period): Path<String>,
 ) -> Result<(StatusCode, Json<PeriodResponse>), ApiError> {
-    let period =
-        Period::parse(&period).map_err(|error| invalid("invalid_period", error.to_string()))?;
+    let period = Period::parse(&period)
+        .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
     match crate::periods::close(&state.pool, period, &principal.id).await {
         Ok(closed) => Ok((StatusCode::CREATED, Json(closed.into()))),
         Err(CloseError::Running(period, until)) => Err(ApiError::new(
@@ -112,8 +112,8 @@ pub async fn get_period(
     State(state): State<AppState>,
     Path(period): Path<String>,
 ) -> Result<Json<PeriodResponse>, ApiError> {
-    let period =
-        Period::parse(&period).map_err(|error| invalid("invalid_period", error.to_string()))?;
+    let period = Period::parse(&period)
+        .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
     match crate::periods::get(&state.pool, period).await? {
         Some(closed) => Ok(Json(closed.into())),
         None => Err(ApiError::new(
@@ -150,22 +150,23 @@ pub async fn get_usage_export(
         .keys()
         .find(|name| !["period", "format"].contains(&name.as_str()))
     {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "unknown_parameter",
             format!("{unknown}: is not a parameter of this export"),
         ));
     }
     let period = params
         .get("period")
-        .ok_or_else(|| invalid("invalid_period", "period is required: YYYY-MM"))
+        .ok_or_else(|| ApiError::invalid("invalid_period", "period is required: YYYY-MM"))
         .and_then(|period| {
-            Period::parse(period).map_err(|error| invalid("invalid_period", error.to_string()))
+            Period::parse(period)
+                .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))
         })?;
     let json_format = match params.get("format").map(String::as_str) {
         None | Some("csv") => false,
         Some("json") => true,
         Some(other) => {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "invalid_format",
                 format!("format: {other:?} is not csv or json"),
             ))
@@ -220,8 +221,4 @@ pub async fn get_usage_export(
         .header(header::CONTENT_TYPE, content_type)
         .body(Body::from_stream(head.chain(body).chain(tail)))
         .map_err(|error| ApiError::internal(&error))
-}
-
-fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
 }

@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod audit;
 pub mod auth;
+pub mod body;
 pub mod corrections;
 pub mod error;
 pub mod events;

@@ -4,7 +4,7 @@
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, put};
 use axum::{Json, Router};
 use chrono::{SubsecRound, Utc};
@@ -13,7 +13,6 @@ use serde_json::{json, Value};
 use utoipa::ToSchema;
 
 use super::error::{ApiError, ErrorBody};
-use super::events::read_body;
 use super::AppState;
 use crate::billing::Plan;
 use crate::event::canonical;
@@ -125,25 +124,7 @@ pub async fn put_plan(
             error.to_string(),
         )
     })?;
-    let is_json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
-    if !is_json {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "Content-Type must be application/json",
-        ));
-    }
-    let bytes = read_body(body, state.body_max_bytes).await?;
-    let body: Value = serde_json::from_slice(&bytes).map_err(|error| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "malformed_json",
-            format!("body is not JSON: {error}"),
-        )
-    })?;
+    let body = Value::Object(super::body::json_object(&state, &headers, body).await?);
     let plan = Plan::parse(&id, &body).map_err(|errors| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,

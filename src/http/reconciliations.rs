@@ -20,7 +20,6 @@ use uuid::Uuid;
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
-use super::events::read_body;
 use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
@@ -76,41 +75,17 @@ pub async fn post_reconciliation(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ReconciliationResponse>), ApiError> {
-    let is_json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
-    if !is_json {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "Content-Type must be application/json",
-        ));
-    }
-    let bytes = read_body(body, state.body_max_bytes).await?;
-    let fields = match serde_json::from_slice::<Value>(&bytes) {
-        Ok(Value::Object(fields)) => fields,
-        Ok(_) => return Err(invalid("invalid_body", "the body must be a JSON object")),
-        Err(error) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                format!("body is not JSON: {error}"),
-            ))
-        }
-    };
-    let known = ["report_id", "tolerance_ms", "tolerance_ratio"];
-    if let Some(unknown) = fields.keys().find(|name| !known.contains(&name.as_str())) {
-        return Err(invalid(
-            "unknown_field",
-            format!("{unknown}: is not a field of a reconciliation"),
-        ));
-    }
+    let fields = super::body::json_object(&state, &headers, body).await?;
+    super::body::only_fields(
+        &fields,
+        &["report_id", "tolerance_ms", "tolerance_ratio"],
+        "a reconciliation",
+    )?;
     let report_id = fields
         .get("report_id")
         .and_then(Value::as_str)
         .and_then(|id| Uuid::try_parse(id).ok())
-        .ok_or_else(|| invalid("invalid_report_id", "report_id: a UUID is required"))?;
+        .ok_or_else(|| ApiError::invalid("invalid_report_id", "report_id: a UUID is required"))?;
     let mut tolerance = Tolerance::default();
     if let Some(value) = fields.get("tolerance_ms") {
         tolerance.min_ms = value
@@ -118,7 +93,7 @@ pub async fn post_reconciliation(
             .filter(|ms| *ms <= TOLERANCE_MS_MAX)
             .and_then(|ms| i64::try_from(ms).ok())
             .ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_tolerance",
                     format!("tolerance_ms: a whole number from 0 to {TOLERANCE_MS_MAX}"),
                 )
@@ -135,7 +110,7 @@ pub async fn post_reconciliation(
             .ok()
             .filter(|ratio| *ratio >= Decimal::ZERO && *ratio <= Decimal::ONE)
             .ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_tolerance",
                     "tolerance_ratio: a decimal from 0 to 1",
                 )
@@ -241,7 +216,7 @@ pub async fn get_lines(
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     if let Some(unknown) = params.keys().find(|name| name.as_str() != "format") {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "unknown_parameter",
             format!("{unknown}: is not a parameter of this export"),
         ));
@@ -250,14 +225,14 @@ pub async fn get_lines(
         None | Some("csv") => false,
         Some("json") => true,
         Some(other) => {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "invalid_format",
                 format!("format: {other:?} is not csv or json"),
             ))
         }
     };
     let id = Uuid::try_parse(&reconciliation_id).map_err(|_| {
-        invalid(
+        ApiError::invalid(
             "invalid_reconciliation_id",
             "reconciliation_id: must be a UUID",
         )
@@ -342,8 +317,4 @@ async fn read_lines(pool: &PgPool, id: Uuid, after: i64) -> Result<Vec<LineRow>,
     .bind(EXPORT_CHUNK_LINES)
     .fetch_all(pool)
     .await
-}
-
-fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
 }

@@ -4,7 +4,7 @@
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{delete, post};
 use axum::{Extension, Json, Router};
 use chrono::Utc;
@@ -17,7 +17,6 @@ use uuid::Uuid;
 
 use super::auth::{Principal, Scope};
 use super::error::{ApiError, ErrorBody};
-use super::events::read_body;
 use super::AppState;
 use crate::event::OrgId;
 
@@ -64,47 +63,17 @@ pub async fn post_token(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<TokenCreated>), ApiError> {
-    let is_json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("application/json"));
-    if !is_json {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "Content-Type must be application/json",
-        ));
-    }
-    let bytes = read_body(body, state.body_max_bytes).await?;
-    let fields = match serde_json::from_slice::<Value>(&bytes) {
-        Ok(Value::Object(fields)) => fields,
-        Ok(_) => return Err(invalid("invalid_body", "the body must be a JSON object")),
-        Err(error) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                format!("body is not JSON: {error}"),
-            ))
-        }
-    };
-    if let Some(unknown) = fields
-        .keys()
-        .find(|name| !["scopes", "org_id"].contains(&name.as_str()))
-    {
-        return Err(invalid(
-            "unknown_field",
-            format!("{unknown}: is not a token field"),
-        ));
-    }
+    let fields = super::body::json_object(&state, &headers, body).await?;
+    super::body::only_fields(&fields, &["scopes", "org_id"], "a token")?;
     let mut scopes: Vec<Scope> = fields
         .get("scopes")
         .and_then(Value::as_array)
         .filter(|scopes| !scopes.is_empty())
-        .ok_or_else(|| invalid("invalid_scopes", "scopes: a non-empty list is required"))?
+        .ok_or_else(|| ApiError::invalid("invalid_scopes", "scopes: a non-empty list is required"))?
         .iter()
         .map(|scope| {
             scope.as_str().and_then(Scope::parse).ok_or_else(|| {
-                invalid(
+                ApiError::invalid(
                     "invalid_scopes",
                     format!(
                         "scopes: {scope} is not one of {}",
@@ -120,12 +89,17 @@ pub async fn post_token(
         None | Some(Value::Null) => None,
         Some(Value::String(org)) => Some(
             OrgId::parse(org)
-                .map_err(|error| invalid("invalid_org_id", format!("org_id: {error}")))?,
+                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))?,
         ),
-        Some(_) => return Err(invalid("invalid_org_id", "org_id: must be a string")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_org_id",
+                "org_id: must be a string",
+            ))
+        }
     };
     if org_id.is_some() && scopes.contains(&Scope::Admin) {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "invalid_scopes",
             "an org-bound token cannot be admin: admin acts on every org",
         ));
@@ -188,7 +162,7 @@ pub async fn delete_token(
     Path(token_id): Path<String>,
 ) -> Result<Json<TokenRevoked>, ApiError> {
     let id = Uuid::try_parse(&token_id)
-        .map_err(|_| invalid("invalid_token_id", "token_id: must be a UUID"))?;
+        .map_err(|_| ApiError::invalid("invalid_token_id", "token_id: must be a UUID"))?;
     let found: Option<bool> = sqlx::query_scalar(
         "UPDATE api_token SET revoked_at = COALESCE(revoked_at, now()), \
                               revoked_by = COALESCE(revoked_by, $2) \
@@ -206,8 +180,4 @@ pub async fn delete_token(
             format!("no token {id}"),
         )),
     }
-}
-
-fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
 }

@@ -68,6 +68,27 @@ pub async fn usage_on(
     }
 }
 
+/// An org's open-interval groups from the three parallel arrays the totals statements
+/// select (`org_open` ordered by period).
+pub fn open_runs(
+    periods: &[String],
+    running: &[i64],
+    offsets: &[i64],
+) -> anyhow::Result<Vec<OpenRuns>> {
+    periods
+        .iter()
+        .zip(running)
+        .zip(offsets)
+        .map(|((since_period, running), offset)| {
+            Ok(OpenRuns {
+                since_period: Period::parse(since_period)?,
+                running: u64::try_from(*running)?,
+                since_offset_ms: *offset,
+            })
+        })
+        .collect()
+}
+
 /// Usage from the org's totals in one statement; `None` when `as_of` is before the org's
 /// latest event and every figure has to be cut at it.
 async fn from_totals(
@@ -101,19 +122,7 @@ async fn from_totals(
         command_ms: row.command_ms,
         ports_published: u64::try_from(row.ports_published)?,
     };
-    let open = row
-        .open_periods
-        .iter()
-        .zip(&row.open_running)
-        .zip(&row.open_offsets)
-        .map(|((since_period, running), offset)| {
-            Ok(OpenRuns {
-                since_period: Period::parse(since_period)?,
-                running: u64::try_from(*running)?,
-                since_offset_ms: *offset,
-            })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let open = open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?;
     let settled_at = row.latest_at.map(runtime::settled_at);
     Ok(runtime::usage_from_totals(
         totals, &open, period, as_of, settled_at,

@@ -234,6 +234,24 @@ struct LifecycleRow {
     last_at: DateTime<Utc>,
 }
 
+/// The columns of [`LifecycleRow`].
+const CONTAINER_COLUMNS: &str = "org_id, container_id, intervals::TEXT AS intervals, \
+     anomalies::TEXT AS anomalies, last_at";
+
+impl LifecycleRow {
+    fn decode(self) -> anyhow::Result<StoredContainer> {
+        let lifecycle = decode_lifecycle(&self.intervals, &self.anomalies, self.last_at)
+            .with_context(|| {
+                format!("stored container {} of {}", self.container_id, self.org_id)
+            })?;
+        Ok(StoredContainer {
+            org_id: self.org_id,
+            container_id: self.container_id,
+            lifecycle,
+        })
+    }
+}
+
 /// The stored lifecycles of the containers that have one.
 pub async fn load_lifecycles(
     connection: &mut PgConnection,
@@ -271,6 +289,7 @@ pub async fn load_lifecycles(
 #[derive(Debug)]
 pub struct StoredContainer {
     pub org_id: String,
+    pub container_id: String,
     pub lifecycle: Lifecycle,
 }
 
@@ -281,23 +300,14 @@ pub async fn containers_by_id(
     org_id: Option<&str>,
 ) -> anyhow::Result<Vec<StoredContainer>> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
-        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
-                last_at \
-         FROM {LIVE}.container WHERE container_id = $1 AND ($2::TEXT IS NULL OR org_id = $2) \
+        "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE container_id = $1 AND ($2::TEXT IS NULL OR org_id = $2) \
          ORDER BY org_id"
     ))
     .bind(container_id)
     .bind(org_id)
     .fetch_all(connection)
     .await?;
-    rows.into_iter()
-        .map(|row| {
-            Ok(StoredContainer {
-                lifecycle: decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)?,
-                org_id: row.org_id,
-            })
-        })
-        .collect()
+    rows.into_iter().map(LifecycleRow::decode).collect()
 }
 
 /// The lifecycles of an org's containers.
@@ -306,15 +316,13 @@ pub async fn org_lifecycles(
     org_id: &str,
 ) -> anyhow::Result<Vec<Lifecycle>> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
-        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
-                last_at \
-         FROM {LIVE}.container WHERE org_id = $1"
+        "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE org_id = $1"
     ))
     .bind(org_id)
     .fetch_all(connection)
     .await?;
     rows.into_iter()
-        .map(|row| decode_lifecycle(&row.intervals, &row.anomalies, row.last_at))
+        .map(|row| Ok(row.decode()?.lifecycle))
         .collect()
 }
 
@@ -349,17 +357,14 @@ fn encode_lifecycle(lifecycle: &Lifecycle) -> (String, String) {
     )
 }
 
-fn decode_lifecycle(
-    intervals: &str,
-    anomalies: &str,
-    last_at: DateTime<Utc>,
-) -> anyhow::Result<Lifecycle> {
-    let instant = |ms: i64| {
-        DateTime::from_timestamp_millis(ms).ok_or_else(|| anyhow!("{ms} ms is not an instant"))
-    };
-    let intervals: Vec<(i64, Option<i64>)> =
-        serde_json::from_str(intervals).context("intervals")?;
-    let intervals = intervals
+fn instant(ms: i64) -> anyhow::Result<DateTime<Utc>> {
+    DateTime::from_timestamp_millis(ms).ok_or_else(|| anyhow!("{ms} ms is not an instant"))
+}
+
+/// A container's stored `intervals` column (`[[start_ms, end_ms or null], ...]`).
+pub fn decode_intervals(intervals: &str) -> anyhow::Result<Vec<Interval>> {
+    let pairs: Vec<(i64, Option<i64>)> = serde_json::from_str(intervals).context("intervals")?;
+    pairs
         .into_iter()
         .map(|(start, end)| {
             Ok(Interval::new(
@@ -367,7 +372,30 @@ fn decode_lifecycle(
                 end.map(instant).transpose()?,
             ))
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .collect()
+}
+
+/// The change an `account_change` row stores: exactly one of its three values is set.
+pub fn account_change(
+    position: i64,
+    plan: Option<String>,
+    verified: Option<bool>,
+    billing_eligible: Option<bool>,
+) -> anyhow::Result<AccountChange> {
+    Ok(match (plan, verified, billing_eligible) {
+        (Some(plan), None, None) => AccountChange::Plan(PlanId::parse(&plan)?),
+        (None, Some(value), None) => AccountChange::Verified(value),
+        (None, None, Some(value)) => AccountChange::BillingEligible(value),
+        _ => anyhow::bail!("account change at position {position} sets not exactly one value"),
+    })
+}
+
+fn decode_lifecycle(
+    intervals: &str,
+    anomalies: &str,
+    last_at: DateTime<Utc>,
+) -> anyhow::Result<Lifecycle> {
+    let intervals = decode_intervals(intervals)?;
     let anomalies: Vec<StoredAnomaly> = serde_json::from_str(anomalies).context("anomalies")?;
     let anomalies = anomalies
         .into_iter()
@@ -681,15 +709,8 @@ pub async fn account_entries(
     .await?;
     rows.into_iter()
         .map(|row| {
-            let change = match (row.plan, row.verified, row.billing_eligible) {
-                (Some(plan), None, None) => AccountChange::Plan(PlanId::parse(&plan)?),
-                (None, Some(value), None) => AccountChange::Verified(value),
-                (None, None, Some(value)) => AccountChange::BillingEligible(value),
-                _ => anyhow::bail!(
-                    "account change at position {} sets not exactly one value",
-                    row.position
-                ),
-            };
+            let change =
+                account_change(row.position, row.plan, row.verified, row.billing_eligible)?;
             Ok(AccountEntry {
                 occurred_at: row.occurred_at,
                 position: row.position,
@@ -808,57 +829,31 @@ async fn write_voids(
     Ok(())
 }
 
-/// Every org's record of each of `container_ids`, as (container id, stored container).
+/// Every org's record of each of `container_ids`.
 pub async fn containers_by_ids(
     connection: &mut PgConnection,
     container_ids: &[&str],
-) -> anyhow::Result<Vec<(String, StoredContainer)>> {
+) -> anyhow::Result<Vec<StoredContainer>> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
-        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
-                last_at \
-         FROM {LIVE}.container WHERE container_id = ANY($1)"
+        "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE container_id = ANY($1)"
     ))
     .bind(container_ids)
     .fetch_all(connection)
     .await?;
-    rows.into_iter()
-        .map(|row| {
-            let lifecycle = decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)?;
-            Ok((
-                row.container_id,
-                StoredContainer {
-                    org_id: row.org_id,
-                    lifecycle,
-                },
-            ))
-        })
-        .collect()
+    rows.into_iter().map(LifecycleRow::decode).collect()
 }
 
 /// Containers that may have run at or after `since`: an event then, or still running.
 pub async fn containers_running_since(
     connection: &mut PgConnection,
     since: DateTime<Utc>,
-) -> anyhow::Result<Vec<(String, StoredContainer)>> {
+) -> anyhow::Result<Vec<StoredContainer>> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
-        "SELECT org_id, container_id, intervals::TEXT AS intervals, anomalies::TEXT AS anomalies, \
-                last_at \
-         FROM {LIVE}.container \
+        "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container \
          WHERE last_at >= $1 OR jsonb_path_exists(intervals, '$[*] ? (@[1] == null)')"
     ))
     .bind(since)
     .fetch_all(connection)
     .await?;
-    rows.into_iter()
-        .map(|row| {
-            let lifecycle = decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)?;
-            Ok((
-                row.container_id,
-                StoredContainer {
-                    org_id: row.org_id,
-                    lifecycle,
-                },
-            ))
-        })
-        .collect()
+    rows.into_iter().map(LifecycleRow::decode).collect()
 }
