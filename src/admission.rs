@@ -15,13 +15,12 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context as _};
 use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::{FromRow, PgConnection, PgPool};
-use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::billing::{self, Action, Decision, Facts};
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
-use crate::projection::{query, store};
+use crate::projection::{query, store, Freshness};
 use crate::runtime::{
     self, AccountEntry, AccountState, AccountTimeline, Lifecycle, Period, PeriodTotals,
 };
@@ -70,13 +69,11 @@ impl From<sqlx::Error> for AdmissionError {
     }
 }
 
-/// Waits until the projection holds every event this instance has acknowledged (`head`),
-/// so that a check right after an append sees it (read-your-writes).
-pub async fn wait_until_fresh(
-    pool: &PgPool,
-    head: &watch::Receiver<i64>,
-) -> Result<(), AdmissionError> {
-    let wanted = *head.borrow();
+/// Waits until the projection holds every event this instance has acknowledged, so that a
+/// check right after an append sees it (read-your-writes). The projector is hurried when
+/// it is behind.
+pub async fn wait_until_fresh(pool: &PgPool, freshness: &Freshness) -> Result<(), AdmissionError> {
+    let wanted = freshness.wanted();
     let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
     loop {
         let projected: i64 =
@@ -89,6 +86,7 @@ pub async fn wait_until_fresh(
         if Instant::now() >= deadline {
             return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
         }
+        freshness.hurry();
         tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
     }
 }
@@ -299,10 +297,10 @@ fn account_entries(json: &str) -> anyhow::Result<Vec<AccountEntry>> {
 /// `POST /v1/admission/check`: the decision now, read-your-writes for this instance.
 pub async fn check(
     pool: &PgPool,
-    head: &watch::Receiver<i64>,
+    freshness: &Freshness,
     request: &Request,
 ) -> Result<Answer, AdmissionError> {
-    let wanted = *head.borrow();
+    let wanted = freshness.wanted();
     let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
     loop {
         // The connection goes back to the pool while waiting: the projector needs one to
@@ -322,6 +320,7 @@ pub async fn check(
         if Instant::now() >= deadline {
             return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
         }
+        freshness.hurry();
         tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
     }
 }
@@ -337,7 +336,7 @@ pub struct Reservation {
 /// every instance; records a refusal otherwise. Either way returns the answer.
 pub async fn reserve(
     pool: &PgPool,
-    head: &watch::Receiver<i64>,
+    freshness: &Freshness,
     request: &Request,
     ttl_seconds: u64,
     actor: &str,
@@ -346,7 +345,7 @@ pub async fn reserve(
         request.action.takes_slot(),
         "only create and resume reserve a slot"
     );
-    wait_until_fresh(pool, head).await?;
+    wait_until_fresh(pool, freshness).await?;
     let mut transaction = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
         .bind(request.org_id.as_str())

@@ -117,6 +117,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = ORGS)]
     pub orgs: usize,
 
+    /// Measure only these parts (comma-separated); every part when not given.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub only: Vec<Part>,
+
     #[command(flatten)]
     pub projection: projection::ProjectionArgs,
 
@@ -130,8 +134,50 @@ pub struct BenchArgs {
     pub reconciliation: reconciliation::ReconciliationArgs,
 }
 
-pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
+/// The parts of the benchmark, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    Ingest,
+    Projection,
+    Admission,
+    Audit,
+    Reconciliation,
+}
+
+impl BenchArgs {
+    fn runs(&self, part: Part) -> bool {
+        self.only.is_empty() || self.only.contains(&part)
+    }
+}
+
+pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
     check_args(&config, &args)?;
+    let nats = publishing_context(bus::connect(&config.nats_url).await?);
+    // A failed or interrupted part ends the run there: starting another service after a
+    // Ctrl-C would not be what was asked for.
+    if args.runs(Part::Ingest) {
+        ingest(config.clone(), &args, &nats).await?;
+    }
+    if args.runs(Part::Projection) {
+        projection::run(config.clone(), &args.projection, args.orgs, &nats).await?;
+    }
+    if args.runs(Part::Admission) {
+        admission::run(config.clone(), &args.admission, &nats).await?;
+    }
+    if args.runs(Part::Audit) {
+        audit::run(config.clone(), &args.audit, &nats).await?;
+    }
+    if args.runs(Part::Reconciliation) {
+        reconciliation::run(config, &args.reconciliation, &nats).await?;
+    }
+    Ok(())
+}
+
+async fn ingest(
+    mut config: Config,
+    args: &BenchArgs,
+    nats: &jetstream::Context,
+) -> anyhow::Result<()> {
     let scratch = Scratch::new(&config.database_url)?;
     let shown_database_url = without_password(&config.database_url);
     config.database_url = scratch.database_url.clone();
@@ -141,15 +187,14 @@ pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
 
     // Everything is generated and checked before anything is created, so that a workload
     // the service would refuse fails the run with nothing to clean up.
-    let workload = Workload::generate(&config, &args)?;
+    let workload = Workload::generate(&config, args)?;
 
-    let nats = publishing_context(bus::connect(&config.nats_url).await?);
     eprintln!(
         "bench: database {}, namespace {}",
         scratch.database_name, scratch.namespace
     );
-    let outcome = start_and_measure(config.clone(), &args, &scratch, &workload, &nats).await;
-    let cleaned = clean_up(&scratch, &nats).await;
+    let outcome = start_and_measure(config.clone(), args, &scratch, &workload, nats).await;
+    let cleaned = clean_up(&scratch, nats).await;
     let report = match (outcome, cleaned) {
         (Ok(report), Ok(())) => report,
         (Ok(_), Err(error)) => return Err(error),
@@ -159,28 +204,13 @@ pub async fn run(mut config: Config, args: BenchArgs) -> anyhow::Result<()> {
             return Err(error);
         }
     };
-    report.print(&config, &args, &shown_database_url, &scratch);
+    report.print(&config, args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the {} streams",
         scratch.database_name, scratch.namespace
     );
-    let projections = projection::run(config.clone(), &args.projection, args.orgs, &nats).await;
-    // A failed or interrupted projection part ends the run there: starting a third service
-    // after a Ctrl-C would not be what was asked for.
-    let admission = match projections {
-        Ok(()) => admission::run(config.clone(), &args.admission, &nats).await,
-        Err(error) => Err(error),
-    };
-    let audit = match admission {
-        Ok(()) => audit::run(config.clone(), &args.audit, &nats).await,
-        Err(error) => Err(error),
-    };
-    let reconciliation = match audit {
-        Ok(()) => reconciliation::run(config, &args.reconciliation, &nats).await,
-        Err(error) => Err(error),
-    };
     anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
-    reconciliation
+    Ok(())
 }
 
 fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
@@ -312,10 +342,11 @@ impl Workload {
         let started = Instant::now();
         let now = Utc::now();
         let mut rng = rand::rng();
-        let mut event = || generate_event(&mut rng, args.orgs, now);
-        let batch_events: Vec<String> = (0..args.http_events).map(|_| event()).collect();
-        let single_events: Vec<String> = (0..args.single_events).map(|_| event()).collect();
-        let nats_events: Vec<String> = (0..args.nats_events).map(|_| event()).collect();
+        let total = args.http_events + args.single_events + args.nats_events;
+        let mut producers = Producers::new(args.orgs, total, now);
+        let batch_events = producers.events(&mut rng, args.http_events);
+        let single_events = producers.events(&mut rng, args.single_events);
+        let nats_events = producers.events(&mut rng, args.nats_events);
 
         let batch_bodies: Vec<Bytes> = batch_events
             .chunks(args.http_batch_events)
@@ -388,60 +419,105 @@ const IMAGES: [&str; 5] = [
 const STOP_REASONS: [&str; 4] = ["user", "idle", "admin", "provider"];
 const PORTS: [u16; 5] = [3000, 5173, 8000, 8080, 8888];
 
-/// One event as a producer would send it in the native envelope: mostly commands, with
-/// the container lifecycle around them, within the last hour. The id is a UUIDv7, as
-/// producers are told to use.
-fn generate_event(rng: &mut impl Rng, orgs: usize, now: DateTime<Utc>) -> String {
-    let org = rng.random_range(0..orgs);
-    let container_id = format!("ctr_{org}_{}", rng.random_range(0..CONTAINERS_PER_ORG));
-    let occurred_at = now - chrono::Duration::milliseconds(rng.random_range(0..OCCURRED_WINDOW_MS));
-    let (event_type, data) = match rng.random_range(0..100) {
-        0..=9 => (
-            "container.created",
-            json!({
+/// Producers that behave as a container platform does: each container goes through its
+/// own lifecycle (created, then mostly commands and ports while running, now and then
+/// stopped and resumed), and `occurred_at` moves forward across the whole run, within the
+/// last hour. Events arrive in the order they occurred, except one in
+/// `LATE_ONE_IN`, which is delivered up to `LATE_EVENTS_MAX` events later, as a retried
+/// request would be; those are the late events the projector refolds.
+struct Producers {
+    /// Per container, whether it runs; `None` before it is created.
+    running: Vec<Option<bool>>,
+    started: DateTime<Utc>,
+    step_ms: f64,
+    produced: usize,
+}
+
+/// One event in this many is delivered late.
+const LATE_ONE_IN: usize = 100;
+/// How many later events a late one may be delivered behind.
+const LATE_EVENTS_MAX: usize = 1_000;
+
+impl Producers {
+    fn new(orgs: usize, total_events: usize, now: DateTime<Utc>) -> Producers {
+        Producers {
+            running: vec![None; orgs * CONTAINERS_PER_ORG],
+            started: now - chrono::Duration::milliseconds(OCCURRED_WINDOW_MS),
+            step_ms: OCCURRED_WINDOW_MS as f64 / total_events.max(1) as f64,
+            produced: 0,
+        }
+    }
+
+    /// `count` events in the order they are delivered.
+    fn events(&mut self, rng: &mut impl Rng, count: usize) -> Vec<String> {
+        let mut events: Vec<String> = (0..count).map(|_| self.next(rng)).collect();
+        for index in 0..count {
+            if rng.random_range(0..LATE_ONE_IN) == 0 {
+                let later = (index + rng.random_range(1..=LATE_EVENTS_MAX)).min(count - 1);
+                events[index..=later].rotate_left(1);
+            }
+        }
+        events
+    }
+
+    fn next(&mut self, rng: &mut impl Rng) -> String {
+        let container = rng.random_range(0..self.running.len());
+        let offset_ms = (self.produced as f64 * self.step_ms) as i64;
+        self.produced += 1;
+        let occurred_at = self.started + chrono::Duration::milliseconds(offset_ms);
+        let event_type = match self.running[container] {
+            None => "container.created",
+            Some(false) => "container.resumed",
+            Some(true) => match rng.random_range(0..100) {
+                0..=74 => "container.command_ran",
+                75..=87 => "container.port_published",
+                _ => "container.stopped",
+            },
+        };
+        self.running[container] = Some(event_type != "container.stopped");
+        let org = container / CONTAINERS_PER_ORG;
+        let container_id = format!("ctr_{org}_{}", container % CONTAINERS_PER_ORG);
+        let data = match event_type {
+            "container.created" => json!({
                 "name": format!("task-{}", rng.random_range(0..1_000_000)),
                 "image": IMAGES.choose(rng).expect("a non-empty list"),
             }),
-        ),
-        10..=69 => {
-            let exit_code = *[0, 0, 0, 0, 0, 0, 0, 1, 2, 137]
-                .choose(rng)
-                .expect("a non-empty list");
-            let mut data = json!({
-                "command_id": format!("cmd_{:016x}", rng.random::<u64>()),
-                "exit_code": exit_code,
-                "duration_ms": rng.random_range(5..120_000u64),
-            });
-            if exit_code == 137 {
-                data["timed_out"] = json!(true);
+            "container.command_ran" => {
+                let exit_code = *[0, 0, 0, 0, 0, 0, 0, 1, 2, 137]
+                    .choose(rng)
+                    .expect("a non-empty list");
+                let mut data = json!({
+                    "command_id": format!("cmd_{:016x}", rng.random::<u64>()),
+                    "exit_code": exit_code,
+                    "duration_ms": rng.random_range(5..120_000u64),
+                });
+                if exit_code == 137 {
+                    data["timed_out"] = json!(true);
+                }
+                data
             }
-            ("container.command_ran", data)
-        }
-        70..=79 => (
-            "container.stopped",
-            json!({"reason": STOP_REASONS.choose(rng).expect("a non-empty list")}),
-        ),
-        80..=89 => ("container.resumed", json!({})),
-        _ => {
-            let port = *PORTS.choose(rng).expect("a non-empty list");
-            (
-                "container.port_published",
+            "container.stopped" => {
+                json!({"reason": STOP_REASONS.choose(rng).expect("a non-empty list")})
+            }
+            "container.resumed" => json!({}),
+            _ => {
+                let port = *PORTS.choose(rng).expect("a non-empty list");
                 json!({
                     "port": port,
                     "url": format!("https://{container_id}-{port}.sandbox.example.com"),
-                }),
-            )
-        }
-    };
-    json!({
-        "id": Uuid::now_v7().hyphenated().to_string(),
-        "type": event_type,
-        "org_id": format!("org_{org}"),
-        "container_id": container_id,
-        "occurred_at": canonical::timestamp(occurred_at),
-        "data": data,
-    })
-    .to_string()
+                })
+            }
+        };
+        json!({
+            "id": Uuid::now_v7().hyphenated().to_string(),
+            "type": event_type,
+            "org_id": format!("org_{org}"),
+            "container_id": container_id,
+            "occurred_at": canonical::timestamp(occurred_at),
+            "data": data,
+        })
+        .to_string()
+    }
 }
 
 /// The ledger rows of the batch events, as the appender would write them (the appender's

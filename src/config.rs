@@ -50,6 +50,10 @@ pub const PROJECTOR_BATCH_MAX: usize = 5_000;
 /// How often the projector looks for events appended by other instances when nothing
 /// woke it.
 pub const PROJECTOR_POLL_MS: u64 = 250;
+/// After a commit wakes the projector, how long it waits for more before projecting, so
+/// that one round carries many group commits under load. A reader waiting for freshness
+/// (admission's read-your-writes) cuts the wait short.
+pub const PROJECTOR_LINGER_MS: u64 = 25;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -129,6 +133,9 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_PROJECTOR_POLL_MS", default_value_t = PROJECTOR_POLL_MS)]
     pub projector_poll_ms: u64,
+
+    #[arg(long, env = "TALLY_PROJECTOR_LINGER_MS", default_value_t = PROJECTOR_LINGER_MS)]
+    pub projector_linger_ms: u64,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -166,6 +173,7 @@ impl Config {
             ingest_fetch_max: INGEST_FETCH_MAX,
             projector_batch_max: PROJECTOR_BATCH_MAX,
             projector_poll_ms: PROJECTOR_POLL_MS,
+            projector_linger_ms: PROJECTOR_LINGER_MS,
         }
     }
 

@@ -14,7 +14,7 @@ use crate::bus::{self, ingest, relay, Names};
 use crate::config::Config;
 use crate::http::{self, auth::Tokens, AppState, Inner};
 use crate::ledger::{db, AppendLimits, Appender};
-use crate::projection::{projector, ProjectorSettings};
+use crate::projection::{projector, Freshness, ProjectorSettings};
 use crate::telemetry;
 
 /// How long shutdown waits for in-flight HTTP requests before giving up on them.
@@ -25,6 +25,7 @@ pub struct Service {
     pub local_addr: SocketAddr,
     pub pool: PgPool,
     pub appender: Appender,
+    pub freshness: Freshness,
     shutdown: CancellationToken,
     server: JoinHandle<std::io::Result<()>>,
     workers: Vec<JoinHandle<()>>,
@@ -51,6 +52,7 @@ impl Service {
                 group_events_max: config.append_group_events_max,
             },
         );
+        let freshness = Freshness::new(appender.head());
         let shutdown = CancellationToken::new();
         let workers = vec![
             tokio::spawn(relay::run(
@@ -69,8 +71,9 @@ impl Service {
                 ProjectorSettings {
                     batch_max: config.projector_batch_max,
                     poll: Duration::from_millis(config.projector_poll_ms),
+                    linger: Duration::from_millis(config.projector_linger_ms),
                 },
-                appender.head(),
+                freshness.clone(),
                 shutdown.clone(),
             )),
             tokio::spawn(ingest::run(
@@ -89,6 +92,7 @@ impl Service {
         let state = AppState::new(Inner {
             pool: pool.clone(),
             appender: appender.clone(),
+            freshness: freshness.clone(),
             nats,
             metrics: telemetry::metrics_handle(),
             tokens: Tokens::new(config.bootstrap_token.as_deref()),
@@ -114,6 +118,7 @@ impl Service {
             local_addr,
             pool,
             appender,
+            freshness,
             shutdown,
             server,
             workers,

@@ -1109,10 +1109,10 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
     let mut tasks = JoinSet::new();
     for _ in 0..CLIENTS {
         let (next, requests) = (next.clone(), requests.clone());
-        let (pool, head) = (service.pool.clone(), service.appender.head());
+        let (pool, freshness) = (service.pool.clone(), service.freshness.clone());
         tasks.spawn(async move {
             while let Some(request) = requests.get(next.fetch_add(1, Ordering::Relaxed)) {
-                admission::check(&pool, &head, request).await?;
+                admission::check(&pool, &freshness, request).await?;
             }
             anyhow::Ok(())
         });
@@ -1136,14 +1136,13 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
         target: "-".to_owned(),
     };
 
-    let head = service.appender.head();
     let plan = PlanId::parse(TEAM_PLAN)?;
     let mut check_latencies = Vec::with_capacity(DIRECT_REQUESTS);
     let mut fresh_latencies = Vec::with_capacity(DIRECT_REQUESTS);
     let mut versions_latencies = Vec::with_capacity(DIRECT_REQUESTS);
     for request in requests.iter().take(DIRECT_REQUESTS) {
         let sent = Instant::now();
-        admission::check(&service.pool, &head, request).await?;
+        admission::check(&service.pool, &service.freshness, request).await?;
         check_latencies.push(sent.elapsed());
         let sent = Instant::now();
         let mut connection = service.pool.acquire().await?;

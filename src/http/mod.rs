@@ -38,6 +38,8 @@ pub struct AppState(Arc<Inner>);
 pub struct Inner {
     pub pool: PgPool,
     pub appender: Appender,
+    /// For admission's read-your-writes.
+    pub freshness: crate::projection::Freshness,
     pub nats: async_nats::Client,
     pub metrics: PrometheusHandle,
     pub tokens: auth::Tokens,

@@ -13,5 +13,5 @@ pub mod store;
 #[cfg(test)]
 mod properties;
 
-pub use projector::{project_once, ProjectorSettings, Round};
+pub use projector::{project_once, Freshness, ProjectorSettings, Round};
 pub use replay::{replay, ReplayReport};

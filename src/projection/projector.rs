@@ -6,21 +6,24 @@
 //! move the checkpoint. The projection therefore always equals the ledger up to its
 //! checkpoint, and a crash anywhere loses or repeats nothing. It wakes on this instance's
 //! commits (the appender's head) and polls for other instances'.
+//!
+//! Woken by a commit, it lingers (`ProjectorSettings::linger`) so that a round carries many
+//! group commits: per round, every touched container, org and period row is written once
+//! and the fixed statements are paid once. A reader that needs this instance's appends
+//! projected now ([`Freshness::hurry`]) ends the linger at once.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::model::{Changes, ContainerKey};
 use super::store;
 use crate::runtime::EntryKind;
 
-/// After being woken by a commit, wait this long so that one round carries several group
-/// commits: a few milliseconds of lag for far fewer transactions under load.
-const LINGER_MS: u64 = 5;
 /// Pause after an error before trying the round again.
 const RETRY_DELAY_MS: u64 = 500;
 
@@ -30,6 +33,35 @@ pub struct ProjectorSettings {
     pub batch_max: usize,
     /// How often to look for events appended by other instances.
     pub poll: Duration,
+    /// How long to wait for more commits after being woken by one.
+    pub linger: Duration,
+}
+
+/// What a reader needs to see this instance's own appends in the projection: the head the
+/// appender last committed, and a way to end the projector's linger. Cheap to clone.
+#[derive(Clone)]
+pub struct Freshness {
+    head: watch::Receiver<i64>,
+    hurry: Arc<Notify>,
+}
+
+impl Freshness {
+    pub fn new(head: watch::Receiver<i64>) -> Freshness {
+        Freshness {
+            head,
+            hurry: Arc::new(Notify::new()),
+        }
+    }
+
+    /// The last position this instance committed: what a read-your-writes reader waits for.
+    pub fn wanted(&self) -> i64 {
+        *self.head.borrow()
+    }
+
+    /// Asks the projector to project now rather than at the end of its linger.
+    pub fn hurry(&self) {
+        self.hurry.notify_one();
+    }
 }
 
 /// What a round did.
@@ -47,9 +79,10 @@ pub enum Round {
 pub async fn run(
     pool: PgPool,
     settings: ProjectorSettings,
-    mut head: watch::Receiver<i64>,
+    freshness: Freshness,
     shutdown: CancellationToken,
 ) {
+    let mut head = freshness.head.clone();
     while !shutdown.is_cancelled() {
         match project_once(&pool, settings.batch_max).await {
             Ok(Round::Projected { events, position }) => {
@@ -81,7 +114,10 @@ pub async fn run(
         tokio::select! {
             changed = head.changed() => {
                 if changed.is_ok() {
-                    tokio::time::sleep(Duration::from_millis(LINGER_MS)).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(settings.linger) => {}
+                        _ = freshness.hurry.notified() => {}
+                    }
                 } else {
                     // The appender stopped; only polling is left.
                     tokio::time::sleep(settings.poll).await;

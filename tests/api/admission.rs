@@ -160,6 +160,32 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
 }
 
 #[tokio::test]
+async fn a_check_after_an_append_cuts_the_projectors_linger_short_instead_of_waiting_it_out() {
+    // A projector that, once woken by a commit, would wait a minute for more: far past the
+    // two seconds a check waits for freshness before answering 503. The check's request to
+    // hurry is what ends the linger.
+    let app = TestApp::spawn_with(|config| {
+        config.projector_linger_ms = 60_000;
+        config.projector_poll_ms = 60_000;
+    })
+    .await;
+    ready_org(&app, "acme").await;
+    let create = json!({"org_id": "acme", "action": "create"});
+    for container in ["c1", "c2", "c3"] {
+        event(
+            &app,
+            container_event("acme", container, "container.created", 60),
+        )
+        .await;
+        let answer = check(&app, create.clone()).await;
+        assert_eq!(answer["reasons"], json!(["concurrency_limit"]), "{answer}");
+    }
+    let answer = check(&app, create).await;
+    assert_eq!(answer["running_containers"], 3, "{answer}");
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_slot_comes_back() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
