@@ -10,6 +10,7 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::Checker;
 use crate::bus::{self, ingest, relay, Names};
 use crate::config::Config;
 use crate::http::{self, auth::Tokens, AppState, Inner};
@@ -26,6 +27,7 @@ pub struct Service {
     pub pool: PgPool,
     pub appender: Appender,
     pub freshness: Freshness,
+    pub checker: Checker,
     shutdown: CancellationToken,
     server: JoinHandle<std::io::Result<()>>,
     workers: Vec<JoinHandle<()>>,
@@ -53,6 +55,7 @@ impl Service {
             },
         );
         let freshness = Freshness::new(appender.head());
+        let checker = Checker::start(pool.clone(), freshness.clone());
         let shutdown = CancellationToken::new();
         let workers = vec![
             tokio::spawn(relay::run(
@@ -93,6 +96,7 @@ impl Service {
             pool: pool.clone(),
             appender: appender.clone(),
             freshness: freshness.clone(),
+            checker: checker.clone(),
             nats,
             metrics: telemetry::metrics_handle(),
             tokens: Tokens::new(config.bootstrap_token.as_deref()),
@@ -119,6 +123,7 @@ impl Service {
             pool,
             appender,
             freshness,
+            checker,
             shutdown,
             server,
             workers,

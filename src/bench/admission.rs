@@ -32,7 +32,7 @@ use super::{
     HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS,
     SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
-use crate::admission::{self, Request};
+use crate::admission::Request;
 use crate::billing::Action;
 use crate::config::Config;
 use crate::event::canonical;
@@ -1109,10 +1109,10 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
     let mut tasks = JoinSet::new();
     for _ in 0..CLIENTS {
         let (next, requests) = (next.clone(), requests.clone());
-        let (pool, freshness) = (service.pool.clone(), service.freshness.clone());
+        let checker = service.checker.clone();
         tasks.spawn(async move {
             while let Some(request) = requests.get(next.fetch_add(1, Ordering::Relaxed)) {
-                admission::check(&pool, &freshness, request).await?;
+                checker.check(request).await?;
             }
             anyhow::Ok(())
         });
@@ -1142,7 +1142,7 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
     let mut versions_latencies = Vec::with_capacity(DIRECT_REQUESTS);
     for request in requests.iter().take(DIRECT_REQUESTS) {
         let sent = Instant::now();
-        admission::check(&service.pool, &service.freshness, request).await?;
+        service.checker.check(request).await?;
         check_latencies.push(sent.elapsed());
         let sent = Instant::now();
         let mut connection = service.pool.acquire().await?;

@@ -98,7 +98,9 @@ pub async fn post_check(
     let fields = super::body::json_object(&state, &headers, body).await?;
     let request = parse_request(&fields, &["org_id", "action", "container_id"])?;
     principal.check_org(request.org_id.as_str())?;
-    let answer = admission::check(&state.pool, &state.freshness, &request)
+    let answer = state
+        .checker
+        .check(&request)
         .await
         .map_err(admission_error)?;
     metrics::counter!("tally_admission_checks_total", "allowed" => answer.decision.allowed.to_string())

@@ -40,6 +40,8 @@ pub struct Inner {
     pub appender: Appender,
     /// For admission's read-your-writes.
     pub freshness: crate::projection::Freshness,
+    /// Admission checks, read in groups.
+    pub checker: crate::admission::Checker,
     pub nats: async_nats::Client,
     pub metrics: PrometheusHandle,
     pub tokens: auth::Tokens,

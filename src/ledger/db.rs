@@ -67,6 +67,10 @@ pub async fn connect(config: &Config) -> Result<PgPool, sqlx::Error> {
         .min_connections(0)
         .acquire_timeout(Duration::from_millis(config.db_acquire_timeout_ms))
         .idle_timeout(Duration::from_secs(300))
+        // No ping before handing a connection out: it doubled the round trips of every
+        // short read (an admission check is one statement). A connection broken since its
+        // last use fails that statement, is closed, and the caller's error is a 503.
+        .test_before_acquire(false)
         .connect_lazy_with(options))
 }
 

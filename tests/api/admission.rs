@@ -160,6 +160,70 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
 }
 
 #[tokio::test]
+async fn concurrent_checks_for_many_orgs_read_together_each_get_their_own_orgs_answer() {
+    let app = TestApp::spawn().await;
+    // Even orgs are ready on pro with their own container running; odd orgs were never seen.
+    let orgs: Vec<String> = (0..12).map(|n| format!("org{n}")).collect();
+    for (n, org) in orgs.iter().enumerate() {
+        if n % 2 == 0 {
+            ready_org(&app, org).await;
+            event(
+                &app,
+                container_event(org, &format!("box-{org}"), "container.created", 60),
+            )
+            .await;
+        }
+    }
+    let mut requests = Vec::new();
+    for round in 0..20 {
+        for (n, org) in orgs.iter().enumerate() {
+            // Each org's own container, or the next org's: running only for the first.
+            let owner = if round % 2 == 0 {
+                n
+            } else {
+                (n + 1) % orgs.len()
+            };
+            let container = format!("box-{}", orgs[owner]);
+            requests.push((
+                n,
+                round % 2 == 0,
+                json!({"org_id": org, "action": "run", "container_id": container}),
+            ));
+        }
+    }
+    let answers = join_all(
+        requests
+            .iter()
+            .map(|(_, _, body)| check(&app, body.clone())),
+    )
+    .await;
+    for ((n, own_container, body), answer) in requests.iter().zip(&answers) {
+        let expected = match (n % 2 == 0, own_container) {
+            (true, true) => json!([]),
+            (true, false) => json!(["container_not_running"]),
+            (false, _) => json!([
+                "plan_excludes_sandbox",
+                "not_verified",
+                "not_billing_eligible",
+                "container_not_running"
+            ]),
+        };
+        assert_eq!(answer["reasons"], expected, "{body} → {answer}");
+        assert_eq!(
+            answer["plan"],
+            if n % 2 == 0 { "pro" } else { "free" },
+            "{body} → {answer}"
+        );
+        assert_eq!(
+            answer["running_containers"],
+            i64::from(n % 2 == 0),
+            "{body} → {answer}"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn a_check_after_an_append_cuts_the_projectors_linger_short_instead_of_waiting_it_out() {
     // A projector that, once woken by a commit, would wait a minute for more: far past the
     // two seconds a check waits for freshness before answering 503. The check's request to

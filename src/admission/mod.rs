@@ -9,6 +9,8 @@
 //! snapshot sees the slot taken exactly once: as a reservation before, as a running
 //! container after. Expired reservations stop counting by their `expires_at` alone.
 
+mod checker;
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -21,6 +23,8 @@ use crate::billing::{self, Action, Decision, Facts};
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
 use crate::projection::{query, store, Freshness};
+pub use checker::Checker;
+
 use crate::runtime::{
     self, AccountEntry, AccountState, AccountTimeline, Lifecycle, Period, PeriodTotals,
 };
@@ -123,52 +127,93 @@ async fn load(
     now: DateTime<Utc>,
     wanted: i64,
 ) -> anyhow::Result<Option<Answer>> {
+    let row = load_facts(&mut *connection, &[request], now)
+        .await?
+        .pop()
+        .expect("one row a request");
+    if row.projected < wanted {
+        return Ok(None);
+    }
+    answer(connection, request, &row, now).await.map(Some)
+}
+
+/// The facts of every request, in request order, from one statement (one snapshot, so one
+/// checkpoint for all). A check costs Postgres a dozen index lookups; in a statement of its
+/// own it also costs a round trip, a bind and an executor start-up for each of a dozen
+/// subplans, which cost more than the lookups (see `Checker`).
+async fn load_facts(
+    connection: &mut PgConnection,
+    requests: &[&Request],
+    now: DateTime<Utc>,
+) -> anyhow::Result<Vec<FactsRow>> {
     let period = Period::containing(now);
     let live = store::LIVE;
-    let row: FactsRow = sqlx::query_as(&format!(
+    let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
+    let containers: Vec<Option<&str>> = requests
+        .iter()
+        .map(|r| r.container_id.as_ref().map(ContainerId::as_str))
+        .collect();
+    // `OFFSET 0` keeps the planner from flattening the period lookup into a hash join over
+    // every org's period row: it stays one index lookup a request.
+    let rows: Vec<FactsRow> = sqlx::query_as(&format!(
         "SELECT (SELECT position FROM {live}.checkpoint) AS projected, \
-                (SELECT latest_at FROM {live}.org WHERE org_id = $1) AS latest_at, \
+                (SELECT latest_at FROM {live}.org o WHERE o.org_id = r.org) AS latest_at, \
                 COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
                 COALESCE(p.commands, 0) AS commands, \
                 COALESCE(p.command_ms, 0) AS command_ms, \
                 COALESCE(p.ports_published, 0) AS ports_published, \
                 ARRAY(SELECT since_period FROM {live}.org_open \
-                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_periods, \
+                      WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_periods, \
                 ARRAY(SELECT running FROM {live}.org_open \
-                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_running, \
+                      WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_running, \
                 ARRAY(SELECT since_offset_ms FROM {live}.org_open \
-                      WHERE org_id = $1 AND running > 0 ORDER BY since_period) AS open_offsets, \
+                      WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_offsets, \
                 ARRAY(SELECT intervals::TEXT FROM {live}.container \
-                      WHERE org_id = $1 AND last_at > $3) AS future_intervals, \
+                      WHERE org_id = r.org AND last_at > $3) AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
-                      WHERE org_id = $1 AND container_id = $4) AS target_intervals, \
+                      WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
                 (SELECT count(*) FROM admission_reservation \
-                      WHERE org_id = $1 AND released_at IS NULL AND consumed_at IS NULL \
+                      WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
                         AND expires_at > $3) AS reservations, \
                 (SELECT json_agg(json_build_array(position, \
                         (extract(epoch FROM occurred_at) * 1000)::BIGINT, event_id, plan, verified, \
                         billing_eligible))::TEXT \
-                      FROM {live}.account_change WHERE org_id = $1) AS account, \
+                      FROM {live}.account_change WHERE org_id = r.org) AS account, \
                 (SELECT json_agg(json_build_array(l.data, \
                         (extract(epoch FROM l.occurred_at) * 1000)::BIGINT, l.position) \
                         ORDER BY l.occurred_at, l.position)::TEXT \
                       FROM ledger l WHERE l.type = 'plan.defined' AND l.data->>'id' IN \
                         (SELECT plan FROM {live}.account_change \
-                         WHERE org_id = $1 AND plan IS NOT NULL UNION ALL SELECT 'free')) \
+                         WHERE org_id = r.org AND plan IS NOT NULL UNION ALL SELECT 'free')) \
                       AS plan_versions \
-         FROM (SELECT 1) AS one \
-         LEFT JOIN {live}.org_period p ON p.org_id = $1 AND p.period = $2"
+         FROM UNNEST($1::TEXT[], $4::TEXT[]) WITH ORDINALITY AS r(org, container, i) \
+         LEFT JOIN LATERAL (SELECT * FROM {live}.org_period \
+                            WHERE org_id = r.org AND period = $2 OFFSET 0) AS p ON true \
+         ORDER BY r.i"
     ))
-    .bind(request.org_id.as_str())
+    .bind(&orgs)
     .bind(period.to_string())
     .bind(now)
-    .bind(request.container_id.as_ref().map(ContainerId::as_str))
-    .fetch_one(&mut *connection)
+    .bind(&containers)
+    .fetch_all(&mut *connection)
     .await?;
-    if row.projected < wanted {
-        return Ok(None);
-    }
+    anyhow::ensure!(
+        rows.len() == requests.len(),
+        "{} rows of facts for {} requests",
+        rows.len(),
+        requests.len()
+    );
+    Ok(rows)
+}
 
+/// The decision on `request` from its facts, read at `now`.
+async fn answer(
+    connection: &mut PgConnection,
+    request: &Request,
+    row: &FactsRow,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Answer> {
+    let period = Period::containing(now);
     let open = query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?;
     // Open intervals, corrected by the few containers with events after now.
     let mut running: i64 = open.iter().map(|runs| runs.running as i64).sum();
@@ -223,7 +268,7 @@ async fn load(
         ports_published: totals.ports_published,
     };
     let decision = billing::decide(request.action, &facts);
-    Ok(Some(Answer {
+    Ok(Answer {
         decision,
         plan: plan.id.clone(),
         period,
@@ -231,7 +276,7 @@ async fn load(
         running_containers,
         max_running_containers: plan.max_running_containers,
         at: now,
-    }))
+    })
 }
 
 /// The versions of plan `id`, oldest first, from the facts statement's `plan_versions`.
@@ -292,37 +337,6 @@ fn account_entries(json: &str) -> anyhow::Result<Vec<AccountEntry>> {
             },
         )
         .collect()
-}
-
-/// `POST /v1/admission/check`: the decision now, read-your-writes for this instance.
-pub async fn check(
-    pool: &PgPool,
-    freshness: &Freshness,
-    request: &Request,
-) -> Result<Answer, AdmissionError> {
-    let wanted = freshness.wanted();
-    let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
-    loop {
-        // The connection goes back to the pool while waiting: the projector needs one to
-        // catch up.
-        let mut connection = pool.acquire().await?;
-        if let Some(answer) = load(
-            &mut connection,
-            request,
-            Utc::now().trunc_subsecs(3),
-            wanted,
-        )
-        .await?
-        {
-            return Ok(answer);
-        }
-        drop(connection);
-        if Instant::now() >= deadline {
-            return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
-        }
-        freshness.hurry();
-        tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
-    }
 }
 
 /// A granted reservation.
