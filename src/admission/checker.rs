@@ -25,7 +25,7 @@ use crate::projection::Freshness;
 /// Workers reading facts at once: while one waits for Postgres, the next gathers the checks
 /// that arrive meanwhile. Few, so that each group is large under load and a connection
 /// of the pool is left for everything else.
-pub const CHECK_WORKERS: usize = 4;
+pub const CHECK_WORKERS: usize = 2;
 /// Checks in one statement at most.
 pub const CHECK_GROUP_MAX: usize = 64;
 /// Checks waiting for a worker at most; a caller past it waits for room, and the HTTP
