@@ -5,27 +5,32 @@
 //! Postgres alone ran that statement about 9 400 times a second from 16 connections, and
 //! the same statement for 16 orgs at once about 3 000 times a second, 48 000 orgs. So, as
 //! the appender does with commits, checks that arrive while others are being read wait in
-//! a bounded queue and go together: each of `CHECK_WORKERS` workers takes every check
-//! waiting (up to `CHECK_GROUP_MAX`) and reads all their facts in one statement, one
-//! snapshot. Each check still gets the answer it would have got alone at that snapshot:
-//! its own org, container and request, and the freshness it asked for.
+//! a bounded queue and go together: the worker takes every check waiting (up to
+//! `CHECK_GROUP_MAX`) and reads all their facts in one statement, one snapshot, then hands
+//! each caller its row and goes on to the next group; each caller decides from its own
+//! row. So a check gets the answer it would have got alone at that snapshot: its own org,
+//! container and request, at the freshness it asked for.
+//!
+//! One worker: with two or four, a check at moderate load found a worker idle and went
+//! alone, which cost Postgres more per check and lengthened the tail (`tally bench`: p99
+//! 4–6 ms at half load with four or two workers, 3.2–3.7 ms with one, and more checks a
+//! second too).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::{SubsecRound, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use super::{
-    answer, load_facts, AdmissionError, Answer, Request, FRESHNESS_POLL_MS, FRESHNESS_WAIT_MS,
+    answer, load_facts, AdmissionError, Answer, FactsRow, Reader, Request, FRESHNESS_POLL_MS,
+    FRESHNESS_WAIT_MS,
 };
 use crate::projection::Freshness;
 
-/// Workers reading facts at once: while one waits for Postgres, the next gathers the checks
-/// that arrive meanwhile. Few, so that each group is large under load and a connection
-/// of the pool is left for everything else.
-pub const CHECK_WORKERS: usize = 2;
+/// Workers reading facts at once (see the module comment for why one).
+pub const CHECK_WORKERS: usize = 1;
 /// Checks in one statement at most.
 pub const CHECK_GROUP_MAX: usize = 64;
 /// Checks waiting for a worker at most; a caller past it waits for room, and the HTTP
@@ -34,10 +39,14 @@ pub const CHECK_QUEUE_MAX: usize = 1_024;
 
 struct Pending {
     request: Request,
-    /// The projection position the answer must reflect (read-your-writes).
-    wanted: i64,
-    /// `None` when the snapshot did not reach `wanted` yet.
-    reply: oneshot::Sender<anyhow::Result<Option<Answer>>>,
+    reply: oneshot::Sender<anyhow::Result<Read>>,
+}
+
+/// A check's facts and the instant they were read at; the caller decides from them, so
+/// that the worker is free for the next group at once.
+struct Read {
+    row: FactsRow,
+    now: DateTime<Utc>,
 }
 
 /// A handle to the check workers; cheap to clone. The workers end when every handle is
@@ -46,6 +55,7 @@ struct Pending {
 pub struct Checker {
     sender: mpsc::Sender<Pending>,
     freshness: Freshness,
+    pool: PgPool,
 }
 
 impl Checker {
@@ -55,7 +65,11 @@ impl Checker {
         for _ in 0..CHECK_WORKERS {
             tokio::spawn(work(pool.clone(), receiver.clone()));
         }
-        Checker { sender, freshness }
+        Checker {
+            sender,
+            freshness,
+            pool,
+        }
     }
 
     /// `POST /v1/admission/check`: the decision now, read-your-writes for this instance.
@@ -63,21 +77,21 @@ impl Checker {
         let wanted = self.freshness.wanted();
         let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
         loop {
-            let (reply, answer) = oneshot::channel();
+            let (reply, facts) = oneshot::channel();
             let pending = Pending {
                 request: request.clone(),
-                wanted,
                 reply,
             };
             self.sender
                 .send(pending)
                 .await
                 .map_err(|_| anyhow::anyhow!("the admission workers have stopped"))?;
-            let answer = answer
+            let read = facts
                 .await
                 .map_err(|_| anyhow::anyhow!("an admission worker stopped"))??;
-            if let Some(answer) = answer {
-                return Ok(answer);
+            if read.row.projected >= wanted {
+                let reader = Reader::Pool(&self.pool);
+                return Ok(answer(reader, request, &read.row, read.now).await?);
             }
             if Instant::now() >= deadline {
                 return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
@@ -105,10 +119,10 @@ async fn work(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>) {
             group
         };
         metrics::histogram!("tally_admission_check_group").record(group.len() as f64);
-        match answer_group(&pool, &group).await {
-            Ok(answers) => {
-                for (pending, answer) in group.into_iter().zip(answers) {
-                    let _ = pending.reply.send(answer);
+        match read_group(&pool, &group).await {
+            Ok((rows, now)) => {
+                for (pending, row) in group.into_iter().zip(rows) {
+                    let _ = pending.reply.send(Ok(Read { row, now }));
                 }
             }
             Err(error) => {
@@ -121,25 +135,14 @@ async fn work(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>) {
     }
 }
 
-/// One answer a check, from one statement; a check whose snapshot is short of what it
-/// wanted gets `None`, and one whose own answer fails gets its own error.
-async fn answer_group(
+/// The facts of every check of the group, from one statement, and when they were read.
+async fn read_group(
     pool: &PgPool,
     group: &[Pending],
-) -> anyhow::Result<Vec<anyhow::Result<Option<Answer>>>> {
+) -> anyhow::Result<(Vec<FactsRow>, DateTime<Utc>)> {
     let mut connection = pool.acquire().await?;
     let now = Utc::now().trunc_subsecs(3);
     let requests: Vec<&Request> = group.iter().map(|pending| &pending.request).collect();
     let rows = load_facts(&mut connection, &requests, now).await?;
-    let mut answers = Vec::with_capacity(group.len());
-    for (pending, row) in group.iter().zip(&rows) {
-        answers.push(if row.projected < pending.wanted {
-            Ok(None)
-        } else {
-            answer(&mut connection, &pending.request, row, now)
-                .await
-                .map(Some)
-        });
-    }
-    Ok(answers)
+    Ok((rows, now))
 }

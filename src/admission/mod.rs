@@ -134,7 +134,9 @@ async fn load(
     if row.projected < wanted {
         return Ok(None);
     }
-    answer(connection, request, &row, now).await.map(Some)
+    answer(Reader::Connection(connection), request, &row, now)
+        .await
+        .map(Some)
 }
 
 /// The facts of every request, in request order, from one statement (one snapshot, so one
@@ -206,9 +208,16 @@ async fn load_facts(
     Ok(rows)
 }
 
+/// Where `answer` reads the org's usage in the rare case its totals do not settle it (events
+/// dated after now): the connection the facts came from, or any from the pool.
+enum Reader<'a> {
+    Connection(&'a mut PgConnection),
+    Pool(&'a PgPool),
+}
+
 /// The decision on `request` from its facts, read at `now`.
 async fn answer(
-    connection: &mut PgConnection,
+    reader: Reader<'_>,
     request: &Request,
     row: &FactsRow,
     now: DateTime<Utc>,
@@ -233,9 +242,17 @@ async fn answer(
     let runtime_used_ms = match runtime::usage_from_totals(totals, &open, period, now, settled_at) {
         Some(usage) => usage.runtime_ms,
         None => {
-            query::usage_on(&mut *connection, request.org_id.as_str(), period, now)
-                .await?
-                .runtime_ms
+            let org = request.org_id.as_str();
+            let usage = match reader {
+                Reader::Connection(connection) => {
+                    query::usage_on(connection, org, period, now).await?
+                }
+                Reader::Pool(pool) => {
+                    let mut connection = pool.acquire().await?;
+                    query::usage_on(&mut connection, org, period, now).await?
+                }
+            };
+            usage.runtime_ms
         }
     };
     let container_running = match &row.target_intervals {
