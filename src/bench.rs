@@ -477,47 +477,70 @@ impl Producers {
         self.running[container] = Some(event_type != "container.stopped");
         let org = container / CONTAINERS_PER_ORG;
         let container_id = format!("ctr_{org}_{}", container % CONTAINERS_PER_ORG);
-        let data = match event_type {
-            "container.created" => json!({
-                "name": format!("task-{}", rng.random_range(0..1_000_000)),
-                "image": IMAGES.choose(rng).expect("a non-empty list"),
-            }),
-            "container.command_ran" => {
-                let exit_code = *[0, 0, 0, 0, 0, 0, 0, 1, 2, 137]
-                    .choose(rng)
-                    .expect("a non-empty list");
-                let mut data = json!({
-                    "command_id": format!("cmd_{:016x}", rng.random::<u64>()),
-                    "exit_code": exit_code,
-                    "duration_ms": rng.random_range(5..120_000u64),
-                });
-                if exit_code == 137 {
-                    data["timed_out"] = json!(true);
-                }
-                data
-            }
-            "container.stopped" => {
-                json!({"reason": STOP_REASONS.choose(rng).expect("a non-empty list")})
-            }
-            "container.resumed" => json!({}),
-            _ => {
-                let port = *PORTS.choose(rng).expect("a non-empty list");
-                json!({
-                    "port": port,
-                    "url": format!("https://{container_id}-{port}.sandbox.example.com"),
-                })
-            }
-        };
-        json!({
-            "id": Uuid::now_v7().hyphenated().to_string(),
-            "type": event_type,
-            "org_id": format!("org_{org}"),
-            "container_id": container_id,
-            "occurred_at": canonical::timestamp(occurred_at),
-            "data": data,
-        })
-        .to_string()
+        let data = container_data(rng, event_type, &container_id);
+        envelope(
+            &format!("org_{org}"),
+            &container_id,
+            event_type,
+            occurred_at,
+            data,
+        )
     }
+}
+
+/// The `data` of a container event as a producer would send it: mostly clean exits, the
+/// odd failure or timeout, ports of a few common dev servers.
+fn container_data(rng: &mut impl Rng, event_type: &str, container_id: &str) -> serde_json::Value {
+    match event_type {
+        "container.created" => json!({
+            "name": format!("task-{}", rng.random_range(0..1_000_000)),
+            "image": IMAGES.choose(rng).expect("a non-empty list"),
+        }),
+        "container.command_ran" => {
+            let exit_code = *[0, 0, 0, 0, 0, 0, 0, 1, 2, 137]
+                .choose(rng)
+                .expect("a non-empty list");
+            let mut data = json!({
+                "command_id": format!("cmd_{:016x}", rng.random::<u64>()),
+                "exit_code": exit_code,
+                "duration_ms": rng.random_range(5..120_000u64),
+            });
+            if exit_code == 137 {
+                data["timed_out"] = json!(true);
+            }
+            data
+        }
+        "container.stopped" => {
+            json!({"reason": STOP_REASONS.choose(rng).expect("a non-empty list")})
+        }
+        "container.port_published" => {
+            let port = *PORTS.choose(rng).expect("a non-empty list");
+            json!({
+                "port": port,
+                "url": format!("https://{container_id}-{port}.sandbox.example.com"),
+            })
+        }
+        _ => json!({}),
+    }
+}
+
+/// One event in the native envelope; the id is a UUIDv7, as producers are told to use.
+fn envelope(
+    org_id: &str,
+    container_id: &str,
+    event_type: &str,
+    occurred_at: DateTime<Utc>,
+    data: serde_json::Value,
+) -> String {
+    json!({
+        "id": Uuid::now_v7().hyphenated().to_string(),
+        "type": event_type,
+        "org_id": org_id,
+        "container_id": container_id,
+        "occurred_at": canonical::timestamp(occurred_at),
+        "data": data,
+    })
+    .to_string()
 }
 
 /// The ledger rows of the batch events, as the appender would write them (the appender's

@@ -19,20 +19,16 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use bytes::Bytes;
 use chrono::{DateTime, SubsecRound, Utc};
-use rand::seq::IndexedRandom;
 use rand::Rng;
 use serde::Deserialize;
-use serde_json::json;
 use sqlx::{Connection, PgConnection};
-use uuid::Uuid;
 
 use super::{
-    checkpoint, clean_up, copy_into_ledger, percentile_ms, print_table, seed_ledger_stream,
-    without_password, Check, Endpoint, Figure, HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX,
-    HTTP_TIMEOUT_MS, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
+    checkpoint, clean_up, container_data, copy_into_ledger, envelope, percentile_ms, print_table,
+    seed_ledger_stream, without_password, Check, Endpoint, Figure, HttpConnection, Scratch,
+    ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, SETTLE_TIMEOUT_MS,
 };
 use crate::config::Config;
-use crate::event::canonical;
 use crate::ledger::read::{self, Filter};
 use crate::ledger::verify;
 use crate::projection::store::LIVE;
@@ -210,62 +206,24 @@ impl Ledger {
     }
 }
 
-/// One container event as a producer would send it, with `generate_event`'s mix: mostly
-/// commands, the lifecycle around them. The ledger takes events in any lifecycle order, and
-/// audit reads them as stored, so the order within a container is left to chance.
+/// One container event as a producer would send it: mostly commands, the lifecycle around
+/// them. The ledger takes events in any lifecycle order, and audit reads them as stored, so
+/// the order within a container is left to chance.
 fn event_body(
     rng: &mut impl Rng,
     org_id: &str,
     container_id: &str,
     occurred_at: DateTime<Utc>,
 ) -> String {
-    let (event_type, data) = match rng.random_range(0..100) {
-        0..=9 => (
-            "container.created",
-            json!({
-                "name": format!("task-{}", rng.random_range(0..1_000_000)),
-                "image": IMAGES.choose(rng).expect("a non-empty list"),
-            }),
-        ),
-        10..=69 => {
-            let exit_code = *[0, 0, 0, 0, 0, 0, 0, 1, 2, 137]
-                .choose(rng)
-                .expect("a non-empty list");
-            let mut data = json!({
-                "command_id": format!("cmd_{:016x}", rng.random::<u64>()),
-                "exit_code": exit_code,
-                "duration_ms": rng.random_range(5..120_000u64),
-            });
-            if exit_code == 137 {
-                data["timed_out"] = json!(true);
-            }
-            ("container.command_ran", data)
-        }
-        70..=79 => (
-            "container.stopped",
-            json!({"reason": STOP_REASONS.choose(rng).expect("a non-empty list")}),
-        ),
-        80..=89 => ("container.resumed", json!({})),
-        _ => {
-            let port = *PORTS.choose(rng).expect("a non-empty list");
-            (
-                "container.port_published",
-                json!({
-                    "port": port,
-                    "url": format!("https://{container_id}-{port}.sandbox.example.com"),
-                }),
-            )
-        }
+    let event_type = match rng.random_range(0..100) {
+        0..=9 => "container.created",
+        10..=69 => "container.command_ran",
+        70..=79 => "container.stopped",
+        80..=89 => "container.resumed",
+        _ => "container.port_published",
     };
-    json!({
-        "id": Uuid::now_v7().hyphenated().to_string(),
-        "type": event_type,
-        "org_id": org_id,
-        "container_id": container_id,
-        "occurred_at": canonical::timestamp(occurred_at),
-        "data": data,
-    })
-    .to_string()
+    let data = container_data(rng, event_type, container_id);
+    envelope(org_id, container_id, event_type, occurred_at, data)
 }
 
 /// What building the ledger took; not a measurement of the service.

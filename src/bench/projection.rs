@@ -331,7 +331,7 @@ enum Step {
 }
 
 impl Step {
-    /// A step drawn with `generate_event`'s mix: mostly commands, the lifecycle around them.
+    /// A step drawn from the audit part's mix: mostly commands, the lifecycle around them.
     fn random(rng: &mut impl Rng) -> Step {
         match rng.random_range(0..100) {
             0..=9 => Step::Created,
@@ -373,7 +373,7 @@ fn org_id(org: u32) -> String {
     }
 }
 
-/// The container ids follow `generate_event`'s, so that the ids of one org never collide.
+/// The container ids follow the ingest part's, so that the ids of one org never collide.
 fn container_id(org: u32, container: u32) -> String {
     if org == BIG_ORG_INDEX {
         format!("ctr_big_{container}")
