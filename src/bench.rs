@@ -1377,6 +1377,63 @@ struct Check {
     passed: bool,
 }
 
+fn print_checks(checks: &[Check]) {
+    for check in checks {
+        let verdict = if check.passed { "ok" } else { "FAILED" };
+        println!("check {verdict}: {}", check.description);
+    }
+}
+
+/// A line of a part's table: a figure and its target, with whether it was met.
+struct Line {
+    figure: Figure,
+    target: String,
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
+
+/// Prints the table of a part with targets (every part after ingest), then its checks.
+fn print_lines<'a>(lines: impl IntoIterator<Item = &'a Line>, checks: &[Check]) {
+    let header = [
+        "measurement",
+        "count",
+        "seconds",
+        "per second",
+        "p50 ms",
+        "p99 ms",
+        "target",
+        "notes",
+    ];
+    let dash = || "-".to_owned();
+    let cells: Vec<Vec<String>> = lines
+        .into_iter()
+        .map(|Line { figure, target }| {
+            let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
+                (format!("{p50:.2}"), format!("{p99:.2}"))
+            });
+            vec![
+                figure.label.clone(),
+                figure.count.to_string(),
+                format!("{:.2}", figure.elapsed.as_secs_f64()),
+                format!("{:.0}", figure.per_second()),
+                p50,
+                p99,
+                target.clone(),
+                figure.notes.join("; "),
+            ]
+        })
+        .collect();
+    print_table(&header, &cells);
+    println!();
+    print_checks(checks);
+}
+
 async fn check_ledger(
     service: &Service,
     nats: &jetstream::Context,
@@ -1562,10 +1619,7 @@ impl Report {
             .collect();
         print_table(&header, &cells);
         println!();
-        for check in &self.checks {
-            let verdict = if check.passed { "ok" } else { "FAILED" };
-            println!("check {verdict}: {}", check.description);
-        }
+        print_checks(&self.checks);
     }
 }
 

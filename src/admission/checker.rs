@@ -3,7 +3,7 @@
 //! A check alone is one statement, and on the two-core machine the statement's fixed cost
 //! (round trip, bind, executor start-up for each of its dozen subplans) is most of it:
 //! Postgres alone ran that statement about 9 400 times a second from 16 connections, and
-//! the same statement for 16 orgs at once about 3 000 times a second, 48 000 orgs. So, as
+//! the same statement for 16 orgs at once about 3 000 times a second, 48 000 checks. So, as
 //! the appender does with commits, checks that arrive while others are being read wait in
 //! a bounded queue and go together: the worker takes every check waiting (up to
 //! `CHECK_GROUP_MAX`) and reads all their facts in one statement, one snapshot, then hands
@@ -13,15 +13,14 @@
 //!
 //! One worker: with two or four, a check at moderate load found a worker idle and went
 //! alone, which cost Postgres more per check and lengthened the tail (`tally bench`: p99
-//! 4–6 ms at half load with four or two workers, 3.2–3.7 ms with one, and more checks a
+//! 3.9–6.5 ms at half load with four or two workers, 3.2–3.9 ms with one, and more checks a
 //! second too).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::PgPool;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{
     answer, load_facts, AdmissionError, Answer, FactsRow, Reader, Request, FRESHNESS_POLL_MS,
@@ -29,11 +28,9 @@ use super::{
 };
 use crate::projection::Freshness;
 
-/// Workers reading facts at once (see the module comment for why one).
-pub const CHECK_WORKERS: usize = 1;
 /// Checks in one statement at most.
 pub const CHECK_GROUP_MAX: usize = 64;
-/// Checks waiting for a worker at most; a caller past it waits for room, and the HTTP
+/// Checks waiting for the worker at most; a caller past it waits for room, and the HTTP
 /// layer's concurrency limit and request timeout bound that wait.
 pub const CHECK_QUEUE_MAX: usize = 1_024;
 
@@ -49,7 +46,7 @@ struct Read {
     now: DateTime<Utc>,
 }
 
-/// A handle to the check workers; cheap to clone. The workers end when every handle is
+/// A handle to the check worker; cheap to clone. The worker ends when every handle is
 /// dropped.
 #[derive(Clone)]
 pub struct Checker {
@@ -61,10 +58,7 @@ pub struct Checker {
 impl Checker {
     pub fn start(pool: PgPool, freshness: Freshness) -> Checker {
         let (sender, receiver) = mpsc::channel(CHECK_QUEUE_MAX);
-        let receiver = Arc::new(Mutex::new(receiver));
-        for _ in 0..CHECK_WORKERS {
-            tokio::spawn(work(pool.clone(), receiver.clone()));
-        }
+        tokio::spawn(work(pool.clone(), receiver));
         Checker {
             sender,
             freshness,
@@ -85,7 +79,7 @@ impl Checker {
             self.sender
                 .send(pending)
                 .await
-                .map_err(|_| anyhow::anyhow!("the admission workers have stopped"))?;
+                .map_err(|_| anyhow::anyhow!("the admission worker has stopped"))?;
             let read = facts
                 .await
                 .map_err(|_| anyhow::anyhow!("an admission worker stopped"))??;
@@ -102,22 +96,15 @@ impl Checker {
     }
 }
 
-async fn work(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>) {
-    loop {
-        let group = {
-            let mut receiver = receiver.lock().await;
-            let Some(first) = receiver.recv().await else {
-                return;
-            };
-            let mut group = vec![first];
-            while group.len() < CHECK_GROUP_MAX {
-                match receiver.try_recv() {
-                    Ok(pending) => group.push(pending),
-                    Err(_) => break,
-                }
+async fn work(pool: PgPool, mut receiver: mpsc::Receiver<Pending>) {
+    while let Some(first) = receiver.recv().await {
+        let mut group = vec![first];
+        while group.len() < CHECK_GROUP_MAX {
+            match receiver.try_recv() {
+                Ok(pending) => group.push(pending),
+                Err(_) => break,
             }
-            group
-        };
+        }
         metrics::histogram!("tally_admission_check_group").record(group.len() as f64);
         match read_group(&pool, &group).await {
             Ok((rows, now)) => {

@@ -28,8 +28,8 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use super::{
-    clean_up, percentile_ms, print_table, without_password, Check, Endpoint, Figure,
-    HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS,
+    clean_up, percentile_ms, print_lines, verdict, without_password, Check, Endpoint, Figure,
+    HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS,
     SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
 use crate::admission::Request;
@@ -698,20 +698,6 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
-/// A line of the table: a figure and its target, with whether it was met.
-struct Line {
-    figure: Figure,
-    target: String,
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met {
-        "met"
-    } else {
-        "MISSED"
-    }
-}
-
 async fn measure(
     service: &Service,
     args: &AdmissionArgs,
@@ -1196,41 +1182,6 @@ impl Report {
             scratch.database_name, args.admission_orgs,
         );
         println!();
-        let header = [
-            "measurement",
-            "count",
-            "seconds",
-            "per second",
-            "p50 ms",
-            "p99 ms",
-            "target",
-            "notes",
-        ];
-        let dash = || "-".to_owned();
-        let cells: Vec<Vec<String>> = self
-            .lines
-            .iter()
-            .map(|Line { figure, target }| {
-                let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
-                    (format!("{p50:.2}"), format!("{p99:.2}"))
-                });
-                vec![
-                    figure.label.clone(),
-                    figure.count.to_string(),
-                    format!("{:.2}", figure.elapsed.as_secs_f64()),
-                    format!("{:.0}", figure.per_second()),
-                    p50,
-                    p99,
-                    target.clone(),
-                    figure.notes.join("; "),
-                ]
-            })
-            .collect();
-        print_table(&header, &cells);
-        println!();
-        for check in &self.checks {
-            let verdict = if check.passed { "ok" } else { "FAILED" };
-            println!("check {verdict}: {}", check.description);
-        }
+        print_lines(&self.lines, &self.checks);
     }
 }

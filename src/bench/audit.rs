@@ -24,9 +24,9 @@ use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 
 use super::{
-    checkpoint, clean_up, container_data, copy_into_ledger, envelope, percentile_ms, print_table,
-    seed_ledger_stream, without_password, Check, Endpoint, Figure, HttpConnection, Scratch,
-    ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, SETTLE_TIMEOUT_MS,
+    checkpoint, clean_up, container_data, copy_into_ledger, envelope, percentile_ms, print_lines,
+    seed_ledger_stream, verdict, without_password, Check, Endpoint, Figure, HttpConnection, Line,
+    Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, SETTLE_TIMEOUT_MS,
 };
 use crate::config::Config;
 use crate::ledger::read::{self, Filter};
@@ -356,20 +356,6 @@ async fn prepare(
 
 fn gigabytes(bytes: i64) -> f64 {
     bytes as f64 / 1e9
-}
-
-/// A line of the table: a figure and its target, with whether it was met.
-struct Line {
-    figure: Figure,
-    target: String,
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met {
-        "met"
-    } else {
-        "MISSED"
-    }
 }
 
 /// An audit page as the API answers it; only what the checks need.
@@ -1025,43 +1011,10 @@ impl Report {
             scratch.database_name, args.audit_events, args.audit_orgs,
         );
         println!();
-        let header = [
-            "measurement",
-            "count",
-            "seconds",
-            "per second",
-            "p50 ms",
-            "p99 ms",
-            "target",
-            "notes",
-        ];
-        let dash = || "-".to_owned();
         let lines = [&self.build, &self.org_pages, &self.container_pages]
             .into_iter()
             .chain(&self.direct)
             .chain(&self.verification);
-        let cells: Vec<Vec<String>> = lines
-            .map(|Line { figure, target }| {
-                let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
-                    (format!("{p50:.2}"), format!("{p99:.2}"))
-                });
-                vec![
-                    figure.label.clone(),
-                    figure.count.to_string(),
-                    format!("{:.2}", figure.elapsed.as_secs_f64()),
-                    format!("{:.0}", figure.per_second()),
-                    p50,
-                    p99,
-                    target.clone(),
-                    figure.notes.join("; "),
-                ]
-            })
-            .collect();
-        print_table(&header, &cells);
-        println!();
-        for check in &self.checks {
-            let verdict = if check.passed { "ok" } else { "FAILED" };
-            println!("check {verdict}: {}", check.description);
-        }
+        print_lines(lines, &self.checks);
     }
 }

@@ -32,9 +32,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    checkpoint, clean_up, copy_into_ledger, percentile_ms, print_table, seed_ledger_stream,
-    without_password, AbortOnDrop, Check, Figure, HttpConnection, Scratch, ERROR_EXCERPT_BYTES_MAX,
-    HTTP_TIMEOUT_MS, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
+    checkpoint, clean_up, copy_into_ledger, percentile_ms, print_lines, seed_ledger_stream,
+    verdict, without_password, AbortOnDrop, Check, Figure, HttpConnection, Line, Scratch,
+    ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
 use crate::config::Config;
 use crate::event::canonical;
@@ -304,20 +304,6 @@ async fn prepare(
         replay,
         checks,
     })
-}
-
-/// A line of the table: a figure and its target, with whether it was met.
-struct Line {
-    figure: Figure,
-    target: String,
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met {
-        "met"
-    } else {
-        "MISSED"
-    }
 }
 
 /// One step of a container's planned history.
@@ -1321,46 +1307,13 @@ impl Report {
             args.lag_seconds
         );
         println!();
-        let header = [
-            "measurement",
-            "count",
-            "seconds",
-            "per second",
-            "p50 ms",
-            "p99 ms",
-            "target",
-            "notes",
-        ];
-        let dash = || "-".to_owned();
-        let cells: Vec<Vec<String>> = [
+        let lines = [
             &self.replay,
             &self.usage,
             &self.query,
             &self.healthz,
             &self.lag,
-        ]
-        .into_iter()
-        .map(|Line { figure, target }| {
-            let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
-                (format!("{p50:.2}"), format!("{p99:.2}"))
-            });
-            vec![
-                figure.label.clone(),
-                figure.count.to_string(),
-                format!("{:.2}", figure.elapsed.as_secs_f64()),
-                format!("{:.0}", figure.per_second()),
-                p50,
-                p99,
-                target.clone(),
-                figure.notes.join("; "),
-            ]
-        })
-        .collect();
-        print_table(&header, &cells);
-        println!();
-        for check in &self.checks {
-            let verdict = if check.passed { "ok" } else { "FAILED" };
-            println!("check {verdict}: {}", check.description);
-        }
+        ];
+        print_lines(lines, &self.checks);
     }
 }

@@ -31,8 +31,8 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use super::{
-    checkpoint, clean_up, copy_into_ledger, print_table, without_password, Check, Figure, Scratch,
-    PORTS, STOP_REASONS,
+    checkpoint, clean_up, copy_into_ledger, print_checks, print_table, verdict, without_password,
+    Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
 };
 use crate::billing::reconcile::Tolerance;
 use crate::billing::report;
@@ -912,25 +912,11 @@ async fn parse_alone(path: PathBuf, lines: usize) -> anyhow::Result<Line> {
     })
 }
 
-/// A line of the table: a figure and its target, with whether it was met.
-struct Line {
-    figure: Figure,
-    target: String,
-}
-
 /// The process's memory over one measured step.
 struct MemoryLine {
     label: String,
     before: Memory,
     after: Memory,
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met {
-        "met"
-    } else {
-        "MISSED"
-    }
 }
 
 /// Everything the reconciliation table prints.
@@ -991,9 +977,6 @@ impl Report {
         }
         print_table(&header, &cells);
         println!();
-        for check in &self.checks {
-            let verdict = if check.passed { "ok" } else { "FAILED" };
-            println!("check {verdict}: {}", check.description);
-        }
+        print_checks(&self.checks);
     }
 }
