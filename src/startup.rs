@@ -55,7 +55,7 @@ impl Service {
             },
         );
         let freshness = Freshness::new(appender.head());
-        let checker = Checker::start(pool.clone(), freshness.clone());
+        let checker = Checker::new(pool.clone(), freshness.clone());
         let shutdown = CancellationToken::new();
         let workers = vec![
             tokio::spawn(relay::run(

@@ -63,6 +63,8 @@ pub struct Answer {
 pub enum AdmissionError {
     #[error("the projection has not caught up with this instance's appends within {0} ms")]
     Stale(u64),
+    #[error("more than {0} admission checks are waiting; retry later")]
+    Busy(usize),
     #[error(transparent)]
     Store(#[from] anyhow::Error),
 }

@@ -296,6 +296,7 @@ fn parse_request(fields: &Map<String, Value>, known: &[&str]) -> Result<Request,
 fn admission_error(error: AdmissionError) -> ApiError {
     match error {
         AdmissionError::Stale(_) => ApiError::unavailable("projection_lagging", error.to_string()),
+        AdmissionError::Busy(_) => ApiError::unavailable("overloaded", error.to_string()),
         AdmissionError::Store(error) => ApiError::from(error),
     }
 }

@@ -42,7 +42,7 @@ async fn event(app: &TestApp, body: Value) {
 
 /// `org` on plan `pro` (one running slot, an hour included, overage denied), verified and
 /// billing eligible.
-async fn ready_org(app: &TestApp, org: &str) {
+pub async fn ready_org(app: &TestApp, org: &str) {
     let (status, plan) = put_plan(app, "pro", &pro_plan()).await;
     assert!(status == 201 || status == 200, "{plan}");
     for (event_type, data) in [
