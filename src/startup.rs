@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use axum::serve::ListenerExt as _;
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -112,6 +113,14 @@ impl Service {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");
         }
         let server_shutdown = shutdown.clone();
+        // Responses go out as soon as written: without TCP_NODELAY, Nagle's algorithm holds a
+        // small write back while an earlier one is unacknowledged, up to the client's
+        // delayed ACK (tens of milliseconds).
+        let listener = listener.tap_io(|stream| {
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%error, "cannot set TCP_NODELAY on a connection");
+            }
+        });
         let server = tokio::spawn(async move {
             axum::serve(listener, http::app(state))
                 .with_graceful_shutdown(async move { server_shutdown.cancelled().await })
