@@ -50,10 +50,11 @@ pub const PROJECTOR_BATCH_MAX: usize = 5_000;
 /// How often the projector looks for events appended by other instances when nothing
 /// woke it.
 pub const PROJECTOR_POLL_MS: u64 = 250;
-/// After a commit wakes the projector, how long it waits for more before projecting, so
-/// that one round carries many group commits under load. A reader waiting for freshness
-/// (admission's read-your-writes) cuts the wait short.
-pub const PROJECTOR_LINGER_MS: u64 = 25;
+/// How long the first commit not yet projected waits for more before the projector
+/// projects, so that one round carries many group commits under load. Counted from when it
+/// began to wait: after a round that long, the next starts at once. A reader waiting for
+/// freshness (admission's read-your-writes) cuts the wait short.
+pub const PROJECTOR_LINGER_MS: u64 = 50;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {

