@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use rand::Rng;
 use sqlx::{Postgres, Transaction};
-use tally::admission::{AdmissionError, Checker, Request};
+use tally::admission::{AdmissionError, Answer, Checker, Request};
 use tally::billing::Action;
 use tally::event::OrgId;
 use tally::projection::Freshness;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::admission::ready_org;
 use crate::helpers::{eventually, TestApp};
@@ -59,6 +60,50 @@ async fn a_facts_statement_waits_for_the_lock(app: &TestApp) {
     .await;
 }
 
+/// A check of acme on its own task.
+fn spawn_check(checker: &Checker) -> JoinHandle<Result<Answer, AdmissionError>> {
+    let checker = checker.clone();
+    tokio::spawn(async move { checker.check(&create("acme")).await })
+}
+
+/// A check whose group's read waits in Postgres until the returned transaction ends.
+async fn a_read_held_in_postgres(
+    app: &TestApp,
+    checker: &Checker,
+) -> (
+    Transaction<'static, Postgres>,
+    JoinHandle<Result<Answer, AdmissionError>>,
+) {
+    let lock = hold_checkpoint(app).await;
+    let reader = spawn_check(checker);
+    a_facts_statement_waits_for_the_lock(app).await;
+    (lock, reader)
+}
+
+/// The spawned check answers, allowed, within 10 s (never, if it was left waiting).
+async fn allowed_in_time(check: JoinHandle<Result<Answer, AdmissionError>>, what: &str) {
+    let answer = tokio::time::timeout(Duration::from_secs(10), check)
+        .await
+        .unwrap_or_else(|_| panic!("{what}"))
+        .unwrap()
+        .unwrap();
+    assert!(answer.decision.allowed, "{:?}", answer.decision);
+}
+
+async fn nothing_waits_and_the_next_check_is_answered(checker: &Checker) {
+    assert_eq!(checker.waiting(), 0);
+    let answer = checker.check(&create("acme")).await.unwrap();
+    assert!(answer.decision.allowed, "{:?}", answer.decision);
+}
+
+/// A service with acme ready and projected, and a checker of its own on its database.
+async fn acme_with_checker(queue_max: usize) -> (TestApp, Checker) {
+    let app = TestApp::spawn().await;
+    ready_acme(&app).await;
+    let checker = checker(&app, queue_max);
+    (app, checker)
+}
+
 async fn ready_acme(app: &TestApp) {
     ready_org(app, "acme").await;
     eventually(10, "the projection holds acme", || async {
@@ -74,23 +119,10 @@ async fn ready_acme(app: &TestApp) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_queue_limit_a_check_is_refused_at_once_and_a_cancelled_reader_leaves_no_one_waiting(
 ) {
-    let app = TestApp::spawn().await;
-    ready_acme(&app).await;
-    let checker = checker(&app, 2);
-    let lock = hold_checkpoint(&app).await;
-
+    let (app, checker) = acme_with_checker(2).await;
     // The first check reads (and waits in Postgres); the next two wait for it.
-    let reader = tokio::spawn({
-        let checker = checker.clone();
-        async move { checker.check(&create("acme")).await }
-    });
-    a_facts_statement_waits_for_the_lock(&app).await;
-    let waiters: Vec<_> = (0..2)
-        .map(|_| {
-            let checker = checker.clone();
-            tokio::spawn(async move { checker.check(&create("acme")).await })
-        })
-        .collect();
+    let (lock, reader) = a_read_held_in_postgres(&app, &checker).await;
+    let waiters: Vec<_> = (0..2).map(|_| spawn_check(&checker)).collect();
     eventually(10, "two checks wait", || async { checker.waiting() == 2 }).await;
 
     // A third would wait past the limit: refused, without waiting for the read.
@@ -108,24 +140,19 @@ async fn past_the_queue_limit_a_check_is_refused_at_once_and_a_cancelled_reader_
     assert!(reader.await.unwrap_err().is_cancelled());
     lock.rollback().await.unwrap();
     for waiter in waiters {
-        let answer = tokio::time::timeout(Duration::from_secs(10), waiter)
-            .await
-            .expect("a waiting check is answered after its reader went away")
-            .unwrap()
-            .unwrap();
-        assert!(answer.decision.allowed, "{:?}", answer.decision);
+        allowed_in_time(
+            waiter,
+            "a waiting check is answered after its reader went away",
+        )
+        .await;
     }
-    assert_eq!(checker.waiting(), 0);
-    let answer = checker.check(&create("acme")).await.unwrap();
-    assert!(answer.decision.allowed, "{:?}", answer.decision);
+    nothing_waits_and_the_next_check_is_answered(&checker).await;
     app.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checks_cancelled_at_random_moments_never_leave_the_others_waiting() {
-    let app = TestApp::spawn().await;
-    ready_acme(&app).await;
-    let checker = checker(&app, 1_024);
+    let (app, checker) = acme_with_checker(1_024).await;
     // Every third check is dropped after 0–2 ms: some while waiting, some while reading
     // their group, some just after being told to read the next one.
     let mut tasks = Vec::new();
@@ -158,32 +185,20 @@ async fn checks_cancelled_at_random_moments_never_leave_the_others_waiting() {
         }
     }
     assert!(answered >= 400, "{answered} answered");
-    assert_eq!(checker.waiting(), 0);
-    let answer = checker.check(&create("acme")).await.unwrap();
-    assert!(answer.decision.allowed, "{:?}", answer.decision);
+    nothing_waits_and_the_next_check_is_answered(&checker).await;
     app.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_gone_after_being_told_to_read_the_next_group_passes_the_reading_on() {
-    let app = TestApp::spawn().await;
-    ready_acme(&app).await;
-    let checker = checker(&app, 1_024);
-    let lock = hold_checkpoint(&app).await;
-    let reader = tokio::spawn({
-        let checker = checker.clone();
-        async move { checker.check(&create("acme")).await }
-    });
-    a_facts_statement_waits_for_the_lock(&app).await;
+    let (app, checker) = acme_with_checker(1_024).await;
+    let (lock, reader) = a_read_held_in_postgres(&app, &checker).await;
     // The next check waits first in line, polled once here and then never again.
     let request = create("acme");
     let mut told = Box::pin(checker.check(&request));
     assert!(futures::poll!(&mut told).is_pending());
     assert_eq!(checker.waiting(), 1);
-    let last = tokio::spawn({
-        let checker = checker.clone();
-        async move { checker.check(&create("acme")).await }
-    });
+    let last = spawn_check(&checker);
     eventually(10, "two checks wait", || async { checker.waiting() == 2 }).await;
     // The read ends and tells the first in line to read the next group; it is gone before
     // it can, and the one behind it must not be left waiting.
@@ -195,11 +210,7 @@ async fn a_check_gone_after_being_told_to_read_the_next_group_passes_the_reading
     })
     .await;
     drop(told);
-    let answer = tokio::time::timeout(Duration::from_secs(10), last)
-        .await
-        .expect("the check behind a gone one is answered")
-        .unwrap()
-        .unwrap();
-    assert!(answer.decision.allowed, "{:?}", answer.decision);
+    allowed_in_time(last, "the check behind a gone one is answered").await;
+    nothing_waits_and_the_next_check_is_answered(&checker).await;
     app.stop().await;
 }
