@@ -1309,6 +1309,21 @@ impl WalPosition {
 }
 
 /// One measured line of the table.
+/// The columns every table starts with, one [`Figure`] a row.
+const FIGURE_COLUMNS: [&str; 6] = [
+    "measurement",
+    "count",
+    "seconds",
+    "per second",
+    "p50 ms",
+    "p99 ms",
+];
+
+/// An empty cell.
+fn dash() -> String {
+    "-".to_owned()
+}
+
 struct Figure {
     label: String,
     count: usize,
@@ -1329,6 +1344,22 @@ impl Figure {
             group_commits: None,
             notes: Vec::new(),
         }
+    }
+
+    /// The cells of the columns every table starts with ([`FIGURE_COLUMNS`]), latencies
+    /// with `decimals` places.
+    fn cells(&self, decimals: usize) -> Vec<String> {
+        let (p50, p99) = self.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
+            (format!("{p50:.decimals$}"), format!("{p99:.decimals$}"))
+        });
+        vec![
+            self.label.clone(),
+            self.count.to_string(),
+            format!("{:.2}", self.elapsed.as_secs_f64()),
+            format!("{:.0}", self.per_second()),
+            p50,
+            p99,
+        ]
     }
 
     fn with_latencies(mut self, sorted: &[Duration]) -> Figure {
@@ -1400,33 +1431,13 @@ fn verdict(met: bool) -> &'static str {
 
 /// Prints the table of a part with targets (every part after ingest), then its checks.
 fn print_lines<'a>(lines: impl IntoIterator<Item = &'a Line>, checks: &[Check]) {
-    let header = [
-        "measurement",
-        "count",
-        "seconds",
-        "per second",
-        "p50 ms",
-        "p99 ms",
-        "target",
-        "notes",
-    ];
-    let dash = || "-".to_owned();
+    let header = [&FIGURE_COLUMNS[..], &["target", "notes"]].concat();
     let cells: Vec<Vec<String>> = lines
         .into_iter()
         .map(|Line { figure, target }| {
-            let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
-                (format!("{p50:.2}"), format!("{p99:.2}"))
-            });
-            vec![
-                figure.label.clone(),
-                figure.count.to_string(),
-                format!("{:.2}", figure.elapsed.as_secs_f64()),
-                format!("{:.0}", figure.per_second()),
-                p50,
-                p99,
-                target.clone(),
-                figure.notes.join("; "),
-            ]
+            let mut cells = figure.cells(2);
+            cells.extend([target.clone(), figure.notes.join("; ")]);
+            cells
         })
         .collect();
     print_table(&header, &cells);
@@ -1578,24 +1589,13 @@ impl Report {
             ),
         ];
         let header = [
-            "measurement",
-            "count",
-            "seconds",
-            "per second",
-            "p50 ms",
-            "p99 ms",
-            "events/commit",
-            "commit ms",
-            "vs baseline",
-            "notes",
-        ];
-        let dash = || "-".to_owned();
+            &FIGURE_COLUMNS[..],
+            &["events/commit", "commit ms", "vs baseline", "notes"],
+        ]
+        .concat();
         let cells: Vec<Vec<String>> = rows
             .iter()
             .map(|(figure, versus)| {
-                let (p50, p99) = figure.latency_ms.map_or((dash(), dash()), |(p50, p99)| {
-                    (format!("{p50:.1}"), format!("{p99:.1}"))
-                });
                 let (events_per_commit, commit_ms) =
                     figure.group_commits.map_or((dash(), dash()), |g| {
                         (
@@ -1603,18 +1603,14 @@ impl Report {
                             format!("{:.2}", g.seconds / g.commits * 1000.0),
                         )
                     });
-                vec![
-                    figure.label.clone(),
-                    figure.count.to_string(),
-                    format!("{:.2}", figure.elapsed.as_secs_f64()),
-                    format!("{:.0}", figure.per_second()),
-                    p50,
-                    p99,
+                let mut cells = figure.cells(1);
+                cells.extend([
                     events_per_commit,
                     commit_ms,
                     versus.clone(),
                     figure.notes.join("; "),
-                ]
+                ]);
+                cells
             })
             .collect();
         print_table(&header, &cells);
