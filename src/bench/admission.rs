@@ -644,9 +644,10 @@ async fn send_all(service: &Service, token: &str, load: Load<'_>) -> anyhow::Res
 ///
 /// Tokio's timer ticks in whole milliseconds: clients that slept until their due instants
 /// woke together at the next tick, so at 6 000 checks a second they sent bursts of six, up
-/// to a millisecond late, and the service's tail measured the pacer's timer as much as the
-/// service. A thread's sleep wakes within tens of microseconds, so requests go out spread
-/// evenly, as an open-loop load generator (wrk2's constant rate) sends them.
+/// to a millisecond late, and the latency from when each was due counted that lateness. A
+/// thread's sleep is not held to those ticks, so requests go out spread evenly, as an
+/// open-loop load generator (wrk2's constant rate) sends them. Its thousands of sleeps a
+/// second cost about 0.08 of a core at 6 000 checks a second (in a profile).
 struct Pacer {
     releases: Arc<Releases>,
     thread: Option<std::thread::JoinHandle<()>>,
