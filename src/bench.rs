@@ -46,6 +46,7 @@ use crate::event::parse::{parse_body, BodyKind};
 use crate::event::{Event, TimeBounds};
 use crate::ledger::rows::{self, Rows};
 use crate::ledger::{db, verify};
+use crate::projection::store::{self, LIVE};
 use crate::startup::Service;
 
 /// Events posted in batches over HTTP: 200 full batches, enough for a stable p99 and a few
@@ -827,11 +828,13 @@ impl Phases<'_> {
         );
         wait_for_relay(self.nats, self.names, self.head).await?;
         let relayed = started.elapsed();
+        let projected = wait_for_projection(self.service, self.head).await?;
         let figure = Figure::new(label, events, posted.elapsed)
             .with_latencies(&posted.latencies)
             .with_group_commits(group_commits)
             .with_retries(posted.retries)
-            .with_wal(wal);
+            .with_wal(wal)
+            .with_note(projected_note(started.elapsed(), projected));
         Ok((figure, relayed))
     }
 
@@ -860,6 +863,7 @@ impl Phases<'_> {
             .await?
             .since(wal_before, "NATS ingest");
         wait_for_relay(self.nats, self.names, self.head).await?;
+        let projected = wait_for_projection(self.service, self.head).await?;
         Ok(Figure::new(
             "NATS ingest, publish to committed",
             payloads.len(),
@@ -867,8 +871,18 @@ impl Phases<'_> {
         )
         .with_group_commits(group_commits)
         .with_wal(wal)
-        .with_note(format!("all acks after {:.2} s", published.as_secs_f64())))
+        .with_note(format!("all acks after {:.2} s", published.as_secs_f64()))
+        .with_note(projected_note(started.elapsed(), projected)))
     }
+}
+
+/// How far the projector was behind when a phase's load ended.
+fn projected_note(since_start: Duration, waited: Duration) -> String {
+    format!(
+        "projected {:.2} s after the start (waited {:.2} s for it)",
+        since_start.as_secs_f64(),
+        waited.as_secs_f64()
+    )
 }
 
 /// A task that is aborted when its handle is dropped.
@@ -949,6 +963,26 @@ async fn wait_for_relay(
         anyhow::ensure!(
             Instant::now() < deadline,
             "the relay reached {relayed} of {expected} within {SETTLE_TIMEOUT_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
+/// Waits until the projector has taken every event up to `head`; returns how long that took.
+/// A phase waits for this before it ends, so that the next phase neither shares the
+/// machine with this one's projection backlog nor is charged for it.
+pub(crate) async fn wait_for_projection(service: &Service, head: i64) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(SETTLE_TIMEOUT_MS);
+    let mut connection = service.pool.acquire().await?;
+    loop {
+        let projected = store::checkpoint(&mut connection, LIVE).await?;
+        if projected >= head {
+            return Ok(started.elapsed());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the projection reached {projected} of {head} within {SETTLE_TIMEOUT_MS} ms"
         );
         tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
     }

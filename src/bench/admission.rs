@@ -28,9 +28,9 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use super::{
-    clean_up, percentile_ms, print_lines, verdict, without_password, Check, Endpoint, Figure,
-    HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS,
-    SETTLE_TIMEOUT_MS, STOP_REASONS,
+    clean_up, percentile_ms, print_lines, verdict, wait_for_projection, without_password, Check,
+    Endpoint, Figure, HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS,
+    IMAGES, PORTS, STOP_REASONS,
 };
 use crate::admission::Request;
 use crate::billing::Action;
@@ -88,8 +88,6 @@ const COMMANDS_PER_CONTAINER: usize = 3;
 const POPULATION_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
 /// Connections the population is posted on.
 const POPULATION_CLIENTS: usize = 4;
-/// Between looks at the projection's checkpoint while waiting for it.
-const POLL_MS: u64 = 20;
 /// Linux reports CPU time in clock ticks of `USER_HZ`, which is 100 on every architecture
 /// the service runs on.
 const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
@@ -972,22 +970,6 @@ async fn measure(
     let mut lines = vec![throughput, paced, floor];
     lines.extend(direct);
     Ok(Report { lines, checks })
-}
-
-async fn wait_for_projection(service: &Service, head: i64) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_millis(SETTLE_TIMEOUT_MS);
-    let mut connection = service.pool.acquire().await?;
-    loop {
-        let projected = store::checkpoint(&mut connection, LIVE).await?;
-        if projected >= head {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the projection reached {projected} of {head} within {SETTLE_TIMEOUT_MS} ms"
-        );
-        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-    }
 }
 
 /// A few questions whose answers are known exactly, one of each kind, each a check.

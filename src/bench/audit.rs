@@ -25,8 +25,8 @@ use sqlx::{Connection, PgConnection};
 
 use super::{
     checkpoint, clean_up, container_data, copy_into_ledger, envelope, percentile_ms, print_lines,
-    seed_ledger_stream, verdict, without_password, Check, Endpoint, Figure, HttpConnection, Line,
-    Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, SETTLE_TIMEOUT_MS,
+    seed_ledger_stream, verdict, wait_for_projection, without_password, Check, Endpoint, Figure,
+    HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS,
 };
 use crate::config::Config;
 use crate::ledger::read::{self, Filter};
@@ -951,27 +951,9 @@ async fn measure_verify(
         )),
         target: format!("checks only the new rows: {}", verdict(only_new)),
     };
-    tokio::time::timeout(
-        Duration::from_millis(SETTLE_TIMEOUT_MS),
-        wait_for_projection(service, expected_head),
-    )
-    .await
-    .context("the projector did not reach the head")??;
+    // So that the projector is idle when the service stops.
+    wait_for_projection(service, expected_head).await?;
     Ok([full_line, append_line, incremental_line])
-}
-
-/// Waits until the projector has taken the appended events, so that it is idle when the
-/// service stops.
-async fn wait_for_projection(service: &Service, head: i64) -> anyhow::Result<()> {
-    loop {
-        let position: i64 = sqlx::query_scalar(&format!("SELECT position FROM {LIVE}.checkpoint"))
-            .fetch_one(&service.pool)
-            .await?;
-        if position >= head {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Batches of new events on the ledger's containers, each occurred a moment ago.
