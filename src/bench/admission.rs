@@ -10,7 +10,8 @@
 //! past a denying allowance → wait until the projection holds it all → checks from 64
 //! keep-alive connections as fast as they are answered, every answer compared with what the
 //! population says → checks paced at half that rate → `GET /healthz` from 64 connections,
-//! the floor → `admission::check` without HTTP, and its statements apart → the table.
+//! the floor, then paced as the checks were → `admission::check` without HTTP, and its
+//! statements apart → the table.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -967,7 +968,41 @@ async fn measure(
         ),
         passed: again.iter().all(|check| check.passed),
     });
-    let mut lines = vec![throughput, paced, floor];
+    // The paced floor: `/healthz` at the rate and on the connections of the paced checks,
+    // so the two tails compare.
+    let cpu_before = CpuTime::now();
+    let paced_floor = send_all(
+        service,
+        token,
+        Load {
+            clients: PACED_CLIENTS,
+            rate_per_second: Some(rate),
+            ..Load::closed(&healthz, &empty, paced_count)
+        },
+    )
+    .await?;
+    let paced_floor = Line {
+        figure: Figure::new(
+            format!("GET /healthz paced at {rate:.0}/s, {PACED_CLIENTS} clients"),
+            paced_count,
+            paced_floor.elapsed,
+        )
+        .with_latencies(&paced_floor.latencies)
+        .with_note(format!(
+            "the paced checks' floor; from when due p50 {:.2} ms, p99 {:.2} ms",
+            percentile_ms(&paced_floor.latencies_from_due, 0.50),
+            percentile_ms(&paced_floor.latencies_from_due, 0.99)
+        ))
+        .with_note(CpuTime::describe(
+            cpu_before,
+            CpuTime::now(),
+            paced_floor.elapsed,
+        ))
+        .with_note(format!("load average {}", load_average())),
+        target: "-".to_owned(),
+    };
+
+    let mut lines = vec![throughput, paced, floor, paced_floor];
     lines.extend(direct);
     Ok(Report { lines, checks })
 }
