@@ -4,6 +4,7 @@ mod helpers;
 
 mod admission;
 mod audit;
+mod bench;
 mod checker;
 mod concurrency;
 mod corrections;

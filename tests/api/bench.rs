@@ -1,0 +1,65 @@
+//! `tally bench` itself, on small sizes: the parts that measure the service run end to end
+//! against real Postgres and NATS, every correctness check they make passes (the run fails
+//! otherwise), and they remove the scratch databases they create. The figures are not
+//! looked at: speed is the bench's to report, not a test's to assert.
+
+use std::collections::HashSet;
+
+use clap::Parser;
+use sqlx::PgPool;
+use tally::bench::BenchArgs;
+use tally::config::Config;
+
+use crate::helpers::{server_url, TestNats};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: BenchArgs,
+}
+
+async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
+    sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'")
+        .fetch_all(pool)
+        .await
+        .expect("listing databases")
+        .into_iter()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_passing_and_leaves_no_database(
+) {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let admin = PgPool::connect(&server)
+        .await
+        .expect("connecting to the test server");
+    let before = scratch_databases(&admin).await;
+
+    let args = Cli::parse_from([
+        "bench",
+        "--only",
+        "ingest,admission",
+        "--http-events",
+        "2000",
+        "--single-events",
+        "640",
+        "--nats-events",
+        "500",
+        "--admission-orgs",
+        "20",
+        "--admission-checks",
+        "2000",
+        "--admission-paced-seconds",
+        "1",
+    ])
+    .args;
+    tally::bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect("the bench runs and every check it makes passes");
+
+    let left = scratch_databases(&admin).await;
+    let created: Vec<&String> = left.difference(&before).collect();
+    assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
