@@ -531,6 +531,15 @@ struct Load<'a> {
 }
 
 impl<'a> Load<'a> {
+    /// `count` requests due at `rate` a second, open loop over `PACED_CLIENTS` connections.
+    fn paced(target: &'a Target, bodies: &'a Arc<Vec<Bytes>>, count: usize, rate: f64) -> Load<'a> {
+        Load {
+            clients: PACED_CLIENTS,
+            rate_per_second: Some(rate),
+            ..Load::closed(target, bodies, count)
+        }
+    }
+
     fn closed(target: &'a Target, bodies: &'a Arc<Vec<Bytes>>, count: usize) -> Load<'a> {
         Load {
             target,
@@ -896,11 +905,7 @@ async fn measure(
     let paced = send_all(
         service,
         token,
-        Load {
-            clients: PACED_CLIENTS,
-            rate_per_second: Some(rate),
-            ..Load::closed(&check, &bodies, paced_count)
-        },
+        Load::paced(&check, &bodies, paced_count, rate),
     )
     .await?;
     let cpu = CpuTime::describe(cpu_before, CpuTime::now(), paced.elapsed);
@@ -974,11 +979,7 @@ async fn measure(
     let paced_floor = send_all(
         service,
         token,
-        Load {
-            clients: PACED_CLIENTS,
-            rate_per_second: Some(rate),
-            ..Load::closed(&healthz, &empty, paced_count)
-        },
+        Load::paced(&healthz, &empty, paced_count, rate),
     )
     .await?;
     let paced_floor = Line {
