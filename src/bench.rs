@@ -1342,7 +1342,6 @@ impl WalPosition {
     }
 }
 
-/// One measured line of the table.
 /// The columns every table starts with, one [`Figure`] a row.
 const FIGURE_COLUMNS: [&str; 6] = [
     "measurement",
@@ -1358,6 +1357,7 @@ fn dash() -> String {
     "-".to_owned()
 }
 
+/// One measured line of the table.
 struct Figure {
     label: String,
     count: usize,

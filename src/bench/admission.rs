@@ -901,34 +901,20 @@ async fn measure(
     eprintln!(
         "bench: admission: {paced_count} checks paced at {rate:.0}/s from {PACED_CLIENTS} clients"
     );
-    let cpu_before = CpuTime::now();
-    let paced = send_all(
+    let figure = measure_paced(
         service,
         token,
         Load::paced(&check, &bodies, paced_count, rate),
+        format!("checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"),
+        "latency from send",
     )
     .await?;
-    let cpu = CpuTime::describe(cpu_before, CpuTime::now(), paced.elapsed);
-    let figure = Figure::new(
-        format!("checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"),
-        paced_count,
-        paced.elapsed,
-    )
-    .with_latencies(&paced.latencies);
     let p99_met = figure
         .latency_ms
         .is_some_and(|(_, p99)| p99 <= TARGET_PACED_P99_MS);
     let paced = Line {
         target: format!("p99 ≤ {TARGET_PACED_P99_MS} ms: {}", verdict(p99_met)),
-        figure: figure
-            .with_note(format!(
-                "latency from send; from when due p50 {:.2} ms, \
-                 p99 {:.2} ms",
-                percentile_ms(&paced.latencies_from_due, 0.50),
-                percentile_ms(&paced.latencies_from_due, 0.99)
-            ))
-            .with_note(cpu)
-            .with_note(format!("load average {}", load_average())),
+        figure,
     };
 
     // The floor: the same clients and connections, no admission.
@@ -975,37 +961,45 @@ async fn measure(
     });
     // The paced floor: `/healthz` at the rate and on the connections of the paced checks,
     // so the two tails compare.
-    let cpu_before = CpuTime::now();
-    let paced_floor = send_all(
-        service,
-        token,
-        Load::paced(&healthz, &empty, paced_count, rate),
-    )
-    .await?;
     let paced_floor = Line {
-        figure: Figure::new(
+        figure: measure_paced(
+            service,
+            token,
+            Load::paced(&healthz, &empty, paced_count, rate),
             format!("GET /healthz paced at {rate:.0}/s, {PACED_CLIENTS} clients"),
-            paced_count,
-            paced_floor.elapsed,
+            "the paced checks' floor",
         )
-        .with_latencies(&paced_floor.latencies)
-        .with_note(format!(
-            "the paced checks' floor; from when due p50 {:.2} ms, p99 {:.2} ms",
-            percentile_ms(&paced_floor.latencies_from_due, 0.50),
-            percentile_ms(&paced_floor.latencies_from_due, 0.99)
-        ))
-        .with_note(CpuTime::describe(
-            cpu_before,
-            CpuTime::now(),
-            paced_floor.elapsed,
-        ))
-        .with_note(format!("load average {}", load_average())),
+        .await?,
         target: "-".to_owned(),
     };
 
     let mut lines = vec![throughput, paced, floor, paced_floor];
     lines.extend(direct);
     Ok(Report { lines, checks })
+}
+
+/// Sends a paced load and describes it: latencies from the send, and in the notes (after
+/// `note`) from when each request was due, the CPU used and the load average.
+async fn measure_paced(
+    service: &Service,
+    token: &str,
+    load: Load<'_>,
+    label: String,
+    note: &str,
+) -> anyhow::Result<Figure> {
+    let count = load.count;
+    let cpu_before = CpuTime::now();
+    let sent = send_all(service, token, load).await?;
+    let cpu = CpuTime::describe(cpu_before, CpuTime::now(), sent.elapsed);
+    Ok(Figure::new(label, count, sent.elapsed)
+        .with_latencies(&sent.latencies)
+        .with_note(format!(
+            "{note}; from when due p50 {:.2} ms, p99 {:.2} ms",
+            percentile_ms(&sent.latencies_from_due, 0.50),
+            percentile_ms(&sent.latencies_from_due, 0.99)
+        ))
+        .with_note(cpu)
+        .with_note(format!("load average {}", load_average())))
 }
 
 /// A few questions whose answers are known exactly, one of each kind, each a check.
