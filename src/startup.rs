@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::Checker;
+use crate::admission::{self, Checker};
 use crate::bus::{self, ingest, relay, Names};
 use crate::config::Config;
 use crate::http::{self, auth::Tokens, AppState, Inner};
@@ -78,6 +78,11 @@ impl Service {
                     linger: Duration::from_millis(config.projector_linger_ms),
                 },
                 freshness.clone(),
+                shutdown.clone(),
+            )),
+            tokio::spawn(admission::cache::listen(
+                pool.clone(),
+                checker.cache().clone(),
                 shutdown.clone(),
             )),
             tokio::spawn(ingest::run(

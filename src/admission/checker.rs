@@ -27,9 +27,10 @@ use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
+use super::cache::FactsCache;
 use super::{
-    answer, load_facts, AdmissionError, Answer, FactsRow, Reader, Request, FRESHNESS_POLL_MS,
-    FRESHNESS_WAIT_MS,
+    answer_from, load_facts, AdmissionError, Answer, FactsRow, Prepared, Reader, Request,
+    FRESHNESS_POLL_MS, FRESHNESS_WAIT_MS,
 };
 use crate::projection::Freshness;
 
@@ -71,6 +72,7 @@ pub struct Checker {
     queue_max: usize,
     freshness: Freshness,
     pool: PgPool,
+    cache: FactsCache,
 }
 
 impl Checker {
@@ -85,7 +87,14 @@ impl Checker {
             queue_max,
             freshness,
             pool,
+            cache: FactsCache::default(),
         }
+    }
+
+    /// The facts this checker keeps between checks; they are used only while
+    /// [`super::cache::listen`] runs on it.
+    pub fn cache(&self) -> &FactsCache {
+        &self.cache
     }
 
     /// Checks waiting for the read in flight to end.
@@ -94,14 +103,31 @@ impl Checker {
     }
 
     /// `POST /v1/admission/check`: the decision now, read-your-writes for this instance.
+    /// From the facts kept in memory when they serve (see [`super::cache`]), else from a
+    /// read of Postgres, whose facts are then kept.
     pub async fn check(&self, request: &Request) -> Result<Answer, AdmissionError> {
         let wanted = self.freshness.wanted();
+        if let Some(facts) = self.cache.get(request, wanted) {
+            let now = Utc::now().trunc_subsecs(3);
+            if facts.serves(now) {
+                if let Some(runtime_used_ms) = facts.runtime_used_ms(now) {
+                    self.cache.count(true);
+                    return Ok(facts.answer(request, now, runtime_used_ms)?);
+                }
+            }
+        }
+        self.cache.count(false);
+        let ticket = self.cache.ticket(request.org_id.as_str());
         let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
         loop {
             let read = self.read(request).await?;
             if read.row.projected >= wanted {
+                let facts = Arc::new(Prepared::from_row(&read.row, read.now)?);
+                if let Some(ticket) = ticket {
+                    self.cache.keep(ticket, request, Arc::clone(&facts));
+                }
                 let reader = Reader::Pool(&self.pool);
-                return Ok(answer(reader, request, &read.row, read.now).await?);
+                return Ok(answer_from(reader, request, &facts, read.now).await?);
             }
             if Instant::now() >= deadline {
                 return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));

@@ -9,6 +9,7 @@
 //! snapshot sees the slot taken exactly once: as a reservation before, as a running
 //! container after. Expired reservations stop counting by their `expires_at` alone.
 
+pub mod cache;
 mod checker;
 
 use std::collections::HashMap;
@@ -25,9 +26,7 @@ use crate::ledger::plans;
 use crate::projection::{query, store, Freshness};
 pub use checker::Checker;
 
-use crate::runtime::{
-    self, AccountEntry, AccountState, AccountTimeline, Lifecycle, Period, PeriodTotals,
-};
+use crate::runtime::{self, AccountEntry, AccountTimeline, Lifecycle, Period, PeriodTotals};
 
 /// How long a check waits for the projection to include this instance's own appends
 /// before it answers 503 rather than from stale figures.
@@ -113,7 +112,8 @@ struct FactsRow {
     /// `now` other than by an open interval that started before it.
     future_intervals: Vec<String>,
     target_intervals: Option<String>,
-    reservations: i64,
+    /// When each live reservation of the org expires; those past `now` do not count.
+    reservation_expiries: Vec<DateTime<Utc>>,
     account: Option<String>,
     /// Every version of every plan the org has been on, and of `free`: [data, ms, position].
     plan_versions: Option<String>,
@@ -176,9 +176,9 @@ async fn load_facts(
                       WHERE org_id = r.org AND last_at > $3) AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
                       WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
-                (SELECT count(*) FROM admission_reservation \
+                ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
-                        AND expires_at > $3) AS reservations, \
+                        AND expires_at > $3) AS reservation_expiries, \
                 (SELECT json_agg(json_build_array(position, \
                         (extract(epoch FROM occurred_at) * 1000)::BIGINT, event_id, plan, verified, \
                         billing_eligible))::TEXT \
@@ -224,27 +224,22 @@ async fn answer(
     row: &FactsRow,
     now: DateTime<Utc>,
 ) -> anyhow::Result<Answer> {
-    let period = Period::containing(now);
-    let open = query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?;
-    // Open intervals, corrected by the few containers with events after now.
-    let mut running: i64 = open.iter().map(|runs| runs.running as i64).sum();
-    for intervals in &row.future_intervals {
-        let lifecycle = lifecycle_of(intervals)?;
-        running +=
-            i64::from(lifecycle.running_at(now)) - i64::from(lifecycle.running_since().is_some());
-    }
-    let running_containers = u64::try_from(running).context("running containers below zero")?;
-    let totals = PeriodTotals {
-        closed_runtime_ms: row.closed_runtime_ms,
-        commands: u64::try_from(row.commands)?,
-        command_ms: row.command_ms,
-        ports_published: u64::try_from(row.ports_published)?,
-    };
-    let settled_at = row.latest_at.map(runtime::settled_at);
-    let runtime_used_ms = match runtime::usage_from_totals(totals, &open, period, now, settled_at) {
-        Some(usage) => usage.runtime_ms,
+    let prepared = Prepared::from_row(row, now)?;
+    answer_from(reader, request, &prepared, now).await
+}
+
+/// The decision on `request` at `now` from facts read before, asking the ledger for the
+/// org's usage only when the totals do not settle it.
+async fn answer_from(
+    reader: Reader<'_>,
+    request: &Request,
+    prepared: &Prepared,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Answer> {
+    let runtime_used_ms = match prepared.runtime_used_ms(now) {
+        Some(runtime_ms) => runtime_ms,
         None => {
-            let org = request.org_id.as_str();
+            let (org, period) = (request.org_id.as_str(), prepared.period);
             let usage = match reader {
                 Reader::Connection(connection) => {
                     query::usage_on(connection, org, period, now).await?
@@ -257,68 +252,161 @@ async fn answer(
             usage.runtime_ms
         }
     };
-    let container_running = match &row.target_intervals {
-        Some(intervals) => lifecycle_of(intervals)?.running_at(now),
-        None => false,
-    };
-    let account = match &row.account {
-        Some(json) => AccountTimeline::fold(&account_entries(json)?).state_at(now),
-        None => AccountState::default(),
-    };
-    let versions = plan_versions(&account.plan, row.plan_versions.as_deref())?;
-    let plan = plans::in_effect(&versions, now)
-        .ok_or_else(|| {
-            anyhow!(
-                "org {} is on plan {}, which has no version",
-                request.org_id,
-                account.plan
-            )
-        })?
-        .plan
-        .clone();
-    let facts = Facts {
-        plan: &plan,
-        account: &account,
-        period,
-        runtime_used_ms,
-        running_containers,
-        reservations: u64::try_from(row.reservations)?,
-        container_running,
-        ports_published: totals.ports_published,
-    };
-    let decision = billing::decide(request.action, &facts);
-    Ok(Answer {
-        decision,
-        plan: plan.id.clone(),
-        period,
-        runtime_used_ms,
-        running_containers,
-        max_running_containers: plan.max_running_containers,
-        at: now,
-    })
+    prepared.answer(request, now, runtime_used_ms)
 }
 
-/// The versions of plan `id`, oldest first, from the facts statement's `plan_versions`.
-fn plan_versions(id: &PlanId, json: Option<&str>) -> anyhow::Result<Vec<plans::PlanVersion>> {
+/// One check's facts as read at `read_at`, parsed: all a decision needs at that instant or
+/// any later one of the same period, for as long as nothing of the org changes in the
+/// projection or its reservations. What depends on the instant (running containers, usage
+/// so far, account state, plan in effect, live reservations) is worked out at each answer.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    read_at: DateTime<Utc>,
+    period: Period,
+    settled_at: Option<DateTime<Utc>>,
+    totals: PeriodTotals,
+    open: Vec<runtime::OpenRuns>,
+    /// The containers with events after `read_at`: only these can be running at a later
+    /// instant other than by an open interval. A container whose last event is before that
+    /// later instant changes nothing (running at it exactly when its interval is open), so
+    /// the list read at `read_at` serves every later instant.
+    future: Vec<Lifecycle>,
+    /// The request's container, when it names one that exists.
+    target: Option<Lifecycle>,
+    reservation_expiries: Vec<DateTime<Utc>>,
+    account: AccountTimeline,
+    /// Every version of every plan the org has been on, and of `free`, oldest first.
+    plans: HashMap<String, Vec<plans::PlanVersion>>,
+}
+
+impl Prepared {
+    fn from_row(row: &FactsRow, read_at: DateTime<Utc>) -> anyhow::Result<Prepared> {
+        let account = match &row.account {
+            Some(json) => AccountTimeline::fold(&account_entries(json)?),
+            None => AccountTimeline::fold(&[]),
+        };
+        Ok(Prepared {
+            read_at,
+            period: Period::containing(read_at),
+            settled_at: row.latest_at.map(runtime::settled_at),
+            totals: PeriodTotals {
+                closed_runtime_ms: row.closed_runtime_ms,
+                commands: u64::try_from(row.commands)?,
+                command_ms: row.command_ms,
+                ports_published: u64::try_from(row.ports_published)?,
+            },
+            open: query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?,
+            future: row
+                .future_intervals
+                .iter()
+                .map(|intervals| lifecycle_of(intervals))
+                .collect::<anyhow::Result<_>>()?,
+            target: row
+                .target_intervals
+                .as_deref()
+                .map(lifecycle_of)
+                .transpose()?,
+            reservation_expiries: row.reservation_expiries.clone(),
+            account,
+            plans: plan_versions(row.plan_versions.as_deref())?,
+        })
+    }
+
+    /// Whether these facts answer for `now`: not before they were read, same period.
+    fn serves(&self, now: DateTime<Utc>) -> bool {
+        now >= self.read_at && Period::containing(now) == self.period
+    }
+
+    /// The org's runtime this period up to `now`; `None` when events dated after `now`
+    /// leave it to the ledger.
+    fn runtime_used_ms(&self, now: DateTime<Utc>) -> Option<i64> {
+        runtime::usage_from_totals(self.totals, &self.open, self.period, now, self.settled_at)
+            .map(|usage| usage.runtime_ms)
+    }
+
+    fn answer(
+        &self,
+        request: &Request,
+        now: DateTime<Utc>,
+        runtime_used_ms: i64,
+    ) -> anyhow::Result<Answer> {
+        // Open intervals, corrected by the few containers with events after now.
+        let mut running: i64 = self.open.iter().map(|runs| runs.running as i64).sum();
+        for lifecycle in &self.future {
+            running += i64::from(lifecycle.running_at(now))
+                - i64::from(lifecycle.running_since().is_some());
+        }
+        let running_containers = u64::try_from(running).context("running containers below zero")?;
+        let container_running = self
+            .target
+            .as_ref()
+            .is_some_and(|lifecycle| lifecycle.running_at(now));
+        let account = self.account.state_at(now);
+        let versions = self
+            .plans
+            .get(account.plan.as_str())
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let plan = plans::in_effect(versions, now)
+            .ok_or_else(|| {
+                anyhow!(
+                    "org {} is on plan {}, which has no version",
+                    request.org_id,
+                    account.plan
+                )
+            })?
+            .plan
+            .clone();
+        let reservations = self
+            .reservation_expiries
+            .iter()
+            .filter(|expires_at| **expires_at > now)
+            .count();
+        let facts = Facts {
+            plan: &plan,
+            account: &account,
+            period: self.period,
+            runtime_used_ms,
+            running_containers,
+            reservations: reservations as u64,
+            container_running,
+            ports_published: self.totals.ports_published,
+        };
+        let decision = billing::decide(request.action, &facts);
+        Ok(Answer {
+            decision,
+            plan: plan.id.clone(),
+            period: self.period,
+            runtime_used_ms,
+            running_containers,
+            max_running_containers: plan.max_running_containers,
+            at: now,
+        })
+    }
+}
+
+/// The versions of each plan in the facts statement's `plan_versions`, oldest first; `free`
+/// starts with its built-in version.
+fn plan_versions(json: Option<&str>) -> anyhow::Result<HashMap<String, Vec<plans::PlanVersion>>> {
     let rows: Vec<(serde_json::Value, i64, i64)> = match json {
         Some(json) => serde_json::from_str(json).context("stored plan versions")?,
         None => Vec::new(),
     };
-    let mut versions = Vec::new();
-    if id.as_str() == runtime::FREE_PLAN {
-        versions.push(plans::PlanVersion::builtin_free());
-    }
+    let mut plans: HashMap<String, Vec<plans::PlanVersion>> = HashMap::new();
+    plans.insert(
+        runtime::FREE_PLAN.to_owned(),
+        vec![plans::PlanVersion::builtin_free()],
+    );
     for (data, occurred_at_ms, position) in rows {
-        if data.get("id").and_then(serde_json::Value::as_str) != Some(id.as_str()) {
-            continue;
-        }
-        let plan = billing::Plan::parse(id, &data)
+        let id = data
+            .get("id")
+            .and_then(serde_json::Value::as_str)
+            .context("a stored plan without an id")?;
+        let id = PlanId::parse(id).map_err(|error| anyhow!("stored plan id {id}: {error}"))?;
+        let plan = billing::Plan::parse(&id, &data)
             .map_err(|errors| anyhow!("stored plan {id} does not parse: {errors:?}"))?;
-        let version = versions
-            .iter()
-            .filter(|v: &&plans::PlanVersion| v.position > 0)
-            .count() as i64
-            + 1;
+        let versions = plans.entry(id.as_str().to_owned()).or_default();
+        let version = versions.iter().filter(|v| v.position > 0).count() as i64 + 1;
         versions.push(plans::PlanVersion {
             plan,
             version,
@@ -327,7 +415,7 @@ fn plan_versions(id: &PlanId, json: Option<&str>) -> anyhow::Result<Vec<plans::P
             position,
         });
     }
-    Ok(versions)
+    Ok(plans)
 }
 
 fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
@@ -435,6 +523,12 @@ pub async fn reserve(
     .bind(reservation.expires_at)
     .execute(&mut *transaction)
     .await?;
+    let notice = cache::Notice {
+        position: None,
+        orgs: vec![request.org_id.as_str().to_owned()],
+        all: false,
+    };
+    cache::notify(&mut transaction, &notice.to_string()).await?;
     transaction.commit().await?;
     Ok((answer, Some(reservation)))
 }
@@ -459,12 +553,18 @@ pub async fn reservation_org(pool: &PgPool, id: Uuid) -> sqlx::Result<Option<Str
 }
 
 pub async fn release(pool: &PgPool, id: Uuid, actor: &str) -> sqlx::Result<Released> {
+    // The org's notice goes with the release, in the same statement's transaction.
     let released: Option<Uuid> = sqlx::query_scalar(
-        "UPDATE admission_reservation SET released_at = now(), released_by = $2 \
-         WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL RETURNING id",
+        "WITH released AS ( \
+             UPDATE admission_reservation SET released_at = now(), released_by = $2 \
+             WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL \
+             RETURNING id, org_id) \
+         SELECT id FROM released, \
+             LATERAL pg_notify($3, json_build_object('orgs', json_build_array(org_id))::TEXT)",
     )
     .bind(id)
     .bind(actor)
+    .bind(cache::CHANNEL)
     .fetch_optional(pool)
     .await?;
     if released.is_some() {

@@ -33,7 +33,8 @@ use super::{
     Endpoint, Figure, HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS,
     IMAGES, PORTS, STOP_REASONS,
 };
-use crate::admission::Request;
+use crate::admission::cache::CacheStats;
+use crate::admission::{Checker, Request};
 use crate::billing::Action;
 use crate::config::Config;
 use crate::event::canonical;
@@ -854,6 +855,7 @@ async fn measure(
         args.admission_checks
     );
     let cpu_before = CpuTime::now();
+    let facts_before = service.checker.cache().stats();
     let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
     let answered = send_all(
         service,
@@ -866,6 +868,7 @@ async fn measure(
     .await?;
     let phase_end_ms = Utc::now().timestamp_millis() + 1;
     let cpu = CpuTime::describe(cpu_before, CpuTime::now(), answered.elapsed);
+    let facts = facts_in_memory(facts_before, service.checker.cache().stats());
     let load = load_average();
     let verified = verify_answers(
         &probes,
@@ -891,6 +894,7 @@ async fn measure(
                 "{:.0} % allowed; every answer as the population implies",
                 verified.allowed as f64 * 100.0 / args.admission_checks as f64
             ))
+            .with_note(facts)
             .with_note(cpu)
             .with_note(format!("load average {load}")),
     };
@@ -901,6 +905,7 @@ async fn measure(
     eprintln!(
         "bench: admission: {paced_count} checks paced at {rate:.0}/s from {PACED_CLIENTS} clients"
     );
+    let facts_before = service.checker.cache().stats();
     let figure = measure_paced(
         service,
         token,
@@ -908,7 +913,11 @@ async fn measure(
         format!("checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"),
         "latency from send",
     )
-    .await?;
+    .await?
+    .with_note(facts_in_memory(
+        facts_before,
+        service.checker.cache().stats(),
+    ));
     let p99_met = figure
         .latency_ms
         .is_some_and(|(_, p99)| p99 <= TARGET_PACED_P99_MS);
@@ -1159,10 +1168,39 @@ fn verify_answers(
     })
 }
 
-/// `admission::check` called directly on the service's pool, without HTTP: from 64 tasks
-/// for its throughput, then one at a time for its latency next to its plan-versions
-/// statement alone and a bare checkpoint read, on the same pool.
-async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[Line; 2]> {
+/// Which of a phase's checks were answered from facts kept in memory.
+fn facts_in_memory(before: CacheStats, after: CacheStats) -> String {
+    let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
+    format!(
+        "facts from memory for {:.1} % ({hits} of {})",
+        hits as f64 * 100.0 / (hits + misses).max(1) as f64,
+        hits + misses
+    )
+}
+
+/// `admission::check` called directly, without HTTP: by the service's checker, which keeps
+/// facts in memory, then by one on the same pool that does not (its cache never listens),
+/// so that every check reads Postgres as it would after a change.
+async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<Vec<Line>> {
+    let mut lines = Vec::with_capacity(4);
+    let postgres_only = Checker::new(service.pool.clone(), service.freshness.clone());
+    for (checker, facts) in [
+        (&service.checker, "facts kept in memory"),
+        (&postgres_only, "facts read from Postgres"),
+    ] {
+        lines.extend(measure_checker(service, checker, facts, probes).await?);
+    }
+    Ok(lines)
+}
+
+/// `checker` from 64 tasks for its throughput, then one at a time for its latency next to
+/// a plan-versions statement alone and a bare checkpoint read, on the service's pool.
+async fn measure_checker(
+    service: &Service,
+    checker: &Checker,
+    facts: &str,
+    probes: &[Probe],
+) -> anyhow::Result<[Line; 2]> {
     let requests: Arc<Vec<Request>> = Arc::new(
         probes
             .iter()
@@ -1170,14 +1208,17 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
             .collect::<anyhow::Result<_>>()?,
     );
     let count = requests.len();
-    eprintln!("bench: admission: {count} admission::check calls from {CLIENTS} tasks, no HTTP");
+    eprintln!(
+        "bench: admission: {count} admission::check calls ({facts}) from {CLIENTS} tasks, no HTTP"
+    );
+    let facts_before = checker.cache().stats();
     let next = Arc::new(AtomicUsize::new(0));
     let cpu_before = CpuTime::now();
     let started = Instant::now();
     let mut tasks = JoinSet::new();
     for _ in 0..CLIENTS {
         let (next, requests) = (next.clone(), requests.clone());
-        let checker = service.checker.clone();
+        let checker = checker.clone();
         tasks.spawn(async move {
             while let Some(request) = requests.get(next.fetch_add(1, Ordering::Relaxed)) {
                 checker.check(request).await?;
@@ -1191,7 +1232,7 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
     let elapsed = started.elapsed();
     let concurrent = Line {
         figure: Figure::new(
-            format!("admission::check alone, {CLIENTS} tasks (no HTTP)"),
+            format!("admission::check, {facts}, {CLIENTS} tasks (no HTTP)"),
             count,
             elapsed,
         )
@@ -1199,6 +1240,7 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
             "pool of {} connections",
             service.pool.options().get_max_connections()
         ))
+        .with_note(facts_in_memory(facts_before, checker.cache().stats()))
         .with_note(CpuTime::describe(cpu_before, CpuTime::now(), elapsed))
         .with_note(format!("load average {}", load_average())),
         target: "-".to_owned(),
@@ -1210,7 +1252,7 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
     let mut versions_latencies = Vec::with_capacity(DIRECT_REQUESTS);
     for request in requests.iter().take(DIRECT_REQUESTS) {
         let sent = Instant::now();
-        service.checker.check(request).await?;
+        checker.check(request).await?;
         check_latencies.push(sent.elapsed());
         let sent = Instant::now();
         let mut connection = service.pool.acquire().await?;
@@ -1231,13 +1273,13 @@ async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<[
     let p50 = |sorted: &[Duration]| percentile_ms(sorted, 0.50);
     let sequential = Line {
         figure: Figure::new(
-            "admission::check alone, one at a time (no HTTP)",
+            format!("admission::check, {facts}, one at a time (no HTTP)"),
             check_latencies.len(),
             check_latencies.iter().sum(),
         )
         .with_latencies(&check_latencies)
         .with_note(format!(
-            "1 statement a check (facts, checkpoint and plan versions together); for scale, \
+            "a read is 1 statement (facts, checkpoint and plan versions together); for scale, \
              p50 of a plan-versions query alone {:.3} ms, of a bare checkpoint read {:.3} ms",
             p50(&versions_latencies),
             p50(&fresh_latencies)

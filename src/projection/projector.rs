@@ -217,6 +217,17 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         .collect();
     let consumed = crate::admission::consume(&mut transaction, &starts).await?;
     metrics::counter!("tally_reservations_consumed_total").increment(consumed);
+    // Admission facts kept in memory by every instance drop what this round changed: its
+    // orgs, or everything for a plan definition (an event of no container and no account).
+    let projected = || events.iter().chain(&voided);
+    let plans_changed = projected()
+        .any(|event| event.container.is_none() && event.account.is_none() && event.voids.is_none());
+    let notice = crate::admission::cache::Notice::of_round(
+        position,
+        projected().map(|event| event.org_id.as_str()),
+        plans_changed,
+    );
+    crate::admission::cache::notify(&mut transaction, &notice).await?;
     transaction.commit().await?;
 
     metrics::histogram!("tally_projection_round_events").record(events.len() as f64);

@@ -148,6 +148,9 @@ async fn build_and_swap(
             .await
             .with_context(|| statement.clone())?;
     }
+    // Admission facts kept in memory were read from the projection swapped out.
+    let notice = crate::admission::cache::Notice::of_round(head, [], true);
+    crate::admission::cache::notify(&mut transaction, &notice).await?;
     transaction.commit().await?;
     Ok(ReplayReport {
         events,

@@ -3,6 +3,7 @@
 mod helpers;
 
 mod admission;
+mod admission_cache;
 mod audit;
 mod bench;
 mod checker;

@@ -1,0 +1,586 @@
+//! Admission facts kept in memory between checks, for as long as nothing they were read
+//! from changes.
+//!
+//! A check's facts come from the projection and the reservations, and most checks ask
+//! about orgs none of whose figures moved since the last check: the same statement, the
+//! same rows. So each instance keeps the facts it read, per org (and container asked
+//! about), parsed, and answers from them at the instant of each later check. They are
+//! dropped when Postgres says they may be out of date:
+//!
+//! - Every projector round, in its own transaction, sends a notice (`NOTIFY`, delivered
+//!   only when that transaction commits, in commit order) naming its new checkpoint and the
+//!   orgs of its events, or "all" when it holds a plan definition or more orgs than a
+//!   notice carries; a replay's swap says "all". Reservations granted and released say
+//!   their org in their transaction, and the instance that granted or released one drops
+//!   that org's facts itself before it answers, so its own next check sees it.
+//! - A read that a notice overtook (it touched the org, or was "all", between the read's
+//!   start and its end) is answered from but not kept, so the facts kept never miss a
+//!   change that was notified.
+//! - The cache answers only while the listener holds a live `LISTEN`: it starts empty once
+//!   `LISTEN` is in place (every commit after it is notified; a read started after it sees
+//!   every commit before it) and empties itself when the connection is lost, since notices
+//!   sent meanwhile are lost with it.
+//! - Read-your-writes: a check is answered from memory only when the notices received reach
+//!   past every event this instance has acknowledged; otherwise it reads Postgres, waiting
+//!   for the projection as before.
+//!
+//! What a kept answer can miss is what Postgres has committed but not yet delivered to the
+//! listener: a change by another instance, for the time a notice takes to arrive (well
+//! under a millisecond on one machine), on top of the projection's own lag. Reservations
+//! themselves never read the cache: they are granted under the org's lock from a fresh
+//! snapshot.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+use super::{Prepared, Request};
+use crate::event::ContainerId;
+use crate::projection::store;
+
+/// The channel of the notices.
+pub const CHANNEL: &str = "tally_admission";
+/// Postgres refuses a notice of 8 000 bytes or more; past this many a round says "all".
+pub const NOTICE_BYTES_MAX: usize = 7_000;
+/// Orgs with facts kept, or with a read in flight; past it, everything is dropped.
+pub const ORGS_MAX: usize = 100_000;
+/// Facts kept at most (an org has one for each container asked about); past it, reads
+/// are answered but not kept until notices make room.
+pub const ENTRIES_MAX: usize = 200_000;
+/// The application name of the listener's connection, so that operators can tell it apart.
+pub const LISTENER_APPLICATION_NAME: &str = "tally admission listener";
+/// How long the listener waits before connecting again after it lost its connection.
+const RECONNECT_DELAY_MS: u64 = 200;
+
+/// What a notice says has changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Notice {
+    /// The projection's checkpoint after the change, when it comes from a projector round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<i64>,
+    /// The orgs whose facts may have changed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub orgs: Vec<String>,
+    /// Everything may have changed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub all: bool,
+}
+
+impl Notice {
+    /// The notice of a projector round up to `position` over events of `orgs`; "all" when
+    /// `all` or when the orgs do not fit in one notice.
+    pub fn of_round<'a>(
+        position: i64,
+        orgs: impl IntoIterator<Item = &'a str>,
+        all: bool,
+    ) -> String {
+        let mut notice = Notice {
+            position: Some(position),
+            orgs: Vec::new(),
+            all,
+        };
+        if !all {
+            let mut orgs: Vec<String> = orgs.into_iter().map(str::to_owned).collect();
+            orgs.sort_unstable();
+            orgs.dedup();
+            notice.orgs = orgs;
+        }
+        let payload = notice.to_string();
+        if payload.len() <= NOTICE_BYTES_MAX {
+            return payload;
+        }
+        Notice {
+            position: Some(position),
+            orgs: Vec::new(),
+            all: true,
+        }
+        .to_string()
+    }
+}
+
+impl std::fmt::Display for Notice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let json = serde_json::to_string(self).map_err(|_| std::fmt::Error)?;
+        f.write_str(&json)
+    }
+}
+
+/// Sends `payload` on [`CHANNEL`] when the transaction of `connection` commits.
+pub async fn notify(connection: &mut PgConnection, payload: &str) -> sqlx::Result<()> {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(CHANNEL)
+        .bind(payload)
+        .execute(connection)
+        .await?;
+    Ok(())
+}
+
+/// Taken before a read; the read's facts are kept only when no notice touched the org
+/// since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    generation: u64,
+    org_generation: u64,
+}
+
+#[derive(Default)]
+struct Slot {
+    generation: u64,
+    facts: HashMap<Option<ContainerId>, Arc<Prepared>>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Whether the listener holds a live `LISTEN`: nothing is answered or kept otherwise.
+    listening: bool,
+    /// Moves whenever everything is dropped, so that no read begun before is kept.
+    generation: u64,
+    /// The highest checkpoint a notice has reported (or read when listening began).
+    projected: i64,
+    orgs: HashMap<String, Slot>,
+    entries: usize,
+}
+
+impl State {
+    fn drop_all(&mut self) {
+        self.generation += 1;
+        self.orgs.clear();
+        self.entries = 0;
+    }
+}
+
+/// Hits and misses since the start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// The facts of this instance's checks; cheap to clone.
+#[derive(Clone, Default)]
+pub struct FactsCache {
+    state: Arc<Mutex<State>>,
+    stats: Arc<Counters>,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl FactsCache {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .expect("the facts cache is never held across a panic")
+    }
+
+    /// The facts kept for `request`, when they are known to include every event up to
+    /// `wanted` and every change notified.
+    pub(crate) fn get(&self, request: &Request, wanted: i64) -> Option<Arc<Prepared>> {
+        let state = self.lock();
+        if !state.listening || state.projected < wanted {
+            return None;
+        }
+        state
+            .orgs
+            .get(request.org_id.as_str())
+            .and_then(|slot| slot.facts.get(&request.container_id).cloned())
+    }
+
+    /// Counts a check answered from memory (`hit`) or from Postgres.
+    pub fn count(&self, hit: bool) {
+        let (counter, source) = match hit {
+            true => (&self.stats.hits, "memory"),
+            false => (&self.stats.misses, "postgres"),
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("tally_admission_check_facts_total", "source" => source).increment(1);
+    }
+
+    /// To be taken before reading the facts of an org; `None` while not listening.
+    pub fn ticket(&self, org: &str) -> Option<Ticket> {
+        let mut state = self.lock();
+        if !state.listening {
+            return None;
+        }
+        if !state.orgs.contains_key(org) && state.orgs.len() >= ORGS_MAX {
+            state.drop_all();
+        }
+        let generation = state.generation;
+        let slot = state.orgs.entry(org.to_owned()).or_default();
+        Some(Ticket {
+            generation,
+            org_generation: slot.generation,
+        })
+    }
+
+    /// Keeps the facts of `request` read under `ticket`, unless a notice touched its org
+    /// (or everything) since the ticket was taken, or the cache is full.
+    pub(crate) fn keep(&self, ticket: Ticket, request: &Request, facts: Arc<Prepared>) -> bool {
+        let mut state = self.lock();
+        if !state.listening || state.generation != ticket.generation {
+            return false;
+        }
+        let full = state.entries >= ENTRIES_MAX;
+        let Some(slot) = state.orgs.get_mut(request.org_id.as_str()) else {
+            return false;
+        };
+        if slot.generation != ticket.org_generation {
+            return false;
+        }
+        let key = request.container_id.clone();
+        if slot.facts.contains_key(&key) {
+            slot.facts.insert(key, facts);
+            return true;
+        }
+        if full {
+            return false;
+        }
+        slot.facts.insert(key, facts);
+        state.entries += 1;
+        true
+    }
+
+    /// Drops what `notice` says may have changed, then records its checkpoint.
+    pub fn apply(&self, notice: &Notice) {
+        let mut state = self.lock();
+        if notice.all {
+            state.drop_all();
+        } else {
+            for org in &notice.orgs {
+                forget_org(&mut state, org);
+            }
+        }
+        // Notices come in commit order, and the checkpoint moves forward except at a
+        // replay's swap, whose notice drops everything: the last notice's is the one.
+        if let Some(position) = notice.position {
+            state.projected = if notice.all {
+                position
+            } else {
+                state.projected.max(position)
+            };
+        }
+    }
+
+    /// Drops the facts of `org`: this instance has just changed its reservations.
+    pub fn forget(&self, org: &str) {
+        forget_org(&mut self.lock(), org);
+    }
+
+    /// The listener holds a live `LISTEN` and the projection's checkpoint read after it
+    /// was `projected`: answer from here on, starting empty.
+    pub fn listening(&self, projected: i64) {
+        let mut state = self.lock();
+        state.drop_all();
+        state.listening = true;
+        state.projected = projected;
+    }
+
+    /// The listener lost its connection: notices may be lost, so nothing kept is trusted.
+    pub fn deaf(&self) {
+        let mut state = self.lock();
+        state.drop_all();
+        state.listening = false;
+    }
+
+    /// Facts kept now.
+    pub fn len(&self) -> usize {
+        self.lock().entries
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            hits: self.stats.hits.load(Ordering::Relaxed),
+            misses: self.stats.misses.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn forget_org(state: &mut State, org: &str) {
+    if let Some(slot) = state.orgs.get_mut(org) {
+        slot.generation += 1;
+        state.entries -= slot.facts.len();
+        slot.facts.clear();
+    }
+}
+
+/// Listens for the notices on a connection of its own and applies them to `cache` until
+/// `shutdown`; connects again after losing the connection, and keeps the cache off
+/// meanwhile.
+pub async fn listen(pool: PgPool, cache: FactsCache, shutdown: CancellationToken) {
+    loop {
+        let result = tokio::select! {
+            result = listen_once(&pool, &cache) => result,
+            _ = shutdown.cancelled() => Ok(()),
+        };
+        cache.deaf();
+        if shutdown.is_cancelled() {
+            return;
+        }
+        if let Err(error) = result {
+            tracing::warn!(error = %format!("{error:#}"), "admission listener: connection lost; checks read Postgres until it is back");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(RECONNECT_DELAY_MS)) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
+async fn listen_once(pool: &PgPool, cache: &FactsCache) -> anyhow::Result<()> {
+    // A pool of one connection of its own: the service's pool keeps all its connections,
+    // and closing it does not wait for this one.
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .application_name(LISTENER_APPLICATION_NAME);
+    let own = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await?;
+    let mut listener = PgListener::connect_with(&own).await?;
+    // Lost is told at once, not after reconnecting, which could lose notices unseen.
+    listener.eager_reconnect(false);
+    listener.listen(CHANNEL).await?;
+    let projected: i64 =
+        sqlx::query_scalar(&format!("SELECT position FROM {}.checkpoint", store::LIVE))
+            .fetch_one(pool)
+            .await?;
+    cache.listening(projected);
+    tracing::debug!(projected, "admission listener: listening");
+    loop {
+        let Some(notification) = listener.try_recv().await? else {
+            anyhow::bail!("the listening connection was closed");
+        };
+        match serde_json::from_str::<Notice>(notification.payload()) {
+            Ok(notice) => cache.apply(&notice),
+            Err(error) => {
+                tracing::warn!(%error, payload = notification.payload(), "admission listener: a notice that does not parse; dropping every fact kept");
+                cache.apply(&Notice {
+                    position: None,
+                    orgs: Vec::new(),
+                    all: true,
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{DateTime, TimeZone, Utc};
+
+    use super::*;
+    use crate::billing::Action;
+    use crate::event::OrgId;
+    use crate::runtime::{AccountTimeline, Period, PeriodTotals};
+
+    fn request(org: &str, container: Option<&str>) -> Request {
+        Request {
+            org_id: OrgId::parse(org).unwrap(),
+            action: Action::Create,
+            container_id: container.map(|c| ContainerId::parse(c).unwrap()),
+        }
+    }
+
+    fn read_at() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap()
+    }
+
+    fn facts() -> Arc<Prepared> {
+        Arc::new(Prepared {
+            read_at: read_at(),
+            period: Period::containing(read_at()),
+            settled_at: None,
+            totals: PeriodTotals::default(),
+            open: Vec::new(),
+            future: Vec::new(),
+            target: None,
+            reservation_expiries: Vec::new(),
+            account: AccountTimeline::fold(&[]),
+            plans: HashMap::new(),
+        })
+    }
+
+    fn listening_cache(projected: i64) -> FactsCache {
+        let cache = FactsCache::default();
+        cache.listening(projected);
+        cache
+    }
+
+    fn notice(position: Option<i64>, orgs: &[&str], all: bool) -> Notice {
+        Notice {
+            position,
+            orgs: orgs.iter().map(|org| org.to_string()).collect(),
+            all,
+        }
+    }
+
+    /// Reads `request`'s facts as a check does: ticket, then keep.
+    fn read(cache: &FactsCache, request: &Request) -> bool {
+        let ticket = cache.ticket(request.org_id.as_str()).expect("listening");
+        cache.keep(ticket, request, facts())
+    }
+
+    #[test]
+    fn nothing_is_kept_or_answered_until_the_listener_listens() {
+        let cache = FactsCache::default();
+        let acme = request("acme", None);
+        assert_eq!(cache.ticket("acme"), None);
+        cache.listening(10);
+        let ticket = cache.ticket("acme").unwrap();
+        cache.deaf();
+        assert!(!cache.keep(ticket, &acme, facts()));
+        assert!(cache.get(&acme, 0).is_none());
+    }
+
+    #[test]
+    fn kept_facts_answer_until_a_notice_names_their_org_and_only_theirs() {
+        let cache = listening_cache(10);
+        let (acme, acme_c1, other) = (
+            request("acme", None),
+            request("acme", Some("c1")),
+            request("other", None),
+        );
+        assert!(read(&cache, &acme) && read(&cache, &acme_c1) && read(&cache, &other));
+        assert_eq!(cache.len(), 3);
+        assert!(cache.get(&acme, 10).is_some() && cache.get(&acme_c1, 10).is_some());
+        assert!(cache.get(&request("acme", Some("c2")), 10).is_none());
+        cache.apply(&notice(Some(11), &["acme"], false));
+        assert!(cache.get(&acme, 11).is_none() && cache.get(&acme_c1, 11).is_none());
+        assert!(cache.get(&other, 11).is_some());
+        assert_eq!(cache.len(), 1);
+        cache.forget("other");
+        assert!(cache.get(&other, 11).is_none());
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn a_read_that_a_notice_for_its_org_overtook_is_not_kept() {
+        let cache = listening_cache(10);
+        let acme = request("acme", None);
+        let ticket = cache.ticket("acme").unwrap();
+        cache.apply(&notice(Some(11), &["other"], false));
+        let overtaken = cache.ticket("acme").unwrap();
+        cache.apply(&notice(Some(12), &["acme"], false));
+        assert!(!cache.keep(overtaken, &acme, facts()));
+        // A reservation of this instance, forgotten while the read was in flight.
+        let forgotten = cache.ticket("acme").unwrap();
+        cache.forget("acme");
+        assert!(!cache.keep(forgotten, &acme, facts()));
+        assert!(cache.get(&acme, 0).is_none());
+        // The first ticket was overtaken too (by the notice naming acme).
+        assert!(!cache.keep(ticket, &acme, facts()));
+        assert!(read(&cache, &acme));
+    }
+
+    #[test]
+    fn a_notice_for_all_drops_everything_and_every_read_begun_before_it() {
+        let cache = listening_cache(10);
+        let (acme, other) = (request("acme", None), request("other", None));
+        assert!(read(&cache, &acme));
+        let ticket = cache.ticket("other").unwrap();
+        cache.apply(&notice(Some(11), &[], true));
+        assert!(cache.get(&acme, 0).is_none());
+        assert!(!cache.keep(ticket, &other, facts()));
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn facts_answer_only_checks_whose_appends_the_notices_reach() {
+        let cache = listening_cache(10);
+        let acme = request("acme", None);
+        assert!(read(&cache, &acme));
+        assert!(cache.get(&acme, 10).is_some());
+        assert!(
+            cache.get(&acme, 11).is_none(),
+            "position 11 is not notified yet"
+        );
+        cache.apply(&notice(Some(11), &["other"], false));
+        assert!(cache.get(&acme, 11).is_some());
+        // A notice without a position (a reservation) does not move the checkpoint.
+        cache.apply(&notice(None, &["other"], false));
+        assert!(cache.get(&acme, 12).is_none());
+    }
+
+    #[test]
+    fn a_replays_swap_sets_the_checkpoint_back_to_what_it_replayed() {
+        let cache = listening_cache(20);
+        cache.apply(&notice(Some(15), &[], true));
+        let acme = request("acme", None);
+        assert!(read(&cache, &acme));
+        assert!(cache.get(&acme, 15).is_some());
+        assert!(cache.get(&acme, 16).is_none());
+    }
+
+    #[test]
+    fn losing_the_listener_drops_everything_and_answers_nothing_until_it_listens_again() {
+        let cache = listening_cache(10);
+        let acme = request("acme", None);
+        assert!(read(&cache, &acme));
+        let ticket = cache.ticket("acme").unwrap();
+        cache.deaf();
+        assert!(cache.get(&acme, 0).is_none());
+        cache.listening(10);
+        assert!(!cache.keep(ticket, &acme, facts()), "begun before the loss");
+        assert!(cache.get(&acme, 0).is_none());
+        assert!(read(&cache, &acme));
+    }
+
+    #[test]
+    fn past_its_limits_the_cache_stops_keeping_or_starts_over() {
+        let cache = listening_cache(0);
+        for n in 0..ENTRIES_MAX {
+            let org = format!("org{}", n % (ORGS_MAX / 2));
+            let container = format!("c{}", n / (ORGS_MAX / 2));
+            assert!(read(&cache, &request(&org, Some(&container))), "entry {n}");
+        }
+        assert_eq!(cache.len(), ENTRIES_MAX);
+        assert!(!read(&cache, &request("org0", Some("c-new"))), "full");
+        // Replacing an entry kept is not growing.
+        assert!(read(&cache, &request("org0", Some("c0"))));
+        cache.forget("org0");
+        assert!(read(&cache, &request("org0", Some("c-new"))), "room again");
+        // Past the orgs limit everything is dropped and the cache starts over.
+        for n in 0..ORGS_MAX {
+            cache.ticket(&format!("new{n}")).unwrap();
+        }
+        assert!(cache.is_empty());
+        assert!(read(&cache, &request("org0", None)));
+    }
+
+    #[test]
+    fn a_rounds_notice_names_each_org_once_or_says_all_when_they_do_not_fit() {
+        let payload = Notice::of_round(42, ["b", "a", "b"], false);
+        let parsed: Notice = serde_json::from_str(&payload).unwrap();
+        assert_eq!(parsed, notice(Some(42), &["a", "b"], false));
+        let many: Vec<String> = (0..1_000).map(|n| format!("org-{n:04}")).collect();
+        let payload = Notice::of_round(43, many.iter().map(String::as_str), false);
+        assert!(payload.len() <= NOTICE_BYTES_MAX);
+        let parsed: Notice = serde_json::from_str(&payload).unwrap();
+        assert_eq!(parsed, notice(Some(43), &[], true));
+        let plans = Notice::of_round(44, ["a"], true);
+        assert_eq!(
+            serde_json::from_str::<Notice>(&plans).unwrap(),
+            notice(Some(44), &[], true)
+        );
+        // What a release sends from SQL parses too.
+        assert_eq!(
+            serde_json::from_str::<Notice>(r#"{"orgs" : ["acme"]}"#).unwrap(),
+            notice(None, &["acme"], false)
+        );
+    }
+}

@@ -1,0 +1,271 @@
+//! Admission facts kept in memory between checks (`tally::admission::cache`): answered
+//! from memory while nothing they were read from changed, and dropped on every instance as
+//! soon as Postgres notifies a change — by another instance, by this one, or by losing the
+//! connection the notices come on.
+
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::admission::ready_org;
+use crate::helpers::{ago, eventually, TestApp, TOKEN};
+use crate::plans::pro_plan;
+use tally::admission::cache::{CacheStats, LISTENER_APPLICATION_NAME};
+use tally::startup::Service;
+
+async fn send(
+    app: &TestApp,
+    method: reqwest::Method,
+    base: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let mut request = app
+        .client
+        .request(method, format!("{base}{path}"))
+        .bearer_auth(TOKEN);
+    if let Some(body) = body {
+        request = request.json(body);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+async fn check_at(app: &TestApp, base: &str, body: &Value) -> Value {
+    let (status, answer) = send(
+        app,
+        reqwest::Method::POST,
+        base,
+        "/v1/admission/check",
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
+fn stats(app: &TestApp) -> CacheStats {
+    app.service.as_ref().unwrap().checker.cache().stats()
+}
+
+/// Checks `body` on the first instance until one is answered from memory.
+async fn warm(app: &TestApp, body: &Value) {
+    eventually(5, "a check is answered from memory", || async {
+        let before = stats(app).hits;
+        check_at(app, &app.url(""), body).await;
+        stats(app).hits > before
+    })
+    .await;
+}
+
+async fn second_instance(app: &TestApp) -> Service {
+    let mut config = tally::config::Config::new(&app.db.url, &app.nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    Service::start(config).await.unwrap()
+}
+
+fn create(container: &str) -> Value {
+    json!({"org_id": "acme", "action": "create", "container_id": container})
+}
+
+fn reasons(answer: &Value) -> Vec<String> {
+    serde_json::from_value(answer["reasons"].clone()).unwrap()
+}
+
+#[tokio::test]
+async fn another_instances_reservations_events_and_plans_reach_the_facts_this_one_keeps() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let second = second_instance(&app).await;
+    let (first, other) = (app.url(""), format!("http://{}", second.local_addr));
+    warm(&app, &create("c9")).await;
+    assert_eq!(check_at(&app, &first, &create("c9")).await["allowed"], true);
+
+    // A reservation granted by the other instance takes the only slot here too.
+    let (status, granted) = send(
+        &app,
+        reqwest::Method::POST,
+        &other,
+        "/v1/admission/reservations",
+        Some(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300})),
+    )
+    .await;
+    assert_eq!(status, 201, "{granted}");
+    eventually(
+        2,
+        "the other instance's reservation counts here",
+        || async { reasons(&check_at(&app, &first, &create("c9")).await) == ["concurrency_limit"] },
+    )
+    .await;
+
+    // Released there, free here.
+    let path = format!(
+        "/v1/admission/reservations/{}",
+        granted["reservation_id"].as_str().unwrap()
+    );
+    let (status, released) = send(&app, reqwest::Method::DELETE, &other, &path, None).await;
+    assert_eq!(status, 200, "{released}");
+    eventually(2, "the release counts here", || async {
+        check_at(&app, &first, &create("c9")).await["allowed"] == true
+    })
+    .await;
+
+    // A container created through the other instance runs here once projected.
+    warm(&app, &create("c9")).await;
+    let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
+                         "container_id": "c1", "occurred_at": ago(5)});
+    let (status, response) = send(
+        &app,
+        reqwest::Method::POST,
+        &other,
+        "/v1/events",
+        Some(&created),
+    )
+    .await;
+    assert_eq!(status, 200, "{response}");
+    eventually(3, "the other instance's container runs here", || async {
+        let answer = check_at(&app, &first, &create("c9")).await;
+        answer["running_containers"] == 1 && reasons(&answer) == ["concurrency_limit"]
+    })
+    .await;
+
+    // A plan changed through the other instance applies here once projected.
+    warm(&app, &create("c9")).await;
+    let mut roomier = pro_plan();
+    roomier["max_running_containers"] = json!(2);
+    let (status, plan) = send(
+        &app,
+        reqwest::Method::PUT,
+        &other,
+        "/v1/plans/pro",
+        Some(&roomier),
+    )
+    .await;
+    assert_eq!(status, 201, "a new version: {plan}");
+    eventually(
+        3,
+        "the other instance's plan change applies here",
+        || async {
+            let answer = check_at(&app, &first, &create("c9")).await;
+            answer["max_running_containers"] == 2 && answer["allowed"] == true
+        },
+    )
+    .await;
+    second.stop().await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_check_right_after_this_instances_own_reservation_release_or_event_counts_it() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let base = app.url("");
+    warm(&app, &create("c9")).await;
+    let (status, granted) = send(
+        &app,
+        reqwest::Method::POST,
+        &base,
+        "/v1/admission/reservations",
+        Some(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300})),
+    )
+    .await;
+    assert_eq!(status, 201, "{granted}");
+    assert_eq!(
+        reasons(&check_at(&app, &base, &create("c9")).await),
+        ["concurrency_limit"]
+    );
+
+    warm(&app, &create("c9")).await;
+    let path = format!(
+        "/v1/admission/reservations/{}",
+        granted["reservation_id"].as_str().unwrap()
+    );
+    let (status, released) = send(&app, reqwest::Method::DELETE, &base, &path, None).await;
+    assert_eq!(status, 200, "{released}");
+    assert_eq!(check_at(&app, &base, &create("c9")).await["allowed"], true);
+
+    warm(&app, &create("c9")).await;
+    let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
+                         "container_id": "c1", "occurred_at": ago(5)});
+    let (status, response) = app.post_json(&created).await;
+    assert_eq!(status, 200, "{response}");
+    let answer = check_at(&app, &base, &create("c9")).await;
+    assert_eq!(answer["running_containers"], 1, "{answer}");
+    assert_eq!(reasons(&answer), ["concurrency_limit"]);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_reservation_stops_counting_in_kept_facts_when_it_expires_though_no_notice_says_so() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    ready_org(&app, "beta").await;
+    let beta = json!({"org_id": "beta", "action": "create"});
+    let (status, granted) = send(
+        &app,
+        reqwest::Method::POST,
+        &base,
+        "/v1/admission/reservations",
+        Some(&json!({"org_id": "beta", "action": "create", "ttl_seconds": 1})),
+    )
+    .await;
+    assert_eq!(status, 201, "{granted}");
+    warm(&app, &beta).await;
+    assert_eq!(
+        reasons(&check_at(&app, &base, &beta).await),
+        ["concurrency_limit"]
+    );
+    let expires_at: chrono::DateTime<chrono::Utc> =
+        granted["expires_at"].as_str().unwrap().parse().unwrap();
+    tokio::time::sleep(
+        (expires_at - chrono::Utc::now() + chrono::Duration::milliseconds(50))
+            .to_std()
+            .unwrap_or_default(),
+    )
+    .await;
+    let hits = stats(&app).hits;
+    assert_eq!(check_at(&app, &base, &beta).await["allowed"], true);
+    assert_eq!(stats(&app).hits, hits + 1, "answered from memory");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn losing_the_listening_connection_empties_the_cache_until_it_listens_again() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let second = second_instance(&app).await;
+    let (first, other) = (app.url(""), format!("http://{}", second.local_addr));
+    warm(&app, &create("c9")).await;
+    let terminated: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(LISTENER_APPLICATION_NAME)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    // Both instances listen; both lose their connection.
+    assert_eq!(terminated, [true, true]);
+    // Granted while nobody listens: its notice is lost.
+    let (status, granted) = send(
+        &app,
+        reqwest::Method::POST,
+        &other,
+        "/v1/admission/reservations",
+        Some(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300})),
+    )
+    .await;
+    assert_eq!(status, 201, "{granted}");
+    eventually(2, "the reservation counts here", || async {
+        reasons(&check_at(&app, &first, &create("c9")).await) == ["concurrency_limit"]
+    })
+    .await;
+    // Listening again, checks are answered from memory again, still right.
+    warm(&app, &create("c9")).await;
+    assert_eq!(
+        reasons(&check_at(&app, &first, &create("c9")).await),
+        ["concurrency_limit"]
+    );
+    second.stop().await;
+    app.stop().await;
+}
