@@ -192,7 +192,7 @@ impl FactsCache {
         state
             .orgs
             .get(request.org_id.as_str())
-            .and_then(|slot| slot.facts.get(&request.container_id).cloned())
+            .and_then(|slot| slot.facts.get(&key(request)).cloned())
     }
 
     /// Counts a check answered from memory (`hit`) or from Postgres.
@@ -236,7 +236,7 @@ impl FactsCache {
         if slot.generation != ticket.org_generation {
             return false;
         }
-        let key = request.container_id.clone();
+        let key = key(request);
         if slot.facts.contains_key(&key) {
             slot.facts.insert(key, facts);
             return true;
@@ -306,6 +306,16 @@ impl FactsCache {
             misses: self.stats.misses.load(Ordering::Relaxed),
         }
     }
+}
+
+/// What facts of an org a request is answered from: the container counts only for the
+/// actions that need it running (a `create` names a container that does not exist yet;
+/// neither it nor a `resume` asks whether the container runs).
+fn key(request: &Request) -> Option<ContainerId> {
+    request
+        .container_id
+        .clone()
+        .filter(|_| request.action.needs_running_container())
 }
 
 fn forget_org(state: &mut State, org: &str) {
@@ -388,10 +398,14 @@ mod tests {
     use crate::event::OrgId;
     use crate::runtime::{AccountTimeline, Period, PeriodTotals};
 
+    /// A `run` (whose container counts) of `container`, or a `create` without one.
     fn request(org: &str, container: Option<&str>) -> Request {
         Request {
             org_id: OrgId::parse(org).unwrap(),
-            action: Action::Create,
+            action: match container {
+                Some(_) => Action::Run,
+                None => Action::Create,
+            },
             container_id: container.map(|c| ContainerId::parse(c).unwrap()),
         }
     }
@@ -466,6 +480,22 @@ mod tests {
         cache.forget("other");
         assert!(cache.get(&other, 11).is_none());
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn creates_and_resumes_share_their_orgs_facts_whatever_container_they_name() {
+        let cache = listening_cache(10);
+        let with = |action, container: &str| Request {
+            action,
+            ..request("acme", Some(container))
+        };
+        assert!(read(&cache, &with(Action::Create, "new-1")));
+        assert!(cache.get(&with(Action::Create, "new-2"), 10).is_some());
+        assert!(cache.get(&with(Action::Resume, "c1"), 10).is_some());
+        assert!(cache.get(&request("acme", None), 10).is_some());
+        assert!(cache.get(&with(Action::Run, "c1"), 10).is_none());
+        assert!(cache.get(&with(Action::PublishPort, "c1"), 10).is_none());
+        assert_eq!(cache.len(), 1);
     }
 
     #[test]
