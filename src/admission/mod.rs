@@ -455,9 +455,12 @@ pub struct Reservation {
 
 /// Grants a reservation when admission allows the request, serialized per org across
 /// every instance; records a refusal otherwise. Either way returns the answer.
+/// The instance's own kept facts of the org are dropped after a grant, so that its next
+/// check counts the reservation without waiting for the notice.
 pub async fn reserve(
     pool: &PgPool,
     freshness: &Freshness,
+    cache: &cache::FactsCache,
     request: &Request,
     ttl_seconds: u64,
     actor: &str,
@@ -530,6 +533,7 @@ pub async fn reserve(
     };
     cache::notify(&mut transaction, &notice.to_string()).await?;
     transaction.commit().await?;
+    cache.forget(request.org_id.as_str());
     Ok((answer, Some(reservation)))
 }
 
@@ -552,14 +556,20 @@ pub async fn reservation_org(pool: &PgPool, id: Uuid) -> sqlx::Result<Option<Str
         .await
 }
 
-pub async fn release(pool: &PgPool, id: Uuid, actor: &str) -> sqlx::Result<Released> {
+/// Releases reservation `id`; like a grant, drops the instance's own kept facts of its org.
+pub async fn release(
+    pool: &PgPool,
+    cache: &cache::FactsCache,
+    id: Uuid,
+    actor: &str,
+) -> sqlx::Result<Released> {
     // The org's notice goes with the release, in the same statement's transaction.
-    let released: Option<Uuid> = sqlx::query_scalar(
+    let released: Option<String> = sqlx::query_scalar(
         "WITH released AS ( \
              UPDATE admission_reservation SET released_at = now(), released_by = $2 \
              WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL \
              RETURNING id, org_id) \
-         SELECT id FROM released, \
+         SELECT org_id FROM released, \
              LATERAL pg_notify($3, json_build_object('orgs', json_build_array(org_id))::TEXT)",
     )
     .bind(id)
@@ -567,7 +577,8 @@ pub async fn release(pool: &PgPool, id: Uuid, actor: &str) -> sqlx::Result<Relea
     .bind(cache::CHANNEL)
     .fetch_optional(pool)
     .await?;
-    if released.is_some() {
+    if let Some(org) = released {
+        cache.forget(&org);
         return Ok(Released::Released);
     }
     let consumed: Option<bool> = sqlx::query_scalar(

@@ -162,6 +162,7 @@ pub async fn post_reservation(
     let (answer, reservation) = admission::reserve(
         &state.pool,
         &state.freshness,
+        state.checker.cache(),
         &request,
         ttl_seconds,
         &principal.id,
@@ -190,8 +191,6 @@ pub async fn post_reservation(
                 .collect(),
         ));
     };
-    // This instance's next check of the org counts the reservation (read-your-writes).
-    state.checker.cache().forget(request.org_id.as_str());
     metrics::counter!("tally_reservations_total", "outcome" => "granted").increment(1);
     Ok((
         StatusCode::CREATED,
@@ -234,16 +233,11 @@ pub async fn delete_reservation(
     let id = Uuid::try_parse(&reservation_id).map_err(|_| {
         ApiError::invalid("invalid_reservation_id", "reservation_id: must be a UUID")
     })?;
-    let org_id = admission::reservation_org(&state.pool, id).await?;
-    if let Some(org_id) = &org_id {
-        principal.check_org(org_id)?;
+    if let Some(org_id) = admission::reservation_org(&state.pool, id).await? {
+        principal.check_org(&org_id)?;
     }
-    let released = admission::release(&state.pool, id, &principal.id).await?;
-    if let Some(org_id) = &org_id {
-        // This instance's next check of the org sees the slot free (read-your-writes).
-        state.checker.cache().forget(org_id);
-    }
-    match released {
+    let cache = state.checker.cache();
+    match admission::release(&state.pool, cache, id, &principal.id).await? {
         Released::Released | Released::AlreadyReleased => Ok(Json(ReleaseResponse {
             reservation_id: id,
             status: "released",

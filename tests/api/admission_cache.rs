@@ -10,6 +10,10 @@ use crate::admission::ready_org;
 use crate::helpers::{ago, eventually, TestApp, TOKEN};
 use crate::plans::pro_plan;
 use tally::admission::cache::{CacheStats, LISTENER_APPLICATION_NAME};
+use tally::admission::{self, Checker, Request};
+use tally::billing::Action;
+use tally::event::OrgId;
+use tally::projection::Freshness;
 use tally::startup::Service;
 
 async fn send(
@@ -267,5 +271,54 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
         ["concurrency_limit"]
     );
     second.stop().await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_before_any_notice() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    // A checker whose cache takes itself to be listening but never hears a notice: only
+    // what this instance drops itself changes what it keeps.
+    let (_, head) = tokio::sync::watch::channel(0);
+    let freshness = Freshness::new(head);
+    let checker = Checker::new(app.pool.clone(), freshness.clone());
+    let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    checker.cache().listening(projected);
+    let request = Request {
+        org_id: OrgId::parse("acme").unwrap(),
+        action: Action::Create,
+        container_id: None,
+    };
+    let reasons_now = || async {
+        let answer = checker.check(&request).await.unwrap();
+        let reasons: Vec<&str> = answer.decision.reasons.iter().map(|r| r.as_str()).collect();
+        reasons.join(",")
+    };
+    assert_eq!(reasons_now().await, "");
+    assert_eq!(reasons_now().await, "");
+    assert_eq!(checker.cache().stats().hits, 1, "the second from memory");
+
+    let (_, reservation) =
+        admission::reserve(&app.pool, &freshness, checker.cache(), &request, 60, "test")
+            .await
+            .unwrap();
+    let reservation = reservation.expect("the free slot is granted");
+    assert_eq!(reasons_now().await, "concurrency_limit");
+    assert_eq!(reasons_now().await, "concurrency_limit");
+    assert_eq!(
+        checker.cache().stats().hits,
+        2,
+        "kept again after the grant"
+    );
+
+    let released = admission::release(&app.pool, checker.cache(), reservation.id, "test")
+        .await
+        .unwrap();
+    assert_eq!(released, admission::Released::Released);
+    assert_eq!(reasons_now().await, "");
     app.stop().await;
 }
