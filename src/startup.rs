@@ -55,7 +55,7 @@ impl Service {
                 group_events_max: config.append_group_events_max,
             },
         );
-        let freshness = Freshness::new(appender.head());
+        let freshness = Freshness::new(appender.head(), appender.acknowledged());
         let checker = Checker::new(pool.clone(), freshness.clone());
         let shutdown = CancellationToken::new();
         let workers = vec![

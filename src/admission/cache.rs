@@ -30,6 +30,7 @@
 //! themselves never read the cache: they are granted under the org's lock from a fresh
 //! snapshot.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -189,10 +190,11 @@ impl FactsCache {
         if !state.listening || state.projected < wanted {
             return None;
         }
+        let key = key(request)?;
         state
             .orgs
             .get(request.org_id.as_str())
-            .and_then(|slot| slot.facts.get(&key(request)).cloned())
+            .and_then(|slot| slot.facts.get(&key).cloned())
     }
 
     /// Counts a check answered from memory (`hit`) or from Postgres.
@@ -236,17 +238,21 @@ impl FactsCache {
         if slot.generation != ticket.org_generation {
             return false;
         }
-        let key = key(request);
-        if slot.facts.contains_key(&key) {
-            slot.facts.insert(key, facts);
-            return true;
-        }
-        if full {
+        let Some(key) = key(request) else {
             return false;
+        };
+        match slot.facts.entry(key) {
+            Entry::Occupied(mut kept) => {
+                kept.insert(facts);
+                true
+            }
+            Entry::Vacant(_) if full => false,
+            Entry::Vacant(vacant) => {
+                vacant.insert(facts);
+                state.entries += 1;
+                true
+            }
         }
-        slot.facts.insert(key, facts);
-        state.entries += 1;
-        true
     }
 
     /// Drops what `notice` says may have changed, then records its checkpoint.
@@ -308,14 +314,15 @@ impl FactsCache {
     }
 }
 
-/// What facts of an org a request is answered from: the container counts only for the
+/// Which of an org's kept facts answer a request: the container counts only for the
 /// actions that need it running (a `create` names a container that does not exist yet;
-/// neither it nor a `resume` asks whether the container runs).
-fn key(request: &Request) -> Option<ContainerId> {
-    request
-        .container_id
-        .clone()
-        .filter(|_| request.action.needs_running_container())
+/// neither it nor a `resume` asks whether the container runs). `None`: nothing kept
+/// answers it (a `run` or `publish_port` naming no container, which HTTP refuses anyway).
+fn key(request: &Request) -> Option<Option<ContainerId>> {
+    if !request.action.needs_running_container() {
+        return Some(None);
+    }
+    request.container_id.clone().map(Some)
 }
 
 fn forget_org(state: &mut State, org: &str) {
@@ -496,6 +503,13 @@ mod tests {
         assert!(cache.get(&with(Action::Run, "c1"), 10).is_none());
         assert!(cache.get(&with(Action::PublishPort, "c1"), 10).is_none());
         assert_eq!(cache.len(), 1);
+        // A run naming no container is never answered from what a create read.
+        let nameless = Request {
+            container_id: None,
+            ..with(Action::Run, "c1")
+        };
+        assert!(cache.get(&nameless, 10).is_none());
+        assert!(!read(&cache, &nameless));
     }
 
     #[test]

@@ -106,7 +106,7 @@ impl Checker {
     /// From the facts kept in memory when they serve (see [`super::cache`]), else from a
     /// read of Postgres, whose facts are then kept.
     pub async fn check(&self, request: &Request) -> Result<Answer, AdmissionError> {
-        let wanted = self.freshness.wanted();
+        let wanted = self.freshness.wanted_for(request.org_id.as_str());
         if let Some(facts) = self.cache.get(request, wanted) {
             let now = Utc::now().trunc_subsecs(3);
             if facts.serves(now) {

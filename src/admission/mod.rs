@@ -74,11 +74,15 @@ impl From<sqlx::Error> for AdmissionError {
     }
 }
 
-/// Waits until the projection holds every event this instance has acknowledged, so that a
-/// check right after an append sees it (read-your-writes). The projector is hurried when
-/// it is behind.
-pub async fn wait_until_fresh(pool: &PgPool, freshness: &Freshness) -> Result<(), AdmissionError> {
-    let wanted = freshness.wanted();
+/// Waits until the projection holds every event of `org` (and every plan definition) this
+/// instance has acknowledged, so that a grant right after an append sees it
+/// (read-your-writes). The projector is hurried when it is behind.
+pub async fn wait_until_fresh(
+    pool: &PgPool,
+    freshness: &Freshness,
+    org: &str,
+) -> Result<(), AdmissionError> {
+    let wanted = freshness.wanted_for(org);
     let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
     loop {
         let projected: i64 =
@@ -469,7 +473,7 @@ pub async fn reserve(
         request.action.takes_slot(),
         "only create and resume reserve a slot"
     );
-    wait_until_fresh(pool, freshness).await?;
+    wait_until_fresh(pool, freshness, request.org_id.as_str()).await?;
     let mut transaction = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
         .bind(request.org_id.as_str())

@@ -9,9 +9,10 @@
 //! each with containers of which some run, some of them at their concurrency limit, some
 //! past a denying allowance → wait until the projection holds it all → checks from 64
 //! keep-alive connections as fast as they are answered, every answer compared with what the
-//! population says → checks paced at half that rate → `GET /healthz` from 64 connections,
-//! the floor, then paced as the checks were → `admission::check` without HTTP, and its
-//! statements apart → the table.
+//! population says → checks paced at half that rate → the same again while events arrive
+//! → `GET /healthz` from 64 connections, the floor → `admission::check` without HTTP,
+//! from facts kept in memory and from Postgres, and statements apart → `GET /healthz`
+//! paced as the checks were → the table.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -49,6 +50,11 @@ const CHECKS: usize = 100_000;
 const ORGS: usize = 1_000;
 /// How long the paced phase lasts: long enough for a stable p99 at thousands a second.
 const PACED_SECONDS: u64 = 10;
+/// Events a second posted while the paced checks run a second time: orgs keep working
+/// while they are checked, and every event makes the facts kept of its org stale.
+const STREAM_EVENTS_PER_SECOND: usize = 1_000;
+/// Events per `POST /v1/events` of that stream.
+const STREAM_BATCH_EVENTS: usize = 10;
 /// Concurrent clients of the throughput and floor phases, each with a connection of its
 /// own, as in the single-event phase of the ingest part.
 const CLIENTS: usize = 64;
@@ -926,6 +932,47 @@ async fn measure(
         figure,
     };
 
+    // The same paced checks while events arrive.
+    eprintln!(
+        "bench: admission: the paced checks again, while {STREAM_EVENTS_PER_SECOND} events/s arrive"
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let facts_before = service.checker.cache().stats();
+    let head_before = *service.appender.head().borrow();
+    let paced_run = async {
+        let figure = measure_paced(
+            service,
+            token,
+            Load::paced(&check, &bodies, paced_count, rate),
+            format!("checks paced at {rate:.0}/s while {STREAM_EVENTS_PER_SECOND} events/s arrive"),
+            "latency from send",
+        )
+        .await;
+        stop.cancel();
+        figure
+    };
+    let (figure, streamed) = tokio::join!(
+        paced_run,
+        stream_commands(service, token, &population, &stop)
+    );
+    let streamed = streamed?;
+    let during_ingest = Line {
+        figure: figure?
+            .with_note(facts_in_memory(
+                facts_before,
+                service.checker.cache().stats(),
+            ))
+            .with_note(format!(
+                "{streamed} command events posted meanwhile in batches of {STREAM_BATCH_EVENTS}, \
+                 each of a running container of a random org"
+            )),
+        target: "-".to_owned(),
+    };
+    checks.push(Check {
+        description: format!("the {streamed} events posted during the paced checks were appended"),
+        passed: *service.appender.head().borrow() - head_before == i64::try_from(streamed)?,
+    });
+
     // The floor: the same clients and connections, no admission.
     let healthz = Target::healthz();
     let empty = Arc::new(vec![Bytes::new()]);
@@ -982,7 +1029,7 @@ async fn measure(
         target: "-".to_owned(),
     };
 
-    let mut lines = vec![throughput, paced, floor, paced_floor];
+    let mut lines = vec![throughput, paced, during_ingest, floor, paced_floor];
     lines.extend(direct);
     Ok(Report { lines, checks })
 }
@@ -1166,6 +1213,53 @@ fn verify_answers(
         },
         allowed,
     })
+}
+
+/// Posts `container.command_ran` events of running containers of random orgs, dated now,
+/// at [`STREAM_EVENTS_PER_SECOND`] on a connection of its own until `stop`; returns how
+/// many were acknowledged.
+async fn stream_commands(
+    service: &Service,
+    token: &str,
+    population: &Population,
+    stop: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<usize> {
+    let running: Vec<(usize, usize)> = population
+        .orgs
+        .iter()
+        .enumerate()
+        .flat_map(|(org, entry)| (0..entry.running as usize).map(move |index| (org, index)))
+        .collect();
+    anyhow::ensure!(!running.is_empty(), "the population runs containers");
+    let mut connection = HttpConnection::open(service.local_addr, "/v1/events", token).await?;
+    let period =
+        Duration::from_secs(1) * STREAM_BATCH_EVENTS as u32 / STREAM_EVENTS_PER_SECOND as u32;
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut posted = 0;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(posted),
+            _ = tick.tick() => {}
+        }
+        let body = {
+            let mut rng = rand::rng();
+            let now = canonical::timestamp(Utc::now());
+            let events: Vec<serde_json::Value> = (0..STREAM_BATCH_EVENTS)
+                .map(|_| {
+                    let (org, index) = *running.choose(&mut rng).expect("not empty");
+                    json!({"id": Uuid::now_v7(), "type": "container.command_ran",
+                           "org_id": org_id(org), "container_id": container_id(org, index),
+                           "occurred_at": now,
+                           "data": {"command_id": format!("cmd_{:016x}", rng.random::<u64>()),
+                                    "exit_code": 0, "duration_ms": 100}})
+                })
+                .collect();
+            Bytes::from(json!({ "events": events }).to_string())
+        };
+        connection.post(&body).await?;
+        posted += STREAM_BATCH_EVENTS;
+    }
 }
 
 /// Which of a phase's checks were answered from facts kept in memory.

@@ -28,7 +28,7 @@
 //! a group commit is that much shorter for every request waiting on it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use chrono::{DateTime, SubsecRound, Utc};
@@ -40,7 +40,7 @@ use uuid::Uuid;
 use super::read::{self, Head};
 use super::rows::Rows;
 use crate::event::canonical;
-use crate::event::{Event, EventId};
+use crate::event::{Event, EventId, EventType};
 
 /// The advisory lock that serializes appends across every tally instance on a database.
 /// Arbitrary but fixed: `'tally'` as ASCII bytes.
@@ -89,12 +89,73 @@ struct Request {
     reply: oneshot::Sender<Result<Vec<AppendedEvent>, AppendError>>,
 }
 
+/// Orgs whose last acknowledged position [`Acknowledged`] holds at most; past it they are
+/// forgotten into its floor.
+pub const ACKNOWLEDGED_ORGS_MAX: usize = 100_000;
+
+/// The last position this instance acknowledged for each org: what a read of that org
+/// waits for the projection to reach (read-your-writes, per org, so that a check of one org
+/// does not wait for another's appends). A plan definition counts for every org.
+#[derive(Debug, Default)]
+pub struct Acknowledged {
+    positions: HashMap<String, i64>,
+    /// Counts for every org: plan definitions, and orgs forgotten past the limit.
+    floor: i64,
+}
+
+impl Acknowledged {
+    /// `position` holds an event of `org`; of every org when `every_org`.
+    pub fn record(&mut self, org: &str, position: i64, every_org: bool) {
+        if every_org {
+            self.floor = self.floor.max(position);
+            return;
+        }
+        if let Some(known) = self.positions.get_mut(org) {
+            *known = (*known).max(position);
+            return;
+        }
+        if self.positions.len() >= ACKNOWLEDGED_ORGS_MAX {
+            // The forgotten wait for the highest position forgotten: longer than they need
+            // to, never less.
+            let highest = self.positions.values().copied().max().unwrap_or(0);
+            self.floor = self.floor.max(highest);
+            self.positions.clear();
+        }
+        self.positions.insert(org.to_owned(), position);
+    }
+
+    /// The position a read of `org` waits for.
+    pub fn wanted(&self, org: &str) -> i64 {
+        self.positions
+            .get(org)
+            .copied()
+            .unwrap_or(0)
+            .max(self.floor)
+    }
+
+    /// Records the events of the requests of a committed group, by their positions.
+    fn record_group(
+        &mut self,
+        group: &[Request],
+        results: &[Result<Vec<AppendedEvent>, AppendError>],
+    ) {
+        for (request, result) in group.iter().zip(results) {
+            let Ok(appended) = result else { continue };
+            for (event, appended) in request.events.iter().zip(appended) {
+                let every_org = event.event_type == EventType::PlanDefined;
+                self.record(event.org_id.as_str(), appended.position, every_org);
+            }
+        }
+    }
+}
+
 /// A handle to the appender task; cheap to clone. The task ends once every handle is
 /// dropped and the queue is drained, so stopping never loses an accepted request.
 #[derive(Clone)]
 pub struct Appender {
     sender: mpsc::Sender<Request>,
     head: watch::Receiver<i64>,
+    acknowledged: Arc<Mutex<Acknowledged>>,
 }
 
 impl Appender {
@@ -105,6 +166,8 @@ impl Appender {
         assert!(limits.queue_max > 0 && limits.group_events_max > 0);
         let (sender, receiver) = mpsc::channel(limits.queue_max);
         let (head_sender, head) = watch::channel(0);
+        let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
+        let recorded = Arc::clone(&acknowledged);
         let options = pool.connect_options();
         let (stopped_sender, stopped) = oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -114,7 +177,7 @@ impl Appender {
                     .enable_all()
                     .build()
                     .expect("the appender's runtime starts");
-                runtime.block_on(run(&options, limits, receiver, head_sender));
+                runtime.block_on(run(&options, limits, receiver, head_sender, recorded));
                 // Dropped unsent if `run` panics; the task below ends either way.
                 let _ = stopped_sender.send(());
             })
@@ -122,7 +185,14 @@ impl Appender {
         let task = tokio::spawn(async move {
             let _ = stopped.await;
         });
-        (Appender { sender, head }, task)
+        (
+            Appender {
+                sender,
+                head,
+                acknowledged,
+            },
+            task,
+        )
     }
 
     /// Appends the events atomically; resolves after the commit.
@@ -144,6 +214,11 @@ impl Appender {
     pub fn head(&self) -> watch::Receiver<i64> {
         self.head.clone()
     }
+
+    /// The last position acknowledged for each org, updated before the appends are.
+    pub fn acknowledged(&self) -> Arc<Mutex<Acknowledged>> {
+        Arc::clone(&self.acknowledged)
+    }
 }
 
 async fn run(
@@ -151,6 +226,7 @@ async fn run(
     limits: AppendLimits,
     mut receiver: mpsc::Receiver<Request>,
     head: watch::Sender<i64>,
+    acknowledged: Arc<Mutex<Acknowledged>>,
 ) {
     // The head this appender last committed; `None` when unknown (start, or after an error
     // that may or may not have committed).
@@ -192,6 +268,10 @@ async fn run(
                 metrics::histogram!("tally_append_batch_seconds")
                     .record(started.elapsed().as_secs_f64());
                 metrics::counter!("tally_append_events_total").increment(outcome.inserted);
+                acknowledged
+                    .lock()
+                    .expect("never held across a panic")
+                    .record_group(&group, &outcome.results);
                 if outcome.head.position > 0 {
                     head.send_replace(outcome.head.position);
                 }
@@ -519,4 +599,41 @@ async fn existing(tx: &mut Transaction<'_, Postgres>, ids: &[Uuid]) -> Result<Kn
             (id, (position, digest))
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_org_waits_for_its_own_last_acknowledged_position_and_every_org_for_plans() {
+        let mut acknowledged = Acknowledged::default();
+        assert_eq!(acknowledged.wanted("acme"), 0);
+        acknowledged.record("acme", 5, false);
+        acknowledged.record("beta", 7, false);
+        acknowledged.record("acme", 3, false);
+        assert_eq!(acknowledged.wanted("acme"), 5, "never moves back");
+        assert_eq!(acknowledged.wanted("beta"), 7);
+        assert_eq!(acknowledged.wanted("other"), 0);
+        acknowledged.record("_plans", 6, true);
+        assert_eq!(acknowledged.wanted("acme"), 6);
+        assert_eq!(acknowledged.wanted("beta"), 7);
+        assert_eq!(acknowledged.wanted("other"), 6);
+    }
+
+    #[test]
+    fn past_its_limit_it_forgets_orgs_into_a_floor_that_makes_them_wait_longer_never_less() {
+        let mut acknowledged = Acknowledged::default();
+        for n in 0..ACKNOWLEDGED_ORGS_MAX {
+            acknowledged.record(&format!("org{n}"), n as i64 + 1, false);
+        }
+        assert_eq!(acknowledged.wanted("org0"), 1);
+        acknowledged.record("new", 1, false);
+        let highest = ACKNOWLEDGED_ORGS_MAX as i64;
+        assert_eq!(acknowledged.wanted("org0"), highest);
+        assert_eq!(acknowledged.wanted("new"), highest);
+        acknowledged.record("new", highest + 1, false);
+        assert_eq!(acknowledged.wanted("new"), highest + 1);
+        assert_eq!(acknowledged.positions.len(), 1);
+    }
 }

@@ -9,7 +9,9 @@ pub mod read;
 pub mod rows;
 pub mod verify;
 
-pub use append::{AppendError, AppendLimits, AppendedEvent, Appender};
+pub use append::{
+    Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, ACKNOWLEDGED_ORGS_MAX,
+};
 pub use read::{Head, LedgerRow};
 pub use rows::Rows;
 pub use verify::VerifyReport;

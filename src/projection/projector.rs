@@ -18,7 +18,7 @@
 //! appends projected now ([`Freshness::hurry`]) ends the linger at once.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::model::{Changes, ContainerKey};
 use super::store;
+use crate::ledger::Acknowledged;
 use crate::runtime::EntryKind;
 
 /// Pause after an error before trying the round again.
@@ -43,24 +44,31 @@ pub struct ProjectorSettings {
 }
 
 /// What a reader needs to see this instance's own appends in the projection: the head the
-/// appender last committed, and a way to end the projector's linger. Cheap to clone.
+/// appender last committed (which wakes the projector), the last position acknowledged for
+/// each org, and a way to end the projector's linger. Cheap to clone.
 #[derive(Clone)]
 pub struct Freshness {
     head: watch::Receiver<i64>,
+    acknowledged: Arc<Mutex<Acknowledged>>,
     hurry: Arc<Notify>,
 }
 
 impl Freshness {
-    pub fn new(head: watch::Receiver<i64>) -> Freshness {
+    pub fn new(head: watch::Receiver<i64>, acknowledged: Arc<Mutex<Acknowledged>>) -> Freshness {
         Freshness {
             head,
+            acknowledged,
             hurry: Arc::new(Notify::new()),
         }
     }
 
-    /// The last position this instance committed: what a read-your-writes reader waits for.
-    pub fn wanted(&self) -> i64 {
-        *self.head.borrow()
+    /// The last position this instance acknowledged with an event of `org` (or a plan
+    /// definition): what a read-your-writes reader of that org waits for.
+    pub fn wanted_for(&self, org: &str) -> i64 {
+        self.acknowledged
+            .lock()
+            .expect("never held across a panic")
+            .wanted(org)
     }
 
     /// Asks the projector to project now rather than at the end of its linger.

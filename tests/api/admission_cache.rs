@@ -48,6 +48,31 @@ async fn check_at(app: &TestApp, base: &str, body: &Value) -> Value {
     answer
 }
 
+/// Reserves a slot of `org` for `ttl_seconds` through the instance at `base`: 201 expected.
+async fn reserve_at(app: &TestApp, base: &str, org: &str, ttl_seconds: u64) -> Value {
+    let body = json!({"org_id": org, "action": "create", "ttl_seconds": ttl_seconds});
+    let (status, granted) = send(
+        app,
+        reqwest::Method::POST,
+        base,
+        "/v1/admission/reservations",
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, 201, "{granted}");
+    granted
+}
+
+/// Releases a reservation `reserve_at` granted, through the instance at `base`.
+async fn release_at(app: &TestApp, base: &str, granted: &Value) {
+    let path = format!(
+        "/v1/admission/reservations/{}",
+        granted["reservation_id"].as_str().unwrap()
+    );
+    let (status, released) = send(app, reqwest::Method::DELETE, base, &path, None).await;
+    assert_eq!(status, 200, "{released}");
+}
+
 fn stats(app: &TestApp) -> CacheStats {
     app.service.as_ref().unwrap().checker.cache().stats()
 }
@@ -86,15 +111,7 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
     assert_eq!(check_at(&app, &first, &create("c9")).await["allowed"], true);
 
     // A reservation granted by the other instance takes the only slot here too.
-    let (status, granted) = send(
-        &app,
-        reqwest::Method::POST,
-        &other,
-        "/v1/admission/reservations",
-        Some(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300})),
-    )
-    .await;
-    assert_eq!(status, 201, "{granted}");
+    let granted = reserve_at(&app, &other, "acme", 300).await;
     eventually(
         2,
         "the other instance's reservation counts here",
@@ -103,12 +120,7 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
     .await;
 
     // Released there, free here.
-    let path = format!(
-        "/v1/admission/reservations/{}",
-        granted["reservation_id"].as_str().unwrap()
-    );
-    let (status, released) = send(&app, reqwest::Method::DELETE, &other, &path, None).await;
-    assert_eq!(status, 200, "{released}");
+    release_at(&app, &other, &granted).await;
     eventually(2, "the release counts here", || async {
         check_at(&app, &first, &create("c9")).await["allowed"] == true
     })
@@ -165,27 +177,14 @@ async fn a_check_right_after_this_instances_own_reservation_release_or_event_cou
     ready_org(&app, "acme").await;
     let base = app.url("");
     warm(&app, &create("c9")).await;
-    let (status, granted) = send(
-        &app,
-        reqwest::Method::POST,
-        &base,
-        "/v1/admission/reservations",
-        Some(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300})),
-    )
-    .await;
-    assert_eq!(status, 201, "{granted}");
+    let granted = reserve_at(&app, &base, "acme", 300).await;
     assert_eq!(
         reasons(&check_at(&app, &base, &create("c9")).await),
         ["concurrency_limit"]
     );
 
     warm(&app, &create("c9")).await;
-    let path = format!(
-        "/v1/admission/reservations/{}",
-        granted["reservation_id"].as_str().unwrap()
-    );
-    let (status, released) = send(&app, reqwest::Method::DELETE, &base, &path, None).await;
-    assert_eq!(status, 200, "{released}");
+    release_at(&app, &base, &granted).await;
     assert_eq!(check_at(&app, &base, &create("c9")).await["allowed"], true);
 
     warm(&app, &create("c9")).await;
@@ -196,6 +195,23 @@ async fn a_check_right_after_this_instances_own_reservation_release_or_event_cou
     let answer = check_at(&app, &base, &create("c9")).await;
     assert_eq!(answer["running_containers"], 1, "{answer}");
     assert_eq!(reasons(&answer), ["concurrency_limit"]);
+
+    // A plan definition is an event of no org: it counts for every org's next check.
+    warm(&app, &create("c9")).await;
+    let mut roomier = pro_plan();
+    roomier["max_running_containers"] = json!(2);
+    let (status, plan) = send(
+        &app,
+        reqwest::Method::PUT,
+        &base,
+        "/v1/plans/pro",
+        Some(&roomier),
+    )
+    .await;
+    assert_eq!(status, 201, "a new version: {plan}");
+    let answer = check_at(&app, &base, &create("c9")).await;
+    assert_eq!(answer["max_running_containers"], 2, "{answer}");
+    assert_eq!(answer["allowed"], true, "{answer}");
     app.stop().await;
 }
 
@@ -205,15 +221,7 @@ async fn a_reservation_stops_counting_in_kept_facts_when_it_expires_though_no_no
     let base = app.url("");
     ready_org(&app, "beta").await;
     let beta = json!({"org_id": "beta", "action": "create"});
-    let (status, granted) = send(
-        &app,
-        reqwest::Method::POST,
-        &base,
-        "/v1/admission/reservations",
-        Some(&json!({"org_id": "beta", "action": "create", "ttl_seconds": 1})),
-    )
-    .await;
-    assert_eq!(status, 201, "{granted}");
+    let granted = reserve_at(&app, &base, "beta", 1).await;
     warm(&app, &beta).await;
     assert_eq!(
         reasons(&check_at(&app, &base, &beta).await),
@@ -253,15 +261,7 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
     // Granted while nobody listens (the listeners connect again 200 ms later): its notice
     // is lost. (That the cache answers nothing in that gap is a unit test's; here, that
     // listening again starts from nothing.)
-    let (status, granted) = send(
-        &app,
-        reqwest::Method::POST,
-        &other,
-        "/v1/admission/reservations",
-        Some(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300})),
-    )
-    .await;
-    assert_eq!(status, 201, "{granted}");
+    reserve_at(&app, &other, "acme", 300).await;
     eventually(2, "the reservation counts here", || async {
         reasons(&check_at(&app, &first, &create("c9")).await) == ["concurrency_limit"]
     })
@@ -283,7 +283,7 @@ async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_be
     // A checker whose cache takes itself to be listening but never hears a notice: only
     // what this instance drops itself changes what it keeps.
     let (_, head) = tokio::sync::watch::channel(0);
-    let freshness = Freshness::new(head);
+    let freshness = Freshness::new(head, Default::default());
     let checker = Checker::new(app.pool.clone(), freshness.clone());
     // It does not wait for the app's appends to be projected: wait here.
     let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")

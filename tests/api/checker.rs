@@ -19,7 +19,11 @@ use crate::helpers::{eventually, TestApp};
 /// the app has appended is projected before it is made, so it never waits for freshness.
 fn checker(app: &TestApp, queue_max: usize) -> Checker {
     let (_, head) = watch::channel(0);
-    Checker::with_queue_max(app.pool.clone(), Freshness::new(head), queue_max)
+    Checker::with_queue_max(
+        app.pool.clone(),
+        Freshness::new(head, Default::default()),
+        queue_max,
+    )
 }
 
 fn create(org: &str) -> Request {
