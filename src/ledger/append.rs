@@ -40,7 +40,7 @@ use uuid::Uuid;
 use super::read::{self, Head};
 use super::rows::Rows;
 use crate::event::canonical;
-use crate::event::{Event, EventId, EventType};
+use crate::event::{Event, EventId, EventType, OrgId};
 
 /// The advisory lock that serializes appends across every tally instance on a database.
 /// Arbitrary but fixed: `'tally'` as ASCII bytes.
@@ -132,21 +132,6 @@ impl Acknowledged {
             .unwrap_or(0)
             .max(self.floor)
     }
-
-    /// Records the events of the requests of a committed group, by their positions.
-    fn record_group(
-        &mut self,
-        group: &[Request],
-        results: &[Result<Vec<AppendedEvent>, AppendError>],
-    ) {
-        for (request, result) in group.iter().zip(results) {
-            let Ok(appended) = result else { continue };
-            for (event, appended) in request.events.iter().zip(appended) {
-                let every_org = event.event_type == EventType::PlanDefined;
-                self.record(event.org_id.as_str(), appended.position, every_org);
-            }
-        }
-    }
 }
 
 /// A handle to the appender task; cheap to clone. The task ends once every handle is
@@ -167,7 +152,6 @@ impl Appender {
         let (sender, receiver) = mpsc::channel(limits.queue_max);
         let (head_sender, head) = watch::channel(0);
         let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
-        let recorded = Arc::clone(&acknowledged);
         let options = pool.connect_options();
         let (stopped_sender, stopped) = oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -177,7 +161,7 @@ impl Appender {
                     .enable_all()
                     .build()
                     .expect("the appender's runtime starts");
-                runtime.block_on(run(&options, limits, receiver, head_sender, recorded));
+                runtime.block_on(run(&options, limits, receiver, head_sender));
                 // Dropped unsent if `run` panics; the task below ends either way.
                 let _ = stopped_sender.send(());
             })
@@ -195,11 +179,20 @@ impl Appender {
         )
     }
 
-    /// Appends the events atomically; resolves after the commit.
+    /// Appends the events atomically; resolves after the commit, once each event's org has
+    /// its position recorded in [`Appender::acknowledged`] (here, on the caller's task, not
+    /// on the appender's thread, which every commit waits for).
     pub async fn append(&self, events: Vec<Event>) -> Result<Vec<AppendedEvent>, AppendError> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
+        let orgs: Vec<(OrgId, bool)> = events
+            .iter()
+            .map(|event| {
+                let every_org = event.event_type == EventType::PlanDefined;
+                (event.org_id.clone(), every_org)
+            })
+            .collect();
         let (reply, response) = oneshot::channel();
         self.sender
             .try_send(Request { events, reply })
@@ -207,7 +200,12 @@ impl Appender {
                 mpsc::error::TrySendError::Full(_) => AppendError::Overloaded,
                 mpsc::error::TrySendError::Closed(_) => AppendError::Stopped,
             })?;
-        response.await.map_err(|_| AppendError::Stopped)?
+        let appended = response.await.map_err(|_| AppendError::Stopped)??;
+        let mut acknowledged = self.acknowledged.lock().expect("never held across a panic");
+        for ((org, every_org), event) in orgs.iter().zip(&appended) {
+            acknowledged.record(org.as_str(), event.position, *every_org);
+        }
+        Ok(appended)
     }
 
     /// The last position this appender committed; wakes whoever tails the ledger.
@@ -226,7 +224,6 @@ async fn run(
     limits: AppendLimits,
     mut receiver: mpsc::Receiver<Request>,
     head: watch::Sender<i64>,
-    acknowledged: Arc<Mutex<Acknowledged>>,
 ) {
     // The head this appender last committed; `None` when unknown (start, or after an error
     // that may or may not have committed).
@@ -268,10 +265,6 @@ async fn run(
                 metrics::histogram!("tally_append_batch_seconds")
                     .record(started.elapsed().as_secs_f64());
                 metrics::counter!("tally_append_events_total").increment(outcome.inserted);
-                acknowledged
-                    .lock()
-                    .expect("never held across a panic")
-                    .record_group(&group, &outcome.results);
                 if outcome.head.position > 0 {
                     head.send_replace(outcome.head.position);
                 }
