@@ -74,6 +74,25 @@ pub struct Notice {
 }
 
 impl Notice {
+    /// Everything may have changed.
+    fn all(position: Option<i64>) -> Notice {
+        Notice {
+            position,
+            orgs: Vec::new(),
+            all: true,
+        }
+    }
+
+    /// The notice of a change to `org`'s reservations.
+    pub fn of_org(org: &str) -> String {
+        Notice {
+            position: None,
+            orgs: vec![org.to_owned()],
+            all: false,
+        }
+        .to_string()
+    }
+
     /// The notice of a projector round up to `position` over events of `orgs`; "all" when
     /// `all` or when the orgs do not fit in one notice.
     pub fn of_round<'a>(
@@ -96,12 +115,7 @@ impl Notice {
         if payload.len() <= NOTICE_BYTES_MAX {
             return payload;
         }
-        Notice {
-            position: Some(position),
-            orgs: Vec::new(),
-            all: true,
-        }
-        .to_string()
+        Notice::all(Some(position)).to_string()
     }
 }
 
@@ -386,11 +400,7 @@ async fn listen_once(pool: &PgPool, cache: &FactsCache) -> anyhow::Result<()> {
             Ok(notice) => cache.apply(&notice),
             Err(error) => {
                 tracing::warn!(%error, payload = notification.payload(), "admission listener: a notice that does not parse; dropping every fact kept");
-                cache.apply(&Notice {
-                    position: None,
-                    orgs: Vec::new(),
-                    all: true,
-                });
+                cache.apply(&Notice::all(None));
             }
         }
     }
@@ -621,9 +631,8 @@ mod tests {
             serde_json::from_str::<Notice>(&plans).unwrap(),
             notice(Some(44), &[], true)
         );
-        // What a release sends from SQL parses too.
         assert_eq!(
-            serde_json::from_str::<Notice>(r#"{"orgs" : ["acme"]}"#).unwrap(),
+            serde_json::from_str::<Notice>(&Notice::of_org("acme")).unwrap(),
             notice(None, &["acme"], false)
         );
     }

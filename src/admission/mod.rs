@@ -140,7 +140,8 @@ async fn load(
     if row.projected < wanted {
         return Ok(None);
     }
-    answer(Reader::Connection(connection), request, &row, now)
+    let facts = Prepared::from_row(row, now)?;
+    answer_from(Reader::Connection(connection), request, &facts, now)
         .await
         .map(Some)
 }
@@ -221,17 +222,6 @@ enum Reader<'a> {
     Pool(&'a PgPool),
 }
 
-/// The decision on `request` from its facts, read at `now`.
-async fn answer(
-    reader: Reader<'_>,
-    request: &Request,
-    row: &FactsRow,
-    now: DateTime<Utc>,
-) -> anyhow::Result<Answer> {
-    let prepared = Prepared::from_row(row, now)?;
-    answer_from(reader, request, &prepared, now).await
-}
-
 /// The decision on `request` at `now` from facts read before, asking the ledger for the
 /// org's usage only when the totals do not settle it.
 async fn answer_from(
@@ -284,7 +274,7 @@ pub(crate) struct Prepared {
 }
 
 impl Prepared {
-    fn from_row(row: &FactsRow, read_at: DateTime<Utc>) -> anyhow::Result<Prepared> {
+    fn from_row(row: FactsRow, read_at: DateTime<Utc>) -> anyhow::Result<Prepared> {
         let account = match &row.account {
             Some(json) => AccountTimeline::fold(&account_entries(json)?),
             None => AccountTimeline::fold(&[]),
@@ -310,7 +300,7 @@ impl Prepared {
                 .as_deref()
                 .map(lifecycle_of)
                 .transpose()?,
-            reservation_expiries: row.reservation_expiries.clone(),
+            reservation_expiries: row.reservation_expiries,
             account,
             plans: plan_versions(row.plan_versions.as_deref())?,
         })
@@ -530,12 +520,11 @@ pub async fn reserve(
     .bind(reservation.expires_at)
     .execute(&mut *transaction)
     .await?;
-    let notice = cache::Notice {
-        position: None,
-        orgs: vec![request.org_id.as_str().to_owned()],
-        all: false,
-    };
-    cache::notify(&mut transaction, &notice.to_string()).await?;
+    cache::notify(
+        &mut transaction,
+        &cache::Notice::of_org(request.org_id.as_str()),
+    )
+    .await?;
     transaction.commit().await?;
     cache.forget(request.org_id.as_str());
     Ok((answer, Some(reservation)))
@@ -567,24 +556,23 @@ pub async fn release(
     id: Uuid,
     actor: &str,
 ) -> sqlx::Result<Released> {
-    // The org's notice goes with the release, in the same statement's transaction.
+    // The org's notice goes with the release, in its transaction.
+    let mut transaction = pool.begin().await?;
     let released: Option<String> = sqlx::query_scalar(
-        "WITH released AS ( \
-             UPDATE admission_reservation SET released_at = now(), released_by = $2 \
-             WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL \
-             RETURNING id, org_id) \
-         SELECT org_id FROM released, \
-             LATERAL pg_notify($3, json_build_object('orgs', json_build_array(org_id))::TEXT)",
+        "UPDATE admission_reservation SET released_at = now(), released_by = $2 \
+         WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL RETURNING org_id",
     )
     .bind(id)
     .bind(actor)
-    .bind(cache::CHANNEL)
-    .fetch_optional(pool)
+    .fetch_optional(&mut *transaction)
     .await?;
     if let Some(org) = released {
+        cache::notify(&mut transaction, &cache::Notice::of_org(&org)).await?;
+        transaction.commit().await?;
         cache.forget(&org);
         return Ok(Released::Released);
     }
+    drop(transaction);
     let consumed: Option<bool> = sqlx::query_scalar(
         "SELECT consumed_at IS NOT NULL FROM admission_reservation WHERE id = $1",
     )

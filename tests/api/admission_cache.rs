@@ -73,6 +73,21 @@ async fn release_at(app: &TestApp, base: &str, granted: &Value) {
     assert_eq!(status, 200, "{released}");
 }
 
+/// A new version of plan `pro` with two running slots, through the instance at `base`.
+async fn roomier_plan(app: &TestApp, base: &str) {
+    let mut roomier = pro_plan();
+    roomier["max_running_containers"] = json!(2);
+    let (status, plan) = send(
+        app,
+        reqwest::Method::PUT,
+        base,
+        "/v1/plans/pro",
+        Some(&roomier),
+    )
+    .await;
+    assert_eq!(status, 201, "a new version: {plan}");
+}
+
 fn stats(app: &TestApp) -> CacheStats {
     app.service.as_ref().unwrap().checker.cache().stats()
 }
@@ -147,17 +162,7 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
 
     // A plan changed through the other instance applies here once projected.
     warm(&app, &create("c9")).await;
-    let mut roomier = pro_plan();
-    roomier["max_running_containers"] = json!(2);
-    let (status, plan) = send(
-        &app,
-        reqwest::Method::PUT,
-        &other,
-        "/v1/plans/pro",
-        Some(&roomier),
-    )
-    .await;
-    assert_eq!(status, 201, "a new version: {plan}");
+    roomier_plan(&app, &other).await;
     eventually(
         3,
         "the other instance's plan change applies here",
@@ -198,17 +203,7 @@ async fn a_check_right_after_this_instances_own_reservation_release_or_event_cou
 
     // A plan definition is an event of no org: it counts for every org's next check.
     warm(&app, &create("c9")).await;
-    let mut roomier = pro_plan();
-    roomier["max_running_containers"] = json!(2);
-    let (status, plan) = send(
-        &app,
-        reqwest::Method::PUT,
-        &base,
-        "/v1/plans/pro",
-        Some(&roomier),
-    )
-    .await;
-    assert_eq!(status, 201, "a new version: {plan}");
+    roomier_plan(&app, &base).await;
     let answer = check_at(&app, &base, &create("c9")).await;
     assert_eq!(answer["max_running_containers"], 2, "{answer}");
     assert_eq!(answer["allowed"], true, "{answer}");
