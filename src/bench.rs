@@ -60,6 +60,9 @@ const HTTP_BATCH_CLIENTS: usize = 4;
 const SINGLE_EVENTS: usize = 64_000;
 /// Concurrent single-event producers, each with a connection of its own.
 const SINGLE_CLIENTS: usize = 64;
+/// Connections of the one-row-per-transaction baseline: the issue's yardstick for single
+/// events ("one INSERT per transaction from 16 connections").
+const SINGLE_BASELINE_CONNECTIONS: usize = 16;
 /// Events published one per message to the ingest stream.
 const NATS_EVENTS: usize = 100_000;
 /// Organizations the events are spread over.
@@ -336,6 +339,9 @@ struct Workload {
     nats_payloads: Arc<Vec<Bytes>>,
     /// The batch events as the ledger would store them at positions 1.., for the baselines.
     baseline: BaselineRows,
+    /// The single events the same way, one row each, for the one-row-per-transaction
+    /// baseline.
+    single_baseline: Arc<BaselineRows>,
 }
 
 impl Workload {
@@ -391,6 +397,7 @@ impl Workload {
         }
         assert_eq!(batch_parsed.len(), args.http_events);
         let baseline = BaselineRows::build(&batch_parsed, args.http_batch_events);
+        let single_baseline = BaselineRows::build(&single_parsed, 1);
         eprintln!(
             "bench: generated and checked {} events in {:.1} s",
             ids.len(),
@@ -401,6 +408,7 @@ impl Workload {
             single_bodies: Arc::new(single_bodies),
             nats_payloads: Arc::new(nats_payloads),
             baseline,
+            single_baseline: Arc::new(single_baseline),
         })
     }
 
@@ -735,6 +743,12 @@ async fn measure(
     let baselines = Baselines {
         copy: baseline_copy(&mut connection, &workload.baseline).await?,
         unnest: baseline_unnest(&mut connection, &workload.baseline).await?,
+        single_rows: baseline_single_rows(
+            &mut connection,
+            &scratch.database_url,
+            &workload.single_baseline,
+        )
+        .await?,
         publish: baseline_publish(nats, scratch, &workload.nats_payloads).await?,
     };
 
@@ -992,26 +1006,29 @@ pub(crate) async fn wait_for_projection(service: &Service, head: i64) -> anyhow:
 struct Baselines {
     copy: Figure,
     unnest: Figure,
+    /// One row per transaction from [`SINGLE_BASELINE_CONNECTIONS`] connections.
+    single_rows: Figure,
     publish: Figure,
 }
 
-/// The baseline table: the ledger's columns, constraints and indexes (`LIKE … INCLUDING
+/// A baseline table: the ledger's columns, constraints and indexes (`LIKE … INCLUDING
 /// ALL` follows the migrations), but none of its triggers, which `LIKE` never copies.
-async fn create_baseline_table(connection: &mut PgConnection) -> anyhow::Result<()> {
-    sqlx::query("CREATE TABLE baseline (LIKE ledger INCLUDING ALL)")
+async fn create_baseline_table(connection: &mut PgConnection, name: &str) -> anyhow::Result<()> {
+    sqlx::query(&format!("CREATE TABLE {name} (LIKE ledger INCLUDING ALL)"))
         .execute(&mut *connection)
         .await?;
     let indexes: Vec<(String, i64)> = sqlx::query_as(
         "SELECT tablename::text, count(*) FROM pg_indexes \
-         WHERE schemaname = current_schema() AND tablename IN ('ledger', 'baseline') \
+         WHERE schemaname = current_schema() AND tablename IN ('ledger', $1) \
          GROUP BY tablename",
     )
+    .bind(name)
     .fetch_all(&mut *connection)
     .await?;
     let count = |table: &str| indexes.iter().find(|(t, _)| t == table).map(|(_, c)| *c);
     anyhow::ensure!(
-        count("ledger").is_some() && count("ledger") == count("baseline"),
-        "the baseline table does not have the ledger's indexes: {indexes:?}"
+        count("ledger").is_some() && count("ledger") == count(name),
+        "the table {name} does not have the ledger's indexes: {indexes:?}"
     );
     Ok(())
 }
@@ -1020,7 +1037,7 @@ async fn baseline_copy(
     connection: &mut PgConnection,
     rows: &BaselineRows,
 ) -> anyhow::Result<Figure> {
-    create_baseline_table(connection).await?;
+    create_baseline_table(connection, "baseline").await?;
     checkpoint(connection).await;
     eprintln!("bench: baseline COPY of {} rows", rows.count);
     let wal_before = WalPosition::now(connection).await?;
@@ -1068,6 +1085,61 @@ async fn baseline_unnest(
     latencies.sort_unstable();
     let label = format!("INSERT UNNEST x{}, one connection", rows.batches[0].len());
     Ok(Figure::new(label, rows.count, elapsed).with_latencies(&latencies))
+}
+
+/// The issue's yardstick for single events: each row in a transaction of its own (one
+/// `INSERT` statement, committed on its own), from [`SINGLE_BASELINE_CONNECTIONS`]
+/// connections at once, into a table of its own shaped like the ledger. The same rows as
+/// the single events the service is sent; each connection takes the next row as soon as
+/// its last one is committed.
+async fn baseline_single_rows(
+    connection: &mut PgConnection,
+    database_url: &str,
+    rows: &Arc<BaselineRows>,
+) -> anyhow::Result<Figure> {
+    create_baseline_table(connection, "baseline_single").await?;
+    checkpoint(connection).await;
+    eprintln!(
+        "bench: baseline INSERT of {} rows, one per transaction, from {SINGLE_BASELINE_CONNECTIONS} connections",
+        rows.count
+    );
+    let mut connections = Vec::with_capacity(SINGLE_BASELINE_CONNECTIONS);
+    for _ in 0..SINGLE_BASELINE_CONNECTIONS {
+        connections.push(PgConnection::connect(database_url).await?);
+    }
+    let wal_before = WalPosition::now(connection).await?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = JoinSet::new();
+    for mut inserter in connections {
+        let rows = rows.clone();
+        let next = next.clone();
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            while let Some(row) = rows.batches.get(next.fetch_add(1, Ordering::Relaxed)) {
+                let sent = Instant::now();
+                let inserted = row.insert_into(&mut inserter, "baseline_single").await?;
+                latencies.push(sent.elapsed());
+                anyhow::ensure!(inserted == 1, "an INSERT of one row inserted {inserted}");
+            }
+            inserter.close().await?;
+            anyhow::Ok(latencies)
+        });
+    }
+    let mut latencies = Vec::with_capacity(rows.count);
+    while let Some(joined) = tasks.join_next().await {
+        latencies.extend(joined.context("a baseline inserter panicked")??);
+    }
+    let elapsed = started.elapsed();
+    let wal = WalPosition::now(connection)
+        .await?
+        .since(wal_before, "INSERT one row per transaction");
+    latencies.sort_unstable();
+    anyhow::ensure!(latencies.len() == rows.count, "every row is inserted once");
+    let label = format!("INSERT 1 row per transaction, {SINGLE_BASELINE_CONNECTIONS} connections");
+    Ok(Figure::new(label, rows.count, elapsed)
+        .with_latencies(&latencies)
+        .with_wal(wal))
 }
 
 async fn baseline_publish(
@@ -1516,24 +1588,19 @@ async fn check_ledger(
         ),
         passed: report.ok,
     });
-    // Positions and hashes differ (four clients commit in any order), but everything the
-    // producer sent and the content digest must be the same, or the baselines wrote
-    // different rows than the service did.
-    let (matching,): (i64,) = sqlx::query_as(
-        "SELECT count(*) FROM baseline b JOIN ledger l USING (id) \
-         WHERE (b.type, b.org_id, b.container_id, b.occurred_at, b.data, b.content_digest) \
-         IS NOT DISTINCT FROM (l.type, l.org_id, l.container_id, l.occurred_at, l.data, \
-         l.content_digest)",
-    )
-    .fetch_one(&service.pool)
-    .await?;
-    checks.push(Check {
-        description: format!(
-            "{matching} of the {} baseline rows have the content of their ledger rows",
-            workload.baseline.count
-        ),
-        passed: matching == workload.baseline.count as i64,
-    });
+    for (table, expected) in [
+        ("baseline", workload.baseline.count),
+        ("baseline_single", workload.single_baseline.count),
+    ] {
+        let matching = same_content_as_ledger(&service.pool, table).await?;
+        checks.push(Check {
+            description: format!(
+                "{matching} of the {expected} rows of {table} have the content of their \
+                 ledger rows"
+            ),
+            passed: matching == expected as i64,
+        });
+    }
     let messages = |stream: String| async move {
         let mut stream = nats.get_stream(&stream).await?;
         anyhow::Ok(stream.info().await?.state.messages)
@@ -1549,6 +1616,21 @@ async fn check_ledger(
         passed: dead == 0,
     });
     Ok(checks)
+}
+
+/// How many rows of the baseline `table` have the content of the ledger row with their id.
+/// Positions and hashes differ (the clients commit in any order), but everything the
+/// producer sent and the content digest must be the same, or a baseline wrote other rows
+/// than the service did.
+async fn same_content_as_ledger(pool: &sqlx::PgPool, table: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {table} b JOIN ledger l USING (id) \
+         WHERE (b.type, b.org_id, b.container_id, b.occurred_at, b.data, b.content_digest) \
+         IS NOT DISTINCT FROM (l.type, l.org_id, l.container_id, l.occurred_at, l.data, \
+         l.content_digest)"
+    ))
+    .fetch_one(pool)
+    .await?)
 }
 
 /// Everything the table prints.
@@ -1596,6 +1678,7 @@ impl Report {
         let rows = [
             (&baselines.copy, "baseline, rows".to_owned()),
             (&baselines.unnest, "baseline, rows".to_owned()),
+            (&baselines.single_rows, "baseline, rows".to_owned()),
             (&baselines.publish, "baseline, messages".to_owned()),
             (
                 &self.batch,
@@ -1612,7 +1695,8 @@ impl Report {
             (
                 &self.single,
                 format!(
-                    "{}, {}",
+                    "{}, {}, {}",
+                    ratio(&self.single, &baselines.single_rows, "INSERT 1 row/tx"),
                     ratio(&self.single, &baselines.unnest, "UNNEST"),
                     ratio(&self.single, &baselines.copy, "COPY")
                 ),
