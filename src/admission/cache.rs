@@ -58,9 +58,34 @@ pub const ENTRIES_MAX: usize = 200_000;
 pub const LISTENER_APPLICATION_NAME: &str = "tally admission listener";
 /// How long the listener waits before connecting again after it lost its connection.
 const RECONNECT_DELAY_MS: u64 = 200;
+/// How often each instance sends the channel an empty notice, which changes nothing, so
+/// that every listener hears something even while nothing changes.
+pub const HEARTBEAT_INTERVAL_MS: u64 = 1_000;
+/// How long a listener may hear nothing at all, not even a heartbeat, before it takes its
+/// connection for lost. A connection dropped without a reset (a NAT's or firewall's idle
+/// timeout, a pooler in between) is otherwise noticed only when TCP gives up, many minutes
+/// later, and until then the facts kept would miss every change.
+pub const HEARTBEAT_DEADLINE_MS: u64 = 5_000;
+
+/// The listener's liveness check: how often this instance sends a heartbeat (`None`: it
+/// sends none) and how long it waits to hear any notice before it reconnects.
+#[derive(Debug, Clone, Copy)]
+pub struct Heartbeat {
+    pub interval: Option<Duration>,
+    pub deadline: Duration,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Heartbeat {
+        Heartbeat {
+            interval: Some(Duration::from_millis(HEARTBEAT_INTERVAL_MS)),
+            deadline: Duration::from_millis(HEARTBEAT_DEADLINE_MS),
+        }
+    }
+}
 
 /// What a notice says has changed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Notice {
     /// The projection's checkpoint after the change, when it comes from a projector round.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -175,6 +200,8 @@ impl State {
 pub struct CacheStats {
     pub hits: u64,
     pub misses: u64,
+    /// Times the listener started listening: once, plus once for every reconnection.
+    pub listens: u64,
 }
 
 /// The facts of this instance's checks; cheap to clone.
@@ -188,6 +215,7 @@ pub struct FactsCache {
 struct Counters {
     hits: AtomicU64,
     misses: AtomicU64,
+    listens: AtomicU64,
 }
 
 impl FactsCache {
@@ -298,6 +326,7 @@ impl FactsCache {
     /// The listener holds a live `LISTEN` and the projection's checkpoint read after it
     /// was `projected`: answer from here on, starting empty.
     pub fn listening(&self, projected: i64) {
+        self.stats.listens.fetch_add(1, Ordering::Relaxed);
         let mut state = self.lock();
         state.drop_all();
         state.listening = true;
@@ -324,6 +353,7 @@ impl FactsCache {
         CacheStats {
             hits: self.stats.hits.load(Ordering::Relaxed),
             misses: self.stats.misses.load(Ordering::Relaxed),
+            listens: self.stats.listens.load(Ordering::Relaxed),
         }
     }
 }
@@ -348,12 +378,22 @@ fn forget_org(state: &mut State, org: &str) {
 }
 
 /// Listens for the notices on a connection of its own and applies them to `cache` until
-/// `shutdown`; connects again after losing the connection, and keeps the cache off
-/// meanwhile.
+/// `shutdown`; connects again after losing the connection, or after hearing nothing for the
+/// heartbeat's deadline, and keeps the cache off meanwhile.
 pub async fn listen(pool: PgPool, cache: FactsCache, shutdown: CancellationToken) {
+    listen_with(pool, cache, Heartbeat::default(), shutdown).await;
+}
+
+/// [`listen`] with a heartbeat of the caller's choosing.
+pub async fn listen_with(
+    pool: PgPool,
+    cache: FactsCache,
+    heartbeat: Heartbeat,
+    shutdown: CancellationToken,
+) {
     loop {
         let result = tokio::select! {
-            result = listen_once(&pool, &cache) => result,
+            result = listen_once(&pool, &cache, heartbeat) => result,
             _ = shutdown.cancelled() => Ok(()),
         };
         cache.deaf();
@@ -361,6 +401,7 @@ pub async fn listen(pool: PgPool, cache: FactsCache, shutdown: CancellationToken
             return;
         }
         if let Err(error) = result {
+            metrics::counter!("tally_admission_listener_losses_total").increment(1);
             tracing::warn!(error = %format!("{error:#}"), "admission listener: connection lost; checks read Postgres until it is back");
         }
         tokio::select! {
@@ -370,7 +411,11 @@ pub async fn listen(pool: PgPool, cache: FactsCache, shutdown: CancellationToken
     }
 }
 
-async fn listen_once(pool: &PgPool, cache: &FactsCache) -> anyhow::Result<()> {
+async fn listen_once(
+    pool: &PgPool,
+    cache: &FactsCache,
+    heartbeat: Heartbeat,
+) -> anyhow::Result<()> {
     // A pool of one connection of its own: the service's pool keeps all its connections,
     // and closing it does not wait for this one.
     let options = pool
@@ -392,8 +437,24 @@ async fn listen_once(pool: &PgPool, cache: &FactsCache) -> anyhow::Result<()> {
             .await?;
     cache.listening(projected);
     tracing::debug!(projected, "admission listener: listening");
+    // Sent on the service's pool, so that hearing it proves the whole way from a writer's
+    // NOTIFY to this connection. It never ends; it is dropped with this function.
+    let beating = send_heartbeats(pool, heartbeat.interval);
+    tokio::pin!(beating);
     loop {
-        let Some(notification) = listener.try_recv().await? else {
+        // Only the deadline cancels a receive, and then the listener is dropped with
+        // whatever it had half read.
+        let received = tokio::select! {
+            received = tokio::time::timeout(heartbeat.deadline, listener.try_recv()) => received,
+            () = &mut beating => unreachable!("heartbeats never end"),
+        };
+        let Ok(received) = received else {
+            anyhow::bail!(
+                "no notice within {} ms, not even a heartbeat",
+                heartbeat.deadline.as_millis()
+            );
+        };
+        let Some(notification) = received? else {
             anyhow::bail!("the listening connection was closed");
         };
         match serde_json::from_str::<Notice>(notification.payload()) {
@@ -402,6 +463,33 @@ async fn listen_once(pool: &PgPool, cache: &FactsCache) -> anyhow::Result<()> {
                 tracing::warn!(%error, payload = notification.payload(), "admission listener: a notice that does not parse; dropping every fact kept");
                 cache.apply(&Notice::all(None));
             }
+        }
+    }
+}
+
+/// Sends an empty notice every `interval` (forever; never when `None`). A heartbeat that
+/// fails is only logged: the listener's deadline is what acts on silence.
+async fn send_heartbeats(pool: &PgPool, interval: Option<Duration>) {
+    let Some(interval) = interval else {
+        return std::future::pending().await;
+    };
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let empty = Notice::default().to_string();
+    loop {
+        ticks.tick().await;
+        let sent = tokio::time::timeout(
+            interval,
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(CHANNEL)
+                .bind(&empty)
+                .execute(pool),
+        )
+        .await;
+        match sent {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(%error, "admission listener: heartbeat not sent"),
+            Err(_) => tracing::debug!("admission listener: heartbeat not sent in time"),
         }
     }
 }

@@ -3,13 +3,15 @@
 //! soon as Postgres notifies a change — by another instance, by this one, or by losing the
 //! connection the notices come on.
 
+use std::time::Duration;
+
 use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
 use crate::helpers::{ago, eventually, TestApp, TOKEN};
 use crate::plans::pro_plan;
-use tally::admission::cache::{CacheStats, LISTENER_APPLICATION_NAME};
+use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
 use tally::admission::{self, Checker, Request};
 use tally::billing::Action;
 use tally::event::OrgId;
@@ -268,6 +270,71 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
         ["concurrency_limit"]
     );
     second.stop().await;
+    app.stop().await;
+}
+
+/// A listener of its own on the app's database, with `heartbeat`; its cache and the token
+/// that stops it.
+fn own_listener(
+    app: &TestApp,
+    heartbeat: Heartbeat,
+) -> (FactsCache, tokio_util::sync::CancellationToken) {
+    let cache = FactsCache::default();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(cache::listen_with(
+        app.pool.clone(),
+        cache.clone(),
+        heartbeat,
+        shutdown.clone(),
+    ));
+    (cache, shutdown)
+}
+
+#[tokio::test]
+async fn a_listener_that_hears_nothing_within_its_deadline_takes_its_connection_for_lost_and_listens_again(
+) {
+    let app = TestApp::spawn().await;
+    // Sends no heartbeat of its own; the app's own listener sends one a second, more
+    // seldom than this one's deadline. A connection dropped without a reset looks just
+    // like this from the listening side: nothing arrives.
+    let (cache, shutdown) = own_listener(
+        &app,
+        Heartbeat {
+            interval: None,
+            deadline: Duration::from_millis(300),
+        },
+    );
+    eventually(5, "it listens", || async { cache.stats().listens >= 1 }).await;
+    eventually(
+        5,
+        "it gave up on the silent connection and listens again",
+        || async { cache.stats().listens >= 2 },
+    )
+    .await;
+    shutdown.cancel();
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
+    let app = TestApp::spawn().await;
+    // Deadline six heartbeats long; the app's own heartbeat (one a second) alone would
+    // leave gaps longer than it.
+    let (cache, shutdown) = own_listener(
+        &app,
+        Heartbeat {
+            interval: Some(Duration::from_millis(100)),
+            deadline: Duration::from_millis(600),
+        },
+    );
+    eventually(5, "it listens", || async { cache.stats().listens >= 1 }).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        cache.stats().listens,
+        1,
+        "it kept its first connection for five deadlines"
+    );
+    shutdown.cancel();
     app.stop().await;
 }
 
