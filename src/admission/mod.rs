@@ -33,6 +33,9 @@ use crate::runtime::{self, AccountEntry, AccountTimeline, Lifecycle, Period, Per
 pub const FRESHNESS_WAIT_MS: u64 = 2_000;
 /// Between looks at the projection's checkpoint while waiting.
 const FRESHNESS_POLL_MS: u64 = 2;
+/// Times a grant waits for the projection again after finding it moved back under the
+/// org's lock (a replay's swap each time) before it answers 503.
+const RESERVE_FRESHNESS_ATTEMPTS_MAX: u32 = 3;
 /// Reservation lifetimes (DESIGN §4).
 pub const TTL_SECONDS_MIN: u64 = 1;
 pub const TTL_SECONDS_MAX: u64 = 300;
@@ -76,12 +79,13 @@ impl From<sqlx::Error> for AdmissionError {
 
 /// Waits until the projection holds every event of `org` (and every plan definition) this
 /// instance has acknowledged, so that a grant right after an append sees it
-/// (read-your-writes). The projector is hurried when it is behind.
+/// (read-your-writes); returns the position it waited for. The projector is hurried when
+/// it is behind.
 pub async fn wait_until_fresh(
     pool: &PgPool,
     freshness: &Freshness,
     org: &str,
-) -> Result<(), AdmissionError> {
+) -> Result<i64, AdmissionError> {
     let wanted = freshness.wanted_for(org);
     let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
     loop {
@@ -90,7 +94,7 @@ pub async fn wait_until_fresh(
                 .fetch_one(pool)
                 .await?;
         if projected >= wanted {
-            return Ok(());
+            return Ok(wanted);
         }
         if Instant::now() >= deadline {
             return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
@@ -463,18 +467,28 @@ pub async fn reserve(
         request.action.takes_slot(),
         "only create and resume reserve a slot"
     );
-    wait_until_fresh(pool, freshness, request.org_id.as_str()).await?;
-    let mut transaction = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
-        .bind(request.org_id.as_str())
-        .execute(&mut *transaction)
-        .await?;
-    // The clock is read after the lock, so that expiry is judged at the moment of granting.
-    let now = Utc::now().trunc_subsecs(3);
-    // Fresh already (waited for above), and the checkpoint only moves forward.
-    let answer = load(&mut transaction, request, now, 0)
-        .await?
-        .expect("every snapshot's checkpoint is at least 0");
+    let mut attempts = 0;
+    let (mut transaction, now, answer) = loop {
+        let wanted = wait_until_fresh(pool, freshness, request.org_id.as_str()).await?;
+        let mut transaction = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
+            .bind(request.org_id.as_str())
+            .execute(&mut *transaction)
+            .await?;
+        // The clock is read after the lock, so that expiry is judged at the moment of
+        // granting.
+        let now = Utc::now().trunc_subsecs(3);
+        // Fresh when waited for above, but a replay's swap in between (its projection is
+        // as of the head it started from) moves the checkpoint back: then wait again.
+        if let Some(answer) = load(&mut transaction, request, now, wanted).await? {
+            break (transaction, now, answer);
+        }
+        transaction.rollback().await?;
+        attempts += 1;
+        if attempts == RESERVE_FRESHNESS_ATTEMPTS_MAX {
+            return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
+        }
+    };
     let action = serde_json::to_value(request.action)
         .ok()
         .and_then(|value| value.as_str().map(str::to_owned))
@@ -587,7 +601,8 @@ pub async fn release(
 }
 
 /// Consumes, for each container that a `created` or `resumed` of this projector round
-/// starts, its oldest live reservation. Runs in the round's transaction.
+/// starts, its oldest live reservation — unless that event consumed one already (it is
+/// projected again after a replay's swap). Runs in the round's transaction.
 pub async fn consume(
     connection: &mut PgConnection,
     starts: &HashMap<(String, String), Uuid>,
@@ -610,7 +625,9 @@ pub async fn consume(
                        WHERE x.org_id = s.org_id AND x.container_id = s.container_id \
                          AND x.released_at IS NULL AND x.consumed_at IS NULL \
                          AND x.expires_at > now() \
-                       ORDER BY x.created_at LIMIT 1)",
+                       ORDER BY x.created_at LIMIT 1) \
+           AND NOT EXISTS (SELECT 1 FROM admission_reservation c \
+                           WHERE c.consumed_by = s.event_id)",
     )
     .bind(&orgs)
     .bind(&containers)

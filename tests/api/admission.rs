@@ -472,3 +472,194 @@ async fn bad_admission_requests_get_a_4xx_and_change_nothing() {
     assert_eq!(reservations_stored(&app).await, 0);
     app.stop().await;
 }
+
+/// Moves the projection's checkpoint by `by` (committed) and keeps the projector off it
+/// until the returned transaction ends: that transaction holds the checkpoint row, and a
+/// projector round skips a locked one.
+async fn move_checkpoint_and_hold_it(
+    pool: &sqlx::PgPool,
+    by: i64,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut mover = pool.begin().await.unwrap();
+    sqlx::query("UPDATE proj.checkpoint SET position = position + $1")
+        .bind(by)
+        .execute(&mut *mover)
+        .await
+        .unwrap();
+    // Queued behind the update's row lock, so it holds the row from the update's commit on.
+    let holder = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut holder = pool.begin().await.unwrap();
+            sqlx::query("SELECT position FROM proj.checkpoint FOR SHARE")
+                .execute(&mut *holder)
+                .await
+                .unwrap();
+            holder
+        })
+    };
+    eventually(5, "the holder queues behind the update", || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        waiting > 0
+    })
+    .await;
+    mover.commit().await.unwrap();
+    holder.await.unwrap()
+}
+
+#[tokio::test]
+async fn a_grant_that_finds_the_projection_moved_back_under_the_orgs_lock_waits_for_it_again() {
+    use std::sync::{Arc, Mutex};
+    use tally::admission::{self, cache::FactsCache, Request};
+    use tally::billing::Action;
+    use tally::event::OrgId;
+    use tally::ledger::Acknowledged;
+    use tally::projection::Freshness;
+
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    eventually(5, "the app's appends are projected", || async {
+        let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        projected == head
+    })
+    .await;
+    // This instance acknowledged acme's events up to the head.
+    let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
+    acknowledged.lock().unwrap().record("acme", head, false);
+    let freshness = Freshness::new(tokio::sync::watch::channel(head).1, acknowledged);
+
+    // The org's grant lock, held so that the grant stops there, after its freshness wait.
+    let mut org_lock = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
+        .bind("acme")
+        .execute(&mut *org_lock)
+        .await
+        .unwrap();
+    let grant = {
+        let pool = app.pool.clone();
+        tokio::spawn(async move {
+            let request = Request {
+                org_id: OrgId::parse("acme").unwrap(),
+                action: Action::Create,
+                container_id: None,
+            };
+            admission::reserve(
+                &pool,
+                &freshness,
+                &FactsCache::default(),
+                &request,
+                60,
+                "test",
+            )
+            .await
+        })
+    };
+    eventually(5, "the grant waits for the org's lock", || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        waiting == 1
+    })
+    .await;
+    // A replay's swap, as the waiting grant sees it: the projection one event behind what
+    // this instance acknowledged.
+    let holder = move_checkpoint_and_hold_it(&app.pool, -1).await;
+    org_lock.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !grant.is_finished(),
+        "the grant waits for the projection to reach what it waited for before"
+    );
+    // The projection catches up again.
+    let mut holder = holder;
+    sqlx::query("UPDATE proj.checkpoint SET position = position + 1")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    holder.commit().await.unwrap();
+    let (answer, reservation) = grant.await.unwrap().expect("the grant is answered");
+    assert!(answer.decision.allowed, "{:?}", answer.decision.reasons);
+    assert!(reservation.is_some(), "the free slot is granted");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_event_projected_again_after_a_replay_consumes_no_second_reservation() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    // Two live reservations for the same container (the plan's one slot would refuse the
+    // second grant, so the rows are written directly).
+    let reservations: Vec<Uuid> = (0..2).map(|_| Uuid::now_v7()).collect();
+    for (age, id) in [(2, reservations[0]), (1, reservations[1])] {
+        sqlx::query(
+            "INSERT INTO admission_reservation \
+                 (id, org_id, container_id, action, reserved_by, created_at, expires_at) \
+             VALUES ($1, 'acme', 'c1', 'create', 'test', now() - make_interval(secs => $2), \
+                     now() + interval '5 minutes')",
+        )
+        .bind(id)
+        .bind(f64::from(age))
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    }
+    event(&app, container_event("acme", "c1", "container.created", 5)).await;
+    let consumed_by = |id: Uuid| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Option<Uuid>>(
+                "SELECT consumed_by FROM admission_reservation WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    eventually(5, "the older reservation is consumed", || async {
+        consumed_by(reservations[0]).await.is_some()
+    })
+    .await;
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    // As after a replay's swap: the checkpoint one event back, so the projector projects
+    // the `created` again.
+    sqlx::query("UPDATE proj.checkpoint SET position = $1")
+        .bind(head - 1)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    eventually(5, "the event is projected again", || async {
+        let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        projected == head
+    })
+    .await;
+    assert_eq!(
+        consumed_by(reservations[1]).await,
+        None,
+        "the newer reservation is still live"
+    );
+    app.stop().await;
+}
