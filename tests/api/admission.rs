@@ -9,7 +9,7 @@ use futures::future::join_all;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{ago, eventually, TestApp, TOKEN};
+use crate::helpers::{ago, eventually, projected_to_head, TestApp, TOKEN};
 use crate::plans::{pro_plan, put_plan};
 
 async fn post(app: &TestApp, base: &str, path: &str, body: &Value) -> (u16, Value) {
@@ -524,18 +524,7 @@ async fn a_grant_that_finds_the_projection_moved_back_under_the_orgs_lock_waits_
 
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    eventually(5, "the app's appends are projected", || async {
-        let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        projected == head
-    })
-    .await;
+    let head = projected_to_head(&app.pool, "the app's appends are projected").await;
     // This instance acknowledged acme's events up to the head.
     let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
     acknowledged.lock().unwrap().record("acme", head, false);
@@ -637,25 +626,13 @@ async fn an_event_projected_again_after_a_replay_consumes_no_second_reservation(
         consumed_by(reservations[0]).await.is_some()
     })
     .await;
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
     // As after a replay's swap: the checkpoint one event back, so the projector projects
     // the `created` again.
-    sqlx::query("UPDATE proj.checkpoint SET position = $1")
-        .bind(head - 1)
+    sqlx::query("UPDATE proj.checkpoint SET position = position - 1")
         .execute(&app.pool)
         .await
         .unwrap();
-    eventually(5, "the event is projected again", || async {
-        let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        projected == head
-    })
-    .await;
+    projected_to_head(&app.pool, "the event is projected again").await;
     assert_eq!(
         consumed_by(reservations[1]).await,
         None,

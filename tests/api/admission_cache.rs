@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
-use crate::helpers::{ago, eventually, TestApp, TOKEN};
+use crate::helpers::{ago, eventually, projected_to_head, TestApp, TOKEN};
 use crate::plans::pro_plan;
 use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
 use tally::admission::{self, Checker, Request};
@@ -348,18 +348,7 @@ async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_be
     let freshness = Freshness::new(head, Default::default());
     let checker = Checker::new(app.pool.clone(), freshness.clone());
     // It does not wait for the app's appends to be projected: wait here.
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    eventually(5, "the app's appends are projected", || async {
-        let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        projected == head
-    })
-    .await;
+    let head = projected_to_head(&app.pool, "the app's appends are projected").await;
     checker.cache().listening(head);
     let request = Request {
         org_id: OrgId::parse("acme").unwrap(),

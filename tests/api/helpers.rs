@@ -308,6 +308,23 @@ pub fn ids_of(events: &[Value]) -> Vec<Uuid> {
         .collect()
 }
 
+/// Waits until the projection's checkpoint is at the ledger's head; returns the head.
+pub async fn projected_to_head(pool: &PgPool, what: &str) -> i64 {
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    eventually(5, what, || async {
+        let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        projected == head
+    })
+    .await;
+    head
+}
+
 /// Polls until the ledger holds `count` events.
 pub async fn wait_for_ledger_count(pool: &PgPool, count: i64) {
     eventually(10, &format!("the ledger holds {count} events"), || async {
