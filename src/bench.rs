@@ -1088,7 +1088,7 @@ async fn baseline_unnest(
 }
 
 /// The issue's yardstick for single events: each row in a transaction of its own (one
-/// `INSERT` statement, committed on its own), from [`SINGLE_BASELINE_CONNECTIONS`]
+/// `INSERT … VALUES`, committed on its own), from [`SINGLE_BASELINE_CONNECTIONS`]
 /// connections at once, into a table of its own shaped like the ledger. The same rows as
 /// the single events the service is sent; each connection takes the next row as soon as
 /// its last one is committed.
@@ -1118,7 +1118,7 @@ async fn baseline_single_rows(
             let mut latencies = Vec::new();
             while let Some(row) = rows.batches.get(next.fetch_add(1, Ordering::Relaxed)) {
                 let sent = Instant::now();
-                let inserted = row.insert_into(&mut inserter, "baseline_single").await?;
+                let inserted = insert_one(&mut inserter, row).await?;
                 latencies.push(sent.elapsed());
                 anyhow::ensure!(inserted == 1, "an INSERT of one row inserted {inserted}");
             }
@@ -1140,6 +1140,32 @@ async fn baseline_single_rows(
     Ok(Figure::new(label, rows.count, elapsed)
         .with_latencies(&latencies)
         .with_wal(wal))
+}
+
+/// The one row of `rows` into `baseline_single`, by a plain `INSERT … VALUES`.
+async fn insert_one(connection: &mut PgConnection, rows: &Rows) -> anyhow::Result<u64> {
+    anyhow::ensure!(rows.len() == 1, "one row, not {}", rows.len());
+    let statement = format!(
+        "INSERT INTO baseline_single ({}) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        rows::COLUMNS
+    );
+    Ok(sqlx::query(&statement)
+        .bind(rows.position[0])
+        .bind(rows.id[0])
+        .bind(rows.event_type[0])
+        .bind(&rows.org_id[0])
+        .bind(&rows.container_id[0])
+        .bind(rows.occurred_at[0])
+        .bind(rows.recorded_at[0])
+        .bind(&rows.data[0])
+        .bind(&rows.source[0])
+        .bind(&rows.source_event_id[0])
+        .bind(&rows.content_digest[0])
+        .bind(&rows.hash[0])
+        .execute(connection)
+        .await?
+        .rows_affected())
 }
 
 async fn baseline_publish(

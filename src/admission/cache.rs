@@ -36,9 +36,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgListener, PgPoolOptions};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::{Prepared, Request};
@@ -151,12 +152,13 @@ impl std::fmt::Display for Notice {
     }
 }
 
-/// Sends `payload` on [`CHANNEL`] when the transaction of `connection` commits.
-pub async fn notify(connection: &mut PgConnection, payload: &str) -> sqlx::Result<()> {
+/// Sends `payload` on [`CHANNEL`] when the transaction of `executor` commits (at once
+/// outside a transaction).
+pub async fn notify(executor: impl sqlx::PgExecutor<'_>, payload: &str) -> sqlx::Result<()> {
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(CHANNEL)
         .bind(payload)
-        .execute(connection)
+        .execute(executor)
         .await?;
     Ok(())
 }
@@ -200,7 +202,8 @@ impl State {
 pub struct CacheStats {
     pub hits: u64,
     pub misses: u64,
-    /// Times the listener started listening: once, plus once for every reconnection.
+    /// Times the listener started listening (heard its first notice on a connection):
+    /// once, plus once for every reconnection.
     pub listens: u64,
 }
 
@@ -340,6 +343,12 @@ impl FactsCache {
         state.listening = false;
     }
 
+    /// Whether the cache answers: its listener has heard a notice on a connection it still
+    /// holds.
+    pub fn is_listening(&self) -> bool {
+        self.lock().listening
+    }
+
     /// Facts kept now.
     pub fn len(&self) -> usize {
         self.lock().entries
@@ -392,6 +401,7 @@ pub async fn listen_with(
     shutdown: CancellationToken,
 ) {
     loop {
+        let listens = cache.stats().listens;
         let result = tokio::select! {
             result = listen_once(&pool, &cache, heartbeat) => result,
             _ = shutdown.cancelled() => Ok(()),
@@ -401,8 +411,10 @@ pub async fn listen_with(
             return;
         }
         if let Err(error) = result {
-            metrics::counter!("tally_admission_listener_losses_total").increment(1);
-            tracing::warn!(error = %format!("{error:#}"), "admission listener: connection lost; checks read Postgres until it is back");
+            if cache.stats().listens > listens {
+                metrics::counter!("tally_admission_listener_losses_total").increment(1);
+            }
+            tracing::warn!(error = %format!("{error:#}"), "admission listener: connection lost or not listening; checks read Postgres until it listens");
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(RECONNECT_DELAY_MS)) => {}
@@ -431,32 +443,22 @@ async fn listen_once(
     // Lost is told at once, not after reconnecting, which could lose notices unseen.
     listener.eager_reconnect(false);
     listener.listen(CHANNEL).await?;
+    // Sent on the service's pool, so that hearing it proves the whole way from a writer's
+    // NOTIFY to this connection. It never ends; it is dropped with this function.
+    let beating = send_heartbeats(pool, heartbeat);
+    tokio::pin!(beating);
+    // Trusted only once heard: `LISTEN` succeeds behind a pooler that never delivers.
+    // The first notice tells nothing this instance needs (the cache is empty until the
+    // checkpoint read below); every later one is applied.
+    receive(&mut listener, &mut beating, heartbeat.deadline).await?;
     let projected: i64 =
         sqlx::query_scalar(&format!("SELECT position FROM {}.checkpoint", store::LIVE))
             .fetch_one(pool)
             .await?;
     cache.listening(projected);
     tracing::debug!(projected, "admission listener: listening");
-    // Sent on the service's pool, so that hearing it proves the whole way from a writer's
-    // NOTIFY to this connection. It never ends; it is dropped with this function.
-    let beating = send_heartbeats(pool, heartbeat.interval);
-    tokio::pin!(beating);
     loop {
-        // Only the deadline cancels a receive, and then the listener is dropped with
-        // whatever it had half read.
-        let received = tokio::select! {
-            received = tokio::time::timeout(heartbeat.deadline, listener.try_recv()) => received,
-            () = &mut beating => unreachable!("heartbeats never end"),
-        };
-        let Ok(received) = received else {
-            anyhow::bail!(
-                "no notice within {} ms, not even a heartbeat",
-                heartbeat.deadline.as_millis()
-            );
-        };
-        let Some(notification) = received? else {
-            anyhow::bail!("the listening connection was closed");
-        };
+        let notification = receive(&mut listener, &mut beating, heartbeat.deadline).await?;
         match serde_json::from_str::<Notice>(notification.payload()) {
             Ok(notice) => cache.apply(&notice),
             Err(error) => {
@@ -467,10 +469,31 @@ async fn listen_once(
     }
 }
 
-/// Sends an empty notice every `interval` (forever; never when `None`). A heartbeat that
-/// fails is only logged: the listener's deadline is what acts on silence.
-async fn send_heartbeats(pool: &PgPool, interval: Option<Duration>) {
-    let Some(interval) = interval else {
+/// The next notice, heard within `deadline` while `beating` sends heartbeats.
+async fn receive(
+    listener: &mut PgListener,
+    beating: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    deadline: Duration,
+) -> anyhow::Result<sqlx::postgres::PgNotification> {
+    // Only the deadline cancels a receive, and then the listener is dropped with whatever
+    // it had half read.
+    let received = tokio::select! {
+        received = tokio::time::timeout(deadline, listener.try_recv()) => received,
+        () = beating.as_mut() => unreachable!("heartbeats never end"),
+    };
+    let Ok(received) = received else {
+        anyhow::bail!(
+            "no notice within {} ms, not even a heartbeat",
+            deadline.as_millis()
+        );
+    };
+    received?.context("the listening connection was closed")
+}
+
+/// Sends an empty notice every `heartbeat.interval` (forever; never when `None`). A
+/// heartbeat that fails is only logged: the listener's deadline is what acts on silence.
+async fn send_heartbeats(pool: &PgPool, heartbeat: Heartbeat) {
+    let Some(interval) = heartbeat.interval else {
         return std::future::pending().await;
     };
     let mut ticks = tokio::time::interval(interval);
@@ -478,16 +501,8 @@ async fn send_heartbeats(pool: &PgPool, interval: Option<Duration>) {
     let empty = Notice::default().to_string();
     loop {
         ticks.tick().await;
-        let sent = tokio::time::timeout(
-            interval,
-            sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(CHANNEL)
-                .bind(&empty)
-                .execute(pool),
-        )
-        .await;
-        match sent {
-            Ok(Ok(_)) => {}
+        match tokio::time::timeout(heartbeat.deadline, notify(pool, &empty)).await {
+            Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::debug!(%error, "admission listener: heartbeat not sent"),
             Err(_) => tracing::debug!("admission listener: heartbeat not sent in time"),
         }

@@ -535,7 +535,7 @@ pub async fn reserve(
     .execute(&mut *transaction)
     .await?;
     cache::notify(
-        &mut transaction,
+        &mut *transaction,
         &cache::Notice::of_org(request.org_id.as_str()),
     )
     .await?;
@@ -581,7 +581,7 @@ pub async fn release(
     .fetch_optional(&mut *transaction)
     .await?;
     if let Some(org) = released {
-        cache::notify(&mut transaction, &cache::Notice::of_org(&org)).await?;
+        cache::notify(&mut *transaction, &cache::Notice::of_org(&org)).await?;
         transaction.commit().await?;
         cache.forget(&org);
         return Ok(Released::Released);

@@ -235,7 +235,7 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         projected().map(|event| event.org_id.as_str()),
         plans_changed,
     );
-    crate::admission::cache::notify(&mut transaction, &notice).await?;
+    crate::admission::cache::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
 
     metrics::histogram!("tally_projection_round_events").record(events.len() as f64);

@@ -150,7 +150,7 @@ async fn build_and_swap(
     }
     // Admission facts kept in memory were read from the projection swapped out.
     let notice = crate::admission::cache::Notice::of_round(head, [], true);
-    crate::admission::cache::notify(&mut transaction, &notice).await?;
+    crate::admission::cache::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
     Ok(ReplayReport {
         events,

@@ -501,7 +501,7 @@ async fn move_checkpoint_and_hold_it(
     eventually(5, "the holder queues behind the update", || async {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_locks WHERE NOT granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+             AND locktype IN ('transactionid', 'tuple')",
         )
         .fetch_one(pool)
         .await

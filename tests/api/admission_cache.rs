@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
-use crate::helpers::{ago, eventually, projected_to_head, TestApp, TOKEN};
+use crate::helpers::{ago, eventually, projected_to_head, TestApp, TestDb, TOKEN};
 use crate::plans::pro_plan;
 use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
 use tally::admission::{self, Checker, Request};
@@ -273,16 +273,16 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
     app.stop().await;
 }
 
-/// A listener of its own on the app's database, with `heartbeat`; its cache and the token
-/// that stops it.
+/// A listener with `heartbeat` on a prepared database where nothing else runs (no
+/// service, so no notice but what the test sends); its cache and the token that stops it.
 fn own_listener(
-    app: &TestApp,
+    pool: &sqlx::PgPool,
     heartbeat: Heartbeat,
 ) -> (FactsCache, tokio_util::sync::CancellationToken) {
     let cache = FactsCache::default();
     let shutdown = tokio_util::sync::CancellationToken::new();
     tokio::spawn(cache::listen_with(
-        app.pool.clone(),
+        pool.clone(),
         cache.clone(),
         heartbeat,
         shutdown.clone(),
@@ -290,52 +290,84 @@ fn own_listener(
     (cache, shutdown)
 }
 
+/// Notifies with empty notices every 50 ms until `stop`.
+fn notices_until(pool: &sqlx::PgPool, stop: tokio_util::sync::CancellationToken) {
+    let pool = pool.clone();
+    tokio::spawn(async move {
+        while !stop.is_cancelled() {
+            cache::notify(&pool, "{}").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+/// No heartbeat of its own: it hears only what the test sends.
+const SILENT: Heartbeat = Heartbeat {
+    interval: None,
+    deadline: Duration::from_millis(300),
+};
+
 #[tokio::test]
 async fn a_listener_that_hears_nothing_within_its_deadline_takes_its_connection_for_lost_and_listens_again(
 ) {
-    let app = TestApp::spawn().await;
-    // Sends no heartbeat of its own; the app's own listener sends one a second, more
-    // seldom than this one's deadline. A connection dropped without a reset looks just
-    // like this from the listening side: nothing arrives.
-    let (cache, shutdown) = own_listener(
-        &app,
-        Heartbeat {
-            interval: None,
-            deadline: Duration::from_millis(300),
-        },
-    );
-    eventually(5, "it listens", || async { cache.stats().listens >= 1 }).await;
-    eventually(
-        5,
-        "it gave up on the silent connection and listens again",
-        || async { cache.stats().listens >= 2 },
-    )
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (cache, shutdown) = own_listener(&pool, SILENT);
+    let talking = tokio_util::sync::CancellationToken::new();
+    notices_until(&pool, talking.clone());
+    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    assert_eq!(cache.stats().listens, 1);
+    // A connection dropped without a reset looks just like this from the listening side.
+    talking.cancel();
+    eventually(5, "it gave up on the silent connection", || async {
+        !cache.is_listening()
+    })
+    .await;
+    notices_until(&pool, shutdown.clone());
+    eventually(5, "it listens again, on a new connection", || async {
+        cache.is_listening() && cache.stats().listens == 2
+    })
     .await;
     shutdown.cancel();
-    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_listener_that_never_hears_a_notice_never_answers_from_memory() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    // As behind a pooler in transaction mode: `LISTEN` succeeds and nothing arrives.
+    let (cache, shutdown) = own_listener(&pool, SILENT);
+    for _ in 0..20 {
+        assert!(!cache.is_listening(), "it answers only once it has heard");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(cache.stats().listens, 0);
+    // Heard at last, it answers.
+    notices_until(&pool, shutdown.clone());
+    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    shutdown.cancel();
 }
 
 #[tokio::test]
 async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
-    let app = TestApp::spawn().await;
-    // Deadline six heartbeats long; the app's own heartbeat (one a second) alone would
-    // leave gaps longer than it.
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
     let (cache, shutdown) = own_listener(
-        &app,
+        &pool,
         Heartbeat {
             interval: Some(Duration::from_millis(100)),
-            deadline: Duration::from_millis(600),
+            deadline: Duration::from_millis(900),
         },
     );
-    eventually(5, "it listens", || async { cache.stats().listens >= 1 }).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(cache.is_listening());
     assert_eq!(
         cache.stats().listens,
         1,
-        "it kept its first connection for five deadlines"
+        "it kept its first connection for four deadlines"
     );
     shutdown.cancel();
-    app.stop().await;
 }
 
 #[tokio::test]
