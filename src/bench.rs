@@ -339,9 +339,8 @@ struct Workload {
     nats_payloads: Arc<Vec<Bytes>>,
     /// The batch events as the ledger would store them at positions 1.., for the baselines.
     baseline: BaselineRows,
-    /// The single events the same way, one row each, for the one-row-per-transaction
-    /// baseline.
-    single_baseline: Arc<BaselineRows>,
+    /// The single events the same way, for the one-row-per-transaction baseline.
+    single_baseline: Arc<Rows>,
 }
 
 impl Workload {
@@ -397,7 +396,9 @@ impl Workload {
         }
         assert_eq!(batch_parsed.len(), args.http_events);
         let baseline = BaselineRows::build(&batch_parsed, args.http_batch_events);
-        let single_baseline = BaselineRows::build(&single_parsed, 1);
+        let single_baseline = ledger_rows(&single_parsed, single_parsed.len().max(1))
+            .pop()
+            .unwrap_or_default();
         eprintln!(
             "bench: generated and checked {} events in {:.1} s",
             ids.len(),
@@ -565,11 +566,33 @@ struct BaselineRows {
 
 impl BaselineRows {
     fn build(events: &[Event], batch_events: usize) -> BaselineRows {
-        let mut batches = Vec::new();
-        let mut copy_chunks = Vec::new();
-        let mut prev_hash = canonical::GENESIS_HASH;
-        let mut position = 0_i64;
-        for chunk in events.chunks(batch_events) {
+        let batches = ledger_rows(events, batch_events);
+        let copy_chunks = batches
+            .iter()
+            .map(|rows| {
+                let mut csv = String::new();
+                for row in 0..rows.len() {
+                    write_csv_row(&mut csv, rows, row);
+                }
+                Bytes::from(csv)
+            })
+            .collect();
+        BaselineRows {
+            count: events.len(),
+            batches,
+            copy_chunks,
+        }
+    }
+}
+
+/// `events` as the ledger would store them at positions 1.., chained from the genesis
+/// hash, in `Rows` of `batch_events` each (each batch recorded at its own instant).
+fn ledger_rows(events: &[Event], batch_events: usize) -> Vec<Rows> {
+    let mut prev_hash = canonical::GENESIS_HASH;
+    let mut position = 0_i64;
+    events
+        .chunks(batch_events)
+        .map(|chunk| {
             let recorded_at = Utc::now().trunc_subsecs(3);
             let mut rows = Rows::default();
             for event in chunk {
@@ -578,19 +601,9 @@ impl BaselineRows {
                 let digest = canonical::content_digest(&event.record_fields(&data));
                 prev_hash = rows.push(event, data, digest, position, recorded_at, &prev_hash);
             }
-            let mut csv = String::new();
-            for row in 0..rows.len() {
-                write_csv_row(&mut csv, &rows, row);
-            }
-            batches.push(rows);
-            copy_chunks.push(Bytes::from(csv));
-        }
-        BaselineRows {
-            count: events.len(),
-            batches,
-            copy_chunks,
-        }
-    }
+            rows
+        })
+        .collect()
 }
 
 /// Row `row` of `rows` in `COPY … (FORMAT csv)`: NULL is an unquoted empty field, text is
@@ -1095,13 +1108,13 @@ async fn baseline_unnest(
 async fn baseline_single_rows(
     connection: &mut PgConnection,
     database_url: &str,
-    rows: &Arc<BaselineRows>,
+    rows: &Arc<Rows>,
 ) -> anyhow::Result<Figure> {
     create_baseline_table(connection, "baseline_single").await?;
     checkpoint(connection).await;
     eprintln!(
         "bench: baseline INSERT of {} rows, one per transaction, from {SINGLE_BASELINE_CONNECTIONS} connections",
-        rows.count
+        rows.len()
     );
     let mut connections = Vec::with_capacity(SINGLE_BASELINE_CONNECTIONS);
     for _ in 0..SINGLE_BASELINE_CONNECTIONS {
@@ -1116,9 +1129,13 @@ async fn baseline_single_rows(
         let next = next.clone();
         tasks.spawn(async move {
             let mut latencies = Vec::new();
-            while let Some(row) = rows.batches.get(next.fetch_add(1, Ordering::Relaxed)) {
+            loop {
+                let row = next.fetch_add(1, Ordering::Relaxed);
+                if row >= rows.len() {
+                    break;
+                }
                 let sent = Instant::now();
-                let inserted = insert_one(&mut inserter, row).await?;
+                let inserted = insert_one(&mut inserter, &rows, row).await?;
                 latencies.push(sent.elapsed());
                 anyhow::ensure!(inserted == 1, "an INSERT of one row inserted {inserted}");
             }
@@ -1126,7 +1143,7 @@ async fn baseline_single_rows(
             anyhow::Ok(latencies)
         });
     }
-    let mut latencies = Vec::with_capacity(rows.count);
+    let mut latencies = Vec::with_capacity(rows.len());
     while let Some(joined) = tasks.join_next().await {
         latencies.extend(joined.context("a baseline inserter panicked")??);
     }
@@ -1135,34 +1152,33 @@ async fn baseline_single_rows(
         .await?
         .since(wal_before, "INSERT one row per transaction");
     latencies.sort_unstable();
-    anyhow::ensure!(latencies.len() == rows.count, "every row is inserted once");
+    anyhow::ensure!(latencies.len() == rows.len(), "every row is inserted once");
     let label = format!("INSERT 1 row per transaction, {SINGLE_BASELINE_CONNECTIONS} connections");
-    Ok(Figure::new(label, rows.count, elapsed)
+    Ok(Figure::new(label, rows.len(), elapsed)
         .with_latencies(&latencies)
         .with_wal(wal))
 }
 
-/// The one row of `rows` into `baseline_single`, by a plain `INSERT … VALUES`.
-async fn insert_one(connection: &mut PgConnection, rows: &Rows) -> anyhow::Result<u64> {
-    anyhow::ensure!(rows.len() == 1, "one row, not {}", rows.len());
+/// Row `row` of `rows` into `baseline_single`, by a plain `INSERT … VALUES`.
+async fn insert_one(connection: &mut PgConnection, rows: &Rows, row: usize) -> anyhow::Result<u64> {
     let statement = format!(
         "INSERT INTO baseline_single ({}) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         rows::COLUMNS
     );
     Ok(sqlx::query(&statement)
-        .bind(rows.position[0])
-        .bind(rows.id[0])
-        .bind(rows.event_type[0])
-        .bind(&rows.org_id[0])
-        .bind(&rows.container_id[0])
-        .bind(rows.occurred_at[0])
-        .bind(rows.recorded_at[0])
-        .bind(&rows.data[0])
-        .bind(&rows.source[0])
-        .bind(&rows.source_event_id[0])
-        .bind(&rows.content_digest[0])
-        .bind(&rows.hash[0])
+        .bind(rows.position[row])
+        .bind(rows.id[row])
+        .bind(rows.event_type[row])
+        .bind(&rows.org_id[row])
+        .bind(&rows.container_id[row])
+        .bind(rows.occurred_at[row])
+        .bind(rows.recorded_at[row])
+        .bind(&rows.data[row])
+        .bind(&rows.source[row])
+        .bind(&rows.source_event_id[row])
+        .bind(&rows.content_digest[row])
+        .bind(&rows.hash[row])
         .execute(connection)
         .await?
         .rows_affected())
@@ -1616,7 +1632,7 @@ async fn check_ledger(
     });
     for (table, expected) in [
         ("baseline", workload.baseline.count),
-        ("baseline_single", workload.single_baseline.count),
+        ("baseline_single", workload.single_baseline.len()),
     ] {
         let matching = same_content_as_ledger(&service.pool, table).await?;
         checks.push(Check {

@@ -911,14 +911,20 @@ async fn measure(
     eprintln!(
         "bench: admission: {paced_count} checks paced at {rate:.0}/s from {PACED_CLIENTS} clients"
     );
+    // The paced checks, run twice: alone, then while events arrive.
+    let paced_checks = |label: String| {
+        measure_paced(
+            service,
+            token,
+            Load::paced(&check, &bodies, paced_count, rate),
+            label,
+            "latency from send",
+        )
+    };
     let facts_before = service.checker.cache().stats();
-    let figure = measure_paced(
-        service,
-        token,
-        Load::paced(&check, &bodies, paced_count, rate),
-        format!("checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"),
-        "latency from send",
-    )
+    let figure = paced_checks(format!(
+        "checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"
+    ))
     .await?
     .with_note(facts_in_memory(
         facts_before,
@@ -940,13 +946,9 @@ async fn measure(
     let facts_before = service.checker.cache().stats();
     let head_before = *service.appender.head().borrow();
     let paced_run = async {
-        let figure = measure_paced(
-            service,
-            token,
-            Load::paced(&check, &bodies, paced_count, rate),
-            format!("checks paced at {rate:.0}/s while {STREAM_EVENTS_PER_SECOND} events/s arrive"),
-            "latency from send",
-        )
+        let figure = paced_checks(format!(
+            "checks paced at {rate:.0}/s while {STREAM_EVENTS_PER_SECOND} events/s arrive"
+        ))
         .await;
         stop.cancel();
         figure

@@ -18,51 +18,39 @@ use tally::event::OrgId;
 use tally::projection::Freshness;
 use tally::startup::Service;
 
+/// `method path` on the instance at `base`, answered with `expected`; the answer's body.
 async fn send(
     app: &TestApp,
     method: reqwest::Method,
     base: &str,
     path: &str,
     body: Option<&Value>,
-) -> (u16, Value) {
+    expected: u16,
+) -> Value {
     let mut request = app
         .client
-        .request(method, format!("{base}{path}"))
+        .request(method.clone(), format!("{base}{path}"))
         .bearer_auth(TOKEN);
     if let Some(body) = body {
         request = request.json(body);
     }
     let response = request.send().await.unwrap();
     let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(status, expected, "{method} {path}: {answer}");
+    answer
 }
 
 async fn check_at(app: &TestApp, base: &str, body: &Value) -> Value {
-    let (status, answer) = send(
-        app,
-        reqwest::Method::POST,
-        base,
-        "/v1/admission/check",
-        Some(body),
-    )
-    .await;
-    assert_eq!(status, 200, "{answer}");
-    answer
+    let path = "/v1/admission/check";
+    send(app, reqwest::Method::POST, base, path, Some(body), 200).await
 }
 
 /// Reserves a slot of `org` for `ttl_seconds` through the instance at `base`: 201 expected.
 async fn reserve_at(app: &TestApp, base: &str, org: &str, ttl_seconds: u64) -> Value {
     let body = json!({"org_id": org, "action": "create", "ttl_seconds": ttl_seconds});
-    let (status, granted) = send(
-        app,
-        reqwest::Method::POST,
-        base,
-        "/v1/admission/reservations",
-        Some(&body),
-    )
-    .await;
-    assert_eq!(status, 201, "{granted}");
-    granted
+    let path = "/v1/admission/reservations";
+    send(app, reqwest::Method::POST, base, path, Some(&body), 201).await
 }
 
 /// Releases a reservation `reserve_at` granted, through the instance at `base`.
@@ -71,23 +59,16 @@ async fn release_at(app: &TestApp, base: &str, granted: &Value) {
         "/v1/admission/reservations/{}",
         granted["reservation_id"].as_str().unwrap()
     );
-    let (status, released) = send(app, reqwest::Method::DELETE, base, &path, None).await;
-    assert_eq!(status, 200, "{released}");
+    send(app, reqwest::Method::DELETE, base, &path, None, 200).await;
 }
 
-/// A new version of plan `pro` with two running slots, through the instance at `base`.
+/// A new version of plan `pro` with two running slots, through the instance at `base`:
+/// 201, a new version.
 async fn roomier_plan(app: &TestApp, base: &str) {
     let mut roomier = pro_plan();
     roomier["max_running_containers"] = json!(2);
-    let (status, plan) = send(
-        app,
-        reqwest::Method::PUT,
-        base,
-        "/v1/plans/pro",
-        Some(&roomier),
-    )
-    .await;
-    assert_eq!(status, 201, "a new version: {plan}");
+    let path = "/v1/plans/pro";
+    send(app, reqwest::Method::PUT, base, path, Some(&roomier), 201).await;
 }
 
 fn stats(app: &TestApp) -> CacheStats {
@@ -147,15 +128,15 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
     warm(&app, &create("c9")).await;
     let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
                          "container_id": "c1", "occurred_at": ago(5)});
-    let (status, response) = send(
+    send(
         &app,
         reqwest::Method::POST,
         &other,
         "/v1/events",
         Some(&created),
+        200,
     )
     .await;
-    assert_eq!(status, 200, "{response}");
     eventually(3, "the other instance's container runs here", || async {
         let answer = check_at(&app, &first, &create("c9")).await;
         answer["running_containers"] == 1 && reasons(&answer) == ["concurrency_limit"]
