@@ -68,6 +68,7 @@ impl Service {
                     poll: Duration::from_millis(config.relay_poll_ms),
                 },
                 appender.head(),
+                appender.take_committed(),
                 shutdown.clone(),
             )),
             tokio::spawn(projector::run(

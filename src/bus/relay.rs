@@ -9,6 +9,11 @@
 //! raced this one is refused rather than duplicating. `Nats-Msg-Id` (the event id) adds
 //! the server's duplicate window on top. Only one instance relays at a time, elected by a
 //! Postgres session advisory lock.
+//!
+//! The rows of this instance's own commits are handed over by the appender in memory
+//! ([`Committed`]), so the relay does not read back what was just written; whatever does
+//! not continue exactly where the stream ends (another instance's appends, a batch too
+//! large to hand over, rows dropped while the relay was busy) it reads from the ledger.
 
 use std::time::Duration;
 
@@ -20,7 +25,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Names;
-use crate::ledger::read;
+use crate::ledger::{read, Committed};
 
 /// Header carrying the ledger position of a relayed event.
 pub const POSITION_HEADER: &str = "Tally-Position";
@@ -48,10 +53,15 @@ pub async fn run(
     names: Names,
     settings: RelaySettings,
     mut head: watch::Receiver<i64>,
+    mut committed: Option<Committed>,
     shutdown: CancellationToken,
 ) {
     while !shutdown.is_cancelled() {
-        if let Err(error) = lead(&pool, &context, &names, &settings, &mut head, &shutdown).await {
+        let tail = Tail {
+            head: &mut head,
+            committed: committed.as_mut(),
+        };
+        if let Err(error) = lead(&pool, &context, &names, &settings, tail, &shutdown).await {
             tracing::warn!(
                 error = format!("{error:#}"),
                 "relay interrupted; will resume"
@@ -66,13 +76,19 @@ pub async fn run(
     tracing::info!("relay stopped");
 }
 
+/// How the relay follows this instance's appends: woken by its head, handed its rows.
+struct Tail<'a> {
+    head: &'a mut watch::Receiver<i64>,
+    committed: Option<&'a mut Committed>,
+}
+
 /// Waits to become the relaying instance, then relays until an error or shutdown.
 async fn lead(
     pool: &PgPool,
     context: &jetstream::Context,
     names: &Names,
     settings: &RelaySettings,
-    head: &mut watch::Receiver<i64>,
+    tail: Tail<'_>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let mut connection = pool.acquire().await?;
@@ -89,7 +105,7 @@ async fn lead(
             _ = shutdown.cancelled() => return Ok(()),
         }
     }
-    let result = relay(pool, context, names, settings, head, shutdown).await;
+    let result = relay(pool, context, names, settings, tail, shutdown).await;
     // Release leadership explicitly; if this fails the connection is dropped by the pool.
     let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(RELAY_LOCK_KEY)
@@ -125,14 +141,35 @@ async fn relay(
     context: &jetstream::Context,
     names: &Names,
     settings: &RelaySettings,
-    head: &mut watch::Receiver<i64>,
+    tail: Tail<'_>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
+    let Tail {
+        head,
+        mut committed,
+    } = tail;
     super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
     let (mut published, mut sequence) = stream_position(context, names).await?;
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
-        let rows = read::read_after(pool, published, settings.batch_max).await?;
+        // This instance's own commits come from memory when they continue the stream;
+        // anything else (another instance's appends, a gap) from the ledger.
+        let handed = committed
+            .as_deref_mut()
+            .and_then(|committed| committed.take_after(published, settings.batch_max));
+        let rows = match handed {
+            Some(rows) => {
+                metrics::counter!("tally_relay_rows_total", "from" => "memory")
+                    .increment(rows.len() as u64);
+                rows
+            }
+            None => {
+                let rows = read::read_after(pool, published, settings.batch_max).await?;
+                metrics::counter!("tally_relay_rows_total", "from" => "ledger")
+                    .increment(rows.len() as u64);
+                rows
+            }
+        };
         if rows.is_empty() {
             metrics::gauge!("tally_relay_lag_events").set(0.0);
             tokio::select! {

@@ -37,7 +37,7 @@ use sqlx::{ConnectOptions, Connection, FromRow, PgConnection, PgPool, Postgres, 
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
-use super::read::{self, Head};
+use super::read::{self, Head, LedgerRow};
 use super::rows::Rows;
 use crate::event::canonical;
 use crate::event::{Event, EventId, EventType, OrgId};
@@ -141,6 +141,7 @@ pub struct Appender {
     sender: mpsc::Sender<Request>,
     head: watch::Receiver<i64>,
     acknowledged: Arc<Mutex<Acknowledged>>,
+    committed: Arc<Mutex<Option<Committed>>>,
 }
 
 impl Appender {
@@ -152,6 +153,8 @@ impl Appender {
         let (sender, receiver) = mpsc::channel(limits.queue_max);
         let (head_sender, head) = watch::channel(0);
         let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
+        let (committed_sender, committed) = mpsc::channel(HANDOFF_GROUPS_MAX);
+        let committed = Arc::new(Mutex::new(Some(Committed::new(committed))));
         let options = pool.connect_options();
         let (stopped_sender, stopped) = oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -161,7 +164,13 @@ impl Appender {
                     .enable_all()
                     .build()
                     .expect("the appender's runtime starts");
-                runtime.block_on(run(&options, limits, receiver, head_sender));
+                runtime.block_on(run(
+                    &options,
+                    limits,
+                    receiver,
+                    head_sender,
+                    committed_sender,
+                ));
                 // Dropped unsent if `run` panics; the task below ends either way.
                 let _ = stopped_sender.send(());
             })
@@ -174,6 +183,7 @@ impl Appender {
                 sender,
                 head,
                 acknowledged,
+                committed,
             },
             task,
         )
@@ -217,6 +227,71 @@ impl Appender {
     pub fn acknowledged(&self) -> Arc<Mutex<Acknowledged>> {
         Arc::clone(&self.acknowledged)
     }
+
+    /// The rows this appender commits, for the one reader that tails them in memory (the
+    /// relay); `None` once taken.
+    pub fn take_committed(&self) -> Option<Committed> {
+        self.committed
+            .lock()
+            .expect("never held across a panic")
+            .take()
+    }
+}
+
+/// Groups of committed rows waiting for the reader at most; past it the appender drops
+/// them and the reader reads the ledger instead.
+pub const HANDOFF_GROUPS_MAX: usize = 32;
+/// Larger groups (batches) are not handed over: a reader reads many rows from the ledger
+/// at little cost per row, and the handoff's memory stays bounded.
+pub const HANDOFF_GROUP_EVENTS_MAX: usize = 1_000;
+/// Rows the reader keeps from what it was handed, at most.
+pub const HANDOFF_ROWS_MAX: usize = HANDOFF_GROUPS_MAX * HANDOFF_GROUP_EVENTS_MAX;
+
+/// The rows of this instance's commits, handed over in memory as they commit, so that the
+/// reader tailing the ledger (the relay) need not read back what was just written. It is
+/// only a shortcut: when the rows it holds do not continue exactly where the reader is
+/// (another instance appended, a group was too large, the queue was full, the reader
+/// started late), it answers `None` and the reader reads the ledger, so what the reader
+/// sees is the ledger either way.
+pub struct Committed {
+    receiver: mpsc::Receiver<Rows>,
+    pending: std::collections::VecDeque<LedgerRow>,
+}
+
+impl Committed {
+    fn new(receiver: mpsc::Receiver<Rows>) -> Committed {
+        Committed {
+            receiver,
+            pending: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// Up to `limit` rows following position `after`, in position order, when the rows
+    /// handed over hold them; `None` when the reader has to read the ledger.
+    pub fn take_after(&mut self, after: i64, limit: usize) -> Option<Vec<LedgerRow>> {
+        while let Ok(rows) = self.receiver.try_recv() {
+            self.pending.extend(rows.into_ledger_rows());
+        }
+        let excess = self.pending.len().saturating_sub(HANDOFF_ROWS_MAX);
+        self.pending.drain(..excess);
+        while self
+            .pending
+            .front()
+            .is_some_and(|row| row.position <= after)
+        {
+            self.pending.pop_front();
+        }
+        let mut taken = Vec::new();
+        while taken.len() < limit
+            && self
+                .pending
+                .front()
+                .is_some_and(|row| row.position == after + 1 + taken.len() as i64)
+        {
+            taken.extend(self.pending.pop_front());
+        }
+        (!taken.is_empty()).then_some(taken)
+    }
 }
 
 async fn run(
@@ -224,6 +299,7 @@ async fn run(
     limits: AppendLimits,
     mut receiver: mpsc::Receiver<Request>,
     head: watch::Sender<i64>,
+    committed_rows: mpsc::Sender<Rows>,
 ) {
     // The head this appender last committed; `None` when unknown (start, or after an error
     // that may or may not have committed).
@@ -264,7 +340,12 @@ async fn run(
                 metrics::histogram!("tally_append_batch_events").record(events as f64);
                 metrics::histogram!("tally_append_batch_seconds")
                     .record(started.elapsed().as_secs_f64());
-                metrics::counter!("tally_append_events_total").increment(outcome.inserted);
+                metrics::counter!("tally_append_events_total").increment(outcome.rows.len() as u64);
+                // Before the head moves, so that whoever it wakes finds the rows.
+                if !outcome.rows.is_empty() && outcome.rows.len() <= HANDOFF_GROUP_EVENTS_MAX {
+                    // Full (the reader is slow, or not relaying): it reads the ledger.
+                    let _ = committed_rows.try_send(outcome.rows);
+                }
                 if outcome.head.position > 0 {
                     head.send_replace(outcome.head.position);
                 }
@@ -300,7 +381,8 @@ async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error
 
 struct GroupOutcome {
     results: Vec<Result<Vec<AppendedEvent>, AppendError>>,
-    inserted: u64,
+    /// The rows this group adds to the ledger (none when every event was known).
+    rows: Rows,
     head: Head,
 }
 
@@ -312,19 +394,13 @@ struct Prepared {
 
 type Known = HashMap<Uuid, (i64, [u8; 32])>;
 
-/// The rows of a group planned to follow a head, each request's outcome, the new head.
-struct Plan {
-    rows: Rows,
-    outcome: GroupOutcome,
-}
-
 fn plan_group(
     group: &[Request],
     prepared: &[Vec<Prepared>],
     known: &Known,
     head: Head,
     recorded_at: DateTime<Utc>,
-) -> Plan {
+) -> GroupOutcome {
     let mut known = known.clone();
     let mut rows = Rows::default();
     let mut next_position = head.position + 1;
@@ -344,16 +420,13 @@ fn plan_group(
             )
         })
         .collect();
-    Plan {
-        outcome: GroupOutcome {
-            results,
-            inserted: rows.len() as u64,
-            head: Head {
-                position: next_position - 1,
-                hash: prev_hash,
-            },
-        },
+    GroupOutcome {
+        results,
         rows,
+        head: Head {
+            position: next_position - 1,
+            hash: prev_hash,
+        },
     }
 }
 
@@ -402,8 +475,8 @@ async fn commit_group(
                 }
             }
         }
-        *committed = Some(plan.outcome.head);
-        return Ok(plan.outcome);
+        *committed = Some(plan.head);
+        return Ok(plan);
     }
     metrics::counter!("tally_append_locked_fallbacks_total").increment(1);
     let outcome = commit_group_locked(connection, group, &prepared).await?;
@@ -512,7 +585,7 @@ async fn commit_group_locked(
         plan.rows.insert_into(&mut *tx, "ledger").await?;
     }
     tx.commit().await?;
-    Ok(plan.outcome)
+    Ok(plan)
 }
 
 /// Decides each event of one request: duplicate, conflict (refusing the whole request),
@@ -597,6 +670,70 @@ async fn existing(tx: &mut Transaction<'_, Postgres>, ids: &[Uuid]) -> Result<Kn
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(position: i64) -> LedgerRow {
+        LedgerRow {
+            position,
+            id: Uuid::new_v4(),
+            event_type: "container.resumed".to_owned(),
+            org_id: "acme".to_owned(),
+            container_id: Some("c1".to_owned()),
+            occurred_at: Utc::now(),
+            recorded_at: Utc::now(),
+            data: serde_json::json!({}),
+            source: None,
+            source_event_id: None,
+            hash: vec![0; 32],
+        }
+    }
+
+    /// A handoff holding rows at `positions`, as if handed over in that order.
+    fn handed(positions: impl IntoIterator<Item = i64>) -> Committed {
+        let (_sender, receiver) = mpsc::channel(1);
+        let mut committed = Committed::new(receiver);
+        committed.pending.extend(positions.into_iter().map(row));
+        committed
+    }
+
+    fn positions(rows: Option<Vec<LedgerRow>>) -> Option<Vec<i64>> {
+        rows.map(|rows| rows.iter().map(|row| row.position).collect())
+    }
+
+    #[test]
+    fn handed_rows_that_continue_the_reader_are_taken_in_order_up_to_the_limit() {
+        let mut committed = handed(1..=5);
+        assert_eq!(positions(committed.take_after(0, 3)), Some(vec![1, 2, 3]));
+        assert_eq!(positions(committed.take_after(3, 3)), Some(vec![4, 5]));
+        assert_eq!(positions(committed.take_after(5, 3)), None);
+    }
+
+    #[test]
+    fn rows_the_reader_already_has_are_dropped_and_a_gap_sends_it_to_the_ledger() {
+        let mut committed = handed([1, 2, 3, 6, 7]);
+        assert_eq!(positions(committed.take_after(2, 10)), Some(vec![3]));
+        // 4 and 5 were appended by another instance: only the ledger has them.
+        assert_eq!(positions(committed.take_after(3, 10)), None);
+        assert_eq!(positions(committed.take_after(5, 10)), Some(vec![6, 7]));
+    }
+
+    #[test]
+    fn a_reader_ahead_of_everything_handed_gets_nothing_from_memory() {
+        let mut committed = handed(1..=3);
+        assert_eq!(positions(committed.take_after(10, 10)), None);
+        assert!(committed.pending.is_empty(), "stale rows are not kept");
+    }
+
+    #[test]
+    fn past_its_limit_the_handoff_keeps_the_newest_rows() {
+        let extra = 10;
+        let mut committed = handed(1..=HANDOFF_ROWS_MAX as i64 + extra);
+        assert_eq!(positions(committed.take_after(0, 1)), None, "1 was dropped");
+        assert_eq!(committed.pending.len(), HANDOFF_ROWS_MAX);
+        assert_eq!(
+            positions(committed.take_after(extra, 1)),
+            Some(vec![extra + 1])
+        );
+    }
 
     #[test]
     fn each_org_waits_for_its_own_last_acknowledged_position_and_every_org_for_plans() {

@@ -10,7 +10,8 @@ pub mod rows;
 pub mod verify;
 
 pub use append::{
-    Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, ACKNOWLEDGED_ORGS_MAX,
+    Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, Committed,
+    ACKNOWLEDGED_ORGS_MAX,
 };
 pub use read::{Head, LedgerRow};
 pub use rows::Rows;

@@ -8,6 +8,7 @@ use sqlx::query::Query;
 use sqlx::{PgExecutor, Postgres};
 use uuid::Uuid;
 
+use super::read::LedgerRow;
 use crate::event::canonical;
 use crate::event::Event;
 
@@ -69,6 +70,26 @@ impl Rows {
         self.content_digest.push(digest.to_vec());
         self.hash.push(hash.to_vec());
         hash
+    }
+
+    /// The rows as a reader of the ledger gets them back (`read::read_after`): the same
+    /// values, since the ledger stores exactly what was bound.
+    pub fn into_ledger_rows(mut self) -> Vec<LedgerRow> {
+        (0..self.len())
+            .map(|i| LedgerRow {
+                position: self.position[i],
+                id: self.id[i],
+                event_type: self.event_type[i].to_owned(),
+                org_id: std::mem::take(&mut self.org_id[i]),
+                container_id: self.container_id[i].take(),
+                occurred_at: self.occurred_at[i],
+                recorded_at: self.recorded_at[i],
+                data: self.data[i].take(),
+                source: self.source[i].take(),
+                source_event_id: self.source_event_id[i].take(),
+                hash: std::mem::take(&mut self.hash[i]),
+            })
+            .collect()
     }
 
     /// Binds the twelve column arrays, in [`COLUMNS`] order, as the next parameters.

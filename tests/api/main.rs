@@ -20,6 +20,7 @@ mod periods;
 mod plans;
 mod projection;
 mod reconciliation;
+mod relay;
 mod reports;
 mod tokens;
 mod verify;

@@ -1,0 +1,205 @@
+//! The relay takes this instance's commits from memory and everything else from the ledger;
+//! either way `TALLY_LEDGER` ends up holding exactly the ledger.
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tally::config::Config;
+use tally::event::parse::{parse_body, BodyKind};
+use tally::event::{Event, TimeBounds};
+use tally::ledger::append::HANDOFF_GROUP_EVENTS_MAX;
+use tally::ledger::{read, AppendLimits, Appender};
+use tally::startup::Service;
+
+use crate::helpers::*;
+
+fn parse(values: &[Value]) -> Vec<Event> {
+    let body = json!({ "events": values }).to_string();
+    let bounds = TimeBounds {
+        now: chrono::Utc::now(),
+        backdate_max: chrono::Duration::days(35),
+    };
+    parse_body(BodyKind::Native, body.as_bytes(), bounds, 1000).unwrap()
+}
+
+fn start_appender(pool: sqlx::PgPool) -> Appender {
+    let (appender, _task) = Appender::start(
+        pool,
+        AppendLimits {
+            queue_max: 64,
+            group_events_max: 10_000,
+        },
+    );
+    appender
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let appender = start_appender(pool.clone());
+    let mut committed = appender
+        .take_committed()
+        .expect("the first taker gets the rows");
+    assert!(
+        appender.take_committed().is_none(),
+        "one reader tails in memory"
+    );
+
+    let cloud_event = json!({
+        "specversion": "1.0", "id": "evt-1", "source": "//provider/eu", "type": "container.created",
+        "orgid": "org_cloud", "subject": "ctr_cloud", "time": ago(60),
+        "data": {"name": "n", "image": "i"}
+    });
+    let cloud = parse_body(
+        BodyKind::CloudEvent,
+        cloud_event.to_string().as_bytes(),
+        TimeBounds {
+            now: chrono::Utc::now(),
+            backdate_max: chrono::Duration::days(35),
+        },
+        1000,
+    )
+    .unwrap();
+    appender.append(cloud).await.unwrap();
+    let batch = valid_events(40);
+    appender.append(parse(&batch)).await.unwrap();
+    // Duplicates store nothing and hand over nothing.
+    appender.append(parse(&batch[..5])).await.unwrap();
+    for n in 0..10 {
+        appender
+            .append(parse(&[valid_event("org_h", "ctr_h", n)]))
+            .await
+            .unwrap();
+    }
+
+    let handed = committed
+        .take_after(0, 1_000)
+        .expect("all of it was handed over");
+    let stored = read::read_after(&pool, 0, 1_000).await.unwrap();
+    assert_eq!(stored.len(), 51);
+    assert_eq!(handed, stored);
+    for (handed, stored) in handed.iter().zip(&stored) {
+        assert_eq!(
+            serde_json::to_vec(&handed.to_message()).unwrap(),
+            serde_json::to_vec(&stored.to_message()).unwrap(),
+            "position {} would be relayed differently",
+            stored.position
+        );
+    }
+    assert!(committed.take_after(51, 1_000).is_none(), "nothing more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_too_large_to_hand_over_sends_the_relay_to_the_ledger_and_later_groups_continue_from_memory(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let appender = start_appender(pool.clone());
+    let mut committed = appender.take_committed().unwrap();
+
+    let mut large = parse(&valid_events(1_000));
+    large.extend(parse(&valid_events(HANDOFF_GROUP_EVENTS_MAX + 1 - 1_000)));
+    appender.append(large).await.unwrap();
+    assert!(
+        committed.take_after(0, 10_000).is_none(),
+        "a group of {} events is read from the ledger",
+        HANDOFF_GROUP_EVENTS_MAX + 1
+    );
+    let head = HANDOFF_GROUP_EVENTS_MAX as i64 + 1;
+    assert_eq!(
+        read::read_after(&pool, 0, 10_000).await.unwrap().len(),
+        head as usize
+    );
+
+    appender.append(parse(&valid_events(3))).await.unwrap();
+    let handed = committed
+        .take_after(head, 10)
+        .expect("the next group is in memory");
+    assert_eq!(handed, read::read_after(&pool, head, 10).await.unwrap());
+    assert_eq!(handed.first().map(|row| row.position), Some(head + 1));
+}
+
+/// Two instances on one database and one NATS: one relays, taking its own commits from
+/// memory and the other's from the ledger, and the stream holds the ledger exactly, in
+/// order, each message as the ledger's row would be relayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_two_instances_appending_the_stream_holds_exactly_the_ledger_in_order() {
+    let first = TestApp::spawn().await;
+    let mut config = Config::new(&first.db.url, &first.nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    config.relay_poll_ms = 50;
+    let second = Service::start(config).await.unwrap();
+    let addresses = [first.address, second.local_addr];
+
+    let writers: Vec<_> = (0..16)
+        .map(|writer| {
+            let client = first.client.clone();
+            let address = addresses[writer % 2];
+            tokio::spawn(async move {
+                for request in 0..15 {
+                    let size = 1 + (writer + request) % 3;
+                    let events: Vec<Value> = (0..size)
+                        .map(|n| valid_event(&format!("org_{writer}"), "ctr_r", request * 3 + n))
+                        .collect();
+                    let response = client
+                        .post(format!("http://{address}/v1/events"))
+                        .bearer_auth(TOKEN)
+                        .json(&json!({ "events": events }))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(response.status().as_u16(), 200);
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+
+    let stored = read::read_after(&first.pool, 0, 10_000).await.unwrap();
+    let js = first.nats.jetstream().await;
+    eventually(20, "the relay published the whole ledger", || async {
+        stream_messages(&js, "TALLY_LEDGER").await == stored.len() as u64
+    })
+    .await;
+    let stream = js.get_stream("TALLY_LEDGER").await.unwrap();
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
+        .await
+        .unwrap();
+    let mut messages = consumer
+        .fetch()
+        .max_messages(stored.len())
+        .messages()
+        .await
+        .unwrap();
+    for row in &stored {
+        let message = messages.next().await.expect("a message per row").unwrap();
+        let header = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .unwrap()
+                .get(name)
+                .unwrap()
+                .as_str()
+                .to_owned()
+        };
+        assert_eq!(header("Tally-Position"), row.position.to_string());
+        assert_eq!(header("Nats-Msg-Id"), row.id.to_string());
+        assert_eq!(
+            message.payload.as_ref(),
+            serde_json::to_vec(&row.to_message()).unwrap().as_slice(),
+            "position {}",
+            row.position
+        );
+    }
+    assert_eq!(
+        stream_messages(&js, "TALLY_LEDGER").await,
+        stored.len() as u64
+    );
+
+    second.stop().await;
+    first.stop().await;
+}
