@@ -544,6 +544,7 @@ mod tests {
             future: Vec::new(),
             target: None,
             reservation_expiries: Vec::new(),
+            consumed_unprojected: 0,
             account: AccountTimeline::fold(&[]),
             plans: HashMap::new(),
         })

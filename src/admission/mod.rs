@@ -122,6 +122,8 @@ struct FactsRow {
     target_intervals: Option<String>,
     /// When each live reservation of the org expires; those past `now` do not count.
     reservation_expiries: Vec<DateTime<Utc>>,
+    /// Reservations consumed by an event past the checkpoint (see [`Prepared`]).
+    consumed_unprojected: i64,
     account: Option<String>,
     /// Every version of every plan the org has been on, and of `free`: [data, ms, position].
     plan_versions: Option<String>,
@@ -188,6 +190,9 @@ async fn load_facts(
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
                         AND expires_at > $3) AS reservation_expiries, \
+                (SELECT count(*) FROM admission_reservation \
+                      WHERE org_id = r.org AND consumed_position > \
+                        (SELECT position FROM {live}.checkpoint)) AS consumed_unprojected, \
                 (SELECT json_agg(json_build_array(position, \
                         (extract(epoch FROM occurred_at) * 1000)::BIGINT, event_id, plan, verified, \
                         billing_eligible))::TEXT \
@@ -272,6 +277,11 @@ pub(crate) struct Prepared {
     /// The request's container, when it names one that exists.
     target: Option<Lifecycle>,
     reservation_expiries: Vec<DateTime<Utc>>,
+    /// Reservations consumed by an event the projection does not hold: only after a
+    /// replay's swap moved the checkpoint back past it (the projector consumes in the round
+    /// that projects the event). Their containers are running but not counted by the
+    /// projection, so each holds its slot, whatever its expiry, until projected again.
+    consumed_unprojected: u64,
     account: AccountTimeline,
     /// Every version of every plan the org has been on, and of `free`, oldest first.
     plans: HashMap<String, Vec<plans::PlanVersion>>,
@@ -305,6 +315,7 @@ impl Prepared {
                 .map(lifecycle_of)
                 .transpose()?,
             reservation_expiries: row.reservation_expiries,
+            consumed_unprojected: u64::try_from(row.consumed_unprojected)?,
             account,
             plans: plan_versions(row.plan_versions.as_deref())?,
         })
@@ -359,14 +370,15 @@ impl Prepared {
             .reservation_expiries
             .iter()
             .filter(|expires_at| **expires_at > now)
-            .count();
+            .count() as u64
+            + self.consumed_unprojected;
         let facts = Facts {
             plan: &plan,
             account: &account,
             period: self.period,
             runtime_used_ms,
             running_containers,
-            reservations: reservations as u64,
+            reservations,
             container_running,
             ports_published: self.totals.ports_published,
         };
@@ -602,10 +614,11 @@ pub async fn release(
 
 /// Consumes, for each container that a `created` or `resumed` of this projector round
 /// starts, its oldest live reservation — unless that event consumed one already (it is
-/// projected again after a replay's swap). Runs in the round's transaction.
+/// projected again after a replay's swap) — and records the event's position on it.
+/// Runs in the round's transaction.
 pub async fn consume(
     connection: &mut PgConnection,
-    starts: &HashMap<(String, String), Uuid>,
+    starts: &HashMap<(String, String), (Uuid, i64)>,
 ) -> sqlx::Result<u64> {
     if starts.is_empty() {
         return Ok(0);
@@ -613,14 +626,18 @@ pub async fn consume(
     let mut orgs = Vec::with_capacity(starts.len());
     let mut containers = Vec::with_capacity(starts.len());
     let mut events = Vec::with_capacity(starts.len());
-    for ((org, container), event) in starts {
+    let mut positions = Vec::with_capacity(starts.len());
+    for ((org, container), (event, position)) in starts {
         orgs.push(org.as_str());
         containers.push(container.as_str());
         events.push(*event);
+        positions.push(*position);
     }
     let consumed = sqlx::query(
-        "UPDATE admission_reservation r SET consumed_at = now(), consumed_by = s.event_id \
-         FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[]) AS s(org_id, container_id, event_id) \
+        "UPDATE admission_reservation r \
+         SET consumed_at = now(), consumed_by = s.event_id, consumed_position = s.position \
+         FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[], $4::BIGINT[]) \
+              AS s(org_id, container_id, event_id, position) \
          WHERE r.id = (SELECT x.id FROM admission_reservation x \
                        WHERE x.org_id = s.org_id AND x.container_id = s.container_id \
                          AND x.released_at IS NULL AND x.consumed_at IS NULL \
@@ -632,6 +649,7 @@ pub async fn consume(
     .bind(&orgs)
     .bind(&containers)
     .bind(&events)
+    .bind(&positions)
     .execute(connection)
     .await?;
     Ok(consumed.rows_affected())

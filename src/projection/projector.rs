@@ -211,14 +211,14 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
     store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
-    let starts: HashMap<(String, String), uuid::Uuid> = events
+    let starts: HashMap<(String, String), (uuid::Uuid, i64)> = events
         .iter()
         .filter_map(|event| {
             let (container_id, entry) = event.container.as_ref()?;
             matches!(entry.kind, EntryKind::Created | EntryKind::Resumed).then(|| {
                 (
                     (event.org_id.clone(), container_id.clone()),
-                    entry.event_id.as_uuid(),
+                    (entry.event_id.as_uuid(), entry.position),
                 )
             })
         })

@@ -640,3 +640,96 @@ async fn an_event_projected_again_after_a_replay_consumes_no_second_reservation(
     );
     app.stop().await;
 }
+
+/// After a replay's swap the projection can lack a container whose `created` was projected
+/// live before the swap (appended during the build, by any instance) and consumed its
+/// reservation then. Until the projection passes that `created` again, the consumed
+/// reservation holds the slot: otherwise neither it nor the container counts.
+#[tokio::test]
+async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_still_holds_its_slot()
+{
+    use std::sync::{Arc, Mutex};
+    use tally::admission::{self, cache::FactsCache, Request};
+    use tally::billing::Action;
+    use tally::event::{ContainerId, OrgId};
+    use tally::ledger::Acknowledged;
+    use tally::projection::Freshness;
+
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let (status, granted) = reserve(
+        &app,
+        &json!({"org_id": "acme", "action": "create", "container_id": "c1"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{granted}");
+    event(&app, container_event("acme", "c1", "container.created", 5)).await;
+    let head = projected_to_head(&app.pool, "the created is projected").await;
+    let (created, consumed_position): (i64, Option<i64>) = sqlx::query_as(
+        "SELECT l.position, r.consumed_position FROM ledger l \
+         JOIN admission_reservation r ON r.consumed_by = l.id WHERE l.container_id = 'c1'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        consumed_position,
+        Some(created),
+        "the consuming event's position is kept"
+    );
+
+    // The swapped-in projection, as of the position before the `created`: c1 is not in it.
+    sqlx::raw_sql(
+        "DELETE FROM proj.container WHERE org_id = 'acme'; \
+         DELETE FROM proj.org_open WHERE org_id = 'acme';",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let holder = move_checkpoint_and_hold_it(&app.pool, created - 1 - head).await;
+
+    // Another instance (nothing of acme acknowledged, so nothing to wait for) asks for the
+    // org's one slot.
+    let elsewhere = Freshness::new(
+        tokio::sync::watch::channel(0).1,
+        Arc::new(Mutex::new(Acknowledged::default())),
+    );
+    let grant = |container: &'static str| {
+        let pool = app.pool.clone();
+        let elsewhere = elsewhere.clone();
+        async move {
+            let request = Request {
+                org_id: OrgId::parse("acme").unwrap(),
+                action: Action::Create,
+                container_id: Some(ContainerId::parse(container).unwrap()),
+            };
+            admission::reserve(
+                &pool,
+                &elsewhere,
+                &FactsCache::default(),
+                &request,
+                60,
+                "test",
+            )
+            .await
+            .expect("the grant is answered")
+        }
+    };
+    let (answer, reservation) = grant("c2").await;
+    assert!(
+        !answer.decision.allowed && reservation.is_none(),
+        "c1 runs: the slot is taken while the projection lacks it"
+    );
+    assert_eq!(
+        answer.running_containers, 0,
+        "the projection does not count c1"
+    );
+
+    // The projection passes the `created` again: now c1 itself holds the slot.
+    holder.rollback().await.unwrap();
+    projected_to_head(&app.pool, "the created is projected again").await;
+    let (answer, reservation) = grant("c3").await;
+    assert!(!answer.decision.allowed && reservation.is_none());
+    assert_eq!(answer.running_containers, 1);
+    app.stop().await;
+}
