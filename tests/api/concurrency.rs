@@ -6,8 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::{Connection, PgConnection};
-use tally::event::parse::{parse_body, BodyKind};
-use tally::event::{Event, TimeBounds};
 use tally::ledger::{verify, AppendLimits, Appender};
 use tokio::sync::Mutex;
 use uuid::Uuid;
@@ -17,15 +15,6 @@ use crate::helpers::*;
 const WRITERS: usize = 32;
 const INSTANCES: usize = 4;
 const REQUESTS_PER_WRITER: usize = 25;
-
-fn parse(values: &[serde_json::Value]) -> Vec<Event> {
-    let body = serde_json::json!({ "events": values }).to_string();
-    let bounds = TimeBounds {
-        now: chrono::Utc::now(),
-        backdate_max: chrono::Duration::days(35),
-    };
-    parse_body(BodyKind::Native, body.as_bytes(), bounds, 1000).unwrap()
-}
 
 /// How this provokes out-of-order commits: the test installs a deferred constraint trigger
 /// that sleeps a random 0–3 ms per row *at commit time*, after positions are assigned but
@@ -74,7 +63,7 @@ async fn thirty_two_writers_on_four_instances_yield_a_gap_free_chain_that_a_tail
             tokio::spawn(async move {
                 for request in 0..REQUESTS_PER_WRITER {
                     let size = 1 + (writer + request) % 3;
-                    let events = parse(&valid_events(size));
+                    let events = parse_events(&valid_events(size));
                     let appended = appender.append(events).await.expect("append succeeds");
                     let mut acked = acked.lock().await;
                     acked.extend(appended.iter().map(|a| (a.id.as_uuid(), a.position)));
@@ -210,7 +199,8 @@ async fn an_append_waits_for_another_instance_holding_the_ledger_lock() {
             group_events_max: 8,
         },
     );
-    let pending = tokio::spawn(async move { appender.append(parse(&valid_events(1))).await });
+    let pending =
+        tokio::spawn(async move { appender.append(parse_events(&valid_events(1))).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !pending.is_finished(),

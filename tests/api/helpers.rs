@@ -301,6 +301,22 @@ pub fn valid_events(count: usize) -> Vec<Value> {
         .collect()
 }
 
+/// Native events as the appender takes them, checked as the HTTP ingest checks them.
+pub fn parse_events(values: &[Value]) -> Vec<tally::event::Event> {
+    let body = json!({ "events": values }).to_string();
+    let bounds = tally::event::TimeBounds {
+        now: chrono::Utc::now(),
+        backdate_max: chrono::Duration::days(35),
+    };
+    tally::event::parse::parse_body(
+        tally::event::parse::BodyKind::Native,
+        body.as_bytes(),
+        bounds,
+        1000,
+    )
+    .unwrap()
+}
+
 pub fn ids_of(events: &[Value]) -> Vec<Uuid> {
     events
         .iter()

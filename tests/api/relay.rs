@@ -5,21 +5,12 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use tally::config::Config;
 use tally::event::parse::{parse_body, BodyKind};
-use tally::event::{Event, TimeBounds};
+use tally::event::TimeBounds;
 use tally::ledger::append::HANDOFF_GROUP_EVENTS_MAX;
 use tally::ledger::{read, AppendLimits, Appender};
 use tally::startup::Service;
 
 use crate::helpers::*;
-
-fn parse(values: &[Value]) -> Vec<Event> {
-    let body = json!({ "events": values }).to_string();
-    let bounds = TimeBounds {
-        now: chrono::Utc::now(),
-        backdate_max: chrono::Duration::days(35),
-    };
-    parse_body(BodyKind::Native, body.as_bytes(), bounds, 1000).unwrap()
-}
 
 fn start_appender(pool: sqlx::PgPool) -> Appender {
     let (appender, _task) = Appender::start(
@@ -62,12 +53,12 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
     .unwrap();
     appender.append(cloud).await.unwrap();
     let batch = valid_events(40);
-    appender.append(parse(&batch)).await.unwrap();
+    appender.append(parse_events(&batch)).await.unwrap();
     // Duplicates store nothing and hand over nothing.
-    appender.append(parse(&batch[..5])).await.unwrap();
+    appender.append(parse_events(&batch[..5])).await.unwrap();
     for n in 0..10 {
         appender
-            .append(parse(&[valid_event("org_h", "ctr_h", n)]))
+            .append(parse_events(&[valid_event("org_h", "ctr_h", n)]))
             .await
             .unwrap();
     }
@@ -97,8 +88,10 @@ async fn a_group_too_large_to_hand_over_sends_the_relay_to_the_ledger_and_later_
     let appender = start_appender(pool.clone());
     let mut committed = appender.take_committed().unwrap();
 
-    let mut large = parse(&valid_events(1_000));
-    large.extend(parse(&valid_events(HANDOFF_GROUP_EVENTS_MAX + 1 - 1_000)));
+    let mut large = parse_events(&valid_events(1_000));
+    large.extend(parse_events(&valid_events(
+        HANDOFF_GROUP_EVENTS_MAX + 1 - 1_000,
+    )));
     appender.append(large).await.unwrap();
     assert!(
         committed.take_after(0, 10_000).is_none(),
@@ -111,7 +104,10 @@ async fn a_group_too_large_to_hand_over_sends_the_relay_to_the_ledger_and_later_
         head as usize
     );
 
-    appender.append(parse(&valid_events(3))).await.unwrap();
+    appender
+        .append(parse_events(&valid_events(3)))
+        .await
+        .unwrap();
     let handed = committed
         .take_after(head, 10)
         .expect("the next group is in memory");
