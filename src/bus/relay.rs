@@ -91,8 +91,15 @@ async fn lead(
     tail: Tail<'_>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
+    let Tail {
+        head,
+        mut committed,
+    } = tail;
     let mut connection = pool.acquire().await?;
     loop {
+        if let Some(committed) = committed.as_deref_mut() {
+            committed.discard();
+        }
         let leader: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(RELAY_LOCK_KEY)
             .fetch_one(&mut *connection)
@@ -105,6 +112,7 @@ async fn lead(
             _ = shutdown.cancelled() => return Ok(()),
         }
     }
+    let tail = Tail { head, committed };
     let result = relay(pool, context, names, settings, tail, shutdown).await;
     // Release leadership explicitly; if this fails the connection is dropped by the pool.
     let _ = sqlx::query("SELECT pg_advisory_unlock($1)")

@@ -72,8 +72,10 @@ impl Rows {
         hash
     }
 
-    /// The rows as a reader of the ledger gets them back (`read::read_after`): the same
-    /// values, since the ledger stores exactly what was bound.
+    /// The rows as a reader of the ledger gets them back (`read::read_after`). Equal
+    /// because every `data` tally stores (event payloads, plan definitions, corrections)
+    /// holds only objects, strings, booleans and integers, which JSONB gives back as they
+    /// went in; a float, `-0.0` or a repeated key would not come back the same.
     pub fn into_ledger_rows(mut self) -> Vec<LedgerRow> {
         (0..self.len())
             .map(|i| LedgerRow {

@@ -657,12 +657,21 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
 
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
-    let (status, granted) = reserve(
-        &app,
-        &json!({"org_id": "acme", "action": "create", "container_id": "c1"}),
-    )
-    .await;
-    assert_eq!(status, 201, "{granted}");
+    let mut two_slots = pro_plan();
+    two_slots["max_running_containers"] = json!(2);
+    let (status, plan) = put_plan(&app, "pro", &two_slots).await;
+    assert_eq!(status, 201, "{plan}");
+    // One slot held by a live reservation for c0, the other taken by c1 as it is created.
+    let mut granted = Vec::new();
+    for container in ["c0", "c1"] {
+        let (status, answer) = reserve(
+            &app,
+            &json!({"org_id": "acme", "action": "create", "container_id": container}),
+        )
+        .await;
+        assert_eq!(status, 201, "{answer}");
+        granted.push(answer["reservation_id"].as_str().unwrap().to_owned());
+    }
     event(&app, container_event("acme", "c1", "container.created", 5)).await;
     let head = projected_to_head(&app.pool, "the created is projected").await;
     let (created, consumed_position): (i64, Option<i64>) = sqlx::query_as(
@@ -677,6 +686,7 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
         Some(created),
         "the consuming event's position is kept"
     );
+    assert_eq!(head, created, "nothing after the created");
 
     // The swapped-in projection, as of the position before the `created`: c1 is not in it.
     sqlx::raw_sql(
@@ -688,8 +698,8 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
     .unwrap();
     let holder = move_checkpoint_and_hold_it(&app.pool, created - 1 - head).await;
 
-    // Another instance (nothing of acme acknowledged, so nothing to wait for) asks for the
-    // org's one slot.
+    // Another instance (nothing of acme acknowledged, so nothing to wait for) asks for a
+    // slot.
     let elsewhere = Freshness::new(
         tokio::sync::watch::channel(0).1,
         Arc::new(Mutex::new(Acknowledged::default())),
@@ -716,20 +726,33 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
         }
     };
     let (answer, reservation) = grant("c2").await;
-    assert!(
-        !answer.decision.allowed && reservation.is_none(),
-        "c1 runs: the slot is taken while the projection lacks it"
-    );
     assert_eq!(
         answer.running_containers, 0,
         "the projection does not count c1"
     );
+    assert!(
+        !answer.decision.allowed && reservation.is_none(),
+        "c0's reservation and c1 take both slots while the projection lacks c1"
+    );
 
-    // The projection passes the `created` again: now c1 itself holds the slot.
+    // c0's reservation is released (nothing appended: the head stays the `created`), and
+    // the projection passes the `created` again: c1 counts once, by itself.
+    sqlx::query("UPDATE admission_reservation SET released_at = now(), released_by = 'test' WHERE id = $1::uuid")
+        .bind(&granted[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
     holder.rollback().await.unwrap();
-    projected_to_head(&app.pool, "the created is projected again").await;
+    assert_eq!(
+        projected_to_head(&app.pool, "the created is projected again").await,
+        created
+    );
     let (answer, reservation) = grant("c3").await;
-    assert!(!answer.decision.allowed && reservation.is_none());
     assert_eq!(answer.running_containers, 1);
+    assert!(
+        answer.decision.allowed && reservation.is_some(),
+        "c1 counts once: {:?}",
+        answer.decision.reasons
+    );
     app.stop().await;
 }

@@ -1,11 +1,12 @@
 //! The relay takes this instance's commits from memory and everything else from the ledger;
 //! either way `TALLY_LEDGER` ends up holding exactly the ledger.
 
+use chrono::SubsecRound;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tally::config::Config;
 use tally::event::parse::{parse_body, BodyKind};
-use tally::event::TimeBounds;
+use tally::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
 use tally::ledger::append::HANDOFF_GROUP_EVENTS_MAX;
 use tally::ledger::{read, AppendLimits, Appender};
 use tally::startup::Service;
@@ -62,12 +63,43 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
             .await
             .unwrap();
     }
+    // The payloads tally writes itself: a plan definition and a correction.
+    let internal = |event_type, org: &str, data| Event {
+        id: EventId::from_uuid(uuid::Uuid::new_v4()).unwrap(),
+        event_type,
+        org_id: OrgId::parse(org).unwrap(),
+        container_id: None,
+        occurred_at: chrono::Utc::now().trunc_subsecs(3),
+        data,
+        origin: None,
+    };
+    let plan = json!({
+        "id": "pro", "sandbox_runtime": true, "included_runtime_seconds": 3600,
+        "overage": "deny", "overage_price_per_hour": "0.125", "currency": "USD",
+        "max_running_containers": 1, "max_published_ports": 2,
+    });
+    let void = json!({"event_id": uuid::Uuid::new_v4().to_string(), "reason": "typo ✓ \"quoted\"", "by": "admin"});
+    appender
+        .append(vec![
+            internal(
+                EventType::PlanDefined,
+                "_plans",
+                EventData::PlanDefined(plan),
+            ),
+            internal(
+                EventType::LedgerEventVoided,
+                "org_h",
+                EventData::Correction(void),
+            ),
+        ])
+        .await
+        .unwrap();
 
     let handed = committed
         .take_after(0, 1_000)
         .expect("all of it was handed over");
     let stored = read::read_after(&pool, 0, 1_000).await.unwrap();
-    assert_eq!(stored.len(), 51);
+    assert_eq!(stored.len(), 53);
     assert_eq!(handed, stored);
     for (handed, stored) in handed.iter().zip(&stored) {
         assert_eq!(
@@ -77,7 +109,7 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
             stored.position
         );
     }
-    assert!(committed.take_after(51, 1_000).is_none(), "nothing more");
+    assert!(committed.take_after(53, 1_000).is_none(), "nothing more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
