@@ -48,7 +48,7 @@ impl Service {
         let local_addr = listener.local_addr()?;
         let nats = bus::connect(&config.nats_url).await?;
         let context = bus::jetstream(nats.clone());
-        let (appender, appender_task) = Appender::start(
+        let (appender, committed, appender_task) = Appender::start(
             pool.clone(),
             AppendLimits {
                 queue_max: config.append_queue_max,
@@ -68,7 +68,7 @@ impl Service {
                     poll: Duration::from_millis(config.relay_poll_ms),
                 },
                 appender.head(),
-                appender.take_committed(),
+                Some(committed),
                 shutdown.clone(),
             )),
             tokio::spawn(projector::run(

@@ -337,10 +337,11 @@ impl FactsCache {
     }
 
     /// The listener lost its connection: notices may be lost, so nothing kept is trusted.
-    pub fn deaf(&self) {
+    /// Returns whether it was listening until now.
+    pub fn deaf(&self) -> bool {
         let mut state = self.lock();
         state.drop_all();
-        state.listening = false;
+        std::mem::replace(&mut state.listening, false)
     }
 
     /// Whether the cache answers: its listener has heard a notice on a connection it still
@@ -401,17 +402,16 @@ pub async fn listen_with(
     shutdown: CancellationToken,
 ) {
     loop {
-        let listens = cache.stats().listens;
         let result = tokio::select! {
             result = listen_once(&pool, &cache, heartbeat) => result,
             _ = shutdown.cancelled() => Ok(()),
         };
-        cache.deaf();
+        let was_listening = cache.deaf();
         if shutdown.is_cancelled() {
             return;
         }
         if let Err(error) = result {
-            if cache.stats().listens > listens {
+            if was_listening {
                 metrics::counter!("tally_admission_listener_losses_total").increment(1);
             }
             tracing::warn!(error = %format!("{error:#}"), "admission listener: connection lost or not listening; checks read Postgres until it listens");

@@ -33,9 +33,6 @@ use crate::runtime::{self, AccountEntry, AccountTimeline, Lifecycle, Period, Per
 pub const FRESHNESS_WAIT_MS: u64 = 2_000;
 /// Between looks at the projection's checkpoint while waiting.
 const FRESHNESS_POLL_MS: u64 = 2;
-/// Times a grant waits for the projection again after finding it moved back under the
-/// org's lock (a replay's swap each time) before it answers 503.
-const RESERVE_FRESHNESS_ATTEMPTS_MAX: u32 = 3;
 /// Reservation lifetimes (DESIGN §4).
 pub const TTL_SECONDS_MIN: u64 = 1;
 pub const TTL_SECONDS_MAX: u64 = 300;
@@ -74,33 +71,6 @@ pub enum AdmissionError {
 impl From<sqlx::Error> for AdmissionError {
     fn from(error: sqlx::Error) -> Self {
         AdmissionError::Store(error.into())
-    }
-}
-
-/// Waits until the projection holds every event of `org` (and every plan definition) this
-/// instance has acknowledged, so that a grant right after an append sees it
-/// (read-your-writes); returns the position it waited for. The projector is hurried when
-/// it is behind.
-pub async fn wait_until_fresh(
-    pool: &PgPool,
-    freshness: &Freshness,
-    org: &str,
-) -> Result<i64, AdmissionError> {
-    let wanted = freshness.wanted_for(org);
-    let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
-    loop {
-        let projected: i64 =
-            sqlx::query_scalar(&format!("SELECT position FROM {}.checkpoint", store::LIVE))
-                .fetch_one(pool)
-                .await?;
-        if projected >= wanted {
-            return Ok(wanted);
-        }
-        if Instant::now() >= deadline {
-            return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
-        }
-        freshness.hurry();
-        tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
     }
 }
 
@@ -479,9 +449,14 @@ pub async fn reserve(
         request.action.takes_slot(),
         "only create and resume reserve a slot"
     );
-    let mut attempts = 0;
+    // Read-your-writes: the projection must hold every event of the org (and every plan
+    // definition) this instance acknowledged. Checked on the facts read under the org's
+    // lock, so that a replay's swap moving the checkpoint back cannot slip in between;
+    // while they are behind, the lock is let go and the projector hurried, within one
+    // deadline however often the checkpoint moves.
+    let wanted = freshness.wanted_for(request.org_id.as_str());
+    let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
     let (mut transaction, now, answer) = loop {
-        let wanted = wait_until_fresh(pool, freshness, request.org_id.as_str()).await?;
         let mut transaction = pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
             .bind(request.org_id.as_str())
@@ -490,16 +465,15 @@ pub async fn reserve(
         // The clock is read after the lock, so that expiry is judged at the moment of
         // granting.
         let now = Utc::now().trunc_subsecs(3);
-        // Fresh when waited for above, but a replay's swap in between (its projection is
-        // as of the head it started from) moves the checkpoint back: then wait again.
         if let Some(answer) = load(&mut transaction, request, now, wanted).await? {
             break (transaction, now, answer);
         }
         transaction.rollback().await?;
-        attempts += 1;
-        if attempts == RESERVE_FRESHNESS_ATTEMPTS_MAX {
+        if Instant::now() >= deadline {
             return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
         }
+        freshness.hurry();
+        tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
     };
     let action = serde_json::to_value(request.action)
         .ok()

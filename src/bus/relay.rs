@@ -57,11 +57,12 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     while !shutdown.is_cancelled() {
-        let tail = Tail {
-            head: &mut head,
-            committed: committed.as_mut(),
-        };
-        if let Err(error) = lead(&pool, &context, &names, &settings, tail, &shutdown).await {
+        let committed = committed.as_mut();
+        if let Err(error) = lead(
+            &pool, &context, &names, &settings, &mut head, committed, &shutdown,
+        )
+        .await
+        {
             tracing::warn!(
                 error = format!("{error:#}"),
                 "relay interrupted; will resume"
@@ -76,25 +77,16 @@ pub async fn run(
     tracing::info!("relay stopped");
 }
 
-/// How the relay follows this instance's appends: woken by its head, handed its rows.
-struct Tail<'a> {
-    head: &'a mut watch::Receiver<i64>,
-    committed: Option<&'a mut Committed>,
-}
-
 /// Waits to become the relaying instance, then relays until an error or shutdown.
 async fn lead(
     pool: &PgPool,
     context: &jetstream::Context,
     names: &Names,
     settings: &RelaySettings,
-    tail: Tail<'_>,
+    head: &mut watch::Receiver<i64>,
+    mut committed: Option<&mut Committed>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let Tail {
-        head,
-        mut committed,
-    } = tail;
     let mut connection = pool.acquire().await?;
     loop {
         if let Some(committed) = committed.as_deref_mut() {
@@ -112,8 +104,7 @@ async fn lead(
             _ = shutdown.cancelled() => return Ok(()),
         }
     }
-    let tail = Tail { head, committed };
-    let result = relay(pool, context, names, settings, tail, shutdown).await;
+    let result = relay(pool, context, names, settings, head, committed, shutdown).await;
     // Release leadership explicitly; if this fails the connection is dropped by the pool.
     let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(RELAY_LOCK_KEY)
@@ -149,13 +140,10 @@ async fn relay(
     context: &jetstream::Context,
     names: &Names,
     settings: &RelaySettings,
-    tail: Tail<'_>,
+    head: &mut watch::Receiver<i64>,
+    mut committed: Option<&mut Committed>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let Tail {
-        head,
-        mut committed,
-    } = tail;
     super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
     let (mut published, mut sequence) = stream_position(context, names).await?;
     tracing::info!(position = published, sequence, "relay resuming");

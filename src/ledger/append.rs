@@ -141,20 +141,22 @@ pub struct Appender {
     sender: mpsc::Sender<Request>,
     head: watch::Receiver<i64>,
     acknowledged: Arc<Mutex<Acknowledged>>,
-    committed: Arc<Mutex<Option<Committed>>>,
 }
 
 impl Appender {
     /// Starts the appender on a thread of its own (see the module comment). It connects
-    /// with the pool's options but outside the pool. The returned task ends when the
-    /// appender has drained its queue and stopped.
-    pub fn start(pool: PgPool, limits: AppendLimits) -> (Appender, tokio::task::JoinHandle<()>) {
+    /// with the pool's options but outside the pool. Also returns the rows it commits, for
+    /// the one reader that tails them in memory (the relay; dropped, nothing is kept), and
+    /// a task that ends when the appender has drained its queue and stopped.
+    pub fn start(
+        pool: PgPool,
+        limits: AppendLimits,
+    ) -> (Appender, Committed, tokio::task::JoinHandle<()>) {
         assert!(limits.queue_max > 0 && limits.group_events_max > 0);
         let (sender, receiver) = mpsc::channel(limits.queue_max);
         let (head_sender, head) = watch::channel(0);
         let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
         let (committed_sender, committed) = mpsc::channel(HANDOFF_GROUPS_MAX);
-        let committed = Arc::new(Mutex::new(Some(Committed::new(committed))));
         let options = pool.connect_options();
         let (stopped_sender, stopped) = oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -183,8 +185,8 @@ impl Appender {
                 sender,
                 head,
                 acknowledged,
-                committed,
             },
+            Committed::new(committed),
             task,
         )
     }
@@ -227,27 +229,18 @@ impl Appender {
     pub fn acknowledged(&self) -> Arc<Mutex<Acknowledged>> {
         Arc::clone(&self.acknowledged)
     }
-
-    /// The rows this appender commits, for the one reader that tails them in memory (the
-    /// relay); `None` once taken.
-    pub fn take_committed(&self) -> Option<Committed> {
-        self.committed
-            .lock()
-            .expect("never held across a panic")
-            .take()
-    }
 }
 
 /// Groups of committed rows waiting for the reader at most; past it the appender drops
 /// them and the reader reads the ledger instead.
-pub const HANDOFF_GROUPS_MAX: usize = 32;
+const HANDOFF_GROUPS_MAX: usize = 32;
 /// Larger groups (batches) are not handed over: a reader reads many rows from the ledger
 /// at little cost per row, and the handoff's memory stays bounded.
 pub const HANDOFF_GROUP_EVENTS_MAX: usize = 1_000;
 /// Rows the reader keeps from what it was handed, at most. With the groups queued, the
 /// handoff holds at most 48 000 rows (about 25 MB at the bench's 500 bytes a row; a row
 /// is at most a few kB).
-pub const HANDOFF_ROWS_MAX: usize = 16 * HANDOFF_GROUP_EVENTS_MAX;
+const HANDOFF_ROWS_MAX: usize = 16 * HANDOFF_GROUP_EVENTS_MAX;
 
 /// The rows of this instance's commits, handed over in memory as they commit, so that the
 /// reader tailing the ledger (the relay) need not read back what was just written. It is
@@ -352,7 +345,8 @@ async fn run(
                 metrics::counter!("tally_append_events_total").increment(outcome.rows.len() as u64);
                 // Before the head moves, so that whoever it wakes finds the rows.
                 if !outcome.rows.is_empty() && outcome.rows.len() <= HANDOFF_GROUP_EVENTS_MAX {
-                    // Full (the reader is slow, or not relaying): it reads the ledger.
+                    // Full (the reader is slow, or not relaying) or dropped: the reader,
+                    // if any, reads the ledger.
                     let _ = committed_rows.try_send(outcome.rows);
                 }
                 if outcome.head.position > 0 {

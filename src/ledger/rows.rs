@@ -114,6 +114,27 @@ impl Rows {
             .bind(&self.hash)
     }
 
+    /// Binds row `row`'s twelve values, in [`COLUMNS`] order, as the next parameters.
+    pub fn bind_row<'q>(
+        &'q self,
+        query: Query<'q, Postgres, PgArguments>,
+        row: usize,
+    ) -> Query<'q, Postgres, PgArguments> {
+        query
+            .bind(self.position[row])
+            .bind(self.id[row])
+            .bind(self.event_type[row])
+            .bind(&self.org_id[row])
+            .bind(&self.container_id[row])
+            .bind(self.occurred_at[row])
+            .bind(self.recorded_at[row])
+            .bind(&self.data[row])
+            .bind(&self.source[row])
+            .bind(&self.source_event_id[row])
+            .bind(&self.content_digest[row])
+            .bind(&self.hash[row])
+    }
+
     /// Inserts every row into `table` (the ledger, or a table shaped like it) in one
     /// statement; returns the rows inserted.
     #[tracing::instrument(skip_all, fields(rows = self.len()))]

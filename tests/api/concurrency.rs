@@ -45,7 +45,7 @@ async fn thirty_two_writers_on_four_instances_yield_a_gap_free_chain_that_a_tail
     let mut appenders = Vec::new();
     for _ in 0..INSTANCES {
         let instance_pool = db.pool().await;
-        let (appender, _task) = Appender::start(
+        let (appender, _, _task) = Appender::start(
             instance_pool,
             AppendLimits {
                 queue_max: 1024,
@@ -192,7 +192,7 @@ async fn an_append_waits_for_another_instance_holding_the_ledger_lock() {
         .await
         .unwrap();
 
-    let (appender, _task) = Appender::start(
+    let (appender, _, _task) = Appender::start(
         pool.clone(),
         AppendLimits {
             queue_max: 8,

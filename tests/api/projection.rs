@@ -556,7 +556,7 @@ async fn events_appended_while_no_projector_runs_are_projected_once_it_starts() 
     service.unwrap().stop().await;
 
     // Appended by an appender alone: no projector is running.
-    let (appender, task) = tally::ledger::Appender::start(
+    let (appender, _, task) = tally::ledger::Appender::start(
         pool.clone(),
         tally::ledger::AppendLimits {
             queue_max: 16,

@@ -8,34 +8,27 @@ use tally::config::Config;
 use tally::event::parse::{parse_body, BodyKind};
 use tally::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
 use tally::ledger::append::HANDOFF_GROUP_EVENTS_MAX;
-use tally::ledger::{read, AppendLimits, Appender};
+use tally::ledger::{read, AppendLimits, Appender, Committed};
 use tally::startup::Service;
 
 use crate::helpers::*;
 
-fn start_appender(pool: sqlx::PgPool) -> Appender {
-    let (appender, _task) = Appender::start(
+fn start_appender(pool: sqlx::PgPool) -> (Appender, Committed) {
+    let (appender, committed, _task) = Appender::start(
         pool,
         AppendLimits {
             queue_max: 64,
             group_events_max: 10_000,
         },
     );
-    appender
+    (appender, committed)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let appender = start_appender(pool.clone());
-    let mut committed = appender
-        .take_committed()
-        .expect("the first taker gets the rows");
-    assert!(
-        appender.take_committed().is_none(),
-        "one reader tails in memory"
-    );
+    let (appender, mut committed) = start_appender(pool.clone());
 
     let cloud_event = json!({
         "specversion": "1.0", "id": "evt-1", "source": "//provider/eu", "type": "container.created",
@@ -63,7 +56,20 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
             .await
             .unwrap();
     }
-    // The payloads tally writes itself: a plan definition and a correction.
+    let account = [
+        ("org.plan_changed", json!({"plan": "pro"})),
+        ("org.verification_changed", json!({"verified": true})),
+        (
+            "org.billing_eligibility_changed",
+            json!({"eligible": false}),
+        ),
+    ]
+    .map(|(event_type, data)| {
+        json!({"id": uuid::Uuid::new_v4(), "type": event_type, "org_id": "org_h",
+               "occurred_at": ago(30), "data": data})
+    });
+    appender.append(parse_events(&account)).await.unwrap();
+    // The payloads tally writes itself: a plan definition and both corrections.
     let internal = |event_type, org: &str, data| Event {
         id: EventId::from_uuid(uuid::Uuid::new_v4()).unwrap(),
         event_type,
@@ -79,6 +85,8 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
         "max_running_containers": 1, "max_published_ports": 2,
     });
     let void = json!({"event_id": uuid::Uuid::new_v4().to_string(), "reason": "typo ✓ \"quoted\"", "by": "admin"});
+    let added =
+        json!({"event_ids": [uuid::Uuid::new_v4().to_string()], "reason": "late", "by": "admin"});
     appender
         .append(vec![
             internal(
@@ -91,6 +99,11 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
                 "org_h",
                 EventData::Correction(void),
             ),
+            internal(
+                EventType::LedgerEventsAdded,
+                "org_h",
+                EventData::Correction(added),
+            ),
         ])
         .await
         .unwrap();
@@ -99,7 +112,7 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
         .take_after(0, 1_000)
         .expect("all of it was handed over");
     let stored = read::read_after(&pool, 0, 1_000).await.unwrap();
-    assert_eq!(stored.len(), 53);
+    assert_eq!(stored.len(), 57);
     assert_eq!(handed, stored);
     for (handed, stored) in handed.iter().zip(&stored) {
         assert_eq!(
@@ -109,7 +122,7 @@ async fn the_rows_handed_to_the_relay_are_the_rows_the_ledger_gives_back() {
             stored.position
         );
     }
-    assert!(committed.take_after(53, 1_000).is_none(), "nothing more");
+    assert!(committed.take_after(57, 1_000).is_none(), "nothing more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,8 +130,7 @@ async fn a_group_too_large_to_hand_over_sends_the_relay_to_the_ledger_and_later_
 ) {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let appender = start_appender(pool.clone());
-    let mut committed = appender.take_committed().unwrap();
+    let (appender, mut committed) = start_appender(pool.clone());
 
     let mut large = parse_events(&valid_events(1_000));
     large.extend(parse_events(&valid_events(
@@ -147,9 +159,9 @@ async fn a_group_too_large_to_hand_over_sends_the_relay_to_the_ledger_and_later_
     assert_eq!(handed.first().map(|row| row.position), Some(head + 1));
 }
 
-/// Two instances on one database and one NATS: one relays, taking its own commits from
-/// memory and the other's from the ledger, and the stream holds the ledger exactly, in
-/// order, each message as the ledger's row would be relayed.
+/// Two instances on one database and one NATS: one relays (its own commits may come from
+/// memory, the other's can only come from the ledger), and the stream holds the ledger
+/// exactly, in order, each message as the ledger's row would be relayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_two_instances_appending_the_stream_holds_exactly_the_ledger_in_order() {
     let first = TestApp::spawn().await;
