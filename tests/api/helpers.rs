@@ -263,6 +263,19 @@ where
 }
 
 /// A timestamp `seconds_ago` before now, in RFC 3339 with milliseconds.
+/// Whether the current billing period began less than `hours` ago. The service has no
+/// clock to set, so a test that dates its history that far back and reads it as this
+/// period's cannot stage it then; it says so and stops.
+pub fn period_began_within(hours: i64) -> bool {
+    let now = chrono::Utc::now();
+    let began = now - tally::runtime::Period::containing(now).start();
+    if began < chrono::Duration::hours(hours) {
+        eprintln!("skipping: the period began less than {hours} hours ago");
+        return true;
+    }
+    false
+}
+
 pub fn ago(seconds_ago: i64) -> String {
     tally::event::canonical::timestamp(chrono::Utc::now() - chrono::Duration::seconds(seconds_ago))
 }
