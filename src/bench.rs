@@ -199,17 +199,12 @@ async fn ingest(
         "bench: database {}, namespace {}",
         scratch.database_name, scratch.namespace
     );
-    let outcome = start_and_measure(config.clone(), args, &scratch, &workload, nats).await;
-    let cleaned = clean_up(&scratch, nats).await;
-    let report = match (outcome, cleaned) {
-        (Ok(report), Ok(())) => report,
-        (Ok(_), Err(error)) => return Err(error),
-        (Err(error), Ok(())) => return Err(error),
-        (Err(error), Err(cleanup_error)) => {
-            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
-            return Err(error);
-        }
-    };
+    let report = measured_then_cleaned(
+        &scratch,
+        nats,
+        start_and_measure(config.clone(), args, &scratch, &workload, nats),
+    )
+    .await?;
     report.print(&config, args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the {} streams",
@@ -296,6 +291,25 @@ fn publishing_context(client: async_nats::Client) -> jetstream::Context {
         .max_ack_inflight(PUBLISH_ACKS_IN_FLIGHT_MAX)
         .backpressure_on_inflight(true)
         .build(client)
+}
+
+/// Awaits `measure`, then removes the scratch database and streams whatever it returned. An
+/// error of the measurement is the one returned; a clean-up error after it is only printed.
+async fn measured_then_cleaned<T>(
+    scratch: &Scratch,
+    nats: &jetstream::Context,
+    measure: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let outcome = measure.await;
+    let cleaned = clean_up(scratch, nats).await;
+    match (outcome, cleaned) {
+        (Ok(measured), Ok(())) => Ok(measured),
+        (Ok(_), Err(error)) | (Err(error), Ok(())) => Err(error),
+        (Err(error), Err(cleanup_error)) => {
+            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
+            Err(error)
+        }
+    }
 }
 
 /// Deletes every stream of the namespace and the scratch database, trying all of them even
@@ -1333,41 +1347,106 @@ impl HttpConnection {
         })
     }
 
-    /// One `POST /v1/events`, retried while the service answers 503; returns the retries.
-    async fn post(&mut self, body: &Bytes) -> anyhow::Result<u32> {
+    /// One request on this connection, its answer read to the end whatever its status, so
+    /// that the connection can carry the next one.
+    async fn round_trip(
+        &mut self,
+        method: &hyper::Method,
+        uri: &hyper::Uri,
+        body: Bytes,
+    ) -> anyhow::Result<(hyper::StatusCode, Bytes)> {
         use http_body_util::BodyExt;
 
+        let request = hyper::Request::builder()
+            .method(method.clone())
+            .uri(uri.clone())
+            .header(hyper::header::HOST, self.host.clone())
+            .header(hyper::header::AUTHORIZATION, self.authorization.clone())
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(http_body_util::Full::new(body))?;
+        self.sender.ready().await?;
+        let response = tokio::time::timeout(
+            Duration::from_millis(HTTP_TIMEOUT_MS),
+            self.sender.send_request(request),
+        )
+        .await
+        .with_context(|| format!("{method} {uri} timed out"))?
+        .with_context(|| format!("{method} {uri} failed"))?;
+        let status = response.status();
+        Ok((status, response.into_body().collect().await?.to_bytes()))
+    }
+
+    /// As [`round_trip`](Self::round_trip), failing on any status but `expected`: a bench
+    /// must not pass on errors.
+    async fn expect(
+        &mut self,
+        method: &hyper::Method,
+        uri: &hyper::Uri,
+        body: Bytes,
+        expected: hyper::StatusCode,
+    ) -> anyhow::Result<Bytes> {
+        let (status, answer) = self.round_trip(method, uri, body).await?;
+        if status != expected {
+            anyhow::bail!("{method} {uri} answered {status}: {}", excerpt(&answer));
+        }
+        Ok(answer)
+    }
+
+    /// One `GET`, answered with 200.
+    async fn get(&mut self, uri: &hyper::Uri) -> anyhow::Result<Bytes> {
+        self.expect(
+            &hyper::Method::GET,
+            uri,
+            Bytes::new(),
+            hyper::StatusCode::OK,
+        )
+        .await
+    }
+
+    /// One `POST` of `body` to the connection's path, retried while the service answers
+    /// 503; returns the retries.
+    async fn post(&mut self, body: &Bytes) -> anyhow::Result<u32> {
+        let uri = self.uri.clone();
         for retries in 0..=HTTP_RETRIES_MAX {
-            let request = hyper::Request::post(self.uri.clone())
-                .header(hyper::header::HOST, self.host.clone())
-                .header(hyper::header::AUTHORIZATION, self.authorization.clone())
-                .header(hyper::header::CONTENT_TYPE, "application/json")
-                .body(http_body_util::Full::new(body.clone()))?;
-            self.sender.ready().await?;
-            let response = tokio::time::timeout(
-                Duration::from_millis(HTTP_TIMEOUT_MS),
-                self.sender.send_request(request),
-            )
-            .await
-            .context("POST /v1/events timed out")?
-            .context("POST /v1/events failed")?;
-            let status = response.status();
-            // Read to the end either way, so that the connection can carry the next request.
-            let answer = response.into_body().collect().await?.to_bytes();
+            let (status, answer) = self
+                .round_trip(&hyper::Method::POST, &uri, body.clone())
+                .await?;
             if status.is_success() {
                 return Ok(retries);
             }
             if status != hyper::StatusCode::SERVICE_UNAVAILABLE {
-                let excerpt = &answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)];
-                anyhow::bail!(
-                    "POST /v1/events answered {status}: {}",
-                    String::from_utf8_lossy(excerpt)
-                );
+                anyhow::bail!("POST {uri} answered {status}: {}", excerpt(&answer));
             }
             tokio::time::sleep(Duration::from_millis(HTTP_RETRY_DELAY_MS)).await;
         }
-        anyhow::bail!("POST /v1/events still answered 503 after {HTTP_RETRIES_MAX} retries")
+        anyhow::bail!("POST {uri} still answered 503 after {HTTP_RETRIES_MAX} retries")
     }
+}
+
+/// The start of an error answer, for a message.
+fn excerpt(answer: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(&answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)])
+}
+
+/// The 1-, 5- and 15-minute load averages, where the system tells them: the machine's
+/// other work shows in the tail latencies.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// The largest of `sorted` latencies, in ms.
+fn max_ms(sorted: &[Duration]) -> f64 {
+    sorted
+        .last()
+        .map_or(0.0, |last| last.as_secs_f64() * 1000.0)
 }
 
 /// The appender's group-commit histograms, read from the process-wide metrics recorder

@@ -30,9 +30,9 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use super::{
-    clean_up, percentile_ms, print_lines, verdict, wait_for_projection, without_password, Check,
-    Endpoint, Figure, HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS,
-    IMAGES, PORTS, STOP_REASONS,
+    load_average, measured_then_cleaned, percentile_ms, print_lines, verdict, wait_for_projection,
+    without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch, IMAGES, PORTS,
+    STOP_REASONS,
 };
 use crate::admission::cache::CacheStats;
 use crate::admission::{Checker, Request};
@@ -148,17 +148,8 @@ pub(super) async fn run(
         scratch.database_name, scratch.namespace
     );
 
-    let outcome = start_and_measure(&config, args, &scratch).await;
-    let cleaned = clean_up(&scratch, nats).await;
-    let report = match (outcome, cleaned) {
-        (Ok(report), Ok(())) => report,
-        (Ok(_), Err(error)) => return Err(error),
-        (Err(error), Ok(())) => return Err(error),
-        (Err(error), Err(cleanup_error)) => {
-            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
-            return Err(error);
-        }
-    };
+    let report =
+        measured_then_cleaned(&scratch, nats, start_and_measure(&config, args, &scratch)).await?;
     report.print(args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the {} streams",
@@ -451,56 +442,6 @@ struct CheckAnswer {
     max_running_containers: u64,
 }
 
-impl HttpConnection {
-    /// One request on this connection, its answer read to the end whatever its status.
-    async fn round_trip(
-        &mut self,
-        method: &hyper::Method,
-        uri: &hyper::Uri,
-        body: Bytes,
-    ) -> anyhow::Result<(hyper::StatusCode, Bytes)> {
-        use http_body_util::BodyExt;
-
-        let request = hyper::Request::builder()
-            .method(method.clone())
-            .uri(uri.clone())
-            .header(hyper::header::HOST, self.host.clone())
-            .header(hyper::header::AUTHORIZATION, self.authorization.clone())
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(http_body_util::Full::new(body))?;
-        self.sender.ready().await?;
-        let response = tokio::time::timeout(
-            Duration::from_millis(HTTP_TIMEOUT_MS),
-            self.sender.send_request(request),
-        )
-        .await
-        .with_context(|| format!("{method} {uri} timed out"))?
-        .with_context(|| format!("{method} {uri} failed"))?;
-        let status = response.status();
-        Ok((status, response.into_body().collect().await?.to_bytes()))
-    }
-
-    /// As [`round_trip`](Self::round_trip), failing on any status but `expected`: a bench
-    /// must not pass on errors.
-    async fn expect(
-        &mut self,
-        method: &hyper::Method,
-        uri: &hyper::Uri,
-        body: Bytes,
-        expected: hyper::StatusCode,
-    ) -> anyhow::Result<Bytes> {
-        let (status, answer) = self.round_trip(method, uri, body).await?;
-        if status != expected {
-            let excerpt = &answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)];
-            anyhow::bail!(
-                "{method} {uri} answered {status}: {}",
-                String::from_utf8_lossy(excerpt)
-            );
-        }
-        Ok(answer)
-    }
-}
-
 /// A request every client of a phase can send: all checks go to one URI, all floor
 /// requests to another.
 #[derive(Clone)]
@@ -767,20 +708,6 @@ impl CpuTime {
             cores(busy.saturating_sub(process))
         )
     }
-}
-
-/// The load average over 1, 5 and 15 minutes: the machine's other work shows in the
-/// figures.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 async fn measure(

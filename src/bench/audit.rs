@@ -24,9 +24,9 @@ use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 
 use super::{
-    checkpoint, clean_up, container_data, copy_into_ledger, envelope, percentile_ms, print_lines,
-    seed_ledger_stream, verdict, wait_for_projection, without_password, Check, Endpoint, Figure,
-    HttpConnection, Line, Scratch, ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS,
+    checkpoint, container_data, copy_into_ledger, envelope, load_average, max_ms,
+    measured_then_cleaned, percentile_ms, print_lines, seed_ledger_stream, verdict,
+    wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
 };
 use crate::config::Config;
 use crate::ledger::read::{self, Filter};
@@ -114,17 +114,12 @@ pub(super) async fn run(
         scratch.database_name, scratch.namespace
     );
 
-    let outcome = prepare_and_measure(&config, args, &scratch, nats).await;
-    let cleaned = clean_up(&scratch, nats).await;
-    let report = match (outcome, cleaned) {
-        (Ok(report), Ok(())) => report,
-        (Ok(_), Err(error)) => return Err(error),
-        (Err(error), Ok(())) => return Err(error),
-        (Err(error), Err(cleanup_error)) => {
-            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
-            return Err(error);
-        }
-    };
+    let report = measured_then_cleaned(
+        &scratch,
+        nats,
+        prepare_and_measure(&config, args, &scratch, nats),
+    )
+    .await?;
     report.print(args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the {} streams",
@@ -404,37 +399,6 @@ impl Problems {
     }
 }
 
-/// One `GET` on the keep-alive connection, answered with 200 and read to the end.
-async fn get(connection: &mut HttpConnection, uri: &hyper::Uri) -> anyhow::Result<Bytes> {
-    use http_body_util::BodyExt;
-
-    let request = hyper::Request::get(uri.clone())
-        .header(hyper::header::HOST, connection.host.clone())
-        .header(
-            hyper::header::AUTHORIZATION,
-            connection.authorization.clone(),
-        )
-        .body(http_body_util::Full::new(Bytes::new()))?;
-    connection.sender.ready().await?;
-    let response = tokio::time::timeout(
-        Duration::from_millis(HTTP_TIMEOUT_MS),
-        connection.sender.send_request(request),
-    )
-    .await
-    .with_context(|| format!("GET {uri} timed out"))?
-    .with_context(|| format!("GET {uri} failed"))?;
-    let status = response.status();
-    let answer = response.into_body().collect().await?.to_bytes();
-    if status != hyper::StatusCode::OK {
-        let excerpt = &answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)];
-        anyhow::bail!(
-            "GET {uri} answered {status}: {}",
-            String::from_utf8_lossy(excerpt)
-        );
-    }
-    Ok(answer)
-}
-
 /// A random org page: one in [`BIG_PAGE_ONE_IN`] of `org_big`, the others of any org, each
 /// after a cursor anywhere before the org's last event, so that the page is not empty.
 fn random_org_page(rng: &mut impl Rng, ledger: &Ledger) -> (usize, i64) {
@@ -575,7 +539,7 @@ async fn measure_pages(
         )
         .parse()?;
         let sent = Instant::now();
-        let answer = get(&mut connection, &uri).await?;
+        let answer = connection.get(&uri).await?;
         let latency = sent.elapsed();
         let page: Page = serde_json::from_slice(&answer).context("an org page does not parse")?;
         let asked = Asked {
@@ -601,7 +565,7 @@ async fn measure_pages(
         let uri: hyper::Uri =
             format!("/v1/containers/{container_id}/events?limit={PAGE_EVENTS}").parse()?;
         let sent = Instant::now();
-        let answer = get(&mut connection, &uri).await?;
+        let answer = connection.get(&uri).await?;
         let latency = sent.elapsed();
         let page: Page =
             serde_json::from_slice(&answer).context("a container page does not parse")?;
@@ -734,22 +698,6 @@ async fn measure_pages(
         org_asked,
         container_asked,
     })
-}
-
-/// The longest of sorted durations, in milliseconds.
-fn max_ms(sorted: &[Duration]) -> f64 {
-    sorted
-        .last()
-        .map_or(0.0, |last| last.as_secs_f64() * 1000.0)
-}
-
-/// The 1-minute load average, where the system tells it: the machine's other work shows in
-/// the tail latencies.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|text| text.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "unknown".to_owned())
 }
 
 /// The same pages through `read_filtered` on the service's pool, without HTTP and JSON,

@@ -32,9 +32,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    checkpoint, clean_up, copy_into_ledger, percentile_ms, print_lines, seed_ledger_stream,
-    verdict, without_password, AbortOnDrop, Check, Figure, HttpConnection, Line, Scratch,
-    ERROR_EXCERPT_BYTES_MAX, HTTP_TIMEOUT_MS, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
+    checkpoint, copy_into_ledger, load_average, max_ms, measured_then_cleaned, percentile_ms,
+    print_lines, seed_ledger_stream, verdict, without_password, AbortOnDrop, Check, Figure,
+    HttpConnection, Line, Scratch, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
 use crate::config::Config;
 use crate::event::canonical;
@@ -140,17 +140,12 @@ pub(super) async fn run(
         scratch.database_name, scratch.namespace
     );
 
-    let outcome = prepare_and_measure(&config, args, orgs, &scratch, nats).await;
-    let cleaned = clean_up(&scratch, nats).await;
-    let report = match (outcome, cleaned) {
-        (Ok(report), Ok(())) => report,
-        (Ok(_), Err(error)) => return Err(error),
-        (Err(error), Ok(())) => return Err(error),
-        (Err(error), Err(cleanup_error)) => {
-            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
-            return Err(error);
-        }
-    };
+    let report = measured_then_cleaned(
+        &scratch,
+        nats,
+        prepare_and_measure(&config, args, orgs, &scratch, nats),
+    )
+    .await?;
     report.print(args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the {} streams",
@@ -752,44 +747,6 @@ impl ReplayParts {
     }
 }
 
-impl HttpConnection {
-    /// One request on this connection, answered with 200 and read to the end.
-    async fn exchange(
-        &mut self,
-        method: hyper::Method,
-        uri: &hyper::Uri,
-        body: Bytes,
-    ) -> anyhow::Result<Bytes> {
-        use http_body_util::BodyExt;
-
-        let request = hyper::Request::builder()
-            .method(method.clone())
-            .uri(uri.clone())
-            .header(hyper::header::HOST, self.host.clone())
-            .header(hyper::header::AUTHORIZATION, self.authorization.clone())
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(http_body_util::Full::new(body))?;
-        self.sender.ready().await?;
-        let response = tokio::time::timeout(
-            Duration::from_millis(HTTP_TIMEOUT_MS),
-            self.sender.send_request(request),
-        )
-        .await
-        .with_context(|| format!("{method} {uri} timed out"))?
-        .with_context(|| format!("{method} {uri} failed"))?;
-        let status = response.status();
-        let answer = response.into_body().collect().await?.to_bytes();
-        if status != hyper::StatusCode::OK {
-            let excerpt = &answer[..answer.len().min(ERROR_EXCERPT_BYTES_MAX)];
-            anyhow::bail!(
-                "{method} {uri} answered {status}: {}",
-                String::from_utf8_lossy(excerpt)
-            );
-        }
-        Ok(answer)
-    }
-}
-
 async fn measure_service(
     service: &Service,
     args: &ProjectionArgs,
@@ -848,12 +805,8 @@ async fn measure_usage(
          many GET /healthz"
     );
     for _ in 0..USAGE_WARMUP_REQUESTS {
-        connection
-            .exchange(hyper::Method::GET, &usage_uri, Bytes::new())
-            .await?;
-        connection
-            .exchange(hyper::Method::GET, &healthz_uri, Bytes::new())
-            .await?;
+        connection.get(&usage_uri).await?;
+        connection.get(&healthz_uri).await?;
     }
     let mut usage_latencies = Vec::with_capacity(USAGE_REQUESTS);
     let mut healthz_latencies = Vec::with_capacity(USAGE_REQUESTS);
@@ -861,14 +814,10 @@ async fn measure_usage(
     let mut first: Option<UsageAnswer> = None;
     for _ in 0..USAGE_REQUESTS {
         let sent = Instant::now();
-        let answer = connection
-            .exchange(hyper::Method::GET, &usage_uri, Bytes::new())
-            .await?;
+        let answer = connection.get(&usage_uri).await?;
         usage_latencies.push(sent.elapsed());
         let sent = Instant::now();
-        connection
-            .exchange(hyper::Method::GET, &healthz_uri, Bytes::new())
-            .await?;
+        connection.get(&healthz_uri).await?;
         healthz_latencies.push(sent.elapsed());
 
         let answer: UsageAnswer =
@@ -975,22 +924,6 @@ async fn measure_usage(
     Ok([usage, query, healthz])
 }
 
-/// The longest of sorted durations, in milliseconds.
-fn max_ms(sorted: &[Duration]) -> f64 {
-    sorted
-        .last()
-        .map_or(0.0, |last| last.as_secs_f64() * 1000.0)
-}
-
-/// The 1-minute load average, where the system tells it: the machine's other work shows in
-/// the tail latencies.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|text| text.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "unknown".to_owned())
-}
-
 /// One paced batch, acknowledged.
 #[derive(Debug, Clone, Copy)]
 struct Acked {
@@ -1077,7 +1010,9 @@ async fn measure_lag(
                 tokio::time::sleep_until(due).await;
                 let body = lag_batch(&mut rand::rng(), orgs, containers_per_org);
                 let sent = Instant::now();
-                let answer = connection.exchange(hyper::Method::POST, &uri, body).await?;
+                let answer = connection
+                    .expect(&hyper::Method::POST, &uri, body, hyper::StatusCode::OK)
+                    .await?;
                 let latency = sent.elapsed();
                 let answer: Appended =
                     serde_json::from_slice(&answer).context("the append answer does not parse")?;

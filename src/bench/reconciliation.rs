@@ -31,8 +31,8 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use super::{
-    checkpoint, clean_up, copy_into_ledger, print_checks, print_table, verdict, without_password,
-    Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
+    checkpoint, copy_into_ledger, measured_then_cleaned, print_checks, print_table, verdict,
+    without_password, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
 };
 use crate::billing::reconcile::Tolerance;
 use crate::billing::report;
@@ -119,21 +119,15 @@ pub(super) async fn run(
         report_file.0.display()
     );
 
-    let outcome = tokio::select! {
-        outcome = prepare_and_measure(&config, args, &scratch, &report_file) => outcome,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    let measure = async {
+        let outcome = tokio::select! {
+            outcome = prepare_and_measure(&config, args, &scratch, &report_file) => outcome,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+        };
+        drop(report_file);
+        outcome
     };
-    drop(report_file);
-    let cleaned = clean_up(&scratch, nats).await;
-    let report = match (outcome, cleaned) {
-        (Ok(report), Ok(())) => report,
-        (Ok(_), Err(error)) => return Err(error),
-        (Err(error), Ok(())) => return Err(error),
-        (Err(error), Err(cleanup_error)) => {
-            eprintln!("bench: cleaning up also failed: {cleanup_error:#}");
-            return Err(error);
-        }
-    };
+    let report = measured_then_cleaned(&scratch, nats, measure).await?;
     report.print(args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the report file",
