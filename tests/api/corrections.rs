@@ -6,7 +6,7 @@ use chrono::{Duration, DurationRound, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{period_began_within, run_verify, TestApp, TOKEN};
+use crate::helpers::{period_began_within, projected_to_head, run_verify, TestApp, TOKEN};
 
 fn at(minutes_ago: i64) -> String {
     let now = Utc::now().duration_trunc(Duration::seconds(1)).unwrap();
@@ -61,21 +61,6 @@ async fn get(app: &TestApp, path: &str) -> Value {
         .unwrap();
     assert_eq!(response.status().as_u16(), 200, "{path}");
     response.json().await.unwrap()
-}
-
-async fn projected(app: &TestApp) {
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    crate::helpers::eventually(20, "the projection reaches the head", || async {
-        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        at == head
-    })
-    .await;
 }
 
 /// What an org's figures look like from outside as of one instant fixed for the whole
@@ -143,7 +128,7 @@ async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chai
         let (status, response) = app.post_json(&json!({"events": events})).await;
         assert_eq!(status, 200, "{org}: {response}");
     }
-    projected(&app).await;
+    projected_to_head(&app.pool, "the events are projected").await;
     assert_ne!(
         figures(&app, "real").await,
         figures(&app, "twin").await,
@@ -159,7 +144,7 @@ async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chai
         .await;
         assert_eq!(status, 201, "{response}");
     }
-    projected(&app).await;
+    projected_to_head(&app.pool, "the events are projected").await;
     let after_voids = figures(&app, "real").await;
     assert_eq!(
         after_voids,

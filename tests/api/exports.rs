@@ -5,7 +5,7 @@ use chrono::{Duration, DurationRound, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{eventually, TestApp, TOKEN};
+use crate::helpers::{projected_to_head, TestApp, TOKEN};
 use crate::plans::put_plan;
 
 #[tokio::test]
@@ -36,18 +36,7 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     ]});
     let (status, response) = app.post_json(&events).await;
     assert_eq!(status, 200, "{response}");
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    eventually(20, "projected", || async {
-        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        at == head
-    })
-    .await;
+    projected_to_head(&app.pool, "the events are projected").await;
 
     let csv = app
         .client

@@ -337,13 +337,14 @@ pub fn ids_of(events: &[Value]) -> Vec<Uuid> {
         .collect()
 }
 
-/// Waits until the projection's checkpoint is at the ledger's head; returns the head.
+/// Waits (up to 30 s: a loaded CI machine) until the projection's checkpoint is at the
+/// ledger's head; returns the head.
 pub async fn projected_to_head(pool: &PgPool, what: &str) -> i64 {
     let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
         .fetch_one(pool)
         .await
         .unwrap();
-    eventually(5, what, || async {
+    eventually(30, what, || async {
         let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
             .fetch_one(pool)
             .await

@@ -5,22 +5,7 @@ use chrono::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{eventually, TestApp, TOKEN};
-
-async fn projected(app: &TestApp) {
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    eventually(20, "projected", || async {
-        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        at == head
-    })
-    .await;
-}
+use crate::helpers::{projected_to_head, TestApp, TOKEN};
 
 #[tokio::test]
 async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_next_period() {
@@ -37,7 +22,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         ]})
     };
     assert_eq!(app.post_json(&run("c1", 5, 2)).await.0, 200);
-    projected(&app).await;
+    projected_to_head(&app.pool, "the events are projected").await;
 
     let post = |path: String| {
         let request = app.client.post(app.url(&path)).bearer_auth(TOKEN);
@@ -73,7 +58,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
     // Late: another two hours in the closed period.
     let late = run("c2", 3, 1);
     assert_eq!(app.post_json(&late).await.0, 200);
-    projected(&app).await;
+    projected_to_head(&app.pool, "the events are projected").await;
 
     let stored: Value = get(format!("/v1/periods/{closed}"))
         .await

@@ -5,7 +5,7 @@ use chrono::{Duration, DurationRound, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{eventually, TestApp, TOKEN};
+use crate::helpers::{projected_to_head, TestApp, TOKEN};
 
 #[tokio::test]
 async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
@@ -26,18 +26,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     events.extend(lifecycle("acme", "c_silent", 5, 4)); // 1 h, not in the report
     let (status, response) = app.post_json(&json!({"events": events})).await;
     assert_eq!(status, 200, "{response}");
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    eventually(20, "projected", || async {
-        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        at == head
-    })
-    .await;
+    projected_to_head(&app.pool, "the events are projected").await;
 
     let (start, end) = (at(6), at(2));
     let line = |container: &str, org: &str, quantity: &str, unit: &str, cost: &str| {
@@ -247,18 +236,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
         let (status, response) = app.post_json(&json!({"events": chunk})).await;
         assert_eq!(status, 200, "{response}");
     }
-    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    eventually(30, "projected", || async {
-        let at: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-        at == head
-    })
-    .await;
+    projected_to_head(&app.pool, "the events are projected").await;
 
     // The report: one line per container-day at 0.36 an hour, derived from the ledger, with
     // planted discrepancies; most other lines a second off (within tolerance).
