@@ -2,8 +2,9 @@
 //!
 //! The projector reads events by position and hands them, with the stored lifecycles of
 //! their containers, to [`Changes::apply`]: an event later than everything its container
-//! has seen advances the lifecycle in place; an earlier one marks the container for a
-//! refold of its whole history ([`Changes::refold`]). Commands, ports and each org's latest
+//! has seen advances the lifecycle in place, and so does an earlier command or port
+//! publication ([`Lifecycle::advance`]); an earlier lifecycle event marks the container
+//! for a refold of its whole history ([`Changes::refold`]). Commands, ports and each org's latest
 //! instant are counted per event, whatever the order, since none of them depends on
 //! another event. [`Changes::finish`] then turns each container's old and new intervals
 //! into runtime deltas per period, so that a late event corrects every period it touches
@@ -434,6 +435,43 @@ mod tests {
             lifecycle.anomalies().len(),
             1,
             "the command now ran while stopped"
+        );
+    }
+
+    #[test]
+    fn a_late_command_or_port_changes_its_container_in_place_and_marks_no_refold() {
+        // Stored: created on Nov 1, stopped on Nov 3.
+        let stored = ContainerTimeline::fold(
+            &[
+                event(1, "a", at(1, 0), Created),
+                event(2, "a", at(3, 0), Stopped),
+            ]
+            .map(|event| event.container.unwrap().1),
+        )
+        .into_lifecycle();
+        let changes = Changes::apply(
+            &[
+                event(3, "a", at(2, 0), CommandRan { duration_ms: 5 }),
+                event(4, "a", at(4, 0), CommandRan { duration_ms: 7 }),
+                event(5, "a", at(1, 1), PortPublished { port: 8080 }),
+            ],
+            &[],
+            HashMap::from([(key("a"), stored)]),
+        );
+        assert_eq!(changes.late().count(), 0, "no history to read");
+        let changes = changes.finish();
+        let november = changes.periods[&period("2026-11")];
+        assert_eq!((november.commands, november.command_ms), (2, 12));
+        assert_eq!(november.closed_runtime_ms, 0, "the intervals did not move");
+        let (_, lifecycle) = changes.lifecycles().next().unwrap();
+        assert_eq!(
+            lifecycle
+                .anomalies()
+                .iter()
+                .map(|a| a.position)
+                .collect::<Vec<_>>(),
+            vec![4],
+            "only the command after the stop ran while not running"
         );
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! Each round is one transaction: lock the checkpoint row (`FOR UPDATE SKIP LOCKED`, so
 //! that of several instances one projects and the others skip the round), read the events
-//! after it, apply them (a late event refolds only its container), write the changes and
+//! after it, apply them (a late lifecycle event refolds only its container), write the changes and
 //! move the checkpoint. The projection therefore always equals the ledger up to its
 //! checkpoint, and a crash anywhere loses or repeats nothing. It wakes on this instance's
 //! commits (the appender's head) and polls for other instances'.

@@ -346,15 +346,20 @@ impl Lifecycle {
         lifecycle
     }
 
-    /// Takes one more entry that comes strictly after every entry folded so far, with the
-    /// result [`ContainerTimeline::fold`] would give for the whole history: nothing before
-    /// it can be re-ordered, and no earlier command's running state can change, because
-    /// every earlier instant is before this one. An entry at or before `last_at` is
-    /// [`Late`] and changes nothing. Returns the anomaly the entry caused, if any.
+    /// Takes one more entry with the result [`ContainerTimeline::fold`] would give for the
+    /// whole history, where that needs no history:
+    /// - an entry strictly after every entry folded so far: nothing before it can be
+    ///   re-ordered, and no earlier command's running state can change, because every
+    ///   earlier instant is before this one;
+    /// - a command or port publication at or before `last_at` (see `place_late`).
+    ///
+    /// A lifecycle entry at or before `last_at` is [`Late`] and changes nothing: it can
+    /// move intervals, and with them every later command's running state. Returns the
+    /// anomaly the entry caused, if any.
     pub fn advance(&mut self, entry: &ContainerEntry) -> Result<Option<Anomaly>, Late> {
         if let Some(last_at) = self.last_at {
             if entry.occurred_at <= last_at {
-                return Err(Late {
+                return self.place_late(entry).ok_or(Late {
                     occurred_at: entry.occurred_at,
                     last_at,
                 });
@@ -373,6 +378,39 @@ impl Lifecycle {
         let anomaly = kind.map(|kind| anomaly_of(kind, entry));
         self.anomalies.extend(anomaly);
         Ok(anomaly)
+    }
+
+    /// A late command or port publication, as the fold would take it; `None` for a late
+    /// lifecycle entry. Neither walks the state machine, so the intervals stay as they are
+    /// (and `last_at`, which is later); the fold judges every command against the final
+    /// intervals, which entries still to come cannot change at this instant, since they
+    /// come after `last_at` or are late lifecycle entries, which refold. A command's
+    /// anomaly goes where the fold sorts it; an event id already there is not taken twice.
+    fn place_late(&mut self, entry: &ContainerEntry) -> Option<Option<Anomaly>> {
+        match entry.kind {
+            EntryKind::PortPublished { .. } => Some(None),
+            EntryKind::CommandRan { .. } if self.running_at(entry.occurred_at) => Some(None),
+            EntryKind::CommandRan { .. } => {
+                let key = (entry.occurred_at, entry.position);
+                let from = self
+                    .anomalies
+                    .partition_point(|anomaly| anomaly.occurred_at < entry.occurred_at);
+                let at = self
+                    .anomalies
+                    .partition_point(|anomaly| (anomaly.occurred_at, anomaly.position) < key);
+                if self.anomalies[from..]
+                    .iter()
+                    .take_while(|anomaly| anomaly.occurred_at == entry.occurred_at)
+                    .any(|anomaly| anomaly.event_id == entry.event_id)
+                {
+                    return Some(None);
+                }
+                let anomaly = anomaly_of(AnomalyKind::CommandWhileNotRunning, entry);
+                self.anomalies.insert(at, anomaly);
+                Some(Some(anomaly))
+            }
+            EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped => None,
+        }
     }
 
     /// One step of the table in DESIGN §3. "Seen" means a `created` or `resumed` came
@@ -851,5 +889,76 @@ pub(super) mod tests {
         event.container_id = None;
         event.data = EventData::OrgPlanChanged(OrgPlanChanged { plan: "pro".into() });
         assert_eq!(ContainerEntry::from_event(&event, 42), None);
+    }
+
+    #[test]
+    fn a_late_command_or_port_is_placed_without_its_history_as_the_fold_places_it() {
+        // Running 0–10 and from 20; commands at 5 (running) and 15 (stopped) arrive after
+        // an entry at 30, then a port at 1.
+        let earlier = history(&[(0, Created), (10, Stopped), (20, Resumed), (30, Stopped)]);
+        let mut lifecycle = Lifecycle::default();
+        for entry in &earlier {
+            lifecycle.advance(entry).unwrap();
+        }
+        let late = [
+            entry(5, minute(15), EntryKind::CommandRan { duration_ms: 1 }),
+            entry(6, minute(5), EntryKind::CommandRan { duration_ms: 1 }),
+            entry(7, minute(1), EntryKind::PortPublished { port: 8080 }),
+            // At a stop's instant: no longer running.
+            entry(8, minute(10), EntryKind::CommandRan { duration_ms: 1 }),
+        ];
+        let caused: Vec<Option<Anomaly>> = late
+            .iter()
+            .map(|entry| lifecycle.advance(entry).unwrap())
+            .collect();
+        assert_eq!(
+            caused
+                .iter()
+                .map(|a| a.map(|a| a.position))
+                .collect::<Vec<_>>(),
+            vec![Some(5), None, None, Some(8)]
+        );
+        let all: Vec<ContainerEntry> = earlier.iter().chain(&late).copied().collect();
+        assert_eq!(lifecycle, ContainerTimeline::fold(&all).into_lifecycle());
+        assert_eq!(
+            lifecycle
+                .anomalies()
+                .iter()
+                .map(|a| a.position)
+                .collect::<Vec<_>>(),
+            vec![8, 5],
+            "sorted by occurred_at as the fold sorts them"
+        );
+    }
+
+    #[test]
+    fn a_late_command_taken_twice_leaves_one_anomaly_as_the_fold_does() {
+        let mut lifecycle = Lifecycle::default();
+        for entry in history(&[(0, Created), (10, Stopped), (30, Resumed)]) {
+            lifecycle.advance(&entry).unwrap();
+        }
+        let command = entry(4, minute(20), EntryKind::CommandRan { duration_ms: 1 });
+        assert!(lifecycle.advance(&command).unwrap().is_some());
+        assert_eq!(lifecycle.advance(&command), Ok(None));
+        assert_eq!(lifecycle.anomalies().len(), 1);
+    }
+
+    #[test]
+    fn a_late_lifecycle_entry_is_late_and_changes_nothing() {
+        let mut lifecycle = Lifecycle::default();
+        for entry in history(&[(0, Created), (30, Stopped)]) {
+            lifecycle.advance(&entry).unwrap();
+        }
+        let before = lifecycle.clone();
+        for kind in [Created, Resumed, Stopped] {
+            assert_eq!(
+                lifecycle.advance(&entry(3, minute(10), kind)),
+                Err(Late {
+                    occurred_at: minute(10),
+                    last_at: minute(30)
+                })
+            );
+        }
+        assert_eq!(lifecycle, before);
     }
 }
