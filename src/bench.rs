@@ -450,7 +450,8 @@ const PORTS: [u16; 5] = [3000, 5173, 8000, 8080, 8888];
 /// stopped and resumed), and `occurred_at` moves forward across the whole run, within the
 /// last hour. Events arrive in the order they occurred, except one in
 /// `LATE_ONE_IN`, which is delivered up to `LATE_EVENTS_MAX` events later, as a retried
-/// request would be; those are the late events the projector refolds.
+/// request would be; the projector refolds the container of a late lifecycle event and
+/// places a late command or port in its stored state.
 struct Producers {
     /// Per container, whether it runs; `None` before it is created.
     running: Vec<Option<bool>>,

@@ -100,7 +100,7 @@ pub struct Changes {
 
 impl Changes {
     /// Applies `events` (in position order) to the `stored` lifecycles of their containers.
-    /// Containers that a late event reached are listed by [`Changes::late`] and must be
+    /// Containers that a late lifecycle event reached are listed by [`Changes::late`] and must be
     /// given their whole history with [`Changes::refold`] before [`Changes::finish`].
     /// `voided` are the events that voids among `events` take back (as stored, earlier or
     /// in this run): their containers are refolded without them.
@@ -190,7 +190,8 @@ impl Changes {
         changes.finish()
     }
 
-    /// Containers whose history must be read again: a late event reached them.
+    /// Containers whose history must be read again: a late lifecycle event or a void
+    /// reached them.
     pub fn late(&self) -> impl Iterator<Item = &ContainerKey> {
         self.late.iter()
     }
@@ -454,6 +455,8 @@ mod tests {
                 event(3, "a", at(2, 0), CommandRan { duration_ms: 5 }),
                 event(4, "a", at(4, 0), CommandRan { duration_ms: 7 }),
                 event(5, "a", at(1, 1), PortPublished { port: 8080 }),
+                // Late, and after the stop: placed before event 4's anomaly.
+                event(6, "a", at(3, 1), CommandRan { duration_ms: 1 }),
             ],
             &[],
             HashMap::from([(key("a"), stored)]),
@@ -461,7 +464,7 @@ mod tests {
         assert_eq!(changes.late().count(), 0, "no history to read");
         let changes = changes.finish();
         let november = changes.periods[&period("2026-11")];
-        assert_eq!((november.commands, november.command_ms), (2, 12));
+        assert_eq!((november.commands, november.command_ms), (3, 13));
         assert_eq!(november.closed_runtime_ms, 0, "the intervals did not move");
         let (_, lifecycle) = changes.lifecycles().next().unwrap();
         assert_eq!(
@@ -470,8 +473,8 @@ mod tests {
                 .iter()
                 .map(|a| a.position)
                 .collect::<Vec<_>>(),
-            vec![4],
-            "only the command after the stop ran while not running"
+            vec![6, 4],
+            "the commands after the stop ran while not running, in occurred_at order"
         );
     }
 }

@@ -197,7 +197,8 @@ pub struct ContainerTimeline {
 /// What the state machine carries from one event to the next: the running intervals, the
 /// anomalies and the latest `occurred_at` seen. A projection stores this per container and
 /// counts commands and ports as they come, so that an event later than everything before
-/// it ([`Lifecycle::advance`]) needs no history; only a late one needs a refold.
+/// it, or a late command or port ([`Lifecycle::advance`]), needs no history; only a late
+/// lifecycle event needs a refold.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Lifecycle {
     /// Sorted, non-overlapping; only the last may be open.
@@ -208,8 +209,9 @@ pub struct Lifecycle {
     last_at: Option<DateTime<Utc>>,
 }
 
-/// An entry that does not come strictly after every entry already folded: the container's
-/// history has to be folded again with it ([`ContainerTimeline::fold`]).
+/// A lifecycle entry (created, resumed, stopped) that does not come strictly after every
+/// entry already folded: it can move intervals, so the container's history has to be
+/// folded again with it ([`ContainerTimeline::fold`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("an entry at {occurred_at} is not later than {last_at}, the latest already folded")]
 pub struct Late {
@@ -331,7 +333,8 @@ impl ContainerTimeline {
 
 impl Lifecycle {
     /// A lifecycle as a projection stored it. Panics if the intervals are not ordered and
-    /// disjoint with only the last open: stored lifecycles come from folds.
+    /// disjoint with only the last open, or the anomalies not in (`occurred_at`, position)
+    /// order (which placing a late command relies on): stored lifecycles come from folds.
     pub fn restore(
         intervals: Vec<Interval>,
         anomalies: Vec<Anomaly>,
@@ -343,6 +346,14 @@ impl Lifecycle {
             last_at,
         };
         lifecycle.assert_intervals_are_ordered();
+        assert!(
+            lifecycle
+                .anomalies
+                .windows(2)
+                .all(|pair| (pair[0].occurred_at, pair[0].position)
+                    < (pair[1].occurred_at, pair[1].position)),
+            "stored anomalies are not in (occurred_at, position) order"
+        );
         lifecycle
     }
 
@@ -893,7 +904,7 @@ pub(super) mod tests {
 
     #[test]
     fn a_late_command_or_port_is_placed_without_its_history_as_the_fold_places_it() {
-        // Running 0–10 and from 20; commands at 5 (running) and 15 (stopped) arrive after
+        // Running 0–10 and 20–30; commands at 5 (running) and 15 (stopped) arrive after
         // an entry at 30, then a port at 1.
         let earlier = history(&[(0, Created), (10, Stopped), (20, Resumed), (30, Stopped)]);
         let mut lifecycle = Lifecycle::default();
@@ -960,5 +971,27 @@ pub(super) mod tests {
             );
         }
         assert_eq!(lifecycle, before);
+    }
+
+    #[test]
+    fn a_late_command_at_the_instant_of_a_zero_length_interval_did_not_run_while_running() {
+        // Created and stopped at 0 (a zero-length interval, holding no instant), stopped
+        // again at 5; then a command at 0 arrives.
+        let earlier = history(&[(0, Created), (0, Stopped), (5, Stopped)]);
+        let mut lifecycle = Lifecycle::default();
+        for entry in &earlier {
+            if lifecycle.advance(entry).is_err() {
+                lifecycle = ContainerTimeline::fold(&earlier).into_lifecycle();
+                break;
+            }
+        }
+        let command = entry(4, minute(0), EntryKind::CommandRan { duration_ms: 1 });
+        let anomaly = lifecycle
+            .advance(&command)
+            .unwrap()
+            .expect("not running at 0");
+        assert_eq!(anomaly.kind, AnomalyKind::CommandWhileNotRunning);
+        let all: Vec<ContainerEntry> = earlier.iter().copied().chain([command]).collect();
+        assert_eq!(lifecycle, ContainerTimeline::fold(&all).into_lifecycle());
     }
 }
