@@ -171,6 +171,14 @@ pub struct Anomaly {
     pub position: i64,
 }
 
+impl Anomaly {
+    /// The order the fold keeps anomalies in: (`occurred_at`, position). Positions are
+    /// unique, so no two anomalies of a container share it.
+    fn order(&self) -> (DateTime<Utc>, i64) {
+        (self.occurred_at, self.position)
+    }
+}
+
 /// A `command_ran`: counted in the period of its `occurred_at`, whether or not the
 /// container was running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -277,9 +285,7 @@ impl ContainerTimeline {
                     .push(anomaly_of(AnomalyKind::CommandWhileNotRunning, entry));
             }
         }
-        lifecycle
-            .anomalies
-            .sort_by_key(|anomaly| (anomaly.occurred_at, anomaly.position));
+        lifecycle.anomalies.sort_by_key(Anomaly::order);
         lifecycle.assert_intervals_are_ordered();
         timeline
     }
@@ -350,8 +356,7 @@ impl Lifecycle {
             lifecycle
                 .anomalies
                 .windows(2)
-                .all(|pair| (pair[0].occurred_at, pair[0].position)
-                    < (pair[1].occurred_at, pair[1].position)),
+                .all(|pair| pair[0].order() < pair[1].order()),
             "stored anomalies are not in (occurred_at, position) order"
         );
         lifecycle
@@ -396,27 +401,20 @@ impl Lifecycle {
     /// (and `last_at`, which is later); the fold judges every command against the final
     /// intervals, which entries still to come cannot change at this instant, since they
     /// come after `last_at` or are late lifecycle entries, which refold. A command's
-    /// anomaly goes where the fold sorts it; an event id already there is not taken twice.
+    /// anomaly goes where the fold sorts it; the same event placed twice is taken once.
     fn place_late(&mut self, entry: &ContainerEntry) -> Option<Option<Anomaly>> {
         match entry.kind {
             EntryKind::PortPublished { .. } => Some(None),
             EntryKind::CommandRan { .. } if self.running_at(entry.occurred_at) => Some(None),
             EntryKind::CommandRan { .. } => {
-                let key = (entry.occurred_at, entry.position);
-                let from = self
-                    .anomalies
-                    .partition_point(|anomaly| anomaly.occurred_at < entry.occurred_at);
-                let at = self
-                    .anomalies
-                    .partition_point(|anomaly| (anomaly.occurred_at, anomaly.position) < key);
-                if self.anomalies[from..]
-                    .iter()
-                    .take_while(|anomaly| anomaly.occurred_at == entry.occurred_at)
-                    .any(|anomaly| anomaly.event_id == entry.event_id)
-                {
-                    return Some(None);
-                }
                 let anomaly = anomaly_of(AnomalyKind::CommandWhileNotRunning, entry);
+                // Found: the same event (same instant and position) was placed before.
+                let Err(at) = self
+                    .anomalies
+                    .binary_search_by_key(&anomaly.order(), Anomaly::order)
+                else {
+                    return Some(None);
+                };
                 self.anomalies.insert(at, anomaly);
                 Some(Some(anomaly))
             }
@@ -978,13 +976,7 @@ pub(super) mod tests {
         // Created and stopped at 0 (a zero-length interval, holding no instant), stopped
         // again at 5; then a command at 0 arrives.
         let earlier = history(&[(0, Created), (0, Stopped), (5, Stopped)]);
-        let mut lifecycle = Lifecycle::default();
-        for entry in &earlier {
-            if lifecycle.advance(entry).is_err() {
-                lifecycle = ContainerTimeline::fold(&earlier).into_lifecycle();
-                break;
-            }
-        }
+        let mut lifecycle = ContainerTimeline::fold(&earlier).into_lifecycle();
         let command = entry(4, minute(0), EntryKind::CommandRan { duration_ms: 1 });
         let anomaly = lifecycle
             .advance(&command)
