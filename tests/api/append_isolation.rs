@@ -348,27 +348,34 @@ async fn a_nats_message_refused_for_its_content_is_dead_lettered_once_while_the_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_hundred_racing_requests_of_five_orgs_with_poisoned_ones_mixed_in_commit_every_good_one_once_in_a_gap_free_verified_chain(
+async fn two_hundred_racing_requests_of_five_orgs_on_two_instances_with_poisoned_ones_mixed_in_commit_every_good_one_once_in_a_gap_free_verified_chain(
 ) {
     const TASKS: usize = 200;
     const ORGS: usize = 5;
     /// Every this many tasks one is poisoned: 8 of 200.
     const POISON_EVERY: usize = 25;
+    const INSTANCES: usize = 2;
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    // Small groups, so that several group commits each have a poisoned request to isolate.
-    let (appender, _, _task) = Appender::start(
-        pool.clone(),
-        AppendLimits {
-            queue_max: 1_024,
-            group_events_max: 64,
-        },
-    );
+    // Two instances (appenders with pools of their own) interleave their commits, so that
+    // a part of an isolated group may find the head moved. Small groups, so that several
+    // group commits each have a poisoned request to isolate.
+    let mut appenders = Vec::new();
+    for _ in 0..INSTANCES {
+        let (appender, _, _task) = Appender::start(
+            db.pool().await,
+            AppendLimits {
+                queue_max: 1_024,
+                group_events_max: 64,
+            },
+        );
+        appenders.push(appender);
+    }
 
     let lock = hold_ledger_lock(&db.url).await;
     let tasks: Vec<_> = (0..TASKS)
         .map(|task| {
-            let appender = appender.clone();
+            let appender = appenders[task % INSTANCES].clone();
             let org = format!("org_{}", task % ORGS);
             let container = format!("ctr_{task}");
             let poisoned = task % POISON_EVERY == 7;
