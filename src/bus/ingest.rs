@@ -4,9 +4,10 @@
 //! A message is acknowledged only after the transaction that appends its events has
 //! committed; if tally dies first, JetStream redelivers it and the event id makes the
 //! second append a duplicate, so nothing is counted twice. A message that can never be
-//! appended (invalid, or an id reused with other content) is copied to `TALLY_DLQ` with
-//! the error in headers and then acknowledged, so it cannot loop. A message that failed
-//! for a passing reason (database down, queue full) is nak'ed and retried later.
+//! appended (invalid, an id reused with other content, content the database refuses —
+//! anything [`AppendError::is_retryable`] says will fail again) is copied to `TALLY_DLQ`
+//! with the error in headers and then acknowledged, so it cannot loop. Only a message that
+//! failed for a passing reason (database down, queue full) is nak'ed and retried later.
 
 use std::time::Duration;
 
@@ -181,6 +182,11 @@ async fn handle_batch(
             Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
                 code: "idempotency_conflict",
                 message: format!("event {index}: id {id} was stored before with different content"),
+            },
+            // Redelivered, it would fail the same way for ever.
+            Err(error) if !error.is_retryable() => Verdict::DeadLetter {
+                code: error.code(),
+                message: error.to_string(),
             },
             Err(error) => Verdict::Retry(error),
         }

@@ -163,6 +163,16 @@ impl From<AppendError> for ApiError {
             AppendError::Stopped => {
                 ApiError::unavailable("shutting_down", "the service is stopping; retry later")
             }
+            // The caller's own content, refused by Postgres after every other request of its
+            // group commit was stored: a 422, never a 5xx.
+            AppendError::Unstorable { sqlstate, reason } => ApiError::invalid(
+                "unstorable_event",
+                format!("the ledger cannot store this request's content: {reason}; nothing was stored"),
+            )
+            .with_details(vec![json!({
+                "code": "unstorable_event",
+                "message": format!("postgres refused the content with sqlstate {sqlstate}: {reason}"),
+            })]),
             AppendError::Store(error) => ApiError::from_store(&error),
         }
     }

@@ -66,7 +66,7 @@ impl From<crate::ledger::AppendedEvent> for EventResult {
         (status = 409, body = ErrorBody, description = "an id was stored before with other content"),
         (status = 413, body = ErrorBody, description = "body or batch too large"),
         (status = 415, body = ErrorBody),
-        (status = 422, body = ErrorBody, description = "invalid event(s), with per-index details"),
+        (status = 422, body = ErrorBody, description = "invalid event(s), with per-index details; or `unstorable_event`, content the database refuses"),
         (status = 503, body = ErrorBody, description = "overloaded or database unavailable; retry"),
     ),
     security(("bearer" = []))
@@ -115,10 +115,7 @@ pub async fn post_events(
         })]));
     }
     let appended = state.appender.append(events).await.inspect_err(|e| {
-        let code = match e {
-            crate::ledger::AppendError::IdempotencyConflict { .. } => "idempotency_conflict",
-            _ => "unavailable",
-        };
+        let code = if e.is_retryable() { "unavailable" } else { e.code() };
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => code)
             .increment(1);
     })?;

@@ -19,6 +19,16 @@
 //! Each request is all-or-nothing on its own: a request whose event reuses an id with
 //! different content is refused whole and the rest of the group is unaffected.
 //!
+//! The same holds for content Postgres refuses (a NUL in a `jsonb` string, a value past a
+//! limit): when a group commit fails with an error about the data (see
+//! [`is_content_error`]), nothing of it was stored, and the appender commits the group again
+//! in halves, and halves of the halves that fail, until each refused request stands alone
+//! and is answered [`AppendError::Unstorable`]; every other request is committed, in queue
+//! order, with positions and hashes prepared again for what was actually committed. This
+//! costs nothing until such an error happens. Other errors (the database is down, a
+//! timeout) fail the whole group as before: they are not the requests' fault, and retrying
+//! is the producers' call.
+//!
 //! The appender runs on a thread of its own, with a single-threaded runtime and its own
 //! connection, whose socket that runtime's reactor watches. On the service's runtime the
 //! appender's wake-ups (the answer to `ledger_append`, a new request) queued behind every
@@ -72,8 +82,70 @@ pub enum AppendError {
     Overloaded,
     #[error("the appender has stopped")]
     Stopped,
+    /// Postgres refused the request's own content (it was committed alone and failed):
+    /// retrying it can never succeed, and no other request was failed by it.
+    #[error("the ledger cannot store this request's content ({sqlstate}: {reason})")]
+    Unstorable { sqlstate: String, reason: String },
     #[error("the ledger could not be written")]
     Store(#[source] Arc<sqlx::Error>),
+}
+
+impl AppendError {
+    /// Whether the same request may succeed later (queue full, database down, stopping);
+    /// otherwise it never will, and a producer that retries it only loops.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            AppendError::Overloaded | AppendError::Stopped | AppendError::Store(_) => true,
+            AppendError::IdempotencyConflict { .. } | AppendError::Unstorable { .. } => false,
+        }
+    }
+
+    /// A stable snake_case code, as HTTP answers and dead letters carry it.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AppendError::IdempotencyConflict { .. } => "idempotency_conflict",
+            AppendError::Overloaded => "overloaded",
+            AppendError::Stopped => "shutting_down",
+            AppendError::Unstorable { .. } => "unstorable_event",
+            AppendError::Store(_) => "unavailable",
+        }
+    }
+}
+
+/// SQLSTATE classes whose errors are about the statement's data: given the same rows,
+/// Postgres refuses them again whatever the state of the server, so retrying the group can
+/// never help, and the refused rows are found by committing parts of it.
+/// - `22` data exception: a NUL in `jsonb` (22P05) or `text` (22021), a value out of range
+///   or badly formed for its type;
+/// - `54` program limit exceeded: a `jsonb` value or index row past Postgres's size limits
+///   (a whole group past a limit that its parts are not is committed in parts too).
+///
+/// Class `23` (integrity) only partly: the ledger has no foreign keys, and its NOT NULL
+/// columns, unique ids and positions are filled and checked by the appender itself under
+/// the lock, so a `23502`, `23503` or `23505` would be the appender's bug, which must fail
+/// loudly and not be blamed on a caller. A check constraint judges a row's content, so
+/// [`CONTENT_ERROR_CODES`] names `23514`.
+/// Everything else (class 08 connection, 40 serialization, 53 resources, 57 operator
+/// intervention such as a statement timeout, XX internal, P0 raised by `ledger_append`'s own
+/// guard) is about the server or the appender, not the rows.
+const CONTENT_ERROR_CLASSES: [&str; 2] = ["22", "54"];
+/// Single SQLSTATEs outside [`CONTENT_ERROR_CLASSES`] that are about the data: a check
+/// constraint (or a trigger raising `check_violation`) refusing a row.
+const CONTENT_ERROR_CODES: [&str; 1] = ["23514"];
+
+/// Whether Postgres refused the statement for the data in it (see
+/// [`CONTENT_ERROR_CLASSES`]), rather than for the state of the server or a bug.
+pub fn is_content_error(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(error) = error else {
+        return false;
+    };
+    let Some(code) = error.code() else {
+        return false;
+    };
+    CONTENT_ERROR_CLASSES
+        .iter()
+        .any(|class| code.starts_with(class))
+        || CONTENT_ERROR_CODES.contains(&code.as_ref())
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -303,6 +375,10 @@ async fn run(
     head: watch::Sender<i64>,
     committed_rows: mpsc::Sender<Rows>,
 ) {
+    let outlets = Outlets {
+        head,
+        committed_rows,
+    };
     // The head this appender last committed; `None` when unknown (start, or after an error
     // that may or may not have committed).
     let mut committed: Option<Head> = None;
@@ -342,28 +418,37 @@ async fn run(
                 metrics::histogram!("tally_append_batch_events").record(events as f64);
                 metrics::histogram!("tally_append_batch_seconds")
                     .record(started.elapsed().as_secs_f64());
-                metrics::counter!("tally_append_events_total").increment(outcome.rows.len() as u64);
-                // Before the head moves, so that whoever it wakes finds the rows.
-                if !outcome.rows.is_empty() && outcome.rows.len() <= HANDOFF_GROUP_EVENTS_MAX {
-                    // Full (the reader is slow, or not relaying) or dropped: the reader,
-                    // if any, reads the ledger.
-                    let _ = committed_rows.try_send(outcome.rows);
-                }
-                if outcome.head.position > 0 {
-                    head.send_replace(outcome.head.position);
-                }
+                outlets.publish(outcome.rows, outcome.head);
                 for (request, result) in group.into_iter().zip(outcome.results) {
                     let _ = request.reply.send(result);
                 }
             }
             Err(error) => {
-                committed = None;
-                connection = None;
-                tracing::error!(error = %error, requests = group.len(), "group commit failed");
-                metrics::counter!("tally_append_failures_total").increment(1);
-                let error = AppendError::Store(Arc::new(error));
+                // A content error comes from Postgres, so the connection is there.
+                let isolated = match connection.as_mut() {
+                    Some(connection) if is_content_error(&error) => {
+                        isolate(connection, &group, &mut committed, &outlets, error).await
+                    }
+                    _ => Isolated {
+                        results: Vec::new(),
+                        failure: Some(error),
+                    },
+                };
+                let failure = isolated.failure.map(|error| {
+                    committed = None;
+                    connection = None;
+                    tracing::error!(error = %error, requests = group.len(), "group commit failed");
+                    metrics::counter!("tally_append_failures_total").increment(1);
+                    AppendError::Store(Arc::new(error))
+                });
+                let mut results = isolated.results.into_iter();
                 for request in group {
-                    let _ = request.reply.send(Err(error.clone()));
+                    let result = results.next().flatten().unwrap_or_else(|| {
+                        Err(failure
+                            .clone()
+                            .expect("a request is unanswered only after a failure"))
+                    });
+                    let _ = request.reply.send(result);
                 }
             }
         }
@@ -379,6 +464,134 @@ async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error
             std::io::ErrorKind::TimedOut,
             format!("no connection within {CONNECT_TIMEOUT_MS} ms"),
         ))),
+    }
+}
+
+/// Where a commit is announced: the rows to the handoff, the head to whoever tails it.
+struct Outlets {
+    head: watch::Sender<i64>,
+    committed_rows: mpsc::Sender<Rows>,
+}
+
+impl Outlets {
+    fn publish(&self, rows: Rows, head: Head) {
+        metrics::counter!("tally_append_events_total").increment(rows.len() as u64);
+        // Before the head moves, so that whoever it wakes finds the rows.
+        if !rows.is_empty() && rows.len() <= HANDOFF_GROUP_EVENTS_MAX {
+            // Full (the reader is slow, or not relaying) or dropped: the reader, if any,
+            // reads the ledger.
+            let _ = self.committed_rows.try_send(rows);
+        }
+        if head.position > 0 {
+            self.head.send_replace(head.position);
+        }
+    }
+}
+
+/// What isolating a group came to.
+struct Isolated {
+    /// One per request of the group, in order; `None` for those left unanswered by
+    /// `failure`.
+    results: Vec<Option<Result<Vec<AppendedEvent>, AppendError>>>,
+    /// An error that is not about the content (e.g. the connection broke) stopped the
+    /// isolation; what was committed before it is answered, the rest gets it.
+    failure: Option<sqlx::Error>,
+}
+
+/// Commits a group that Postgres refused for its content (`error`) in parts, so that only
+/// the requests it refuses on their own fail, with [`AppendError::Unstorable`].
+///
+/// Bisection, left half first: a part that fails is halved again; a request that fails
+/// alone is refused. Each part is prepared anew (positions, hashes) from the head actually
+/// committed, so positions stay gap-free and the chain intact, and requests commit in
+/// queue order. With k refused requests among n this takes about 2·k·log2(n) commits
+/// rather than n one by one, and at most 2·n − 2 (every request refused): bounded by
+/// the group, which is bounded by `group_events_max`.
+async fn isolate(
+    connection: &mut PgConnection,
+    group: &[Request],
+    committed: &mut Option<Head>,
+    outlets: &Outlets,
+    error: sqlx::Error,
+) -> Isolated {
+    assert!(is_content_error(&error));
+    metrics::counter!("tally_append_isolations_total").increment(1);
+    tracing::warn!(error = %error, requests = group.len(), "group refused for its content; isolating");
+    let attempts_max = 2 * group.len() - 2;
+    let mut attempts = 0;
+    let mut results: Vec<Option<Result<Vec<AppendedEvent>, AppendError>>> =
+        group.iter().map(|_| None).collect();
+    // Parts still to commit, the next on top; a part carries its error when it is known
+    // to fail (only the whole group, at first).
+    let mut parts = vec![(0, group.len(), Some(error))];
+    while let Some((start, end, refused)) = parts.pop() {
+        let error = match refused {
+            Some(error) => error,
+            None => {
+                attempts += 1;
+                assert!(
+                    attempts <= attempts_max,
+                    "isolation is bounded by the group"
+                );
+                let before = *committed;
+                match commit_group(connection, &group[start..end], committed).await {
+                    Ok(outcome) => {
+                        if let Some(before) = before {
+                            // Unless another instance appended in between, the part follows
+                            // exactly what was committed before it.
+                            assert!(
+                                outcome.head.position
+                                    >= before.position + outcome.rows.len() as i64,
+                                "a part's rows follow the head"
+                            );
+                        }
+                        if let Some(first) = outcome.rows.position.first() {
+                            assert_eq!(
+                                *first + outcome.rows.len() as i64 - 1,
+                                outcome.head.position,
+                                "a part's positions are gap-free up to the head"
+                            );
+                        }
+                        outlets.publish(outcome.rows, outcome.head);
+                        for (slot, result) in results[start..end].iter_mut().zip(outcome.results) {
+                            *slot = Some(result);
+                        }
+                        continue;
+                    }
+                    Err(error) if is_content_error(&error) => error,
+                    Err(error) => {
+                        return Isolated {
+                            results,
+                            failure: Some(error),
+                        }
+                    }
+                }
+            }
+        };
+        if end - start == 1 {
+            metrics::counter!("tally_append_unstorable_requests_total").increment(1);
+            let (sqlstate, reason) = match &error {
+                sqlx::Error::Database(error) => (
+                    error.code().unwrap_or_default().into_owned(),
+                    error.message().to_owned(),
+                ),
+                other => (String::new(), other.to_string()),
+            };
+            tracing::warn!(sqlstate, reason, "request refused for its content");
+            results[start] = Some(Err(AppendError::Unstorable { sqlstate, reason }));
+            continue;
+        }
+        let middle = start + (end - start) / 2;
+        parts.push((middle, end, None));
+        parts.push((start, middle, None));
+    }
+    assert!(
+        results.iter().all(Option::is_some),
+        "every request of an isolated group is answered"
+    );
+    Isolated {
+        results,
+        failure: None,
     }
 }
 
