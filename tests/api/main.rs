@@ -22,5 +22,6 @@ mod projection;
 mod reconciliation;
 mod relay;
 mod reports;
+mod stream_integrity;
 mod tokens;
 mod verify;
