@@ -1,14 +1,18 @@
 //! The `TALLY_LEDGER` copy checked against the ledger: one message against its row, the
 //! messages the relay resumes after, and the whole stream (`tally verify --stream`).
 //!
-//! The relay publishes ledger position `n` as stream sequence `n`: it starts at sequence 1
-//! with position 1, and every publish carries `Nats-Expected-Last-Sequence`, so the two
-//! numbers move together for as long as nothing else writes to the stream. The check
-//! therefore never takes a position from a message: it compares stream message `n` with
-//! ledger row `n`: the `Tally-Position` header, the event id (`Nats-Msg-Id`), the hash
-//! (the `Tally-Hash` header, when the message has one, and the payload's `hash`) and the
-//! content, recomputed from the payload and chained on the ledger's previous hash. A message
-//! anyone else published breaks the numbering and is found at the sequence it took.
+//! The relay publishes consecutive ledger positions at consecutive stream sequences, and
+//! every publish carries `Nats-Expected-Last-Sequence`, so the two numbers move together
+//! for as long as nothing else writes to the stream: sequence `s` holds position
+//! `s + offset`. The offset is 0 when the relay filled the stream from position 1; a stream
+//! seeded with a later position (as `tally bench` seeds its scratch stream) has the offset
+//! of its first message, which must itself be its ledger row. Beyond that first message
+//! the check never takes a position from a message: it compares the message at sequence
+//! `s` with ledger row `s + offset`: the `Tally-Position` header, the event id
+//! (`Nats-Msg-Id`), the hash (the `Tally-Hash` header, when the message has one, and the
+//! payload's `hash`) and the content, recomputed from the payload and chained on the
+//! ledger's previous hash. A message anyone else published breaks the numbering and is
+//! found at the sequence it took.
 
 use std::fmt;
 
@@ -32,11 +36,13 @@ use crate::ledger::verify::StreamReport;
 /// usually under 1 KiB), however long the stream is.
 pub const STREAM_VERIFY_BATCH_MESSAGES: i64 = 256;
 
-/// A stream message that is not the ledger row at its sequence.
+/// A stream message that is not the ledger row it should be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mismatch {
-    /// The stream sequence, which is also the ledger position it should hold.
+    /// The stream sequence.
     pub sequence: u64,
+    /// The ledger position that sequence should hold.
+    pub position: i64,
     /// What differs, in words.
     pub difference: String,
 }
@@ -45,9 +51,8 @@ impl fmt::Display for Mismatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "stream message {sequence} does not match ledger position {sequence}: {}",
-            self.difference,
-            sequence = self.sequence
+            "stream message {} does not match ledger position {}: {}",
+            self.sequence, self.position, self.difference
         )
     }
 }
@@ -86,23 +91,22 @@ fn canonical_timestamp(text: &str) -> Option<DateTime<Utc>> {
     (canonical::timestamp(parsed) == text).then_some(parsed)
 }
 
-/// How the message at `sequence` differs from the ledger row at that position (`None`
-/// when the ledger has no such position); `prev_hash` is the stored hash of the row
-/// before it (the genesis hash before position 1). `None` when it is that row, relayed.
+/// How a message differs from the ledger row at `position` (`row`, `None` when the ledger
+/// has no such position); `prev_hash` is the stored hash of the row before it (the
+/// genesis hash before position 1). `None` when it is that row, relayed.
 pub fn difference(
-    sequence: u64,
+    position: i64,
     headers: Option<&HeaderMap>,
     payload: &[u8],
     row: Option<&LedgerRow>,
     prev_hash: &[u8; 32],
 ) -> Option<String> {
     let Some(row) = row else {
-        return Some(format!("the ledger has no position {sequence}"));
+        return Some(format!("the ledger has no position {position}"));
     };
     assert_eq!(
-        u64::try_from(row.position).ok(),
-        Some(sequence),
-        "the caller pairs message n with row n"
+        row.position, position,
+        "the caller pairs a message with its row"
     );
     let ledger_hash = hex::encode(&row.hash);
     match header(headers, POSITION_HEADER) {
@@ -167,49 +171,105 @@ pub fn difference(
     None
 }
 
-/// Checks stream messages `from..=last` (at least 1) against the ledger, in order; the first
-/// that differs is returned. Errors are failures to read (NATS or Postgres), not findings.
-/// Reads at most `last - from + 2` rows, so the caller bounds the range.
+/// The stored hash of the row before `position`: the genesis hash before position 1.
+async fn hash_before(pool: &PgPool, position: i64) -> anyhow::Result<Option<[u8; 32]>> {
+    if position <= 1 {
+        return Ok(Some(GENESIS_HASH));
+    }
+    let hash: Option<Vec<u8>> = sqlx::query_scalar("SELECT hash FROM ledger WHERE position = $1")
+        .bind(position - 1)
+        .fetch_optional(pool)
+        .await?;
+    Ok(hash.map(|hash| hash.try_into().expect("32-byte hashes")))
+}
+
+/// Reads the message at `sequence`; `Ok(None)` when the stream no longer holds it.
+async fn message_at(
+    stream: &jetstream::stream::Stream,
+    sequence: u64,
+) -> anyhow::Result<Option<jetstream::message::StreamMessage>> {
+    match stream.get_raw_message(sequence).await {
+        Ok(message) => Ok(Some(message)),
+        Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(error) => Err(error).with_context(|| format!("reading stream message {sequence}")),
+    }
+}
+
+/// The stream's offset (sequence `s` holds position `s + offset`), from its first message
+/// at `first_sequence`, which must be the ledger row it names; a [`Mismatch`] otherwise.
+/// Errors are failures to read (NATS or Postgres), not findings.
+pub async fn offset(
+    pool: &PgPool,
+    stream: &jetstream::stream::Stream,
+    first_sequence: u64,
+) -> anyhow::Result<Result<i64, Mismatch>> {
+    let first = i64::try_from(first_sequence)?;
+    let Some(message) = message_at(stream, first_sequence).await? else {
+        return Ok(Err(Mismatch {
+            sequence: first_sequence,
+            position: first,
+            difference: "the stream no longer holds it".to_owned(),
+        }));
+    };
+    // Only the first message's position is read from it, and only to be checked below.
+    let position = header(Some(&message.headers), POSITION_HEADER)
+        .and_then(|value| value.parse::<i64>().ok())
+        .filter(|position| *position >= 1)
+        .unwrap_or(first);
+    let row = read::read_after(pool, position - 1, 1).await?.pop();
+    let row = row.filter(|row| row.position == position);
+    let prev_hash = hash_before(pool, position).await?.unwrap_or(GENESIS_HASH);
+    match difference(
+        position,
+        Some(&message.headers),
+        &message.payload,
+        row.as_ref(),
+        &prev_hash,
+    ) {
+        Some(difference) => Ok(Err(Mismatch {
+            sequence: first_sequence,
+            position,
+            difference,
+        })),
+        None => Ok(Ok(position - first)),
+    }
+}
+
+/// Checks stream messages `from..=last` (at least 1) against ledger rows `from + offset`
+/// on, in order; the first that differs is returned. Errors are failures to read (NATS or
+/// Postgres), not findings. Reads `last - from + 1` rows, so the caller bounds the range.
 pub async fn check_range(
     pool: &PgPool,
     stream: &jetstream::stream::Stream,
     from: u64,
     last: u64,
+    offset: i64,
 ) -> anyhow::Result<Option<Mismatch>> {
     assert!(from >= 1 && from <= last, "a range of stream sequences");
-    let count = usize::try_from(last - from + 2).expect("a bounded range");
-    let before = i64::try_from(from).expect("a stream sequence") - 1;
-    // The row before `from` too: its hash is what `from`'s content chains on.
-    let rows = read::read_after(pool, before - 1, count).await?;
+    let count = usize::try_from(last - from + 1).expect("a bounded range");
+    let position_of = |sequence: u64| i64::try_from(sequence).expect("a stream sequence") + offset;
+    let start = position_of(from);
+    let rows = read::read_after(pool, start - 1, count).await?;
     let mut rows = rows.iter().peekable();
-    let mut prev_hash = GENESIS_HASH;
-    if before > 0 {
-        match rows.next_if(|row| row.position == before) {
-            Some(row) => prev_hash = row.hash.as_slice().try_into().expect("32-byte hashes"),
-            None => {
-                return Ok(Some(Mismatch {
-                    sequence: from,
-                    difference: format!("the ledger has no position {from}"),
-                }))
-            }
-        }
-    }
+    let Some(mut prev_hash) = hash_before(pool, start).await? else {
+        return Ok(Some(Mismatch {
+            sequence: from,
+            position: start,
+            difference: format!("the ledger has no position {}", start - 1),
+        }));
+    };
     for sequence in from..=last {
-        let message = match stream.get_raw_message(sequence).await {
-            Ok(message) => message,
-            Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => {
-                return Ok(Some(Mismatch {
-                    sequence,
-                    difference: "the stream no longer holds it".to_owned(),
-                }))
-            }
-            Err(error) => {
-                return Err(error).with_context(|| format!("reading stream message {sequence}"))
-            }
+        let position = position_of(sequence);
+        let Some(message) = message_at(stream, sequence).await? else {
+            return Ok(Some(Mismatch {
+                sequence,
+                position,
+                difference: "the stream no longer holds it".to_owned(),
+            }));
         };
-        let row = rows.next_if(|row| u64::try_from(row.position).ok() == Some(sequence));
+        let row = rows.next_if(|row| row.position == position);
         if let Some(difference) = difference(
-            sequence,
+            position,
             Some(&message.headers),
             &message.payload,
             row,
@@ -217,6 +277,7 @@ pub async fn check_range(
         ) {
             return Ok(Some(Mismatch {
                 sequence,
+                position,
                 difference,
             }));
         }
@@ -245,39 +306,49 @@ pub async fn verify_stream(
         ok: true,
         messages_checked: 0,
         last_sequence,
+        first_position: 0,
         rows_not_in_stream: 0,
         first_bad_position: None,
         problem: None,
     };
+    let mut found: Option<Mismatch> = None;
+    let mut offset = 0;
+    if last_sequence > 0 {
+        match self::offset(pool, &stream, state.first_sequence).await? {
+            Ok(value) => offset = value,
+            Err(mismatch) => found = Some(mismatch),
+        }
+        report.first_position = i64::try_from(state.first_sequence)? + offset;
+    }
     let mut transaction = pool.begin().await?;
     // One long statement, as in the chain's full pass.
     sqlx::query("SET LOCAL statement_timeout = 0")
         .execute(&mut *transaction)
         .await?;
-    let query = format!("SELECT {ROW_COLUMNS} FROM ledger ORDER BY position");
-    let mut rows = sqlx::query_as::<_, LedgerRow>(&query).fetch(&mut *transaction);
-    let mut prev_hash = GENESIS_HASH;
-    let mut found: Option<Mismatch> = None;
-    if last_sequence > 0 && state.first_sequence > 1 {
-        found = Some(Mismatch {
-            sequence: 1,
-            difference: format!(
-                "the stream no longer holds it (its first message is {})",
-                state.first_sequence
-            ),
-        });
-    }
     if last_sequence > 0 && found.is_none() {
+        let first_position = report.first_position;
+        let query =
+            format!("SELECT {ROW_COLUMNS} FROM ledger WHERE position >= $1 ORDER BY position");
+        let mut rows = sqlx::query_as::<_, LedgerRow>(&query)
+            .bind(first_position)
+            .fetch(&mut *transaction);
+        let mut prev_hash = hash_before(pool, first_position)
+            .await?
+            .unwrap_or(GENESIS_HASH);
         let consumer = stream
             .create_consumer(consumer::pull::OrderedConfig {
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: state.first_sequence,
+                },
                 max_batch: STREAM_VERIFY_BATCH_MESSAGES,
                 ..Default::default()
             })
             .await
             .context("cannot read the ledger stream")?;
         let mut messages = consumer.messages().await?;
-        let mut expected = 1;
+        let mut expected = state.first_sequence;
         while expected <= last_sequence {
+            let position = i64::try_from(expected)? + offset;
             let message = messages
                 .next()
                 .await
@@ -289,14 +360,15 @@ pub async fn verify_stream(
             if sequence != expected {
                 found = Some(Mismatch {
                     sequence: expected,
+                    position,
                     difference: "the stream no longer holds it".to_owned(),
                 });
                 break;
             }
             let row = rows.try_next().await?;
-            let row = row.filter(|row| u64::try_from(row.position).ok() == Some(sequence));
+            let row = row.filter(|row| row.position == position);
             if let Some(difference) = difference(
-                sequence,
+                position,
                 message.headers.as_ref(),
                 &message.payload,
                 row.as_ref(),
@@ -304,6 +376,7 @@ pub async fn verify_stream(
             ) {
                 found = Some(Mismatch {
                     sequence,
+                    position,
                     difference,
                 });
                 break;
@@ -314,11 +387,11 @@ pub async fn verify_stream(
             expected += 1;
         }
     }
-    drop(rows);
     if found.is_none() {
         // Whatever the ledger holds past the stream has not been relayed yet.
+        let relayed = i64::try_from(last_sequence)? + offset;
         let unrelayed: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE position > $1")
-            .bind(i64::try_from(last_sequence)?)
+            .bind(relayed)
             .fetch_one(&mut *transaction)
             .await?;
         report.rows_not_in_stream = u64::try_from(unrelayed)?;
@@ -326,7 +399,7 @@ pub async fn verify_stream(
     transaction.commit().await?;
     if let Some(mismatch) = found {
         report.ok = false;
-        report.first_bad_position = Some(i64::try_from(mismatch.sequence)?);
+        report.first_bad_position = Some(mismatch.position);
         report.problem = Some(mismatch.to_string());
     }
     Ok(report)

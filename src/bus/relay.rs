@@ -1,15 +1,17 @@
 //! The relay: carries the committed ledger to `TALLY_LEDGER`, in position order, each event
 //! exactly once.
 //!
-//! The stream itself is the relay's checkpoint: position `n` is stream sequence `n`, so at
-//! start (and after any error) the relay continues after the stream's last sequence. It
-//! never takes a position from a message: before resuming it checks the messages it has
-//! not itself seen stored (after an error, those after the last acknowledged publish; at
-//! start, the last `batch_max`, one burst of publishes) against the ledger rows at those
-//! positions (`bus::check`). A message that differs (one published by anyone else) halts
-//! the relay for good: it stops relaying, `/readyz` turns false and names the message, and
-//! the `tally_relay_halted` gauge and an error log line give the position; only an operator
-//! can repair a deny-delete stream. Every publish carries `Nats-Expected-Last-Sequence`, so the
+//! The stream itself is the relay's checkpoint: consecutive positions go to consecutive
+//! sequences, so at start (and after any error) the relay continues after the position its
+//! last sequence holds. It never takes a position from a message it did not write: before
+//! resuming it checks the stream's first message (once; it fixes how sequences map to
+//! positions, see `bus::check`) and the messages it has not itself seen stored (after an
+//! error, those after the last acknowledged publish; at start, the last `batch_max`, one
+//! burst of publishes) against the ledger rows they should be. A message that differs (one
+//! published by anyone else) halts the relay for good: it stops relaying, `/readyz` turns
+//! false and names the message, and the `tally_relay_halted` gauge and an error log line
+//! give the position; only an operator can repair a deny-delete stream.
+//! Every publish carries `Nats-Expected-Last-Sequence`, so the
 //! stream refuses a message unless everything before it is stored: a publish that failed
 //! can never be skipped over by a later one that succeeded, and a second relay that
 //! raced this one is refused rather than duplicating. `Nats-Msg-Id` (the event id) adds
@@ -87,8 +89,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     metrics::gauge!("tally_relay_halted").set(0.0);
-    // The last stream sequence this process saw acknowledged or checked.
-    let mut verified = 0;
+    let mut verified = Verified::default();
     while !shutdown.is_cancelled() {
         let committed = committed.as_mut();
         if let Err(error) = lead(
@@ -105,12 +106,13 @@ pub async fn run(
         {
             if let Some(mismatch) = error.downcast_ref::<Mismatch>() {
                 tracing::error!(
-                    position = mismatch.sequence,
+                    position = mismatch.position,
+                    sequence = mismatch.sequence,
                     reason = %mismatch,
                     "relay halted: the ledger stream holds a message the relay did not write"
                 );
                 metrics::gauge!("tally_relay_halted").set(1.0);
-                metrics::gauge!("tally_relay_halted_position").set(mismatch.sequence as f64);
+                metrics::gauge!("tally_relay_halted_position").set(mismatch.position as f64);
                 status.halt(mismatch.clone());
                 shutdown.cancelled().await;
                 break;
@@ -138,7 +140,7 @@ async fn lead(
     settings: &RelaySettings,
     head: &mut watch::Receiver<i64>,
     mut committed: Option<&mut Committed>,
-    verified: &mut u64,
+    verified: &mut Verified,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let mut connection = pool.acquire().await?;
@@ -170,41 +172,66 @@ async fn lead(
     result
 }
 
-/// Where the stream ends, checked: the last stream sequence, which holds the same ledger
-/// position. The messages after `verified` (but no more than one burst, `batch_max`) are
-/// compared with their ledger rows first; a difference is returned as a [`Mismatch`] error.
+/// What this process knows of the stream without reading it again.
+#[derive(Debug, Clone, Copy, Default)]
+struct Verified {
+    /// The last stream sequence this process saw acknowledged or checked.
+    sequence: u64,
+    /// Sequence `s` holds position `s + offset`; known once the first message was checked.
+    offset: Option<i64>,
+}
+
+/// Where the stream ends, checked: (the last position in it, its last sequence). The first
+/// message is checked once, the messages after `verified` (but no more than one burst,
+/// `batch_max`) each time; a difference is returned as a [`Mismatch`] error.
 async fn resume(
     pool: &PgPool,
     context: &jetstream::Context,
     names: &Names,
     batch_max: usize,
-    verified: u64,
-) -> anyhow::Result<u64> {
+    verified: &mut Verified,
+) -> anyhow::Result<(i64, u64)> {
     let mut stream = context.get_stream(names.ledger_stream()).await?;
-    let last_sequence = stream.info().await?.state.last_sequence;
-    if last_sequence < verified {
+    let state = stream.info().await?.state.clone();
+    let last_sequence = state.last_sequence;
+    let stored = verified.sequence;
+    let position_of = |sequence: u64, offset: i64| -> anyhow::Result<i64> {
+        Ok(i64::try_from(sequence)? + offset)
+    };
+    if last_sequence < stored {
         return Err(Mismatch {
-            sequence: verified,
-            difference: format!(
-                "the stream ends at message {last_sequence}, before what was stored"
-            ),
+            sequence: stored,
+            position: position_of(stored, verified.offset.unwrap_or(0))?,
+            difference: format!("the stream ends at message {last_sequence}"),
         }
         .into());
     }
-    if last_sequence == verified {
-        return Ok(last_sequence);
+    if last_sequence == 0 {
+        return Ok((0, 0));
     }
-    // A burst is at most `batch_max` publishes, so a message anyone slipped in between the
-    // relay's own lies within the last `batch_max` sequences.
-    let window = u64::try_from(batch_max.max(1)).unwrap_or(u64::MAX);
-    let from = (verified + 1).max(last_sequence.saturating_sub(window - 1));
-    match check::check_range(pool, &stream, from, last_sequence)
-        .await
-        .context("cannot check the ledger stream against the ledger")?
-    {
-        Some(mismatch) => Err(mismatch.into()),
-        None => Ok(last_sequence),
+    let offset = match verified.offset {
+        Some(offset) => offset,
+        None => check::offset(pool, &stream, state.first_sequence)
+            .await
+            .context("cannot check the ledger stream against the ledger")??,
+    };
+    verified.offset = Some(offset);
+    if last_sequence > stored {
+        // A burst is at most `batch_max` publishes, so a message anyone slipped in between
+        // the relay's own lies within the last `batch_max` sequences.
+        let window = u64::try_from(batch_max.max(1)).unwrap_or(u64::MAX);
+        let from = (stored + 1)
+            .max(last_sequence.saturating_sub(window - 1))
+            .max(state.first_sequence);
+        if let Some(mismatch) = check::check_range(pool, &stream, from, last_sequence, offset)
+            .await
+            .context("cannot check the ledger stream against the ledger")?
+        {
+            return Err(mismatch.into());
+        }
+        verified.sequence = last_sequence;
     }
+    Ok((position_of(last_sequence, offset)?, last_sequence))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -215,13 +242,12 @@ async fn relay(
     settings: &RelaySettings,
     head: &mut watch::Receiver<i64>,
     mut committed: Option<&mut Committed>,
-    verified: &mut u64,
+    verified: &mut Verified,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
-    let mut sequence = resume(pool, context, names, settings.batch_max, *verified).await?;
-    *verified = sequence;
-    let mut published = i64::try_from(sequence)?;
+    let (mut published, mut sequence) =
+        resume(pool, context, names, settings.batch_max, verified).await?;
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
         // This instance's own commits come from memory when they continue the stream;
@@ -287,7 +313,11 @@ async fn relay(
                 sequence + 1
             );
             sequence = ack.sequence;
-            *verified = sequence;
+            verified.sequence = sequence;
+            // Its own acknowledged publish fixes the numbering as well as a checked one.
+            verified
+                .offset
+                .get_or_insert(position - i64::try_from(sequence)?);
             published = position;
         }
         metrics::counter!("tally_relay_published_total").increment(rows.len() as u64);

@@ -126,8 +126,10 @@ pub struct VerifyReportSchema {
 pub struct StreamReportSchema {
     ok: bool,
     messages_checked: u64,
-    /// The stream's last sequence (= ledger position) when the pass began.
+    /// The stream's last sequence when the pass began.
     last_sequence: u64,
+    /// The ledger position of the stream's first message (1 unless seeded; 0 when empty).
+    first_position: i64,
     /// Ledger rows after `last_sequence`: not relayed yet.
     rows_not_in_stream: u64,
     first_bad_position: Option<i64>,

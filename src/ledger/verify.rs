@@ -40,8 +40,11 @@ pub struct StreamReport {
     pub ok: bool,
     /// Messages found equal to their rows (id, position, hash and content).
     pub messages_checked: u64,
-    /// The stream's last sequence when the pass began: the last ledger position relayed.
+    /// The stream's last sequence when the pass began.
     pub last_sequence: u64,
+    /// The ledger position of the stream's first message: 1, unless the stream was seeded
+    /// with a later one (as `tally bench` does); 0 for an empty stream.
+    pub first_position: i64,
     /// Rows after `last_sequence`, not relayed yet when the pass began.
     pub rows_not_in_stream: u64,
     /// The first position whose message differs from its row.

@@ -328,7 +328,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
     assert_eq!(code, 0, "{report} {stderr}");
     assert_eq!(
         report["stream"],
-        json!({"ok": true, "messages_checked": 10, "last_sequence": 10,
+        json!({"ok": true, "messages_checked": 10, "last_sequence": 10, "first_position": 1,
                "rows_not_in_stream": 0, "first_bad_position": null})
     );
 
@@ -370,4 +370,86 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         (422, json!("invalid_stream"))
     );
     app.stop().await;
+}
+
+/// `tally bench` seeds its scratch stream with the ledger's head row instead of relaying a
+/// `COPY`-built history: a first message that is its ledger row fixes where the stream
+/// starts, and the relay continues from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
+    let db = TestDb::new().await;
+    let nats = TestNats::start();
+    let pool = db.pool().await;
+    let (appender, _committed, _task) = tally::ledger::Appender::start(
+        pool.clone(),
+        tally::ledger::AppendLimits {
+            queue_max: 64,
+            group_events_max: 10_000,
+        },
+    );
+    appender
+        .append(parse_events(&valid_events(5)))
+        .await
+        .unwrap();
+    let head = read::read_after(&pool, 4, 1).await.unwrap().pop().unwrap();
+    let js = nats.jetstream().await;
+    let names = tally::bus::Names::new("").unwrap();
+    tally::bus::apply_streams(&js, &names, &["TALLY_LEDGER"])
+        .await
+        .unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", head.id.hyphenated().to_string().as_str());
+    headers.insert("Tally-Position", "5");
+    js.publish_with_headers(
+        names.ledger_subject(&head.org_id, &head.event_type),
+        headers,
+        serde_json::to_vec(&head.to_message()).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    drop(appender);
+
+    let mut config = Config::new(&db.url, &nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    config.relay_poll_ms = 50;
+    let service = Service::start(config).await.unwrap();
+    let client = reqwest::Client::new();
+    let base = format!("http://{}", service.local_addr);
+    let response = client
+        .post(format!("{base}/v1/events"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"events": valid_events(3)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    wait_for_stream(&js, 4).await;
+    let last = js
+        .get_stream("TALLY_LEDGER")
+        .await
+        .unwrap()
+        .get_raw_message(4)
+        .await
+        .unwrap();
+    assert_eq!(last.headers.get("Tally-Position").unwrap().as_str(), "8");
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200);
+    let report: Value = client
+        .get(format!("{base}/v1/ledger/verify?stream=true"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        report["stream"],
+        json!({"ok": true, "messages_checked": 4, "last_sequence": 4, "first_position": 5,
+               "rows_not_in_stream": 0, "first_bad_position": null}),
+        "{report}"
+    );
+    service.stop().await;
 }
