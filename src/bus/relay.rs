@@ -88,7 +88,6 @@ pub async fn run(
     status: RelayStatus,
     shutdown: CancellationToken,
 ) {
-    metrics::gauge!("tally_relay_halted").set(0.0);
     let mut verified = Verified::default();
     while !shutdown.is_cancelled() {
         let committed = committed.as_mut();
@@ -248,6 +247,8 @@ async fn relay(
     super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
     let (mut published, mut sequence) =
         resume(pool, context, names, settings.batch_max, verified).await?;
+    // Set here rather than at spawn, when the metrics recorder may not be installed yet.
+    metrics::gauge!("tally_relay_halted").set(0.0);
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
         // This instance's own commits come from memory when they continue the stream;
