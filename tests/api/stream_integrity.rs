@@ -453,3 +453,74 @@ async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
     );
     service.stop().await;
 }
+
+/// Publishes a ledger row as the relay does (without `Tally-Hash`, as an older relay did).
+async fn publish_row(js: &async_nats::jetstream::Context, row: &read::LedgerRow) -> u64 {
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
+    headers.insert("Tally-Position", row.position.to_string().as_str());
+    let subject = tally::bus::Names::new("")
+        .unwrap()
+        .ledger_subject(&row.org_id, &row.event_type);
+    js.publish_with_headers(
+        subject,
+        headers,
+        serde_json::to_vec(&row.to_message()).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap()
+    .sequence
+}
+
+/// A message slipped in between two of the relay's publishes of one burst: the stream's
+/// last message is genuine, so a check of the last message alone would resume past the
+/// forged one. The relay checks the whole last burst and halts on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_forged_inside_a_burst_is_found_although_the_last_message_is_genuine() {
+    let db = TestDb::new().await;
+    let nats = TestNats::start();
+    let pool = db.pool().await;
+    let (appender, _committed, _task) = tally::ledger::Appender::start(
+        pool.clone(),
+        tally::ledger::AppendLimits {
+            queue_max: 64,
+            group_events_max: 10_000,
+        },
+    );
+    appender
+        .append(parse_events(&valid_events(8)))
+        .await
+        .unwrap();
+    drop(appender);
+    let rows = read::read_after(&pool, 0, 100).await.unwrap();
+    let js = nats.jetstream().await;
+    tally::bus::apply_streams(&js, &tally::bus::Names::new("").unwrap(), &["TALLY_LEDGER"])
+        .await
+        .unwrap();
+    for row in &rows[..5] {
+        publish_row(&js, row).await;
+    }
+    // As in the race: position 6's publish (expecting sequence 5) is refused because the
+    // forged message took 6; position 7's (expecting 6) then succeeds at 7.
+    js.publish("tally.ledger.evil.container.created", "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(publish_row(&js, &rows[6]).await, 7);
+
+    let mut config = Config::new(&db.url, &nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    config.relay_poll_ms = 50;
+    let service = Service::start(config).await.unwrap();
+    let client = reqwest::Client::new();
+    let ready = wait_for_halt(&client, &format!("http://{}", service.local_addr)).await;
+    assert_eq!(
+        ready["relay"],
+        "halted: stream message 6 does not match ledger position 6: it has no Tally-Position header"
+    );
+    assert_eq!(stream_messages(&js, "TALLY_LEDGER").await, 7);
+    service.stop().await;
+}
