@@ -60,8 +60,10 @@ impl fmt::Display for Mismatch {
 impl std::error::Error for Mismatch {}
 
 /// The payload the relay publishes ([`crate::ledger::read::LedgerMessage`]), read back.
+/// Members it does not know are ignored rather than refused, so that a member added to
+/// the message later does not make every message relayed before it (or after it, for an
+/// older verifier) a difference; the hash covers what the ledger covers.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Payload {
     position: i64,
     id: Uuid,
