@@ -32,6 +32,10 @@ pub enum Command {
         /// Only the rows after the last verified checkpoint (default: every row).
         #[arg(long)]
         incremental: bool,
+        /// Also compare every row with its `TALLY_LEDGER` message (id, position, hash,
+        /// content), which catches a rewrite that recomputed the chain (needs NATS_URL).
+        #[arg(long)]
+        stream: bool,
     },
     /// Rebuild every projection from the ledger (into fresh tables, then swapped in).
     Replay,
@@ -101,13 +105,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("migrated");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Verify { incremental } => {
+        Command::Verify {
+            incremental,
+            stream,
+        } => {
             let pool = db::prepare(&cli.config).await?;
-            let report = if incremental {
+            let mut report = if incremental {
                 verify::verify_incremental(&pool).await?
             } else {
                 verify::verify(&pool).await?
             };
+            if stream {
+                let names = crate::bus::Names::new(&cli.config.nats_namespace)?;
+                let client = crate::bus::connect(&cli.config.nats_url).await?;
+                let context = crate::bus::jetstream(client);
+                let compared = crate::bus::check::verify_stream(&pool, &context, &names).await?;
+                report = report.with_stream(compared);
+            }
             pool.close().await;
             println!("{}", serde_json::to_string_pretty(&report)?);
             match report.first_bad_position {

@@ -58,6 +58,7 @@ impl Service {
         let freshness = Freshness::new(appender.head(), appender.acknowledged());
         let checker = Checker::new(pool.clone(), freshness.clone());
         let shutdown = CancellationToken::new();
+        let relay_status = relay::RelayStatus::default();
         let workers = vec![
             tokio::spawn(relay::run(
                 pool.clone(),
@@ -69,6 +70,7 @@ impl Service {
                 },
                 appender.head(),
                 Some(committed),
+                relay_status.clone(),
                 shutdown.clone(),
             )),
             tokio::spawn(projector::run(
@@ -88,7 +90,7 @@ impl Service {
             )),
             tokio::spawn(ingest::run(
                 context,
-                names,
+                names.clone(),
                 pool.clone(),
                 appender.clone(),
                 ingest::IngestSettings {
@@ -114,6 +116,8 @@ impl Service {
             concurrency_max: config.http_concurrency_max,
             report_max_bytes: config.report_max_bytes,
             page_events_max: config.page_events_max,
+            relay_status,
+            nats_names: names,
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

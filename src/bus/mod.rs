@@ -1,6 +1,8 @@
 //! NATS JetStream: the streams of `streams/*.json` (created or updated at start-up), the
-//! relay that publishes the committed ledger, and the ingest consumer.
+//! relay that publishes the committed ledger, the check of that copy against the ledger,
+//! and the ingest consumer.
 
+pub mod check;
 pub mod ingest;
 pub mod relay;
 
@@ -25,6 +27,12 @@ const STREAM_FILES: [(&str, &str); 3] = [
 
 /// How long one JetStream API request may take before it counts as failed.
 pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
+
+/// The subject prefix of tally's reply inboxes. Not the default `_INBOX`: under the shipped
+/// permissions (`deploy/nats/tally.conf`) producers may subscribe to `_INBOX.>` for their
+/// publish acknowledgements, and tally's replies (pulled ingest messages, stream reads)
+/// must not reach them.
+pub const INBOX_PREFIX: &str = "_INBOX_tally";
 
 /// Stream names and subject prefixes, with the optional namespace applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,16 +104,55 @@ impl Names {
 }
 
 /// Connects without waiting for the server: when NATS is down at start-up the client keeps
-/// retrying in the background and HTTP ingest works meanwhile.
+/// retrying in the background and HTTP ingest works meanwhile. A user and password in the
+/// URL (`nats://user:pass@host:4222`, percent-encoded) are sent to the server: the client
+/// library parses them but does not use them by itself.
 pub async fn connect(url: &str) -> anyhow::Result<async_nats::Client> {
-    async_nats::ConnectOptions::new()
+    let address: async_nats::ServerAddr = url
+        .parse()
+        .map_err(|error| anyhow::anyhow!("NATS_URL is not a NATS URL: {error}"))?;
+    let shown = redacted(&address);
+    let mut options = async_nats::ConnectOptions::new();
+    if let Some(user) = address.username() {
+        let password = address.password().unwrap_or_default();
+        options = options.user_and_password(percent_decoded(user)?, percent_decoded(password)?);
+    }
+    options
         .name("tally")
+        .custom_inbox_prefix(INBOX_PREFIX)
         .retry_on_initial_connect()
         .connection_timeout(Duration::from_secs(5))
         .request_timeout(Some(Duration::from_millis(REQUEST_TIMEOUT_MS)))
-        .connect(url)
+        .connect(address)
         .await
-        .with_context(|| format!("cannot use NATS at {url}"))
+        .with_context(|| format!("cannot use NATS at {shown}"))
+}
+
+/// The server's address without its credentials, for messages and logs.
+fn redacted(address: &async_nats::ServerAddr) -> String {
+    format!(
+        "{}://{}:{}",
+        address.scheme(),
+        address.host(),
+        address.port()
+    )
+}
+
+/// `%XX` sequences decoded, as URLs carry reserved characters in a user or password.
+fn percent_decoded(text: &str) -> anyhow::Result<String> {
+    let mut bytes = Vec::with_capacity(text.len());
+    let mut rest = text.as_bytes();
+    while let Some((&byte, tail)) = rest.split_first() {
+        if byte == b'%' && tail.len() >= 2 {
+            let hex = std::str::from_utf8(&tail[..2])?;
+            bytes.push(u8::from_str_radix(hex, 16).context("a bad %-escape in NATS_URL")?);
+            rest = &tail[2..];
+        } else {
+            bytes.push(byte);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).context("NATS_URL credentials are not UTF-8")
 }
 
 pub fn jetstream(client: async_nats::Client) -> jetstream::Context {
@@ -161,6 +208,13 @@ mod tests {
             Duration::ZERO,
             "the ledger stream keeps everything"
         );
+    }
+
+    #[test]
+    fn credentials_in_a_url_are_percent_decoded() {
+        assert_eq!(percent_decoded("p%40ss%3Aw0rd").unwrap(), "p@ss:w0rd");
+        assert_eq!(percent_decoded("plain").unwrap(), "plain");
+        assert!(percent_decoded("bad%zz").is_err());
     }
 
     #[test]

@@ -1,9 +1,17 @@
 //! The relay: carries the committed ledger to `TALLY_LEDGER`, in position order, each event
 //! exactly once.
 //!
-//! The stream itself is the relay's checkpoint: at start (and after any error) the relay
-//! reads the last message of the stream and its `Tally-Position` header, and continues
-//! with the next position. Every publish carries `Nats-Expected-Last-Sequence`, so the
+//! The stream itself is the relay's checkpoint: consecutive positions go to consecutive
+//! sequences, so at start (and after any error) the relay continues after the position its
+//! last sequence holds. It never takes a position from a message it did not write: before
+//! resuming it checks the stream's first message (once; it fixes how sequences map to
+//! positions, see `bus::check`) and the messages it has not itself seen stored (after an
+//! error, those after the last acknowledged publish; at start, the last `batch_max`, one
+//! burst of publishes) against the ledger rows they should be. A message that differs (one
+//! published by anyone else) halts the relay for good: it stops relaying, `/readyz` turns
+//! false and names the message, and the `tally_relay_halted` gauge and an error log line
+//! give the position; only an operator can repair a deny-delete stream.
+//! Every publish carries `Nats-Expected-Last-Sequence`, so the
 //! stream refuses a message unless everything before it is stored: a publish that failed
 //! can never be skipped over by a later one that succeeded, and a second relay that
 //! raced this one is refused rather than duplicating. `Nats-Msg-Id` (the event id) adds
@@ -15,6 +23,7 @@
 //! not continue exactly where the stream ends (another instance's appends, a batch too
 //! large to hand over, rows dropped while the relay was busy) it reads from the ledger.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -24,11 +33,15 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::check::{self, Mismatch};
 use super::Names;
 use crate::ledger::{read, Committed};
 
 /// Header carrying the ledger position of a relayed event.
 pub const POSITION_HEADER: &str = "Tally-Position";
+/// Header carrying the ledger hash of a relayed event (hex), so that a message can be
+/// checked against its row without parsing the payload.
+pub const HASH_HEADER: &str = "Tally-Hash";
 /// The session advisory lock that elects the one relaying instance.
 pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
 /// After being woken by a commit, the relay waits this long before reading, so that one
@@ -46,7 +59,25 @@ pub struct RelaySettings {
     pub poll: Duration,
 }
 
-/// Runs until `shutdown`; errors are logged and retried, never fatal.
+/// Whether the relay halted on a stream message that is not the ledger, and why; shared
+/// with `/readyz`. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct RelayStatus(Arc<Mutex<Option<Mismatch>>>);
+
+impl RelayStatus {
+    /// The reason the relay halted, if it did.
+    pub fn halted(&self) -> Option<Mismatch> {
+        self.0.lock().expect("the relay status lock").clone()
+    }
+
+    fn halt(&self, mismatch: Mismatch) {
+        *self.0.lock().expect("the relay status lock") = Some(mismatch);
+    }
+}
+
+/// Runs until `shutdown`; errors are logged and retried, never fatal, except a stream
+/// message that is not the ledger: then the relay halts until the process stops.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     pool: PgPool,
     context: jetstream::Context,
@@ -54,15 +85,37 @@ pub async fn run(
     settings: RelaySettings,
     mut head: watch::Receiver<i64>,
     mut committed: Option<Committed>,
+    status: RelayStatus,
     shutdown: CancellationToken,
 ) {
+    let mut verified = Verified::default();
     while !shutdown.is_cancelled() {
         let committed = committed.as_mut();
         if let Err(error) = lead(
-            &pool, &context, &names, &settings, &mut head, committed, &shutdown,
+            &pool,
+            &context,
+            &names,
+            &settings,
+            &mut head,
+            committed,
+            &mut verified,
+            &shutdown,
         )
         .await
         {
+            if let Some(mismatch) = error.downcast_ref::<Mismatch>() {
+                tracing::error!(
+                    position = mismatch.position,
+                    sequence = mismatch.sequence,
+                    reason = %mismatch,
+                    "relay halted: the ledger stream holds a message the relay did not write"
+                );
+                metrics::gauge!("tally_relay_halted").set(1.0);
+                metrics::gauge!("tally_relay_halted_position").set(mismatch.position as f64);
+                status.halt(mismatch.clone());
+                shutdown.cancelled().await;
+                break;
+            }
             tracing::warn!(
                 error = format!("{error:#}"),
                 "relay interrupted; will resume"
@@ -78,6 +131,7 @@ pub async fn run(
 }
 
 /// Waits to become the relaying instance, then relays until an error or shutdown.
+#[allow(clippy::too_many_arguments)]
 async fn lead(
     pool: &PgPool,
     context: &jetstream::Context,
@@ -85,6 +139,7 @@ async fn lead(
     settings: &RelaySettings,
     head: &mut watch::Receiver<i64>,
     mut committed: Option<&mut Committed>,
+    verified: &mut Verified,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let mut connection = pool.acquire().await?;
@@ -104,7 +159,10 @@ async fn lead(
             _ = shutdown.cancelled() => return Ok(()),
         }
     }
-    let result = relay(pool, context, names, settings, head, committed, shutdown).await;
+    let result = relay(
+        pool, context, names, settings, head, committed, verified, shutdown,
+    )
+    .await;
     // Release leadership explicitly; if this fails the connection is dropped by the pool.
     let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(RELAY_LOCK_KEY)
@@ -113,28 +171,69 @@ async fn lead(
     result
 }
 
-/// Where the stream ends: (last ledger position in it, last stream sequence).
-async fn stream_position(
+/// What this process knows of the stream without reading it again.
+#[derive(Debug, Clone, Copy, Default)]
+struct Verified {
+    /// The last stream sequence this process saw acknowledged or checked.
+    sequence: u64,
+    /// Sequence `s` holds position `s + offset`; known once the first message was checked.
+    offset: Option<i64>,
+}
+
+/// Where the stream ends, checked: (the last position in it, its last sequence). The first
+/// message is checked once, the messages after `verified` (but no more than one burst,
+/// `batch_max`) each time; a difference is returned as a [`Mismatch`] error.
+async fn resume(
+    pool: &PgPool,
     context: &jetstream::Context,
     names: &Names,
+    batch_max: usize,
+    verified: &mut Verified,
 ) -> anyhow::Result<(i64, u64)> {
     let mut stream = context.get_stream(names.ledger_stream()).await?;
-    let last_sequence = stream.info().await?.state.last_sequence;
+    let state = stream.info().await?.state.clone();
+    let last_sequence = state.last_sequence;
+    let stored = verified.sequence;
+    let position_of = |sequence: u64, offset: i64| -> anyhow::Result<i64> {
+        Ok(i64::try_from(sequence)? + offset)
+    };
+    if last_sequence < stored {
+        return Err(Mismatch {
+            sequence: stored,
+            position: position_of(stored, verified.offset.unwrap_or(0))?,
+            difference: format!("the stream ends at message {last_sequence}"),
+        }
+        .into());
+    }
     if last_sequence == 0 {
         return Ok((0, 0));
     }
-    let message = stream
-        .get_raw_message(last_sequence)
-        .await
-        .context("cannot read the last message of the ledger stream")?;
-    let position = message
-        .headers
-        .get(POSITION_HEADER)
-        .and_then(|v| v.as_str().parse::<i64>().ok())
-        .with_context(|| format!("message {last_sequence} has no {POSITION_HEADER} header"))?;
-    Ok((position, last_sequence))
+    let offset = match verified.offset {
+        Some(offset) => offset,
+        None => check::offset(pool, &stream, state.first_sequence)
+            .await
+            .context("cannot check the ledger stream against the ledger")??,
+    };
+    verified.offset = Some(offset);
+    if last_sequence > stored {
+        // A burst is at most `batch_max` publishes, so a message anyone slipped in between
+        // the relay's own lies within the last `batch_max` sequences.
+        let window = u64::try_from(batch_max.max(1)).unwrap_or(u64::MAX);
+        let from = (stored + 1)
+            .max(last_sequence.saturating_sub(window - 1))
+            .max(state.first_sequence);
+        if let Some(mismatch) = check::check_range(pool, &stream, from, last_sequence, offset)
+            .await
+            .context("cannot check the ledger stream against the ledger")?
+        {
+            return Err(mismatch.into());
+        }
+        verified.sequence = last_sequence;
+    }
+    Ok((position_of(last_sequence, offset)?, last_sequence))
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn relay(
     pool: &PgPool,
     context: &jetstream::Context,
@@ -142,10 +241,14 @@ async fn relay(
     settings: &RelaySettings,
     head: &mut watch::Receiver<i64>,
     mut committed: Option<&mut Committed>,
+    verified: &mut Verified,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
-    let (mut published, mut sequence) = stream_position(context, names).await?;
+    let (mut published, mut sequence) =
+        resume(pool, context, names, settings.batch_max, verified).await?;
+    // Set here rather than at spawn, when the metrics recorder may not be installed yet.
+    metrics::gauge!("tally_relay_halted").set(0.0);
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
         // This instance's own commits come from memory when they continue the stream;
@@ -191,6 +294,7 @@ async fn relay(
                 (sequence + acks.len() as u64).to_string().as_str(),
             );
             headers.insert(POSITION_HEADER, row.position.to_string().as_str());
+            headers.insert(HASH_HEADER, hex::encode(&row.hash).as_str());
             let payload = serde_json::to_vec(&row.to_message())?;
             let subject = names.ledger_subject(&row.org_id, &row.event_type);
             let ack = context
@@ -210,6 +314,11 @@ async fn relay(
                 sequence + 1
             );
             sequence = ack.sequence;
+            verified.sequence = sequence;
+            // Its own acknowledged publish fixes the numbering as well as a checked one.
+            verified
+                .offset
+                .get_or_insert(position - i64::try_from(sequence)?);
             published = position;
         }
         metrics::counter!("tally_relay_published_total").increment(rows.len() as u64);

@@ -55,6 +55,10 @@ pub struct Inner {
     pub report_max_bytes: u64,
     /// The largest audit page.
     pub page_events_max: usize,
+    /// Whether the relay halted on a stream message that is not the ledger (`/readyz`).
+    pub relay_status: crate::bus::relay::RelayStatus,
+    /// Stream names, for `GET /v1/ledger/verify?stream=true`.
+    pub nats_names: crate::bus::Names,
 }
 
 impl AppState {

@@ -32,7 +32,8 @@ pub async fn healthz() -> impl IntoResponse {
     Json(json!({"status": "ok"}))
 }
 
-/// Postgres and NATS both answer.
+/// Postgres and NATS both answer, and the relay has not halted on a `TALLY_LEDGER`
+/// message that is not the ledger (`"relay"` says which message and why).
 #[utoipa::path(
     get,
     path = "/readyz",
@@ -51,14 +52,22 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
             Ok(Ok(()))
         );
     let word = |up: bool| if up { "up" } else { "down" };
-    let status = if postgres && nats {
+    let halted = state.relay_status.halted();
+    let relay = match &halted {
+        None => "up".to_owned(),
+        Some(mismatch) => format!("halted: {mismatch}"),
+    };
+    let ready = postgres && nats && halted.is_none();
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (
         status,
-        Json(json!({"ready": postgres && nats, "postgres": word(postgres), "nats": word(nats)})),
+        Json(
+            json!({"ready": ready, "postgres": word(postgres), "nats": word(nats), "relay": relay}),
+        ),
     )
 }
 
@@ -105,6 +114,25 @@ pub struct VerifyReportSchema {
     first_bad_position: Option<i64>,
     /// 0 for a full pass; the stored checkpoint for an incremental one.
     from_position: i64,
+    problem: Option<String>,
+    /// Present with `stream=true`: the ledger compared with its `TALLY_LEDGER` copy.
+    stream: Option<StreamReportSchema>,
+}
+
+/// Every ledger row compared with its `TALLY_LEDGER` message (event id, position, hash
+/// and content); `first_bad_position` is the first that differs.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct StreamReportSchema {
+    ok: bool,
+    messages_checked: u64,
+    /// The stream's last sequence when the pass began.
+    last_sequence: u64,
+    /// The ledger position of the stream's first message (1 unless seeded; 0 when empty).
+    first_position: i64,
+    /// Ledger rows after `last_sequence`: not relayed yet.
+    rows_not_in_stream: u64,
+    first_bad_position: Option<i64>,
     problem: Option<String>,
 }
 
@@ -153,6 +181,7 @@ impl Modify for BearerAuth {
     components(schemas(
         EventInput,
         VerifyReportSchema,
+        StreamReportSchema,
         super::events::EventsResponse,
         super::events::EventResult,
         super::usage::UsageResponse,

@@ -27,6 +27,46 @@ pub struct VerifyReport {
     /// What was wrong at `first_bad_position`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
+    /// The comparison with the `TALLY_LEDGER` copy, when asked for (`--stream`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamReport>,
+}
+
+/// Every ledger row compared with its `TALLY_LEDGER` message (see `bus::check`): a
+/// superuser who rewrites rows and recomputes the chain passes the chain's check, but the
+/// stream, in another system and append-only, still holds what was relayed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StreamReport {
+    pub ok: bool,
+    /// Messages found equal to their rows (id, position, hash and content).
+    pub messages_checked: u64,
+    /// The stream's last sequence when the pass began.
+    pub last_sequence: u64,
+    /// The ledger position of the stream's first message: 1, unless the stream was seeded
+    /// with a later one (as `tally bench` does); 0 for an empty stream.
+    pub first_position: i64,
+    /// Rows after `last_sequence`, not relayed yet when the pass began.
+    pub rows_not_in_stream: u64,
+    /// The first position whose message differs from its row.
+    pub first_bad_position: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+}
+
+impl VerifyReport {
+    /// Adds the stream's comparison: the report is `ok` only when both are, and names the
+    /// earlier of the two first bad positions.
+    pub fn with_stream(mut self, stream: StreamReport) -> VerifyReport {
+        if let Some(position) = stream.first_bad_position {
+            if self.first_bad_position.is_none_or(|chain| position < chain) {
+                self.first_bad_position = Some(position);
+                self.problem = stream.problem.clone();
+            }
+        }
+        self.ok = self.ok && stream.ok;
+        self.stream = Some(stream);
+        self
+    }
 }
 
 /// A full pass over the ledger. Streams rows, so memory stays flat however long it is.
@@ -69,6 +109,7 @@ pub async fn verify_incremental(pool: &PgPool) -> Result<VerifyReport, sqlx::Err
                     "the row at the verified checkpoint {position} is missing or no longer has hash {}",
                     hex::encode(hash)
                 )),
+                stream: None,
             });
         }
     }
@@ -164,5 +205,6 @@ async fn verify_from(
         first_bad_position,
         from_position: from,
         problem,
+        stream: None,
     })
 }

@@ -386,3 +386,52 @@ pub fn run_verify(database_url: &str) -> (i32, Value, String) {
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
 }
+
+impl TestNats {
+    /// A private nats-server run with a configuration file (as `nats-server -c`), on a free
+    /// port, with `env` set for the file's `$VARIABLES` and `TALLY_NATS_STORE_DIR` pointing
+    /// at the server's own store. `restart` starts it again without the file.
+    pub fn start_with_config(config: &std::path::Path, env: &[(&str, &str)]) -> TestNats {
+        let store = tempfile::tempdir().expect("a temporary directory");
+        let port = free_port();
+        let child = Command::new(nats_server_binary())
+            .arg("-c")
+            .arg(config)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js"])
+            .env("TALLY_NATS_STORE_DIR", store.path())
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting nats-server (set TALLY_TEST_NATS_SERVER to its path)");
+        let nats = TestNats {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            store,
+        };
+        nats.wait_until_listening();
+        nats
+    }
+}
+
+impl TestApp {
+    /// The service on a fresh database and the given NATS server, connecting with
+    /// `nats_url` (which may carry a user and password).
+    pub async fn spawn_on(nats: TestNats, nats_url: &str) -> TestApp {
+        let db = TestDb::new().await;
+        let mut config = Config::new(&db.url, nats_url);
+        config.bootstrap_token = Some(TOKEN.to_string());
+        config.relay_poll_ms = 50;
+        let service = Service::start(config).await.expect("starting the service");
+        let pool = db.pool().await;
+        TestApp {
+            address: service.local_addr,
+            client: reqwest::Client::new(),
+            pool,
+            service: Some(service),
+            nats,
+            db,
+        }
+    }
+}

@@ -23,5 +23,6 @@ mod projection;
 mod reconciliation;
 mod relay;
 mod reports;
+mod stream_integrity;
 mod tokens;
 mod verify;

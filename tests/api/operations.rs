@@ -17,7 +17,7 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     assert_eq!(ready.status(), 200);
     assert_eq!(
         ready.json::<Value>().await.unwrap(),
-        json!({"ready": true, "postgres": "up", "nats": "up"})
+        json!({"ready": true, "postgres": "up", "nats": "up", "relay": "up"})
     );
 
     assert_eq!(
