@@ -14,6 +14,7 @@ mod exports;
 mod faults;
 mod immutability;
 mod ingest;
+mod input_hardening;
 mod nats;
 mod operations;
 mod periods;
