@@ -443,15 +443,15 @@ mod tests {
         // Any cell, read or not: a NUL is named by its column.
         for (line, column) in [
             (
-                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,a\0b",
+                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,a\u{0}b",
                 "Extra",
             ),
             (
-                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c\01,1,Seconds,1,USD,,",
+                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c\u{0}1,1,Seconds,1,USD,,",
                 "ResourceId",
             ),
             (
-                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,,\0",
+                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,,\u{0}",
                 "a cell",
             ),
         ] {

@@ -259,8 +259,15 @@ fn parse_native(text: &str, bounds: TimeBounds) -> Result<Event, EventError> {
 /// same id, and one org's ids never collide with another's. Neither an org id nor a
 /// `source` can hold a line break, so the name is unambiguous.
 pub fn cloudevent_ledger_id(org_id: &str, source: &str, id: &str) -> EventId {
-    let name = format!("{org_id}\n{source}\n{id}");
-    EventId::from_uuid(Uuid::new_v5(&CLOUDEVENTS_ORG_NAMESPACE, name.as_bytes()))
+    // Joined by hand: `format!` costs more than the hash on the ingest path.
+    let mut name = Vec::with_capacity(org_id.len() + source.len() + id.len() + 2);
+    for (i, part) in [org_id, source, id].into_iter().enumerate() {
+        if i > 0 {
+            name.push(b'\n');
+        }
+        name.extend_from_slice(part.as_bytes());
+    }
+    EventId::from_uuid(Uuid::new_v5(&CLOUDEVENTS_ORG_NAMESPACE, &name))
         .expect("a v5 UUID is never nil")
 }
 
