@@ -134,8 +134,9 @@ impl Header {
                 )
             })
         };
-        // Cells are stored as text (provider name, charge category) or read into what is:
-        // none may hold what Postgres cannot store, whichever column it is in.
+        // Some cells are stored as text (provider name, charge category), the others are read
+        // into ids, numbers and instants: none may hold a NUL, whichever column it is in.
+        // One memchr over the record's bytes; the cells are searched only to name the one.
         if !storable::is_storable(record.as_slice()) {
             let (index, _) = record
                 .iter()
@@ -147,7 +148,7 @@ impl Header {
                 line,
                 column.as_deref(),
                 storable::UNSTORABLE_TEXT,
-                storable::unstorable_message(column.as_deref().unwrap_or("a cell")),
+                storable::UNSTORABLE_WHY,
             ));
         }
         let instant = |name: &'static str| -> Result<DateTime<Utc>, ReportError> {

@@ -30,9 +30,12 @@ pub fn is_storable(value: &str) -> bool {
     !value.as_bytes().contains(&0)
 }
 
+/// What is wrong with a text that holds a NUL, for messages that name the field apart.
+pub const UNSTORABLE_WHY: &str = "contains a NUL character (\\u0000), which Postgres cannot store";
+
 /// The message for a field whose text holds a NUL.
 pub fn unstorable_message(field: &str) -> String {
-    format!("{field}: contains a NUL character (\\u0000), which Postgres cannot store")
+    format!("{field}: {UNSTORABLE_WHY}")
 }
 
 /// Why an instant was refused.
