@@ -356,6 +356,8 @@ fn data_error(error: serde_json::Error) -> EventError {
         "unknown_field"
     } else if message.starts_with("missing field") {
         "missing_field"
+    } else if message.starts_with("duplicate field") {
+        "duplicate_field"
     } else {
         "invalid_data"
     };

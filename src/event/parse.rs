@@ -609,6 +609,14 @@ mod tests {
             Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "duplicate_field"),
             other => panic!("expected invalid, got {other:?}"),
         }
+        // In `data` too, with the same code.
+        let text = r#"{"id": "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55", "type": "container.command_ran",
+            "org_id": "o", "container_id": "c", "occurred_at": "2026-11-29T10:00:00Z",
+            "data": {"command_id": "a", "exit_code": 0, "duration_ms": 1, "command_id": "b"}}"#;
+        match parse_body(BodyKind::Native, text.as_bytes(), bounds(), 10) {
+            Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "duplicate_field"),
+            other => panic!("expected invalid, got {other:?}"),
+        }
     }
 
     fn cloudevent(overrides: serde_json::Value) -> serde_json::Value {
