@@ -13,7 +13,7 @@ use rust_decimal::Decimal;
 use serde_json::Value;
 
 use super::reconcile::{ReportLine, Unit};
-use crate::event::{ContainerId, OrgId};
+use crate::event::{storable, ContainerId, OrgId};
 use crate::runtime::Window;
 
 const REQUIRED: [&str; 7] = [
@@ -68,14 +68,18 @@ pub struct ParsedLine {
 #[derive(Debug, Clone)]
 pub struct Header {
     positions: HashMap<&'static str, usize>,
+    /// Every column's name, known or not, to name the column of a bad cell.
+    names: Vec<String>,
 }
 
 impl Header {
     pub fn parse(names: &csv::StringRecord) -> Result<Header, ReportError> {
         let mut positions = HashMap::new();
         let mut seen = HashMap::new();
+        let mut all = Vec::with_capacity(names.len());
         for (index, name) in names.iter().enumerate() {
             let name = name.trim().trim_start_matches('\u{feff}');
+            all.push(name.to_owned());
             if seen.insert(name.to_owned(), index).is_some() {
                 return Err(ReportError::new(
                     1,
@@ -100,7 +104,15 @@ impl Header {
                 format!("the header has no {missing} column (FOCUS 1.x names are required)"),
             ));
         }
-        Ok(Header { positions })
+        Ok(Header {
+            positions,
+            names: all,
+        })
+    }
+
+    /// The name of the column at `index`; `None` past the header's last column.
+    fn name_of(&self, index: usize) -> Option<String> {
+        self.names.get(index).cloned()
     }
 
     /// One record (at file line `line`) into a line of the report.
@@ -122,18 +134,39 @@ impl Header {
                 )
             })
         };
+        // Some cells are stored as text (provider name, charge category), the others are read
+        // into ids, numbers and instants: none may hold a NUL, whichever column it is in.
+        // One memchr over the record's bytes; the cells are searched only to name the one.
+        if !storable::is_storable(record.as_slice()) {
+            let (index, _) = record
+                .iter()
+                .enumerate()
+                .find(|(_, cell)| !storable::is_storable(cell))
+                .expect("one of the cells holds the NUL");
+            let column = self.name_of(index);
+            return Err(ReportError::new(
+                line,
+                column.as_deref(),
+                storable::UNSTORABLE_TEXT,
+                storable::UNSTORABLE_WHY,
+            ));
+        }
         let instant = |name: &'static str| -> Result<DateTime<Utc>, ReportError> {
             let value = required(name)?;
-            DateTime::parse_from_rfc3339(value)
-                .map(|instant| instant.with_timezone(&Utc))
-                .map_err(|_| {
-                    ReportError::new(
-                        line,
-                        Some(name),
-                        "invalid_timestamp",
-                        format!("{value:?} is not an ISO 8601 instant with an offset"),
-                    )
-                })
+            storable::parse_instant(value).map_err(|error| {
+                let message = match error {
+                    storable::InstantError::Malformed { .. } => {
+                        format!("{value:?} is not an ISO 8601 instant with an offset")
+                    }
+                    _ => error.to_string(),
+                };
+                ReportError::new(
+                    line,
+                    Some(name),
+                    error.code_or("invalid_timestamp"),
+                    message,
+                )
+            })
         };
         let decimal = |name: &'static str| -> Result<Decimal, ReportError> {
             let value = required(name)?;
@@ -394,6 +427,39 @@ mod tests {
         assert_eq!(error_of(HEADER), (2, None, "empty_report"));
         let (line, _, code) = error_of("\u{1}\u{2}PNG\u{0} binary");
         assert_eq!((line, code), (1, "missing_column"));
+        let year_zero = report(&[
+            good,
+            good,
+            "0000-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,",
+        ]);
+        assert_eq!(
+            error_of(&year_zero),
+            (4, Some("ChargePeriodStart".into()), "invalid_timestamp")
+        );
+        let leap = report(&["2026-11-01T00:00:00Z,2026-11-01T00:59:60Z,c1,1,Seconds,1,USD,,"]);
+        assert_eq!(
+            error_of(&leap),
+            (2, Some("ChargePeriodEnd".into()), "leap_second")
+        );
+        // Any cell, read or not: a NUL is named by its column.
+        for (line, column) in [
+            (
+                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,a\u{0}b",
+                "Extra",
+            ),
+            (
+                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c\u{0}1,1,Seconds,1,USD,,",
+                "ResourceId",
+            ),
+            (
+                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,,\u{0}",
+                "a cell",
+            ),
+        ] {
+            let (at, named, code) = error_of(&report(&[good, line]));
+            assert_eq!((at, code), (3, "unstorable_text"), "{line:?}");
+            assert_eq!(named.as_deref(), (column != "a cell").then_some(column));
+        }
         let not_utf8 = [0xff_u8, 0xfe, 0x00, 0x41];
         assert_eq!(parse_all(&not_utf8[..]).unwrap_err().code, "malformed_csv");
     }

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::Names;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
-use crate::ledger::{plans, AppendError, Appender};
+use crate::ledger::{legacy_ids, plans, AppendError, Appender};
 use sqlx::PgPool;
 
 /// The durable consumer's name.
@@ -157,7 +157,7 @@ async fn handle_batch(
                 }
             }
         };
-        let events = match parse_body(kind, &message.payload, bounds, settings.batch_events_max) {
+        let mut events = match parse_body(kind, &message.payload, bounds, settings.batch_events_max) {
             Ok(events) => events,
             Err(error) => {
                 return Verdict::DeadLetter {
@@ -175,6 +175,9 @@ async fn handle_batch(
                 }
             }
             Err(error) => return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))),
+        }
+        if let Err(error) = legacy_ids::adopt(pool, &mut events).await {
+            return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error)));
         }
         let count = events.len();
         match appender.append(events).await {

@@ -6,6 +6,7 @@
 pub mod canonical;
 pub mod ids;
 pub mod parse;
+pub mod storable;
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
@@ -321,13 +322,13 @@ fn check_occurred_at(
     field: &str,
     bounds: TimeBounds,
 ) -> Result<DateTime<Utc>, EventError> {
-    let parsed = DateTime::parse_from_rfc3339(value).map_err(|e| {
+    let parsed = storable::parse_instant(value).map_err(|error| {
         EventError::new(
-            "invalid_timestamp",
-            format!("{field}: {value:?} is not an RFC 3339 time with an offset ({e})"),
+            error.code_or("invalid_timestamp"),
+            format!("{field}: {error}"),
         )
     })?;
-    let occurred_at = parsed.with_timezone(&Utc).trunc_subsecs(3);
+    let occurred_at = parsed.trunc_subsecs(3);
     if occurred_at > bounds.now + Duration::seconds(FUTURE_SKEW_MAX_SECONDS) {
         return Err(EventError::new(
             "occurred_at_in_future",
@@ -355,6 +356,8 @@ fn data_error(error: serde_json::Error) -> EventError {
         "unknown_field"
     } else if message.starts_with("missing field") {
         "missing_field"
+    } else if message.starts_with("duplicate field") {
+        "duplicate_field"
     } else {
         "invalid_data"
     };
@@ -362,11 +365,36 @@ fn data_error(error: serde_json::Error) -> EventError {
 }
 
 fn parse_data<T: for<'de> Deserialize<'de>>(raw: Option<&RawValue>) -> Result<T, EventError> {
-    let text = raw.map(RawValue::get).unwrap_or("{}");
+    // Absent and `null` both mean "no data" (a `null` member equals an absent one, as
+    // everywhere in tally's bodies and in the CloudEvents JSON format). Anything else must
+    // be an object: serde would read an array into the struct by position.
+    let text = match raw.map(|raw| raw.get().trim_start()) {
+        None | Some("null") => "{}",
+        Some(text) if text.starts_with('{') => text,
+        Some(_) => {
+            return Err(EventError::new(
+                "invalid_data",
+                "data: must be a JSON object (or absent)",
+            ))
+        }
+    };
     serde_json::from_str(text).map_err(data_error)
 }
 
-fn check_length(field: &str, value: &str, max: usize) -> Result<(), EventError> {
+/// A text field of `data` that Postgres must store as it was hashed.
+fn check_storable(field: &str, value: &str) -> Result<(), EventError> {
+    if storable::is_storable(value) {
+        return Ok(());
+    }
+    Err(EventError::new(
+        storable::UNSTORABLE_TEXT,
+        storable::unstorable_message(&format!("data.{field}")),
+    ))
+}
+
+/// A text field of `data`: storable, and at most `max` characters.
+fn check_text(field: &str, value: &str, max: usize) -> Result<(), EventError> {
+    check_storable(field, value)?;
     let length = value.chars().count();
     if length > max {
         return Err(EventError::new(
@@ -382,22 +410,22 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
         EventType::ContainerCreated => {
             let data: ContainerCreated = parse_data(raw)?;
             if let Some(name) = &data.name {
-                check_length("name", name, CONTAINER_NAME_LENGTH_MAX)?;
+                check_text("name", name, CONTAINER_NAME_LENGTH_MAX)?;
             }
             if let Some(image) = &data.image {
-                check_length("image", image, IMAGE_LENGTH_MAX)?;
+                check_text("image", image, IMAGE_LENGTH_MAX)?;
             }
             EventData::ContainerCreated(data)
         }
         EventType::ContainerCommandRan => {
             let data: ContainerCommandRan = parse_data(raw)?;
+            check_text("command_id", &data.command_id, COMMAND_ID_LENGTH_MAX)?;
             if data.command_id.is_empty() {
                 return Err(EventError::new(
                     "invalid_data",
                     "data.command_id: must not be empty",
                 ));
             }
-            check_length("command_id", &data.command_id, COMMAND_ID_LENGTH_MAX)?;
             if data.duration_ms > COMMAND_DURATION_MAX_MS {
                 return Err(EventError::new(
                     "invalid_data",
@@ -423,6 +451,7 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
         }
         EventType::OrgPlanChanged => {
             let data: OrgPlanChanged = parse_data(raw)?;
+            check_storable("plan", &data.plan)?;
             PlanId::parse(&data.plan)
                 .map_err(|e| EventError::new("invalid_data", format!("data.plan: {e}")))?;
             EventData::OrgPlanChanged(data)
@@ -447,6 +476,7 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
 }
 
 fn check_url(value: &str) -> Result<(), EventError> {
+    check_storable("url", value)?;
     if value.len() > URL_LENGTH_MAX {
         return Err(EventError::new(
             "invalid_data",

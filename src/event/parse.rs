@@ -10,11 +10,21 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
-use super::{CloudEventOrigin, Event, EventError, EventId, FieldNames, TimeBounds, Unchecked};
+use super::{
+    storable, CloudEventOrigin, Event, EventError, EventId, FieldNames, TimeBounds, Unchecked,
+};
 
-/// The namespace under which a CloudEvent's (`source`, `id`) becomes its ledger id
-/// (UUIDv5 of `source + "\n" + id`). Fixed forever: changing it would let every retried
-/// CloudEvent in flight be stored twice.
+/// The namespace under which a CloudEvent becomes its ledger id: UUIDv5 of
+/// `orgid + "\n" + source + "\n" + id` (DESIGN §2). Fixed forever: changing it would let
+/// every retried CloudEvent in flight be stored twice. Not the legacy namespace, so that no
+/// scoped name can land on an id a legacy name already took (a legacy `id` could hold a
+/// line break, making `source + "\n" + id` spell a scoped name).
+pub const CLOUDEVENTS_ORG_NAMESPACE: Uuid =
+    Uuid::from_u128(0x2b8e_51c4_93a7_4f0d_8c62_e1f4_07a9_d35b);
+
+/// The namespace of the ids CloudEvents were given before they were scoped by org
+/// (UUIDv5 of `source + "\n" + id`). Only looked up, never written: see
+/// [`legacy_cloudevent_ledger_id`].
 pub const CLOUDEVENTS_NAMESPACE: Uuid = Uuid::from_u128(0x6f1c_2e0a_4b7d_4c59_9a3e_5d21_7c8b_0f42);
 
 /// Longest CloudEvents `id` we keep, in characters: the spec sets none, the audit trail
@@ -245,14 +255,38 @@ fn parse_native(text: &str, bounds: TimeBounds) -> Result<Event, EventError> {
     .check(bounds)
 }
 
-/// The ledger id of a CloudEvent: retries of the same (`source`, `id`) map to the same id.
-pub fn cloudevent_ledger_id(source: &str, id: &str) -> EventId {
+/// The ledger id of a CloudEvent: retries of the same (`orgid`, `source`, `id`) map to the
+/// same id, and one org's ids never collide with another's. Neither an org id nor a
+/// `source` can hold a line break, so the name is unambiguous.
+pub fn cloudevent_ledger_id(org_id: &str, source: &str, id: &str) -> EventId {
+    // Joined by hand: `format!` costs more than the hash on the ingest path.
+    let mut name = Vec::with_capacity(org_id.len() + source.len() + id.len() + 2);
+    for (i, part) in [org_id, source, id].into_iter().enumerate() {
+        if i > 0 {
+            name.push(b'\n');
+        }
+        name.extend_from_slice(part.as_bytes());
+    }
+    EventId::from_uuid(Uuid::new_v5(&CLOUDEVENTS_ORG_NAMESPACE, &name))
+        .expect("a v5 UUID is never nil")
+}
+
+/// The id a CloudEvent was given before ids were scoped by org. A CloudEvent stored then
+/// keeps it; the ingest path looks it up (`ledger::legacy_ids`) so that a retry of such an
+/// event still deduplicates. No new row is ever written with it.
+pub fn legacy_cloudevent_ledger_id(source: &str, id: &str) -> EventId {
     let name = format!("{source}\n{id}");
     EventId::from_uuid(Uuid::new_v5(&CLOUDEVENTS_NAMESPACE, name.as_bytes()))
         .expect("a v5 UUID is never nil")
 }
 
 fn check_attribute(name: &str, value: &str, max: usize) -> Result<(), EventError> {
+    if !storable::is_storable(value) {
+        return Err(EventError::new(
+            storable::UNSTORABLE_TEXT,
+            storable::unstorable_message(name),
+        ));
+    }
     let length = value.chars().count();
     if length == 0 || length > max {
         return Err(EventError::new(
@@ -295,7 +329,7 @@ fn parse_cloudevent(text: &str, bounds: TimeBounds) -> Result<Event, EventError>
         }
     }
     Unchecked {
-        id: cloudevent_ledger_id(&raw.source, &raw.id),
+        id: cloudevent_ledger_id(&raw.orgid, &raw.source, &raw.id),
         event_type: &raw.event_type,
         org_id: &raw.orgid,
         container_id: raw.subject.as_deref(),
@@ -575,6 +609,14 @@ mod tests {
             Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "duplicate_field"),
             other => panic!("expected invalid, got {other:?}"),
         }
+        // In `data` too, with the same code.
+        let text = r#"{"id": "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55", "type": "container.command_ran",
+            "org_id": "o", "container_id": "c", "occurred_at": "2026-11-29T10:00:00Z",
+            "data": {"command_id": "a", "exit_code": 0, "duration_ms": 1, "command_id": "b"}}"#;
+        match parse_body(BodyKind::Native, text.as_bytes(), bounds(), 10) {
+            Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "duplicate_field"),
+            other => panic!("expected invalid, got {other:?}"),
+        }
     }
 
     fn cloudevent(overrides: serde_json::Value) -> serde_json::Value {
@@ -603,7 +645,10 @@ mod tests {
         )
         .unwrap();
         let e = &events[0];
-        assert_eq!(e.id, cloudevent_ledger_id("/providers/acme", "evt-1"));
+        assert_eq!(
+            e.id,
+            cloudevent_ledger_id("org_8f2k", "/providers/acme", "evt-1")
+        );
         assert_eq!(e.container_id.as_ref().unwrap().as_str(), "ctr_51x");
         assert_eq!(e.org_id.as_str(), "org_8f2k");
         assert_eq!(
@@ -615,9 +660,155 @@ mod tests {
         );
         // The derivation is part of the contract: pin one value so it never drifts.
         assert_eq!(
-            cloudevent_ledger_id("/providers/acme", "evt-1").as_uuid(),
+            cloudevent_ledger_id("org_8f2k", "/providers/acme", "evt-1").as_uuid(),
+            Uuid::new_v5(
+                &CLOUDEVENTS_ORG_NAMESPACE,
+                b"org_8f2k\n/providers/acme\nevt-1"
+            )
+        );
+        assert_eq!(
+            cloudevent_ledger_id("org_8f2k", "/providers/acme", "evt-1").to_string(),
+            "acb6c77f-637b-5065-869b-cebb0fe40e4b"
+        );
+        // And the ids stored before the change, which retries must still find.
+        assert_eq!(
+            legacy_cloudevent_ledger_id("/providers/acme", "evt-1").as_uuid(),
             Uuid::new_v5(&CLOUDEVENTS_NAMESPACE, b"/providers/acme\nevt-1")
         );
+    }
+
+    #[test]
+    fn the_same_source_and_id_from_two_orgs_are_two_ledger_ids() {
+        let id_of = |org: &str| {
+            let body = cloudevent(json!({"orgid": org}));
+            parse_body(
+                BodyKind::CloudEvent,
+                body.to_string().as_bytes(),
+                bounds(),
+                10,
+            )
+            .unwrap()[0]
+                .id
+        };
+        assert_ne!(id_of("org_a"), id_of("org_b"));
+        assert_eq!(id_of("org_a"), id_of("org_a"));
+        // No scoped name can spell a legacy one: the namespaces differ.
+        assert_ne!(
+            cloudevent_ledger_id("org_a", "/s", "x").as_uuid(),
+            legacy_cloudevent_ledger_id("org_a", "/s\nx").as_uuid()
+        );
+    }
+
+    #[test]
+    fn a_leap_second_is_refused_in_occurred_at_and_in_time() {
+        for at in ["2026-11-29T09:59:60.000Z", "2026-11-29T10:59:60.5+01:00"] {
+            assert_eq!(
+                single_code(event(json!({"occurred_at": at}))),
+                "leap_second",
+                "{at}"
+            );
+            let body = cloudevent(json!({"time": at}));
+            match parse_body(
+                BodyKind::CloudEvent,
+                body.to_string().as_bytes(),
+                bounds(),
+                10,
+            ) {
+                Err(BodyError::Invalid(errors)) => {
+                    assert_eq!(errors[0].error.code, "leap_second");
+                    assert!(errors[0].error.message.starts_with("time: "));
+                }
+                other => panic!("expected invalid, got {other:?}"),
+            }
+        }
+        // The second before and the second after are ordinary.
+        assert!(native(&event(json!({"occurred_at": "2026-11-29T09:59:59.999Z"}))).is_ok());
+        assert!(native(&event(json!({"occurred_at": "2026-11-29T10:00:00Z"}))).is_ok());
+    }
+
+    #[test]
+    fn a_nul_in_any_text_of_an_event_is_refused_naming_the_field() {
+        let nul = "a\u{0}b";
+        let cases = [
+            (
+                event(json!({"type": "container.created", "data": {"name": nul}})),
+                "data.name",
+            ),
+            (
+                event(json!({"type": "container.created", "data": {"image": nul}})),
+                "data.image",
+            ),
+            (
+                event(json!({"data": {"command_id": nul, "exit_code": 0, "duration_ms": 1}})),
+                "data.command_id",
+            ),
+            (
+                event(json!({"type": "container.port_published",
+                    "data": {"port": 80, "url": format!("https://x.example/{nul}")}})),
+                "data.url",
+            ),
+            (
+                event(json!({"type": "org.plan_changed", "container_id": null,
+                    "data": {"plan": nul}})),
+                "data.plan",
+            ),
+        ];
+        for (body, field) in cases {
+            match native(&body) {
+                Err(BodyError::Invalid(errors)) => {
+                    assert_eq!(errors[0].error.code, "unstorable_text", "{field}");
+                    assert!(errors[0].error.message.starts_with(field), "{field}");
+                }
+                other => panic!("{field}: expected invalid, got {other:?}"),
+            }
+        }
+        for (attribute, field) in [("id", "id"), ("source", "source")] {
+            let body = cloudevent(json!({ attribute: nul }));
+            match parse_body(
+                BodyKind::CloudEvent,
+                body.to_string().as_bytes(),
+                bounds(),
+                10,
+            ) {
+                Err(BodyError::Invalid(errors)) => {
+                    assert_eq!(errors[0].error.code, "unstorable_text", "{field}");
+                    assert!(errors[0].error.message.starts_with(field), "{field}");
+                }
+                other => panic!("{field}: expected invalid, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn data_must_be_an_object_and_null_means_absent() {
+        // Read by position, this array would have been a valid command.
+        assert_eq!(
+            single_code(event(json!({"data": ["c1", 0, 12]}))),
+            "invalid_data"
+        );
+        assert_eq!(
+            single_code(event(json!({"type": "container.resumed", "data": []}))),
+            "invalid_data"
+        );
+        assert_eq!(
+            single_code(event(json!({"type": "container.resumed", "data": "x"}))),
+            "invalid_data"
+        );
+        assert_eq!(
+            single_code(event(json!({"type": "container.resumed", "data": 1}))),
+            "invalid_data"
+        );
+        // `null` is absent: fine where every data field is optional, missing where not.
+        let mut resumed = event(json!({"type": "container.resumed"}));
+        resumed["data"] = serde_json::Value::Null;
+        let resumed = native(&resumed).unwrap();
+        assert_eq!(
+            resumed[0].data,
+            crate::event::EventData::ContainerResumed(crate::event::ContainerResumed {})
+        );
+        let mut command = event(json!({}));
+        command["data"] = serde_json::Value::Null;
+        assert_eq!(single_code(command), "missing_field");
     }
 
     #[test]

@@ -1,13 +1,25 @@
 //! Request bodies every JSON route reads the same way: `application/json` or 415, at most
-//! the body limit or 413, JSON or 400, an object or 422, and no field it does not know.
+//! the body limit or 413, JSON or 400, an object or 422, no member given twice and no text
+//! Postgres cannot store (422), and no field it does not know.
+//!
+//! The body is read into a `serde_json::Value` by a visitor of our own rather than
+//! serde_json's, so that the two checks serde_json cannot make — a key repeated in one
+//! object (serde_json keeps the last one, which made `{"scopes": ["audit"], "scopes":
+//! ["finance"]}` a finance token) and a NUL in any key or string, nested or not — happen in
+//! the one pass that parses the body.
+
+use std::cell::RefCell;
+use std::fmt;
 
 use axum::body::Body;
 use axum::http::{header, HeaderMap, StatusCode};
-use serde_json::{Map, Value};
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use super::events::read_body;
 use super::AppState;
+use crate::event::storable;
 
 /// The body as a JSON object.
 pub async fn json_object(
@@ -27,16 +39,11 @@ pub async fn json_object(
         ));
     }
     let bytes = read_body(body, state.body_max_bytes).await?;
-    match serde_json::from_slice(&bytes) {
-        Ok(Value::Object(fields)) => Ok(fields),
-        Ok(_) => Err(ApiError::invalid(
+    match parse_strict(&bytes)? {
+        Value::Object(fields) => Ok(fields),
+        _ => Err(ApiError::invalid(
             "invalid_body",
             "the body must be a JSON object",
-        )),
-        Err(error) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "malformed_json",
-            format!("body is not JSON: {error}"),
         )),
     }
 }
@@ -53,5 +60,263 @@ pub fn only_fields(
             format!("{unknown}: is not a field of {what}"),
         )),
         None => Ok(()),
+    }
+}
+
+/// What the strict reader refused, and where: the path is collected as the error unwinds,
+/// innermost segment first, so that the happy path builds no paths at all.
+#[derive(Debug)]
+struct Problem {
+    code: &'static str,
+    /// Innermost first: `["name", "data", "[0]", "events"]` is `events[0].data.name`.
+    path: Vec<String>,
+    /// What is wrong, after the path.
+    what: &'static str,
+}
+
+impl Problem {
+    fn field(&self) -> String {
+        let mut field = String::new();
+        for segment in self.path.iter().rev() {
+            if !field.is_empty() && !segment.starts_with('[') {
+                field.push('.');
+            }
+            field.push_str(segment);
+        }
+        if field.is_empty() {
+            field.push_str("body");
+        }
+        field
+    }
+}
+
+/// Parses JSON text into a value, refusing a key given twice in one object
+/// (`duplicate_field`) and a NUL in any key or string (`unstorable_text`), with the
+/// field's path in the message. Not JSON at all is 400 `malformed_json`.
+pub fn parse_strict(bytes: &[u8]) -> Result<Value, ApiError> {
+    let problem = RefCell::new(None);
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let parsed = Strict { problem: &problem }
+        .deserialize(&mut deserializer)
+        .and_then(|value| deserializer.end().map(|()| value));
+    match (parsed, problem.into_inner()) {
+        (Ok(value), _) => Ok(value),
+        (Err(_), Some(problem)) => {
+            let field = problem.field();
+            let message = match problem.code {
+                storable::UNSTORABLE_TEXT => storable::unstorable_message(&field),
+                _ => format!("{field}: {}", problem.what),
+            };
+            Err(
+                ApiError::invalid(problem.code, message.clone()).with_details(vec![json!({
+                    "field": field,
+                    "code": problem.code,
+                    "message": message,
+                })]),
+            )
+        }
+        (Err(error), None) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            format!("body is not JSON: {error}"),
+        )),
+    }
+}
+
+/// A JSON value, read as `serde_json::Value` reads it but refusing what [`parse_strict`]
+/// refuses. The refusal is recorded in `problem`; the serde error only unwinds the parse.
+#[derive(Clone, Copy)]
+struct Strict<'a> {
+    problem: &'a RefCell<Option<Problem>>,
+}
+
+impl Strict<'_> {
+    fn refuse<E: de::Error>(self, code: &'static str, segment: &str, what: &'static str) -> E {
+        *self.problem.borrow_mut() = Some(Problem {
+            code,
+            path: vec![segment.to_owned()],
+            what,
+        });
+        E::custom(what)
+    }
+
+    /// A nested value failed: add its place to the path, if it was a refusal of ours.
+    fn within<E>(self, error: E, segment: impl FnOnce() -> String) -> E {
+        if let Some(problem) = self.problem.borrow_mut().as_mut() {
+            problem.path.push(segment());
+        }
+        error
+    }
+
+    fn text<E: de::Error>(self, value: String) -> Result<Value, E> {
+        if storable::is_storable(&value) {
+            Ok(Value::String(value))
+        } else {
+            // The field is named by the enclosing key, added as the error unwinds.
+            *self.problem.borrow_mut() = Some(Problem {
+                code: storable::UNSTORABLE_TEXT,
+                path: Vec::new(),
+                what: "contains a NUL character",
+            });
+            Err(E::custom("a NUL character"))
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Value, E> {
+        Ok(Value::Bool(value))
+    }
+
+    fn visit_i64<E>(self, value: i64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_u64<E>(self, value: u64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_f64<E>(self, value: f64) -> Result<Value, E> {
+        // As serde_json's own `Value` does: a JSON number is never NaN or infinite.
+        Ok(serde_json::Number::from_f64(value).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E: de::Error>(self, value: &str) -> Result<Value, E> {
+        self.text(value.to_owned())
+    }
+
+    fn visit_string<E: de::Error>(self, value: String) -> Result<Value, E> {
+        self.text(value)
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Value, A::Error> {
+        let mut values = Vec::with_capacity(items.size_hint().unwrap_or(0));
+        while let Some(value) = items
+            .next_element_seed(self)
+            .map_err(|error| self.within(error, || format!("[{}]", values.len())))?
+        {
+            values.push(value);
+        }
+        Ok(Value::Array(values))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<Value, A::Error> {
+        let mut fields = Map::new();
+        while let Some(key) = members.next_key::<String>()? {
+            if !storable::is_storable(&key) {
+                // The key itself cannot be shown as it is; name it with the NUL escaped.
+                return Err(self.refuse(
+                    storable::UNSTORABLE_TEXT,
+                    &key.replace('\0', "\\u0000"),
+                    "contains a NUL character",
+                ));
+            }
+            if fields.contains_key(&key) {
+                return Err(self.refuse(
+                    "duplicate_field",
+                    &key,
+                    "is given twice; send each field once",
+                ));
+            }
+            let value = members
+                .next_value_seed(self)
+                .map_err(|error| self.within(error, || key.clone()))?;
+            fields.insert(key, value);
+        }
+        Ok(Value::Object(fields))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(text: &str) -> (StatusCode, &'static str, String) {
+        let error = parse_strict(text.as_bytes()).unwrap_err();
+        (error.status, error.code, error.message)
+    }
+
+    #[test]
+    fn a_body_reads_as_serde_json_reads_it() {
+        let text =
+            r#"{"a": [1, -2, 3.5, true, null, "é\n"], "b": {"c": {}}, "d": 18446744073709551615}"#;
+        assert_eq!(
+            parse_strict(text.as_bytes()).unwrap(),
+            serde_json::from_str::<Value>(text).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused_at_any_depth_with_its_path() {
+        let (status, code, message) = refusal(r#"{"scopes": ["audit"], "scopes": ["finance"]}"#);
+        assert_eq!(
+            (status, code),
+            (StatusCode::UNPROCESSABLE_ENTITY, "duplicate_field")
+        );
+        assert!(message.starts_with("scopes: "), "{message}");
+        let (_, code, message) = refusal(r#"{"events": [{}, {"data": {"a": 1, "a": 1}}]}"#);
+        assert_eq!(code, "duplicate_field");
+        assert!(message.starts_with("events[1].data.a: "), "{message}");
+    }
+
+    #[test]
+    fn a_nul_in_any_string_or_key_is_refused_with_its_path() {
+        let cases = [
+            (r#"{"reason": "a\u0000b"}"#, "reason"),
+            (r#"{"a": {"b": ["x", "\u0000"]}}"#, "a.b[1]"),
+            (r#"{"a": {"k\u0000": 1}}"#, "a.k\\u0000"),
+            (r#"["\u0000"]"#, "[0]"),
+            (r#""\u0000""#, "body"),
+        ];
+        for (text, field) in cases {
+            let (status, code, message) = refusal(text);
+            assert_eq!(
+                (status, code),
+                (StatusCode::UNPROCESSABLE_ENTITY, storable::UNSTORABLE_TEXT),
+                "{text}"
+            );
+            assert!(
+                message.starts_with(&format!("{field}: ")),
+                "{text}: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn text_that_is_not_json_is_malformed() {
+        for text in ["{\"a\": ", "{} {}", "", "{\"a\": \"\0\"}"] {
+            let (status, code, _) = refusal(text);
+            assert_eq!(
+                (status, code),
+                (StatusCode::BAD_REQUEST, "malformed_json"),
+                "{text:?}"
+            );
+        }
     }
 }

@@ -13,7 +13,7 @@ use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
-use crate::ledger::plans;
+use crate::ledger::{legacy_ids, plans};
 use axum::Extension;
 
 pub fn router() -> Router<AppState> {
@@ -93,7 +93,7 @@ pub async fn post_events(
         now: chrono::Utc::now(),
         backdate_max: state.backdate_max,
     };
-    let events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {
+    let mut events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code())
             .increment(1);
     })?;
@@ -114,6 +114,7 @@ pub async fn post_events(
             "message": format!("data.plan: {plan:?} is not defined (PUT /v1/plans/{plan} first)"),
         })]));
     }
+    legacy_ids::adopt(&state.pool, &mut events).await?;
     let appended = state.appender.append(events).await.inspect_err(|e| {
         let code = if e.is_retryable() { "unavailable" } else { e.code() };
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => code)

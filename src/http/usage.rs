@@ -12,7 +12,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
-use crate::event::canonical;
+use crate::event::{canonical, storable};
 use crate::event::{ContainerId, OrgId};
 use crate::projection::query;
 use crate::runtime::{ContainerState, Period, Window};
@@ -236,14 +236,9 @@ fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
     let Some(value) = value else {
         return Ok(Utc::now().trunc_subsecs(3));
     };
-    DateTime::parse_from_rfc3339(value)
-        .map(|instant| instant.with_timezone(&Utc).trunc_subsecs(3))
-        .map_err(|error| {
-            invalid(
-                "invalid_as_of",
-                format!("as_of {value:?} is not an RFC 3339 instant with an offset: {error}"),
-            )
-        })
+    storable::parse_instant(value)
+        .map(|instant| instant.trunc_subsecs(3))
+        .map_err(|error| invalid(error.code_or("invalid_as_of"), format!("as_of: {error}")))
 }
 
 fn invalid(code: &'static str, error: impl ToString) -> ApiError {

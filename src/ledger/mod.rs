@@ -1,9 +1,11 @@
 //! The Postgres ledger: the source of truth. Set-up (`db`), the single ordered writer
 //! (`append`) and the rows it writes (`rows`), reads by position (`read`) and hash-chain
-//! verification (`verify`).
+//! verification (`verify`); the ids CloudEvents kept from before they were scoped by org
+//! (`legacy_ids`).
 
 pub mod append;
 pub mod db;
+pub mod legacy_ids;
 pub mod plans;
 pub mod read;
 pub mod rows;

@@ -181,7 +181,8 @@ async fn cloudevents_are_accepted_and_a_retried_cloudevent_is_a_duplicate() {
         )
         .await;
     assert_eq!(status, 200, "{body}");
-    let expected_id = tally::event::parse::cloudevent_ledger_id("/provider/acme", "evt-42");
+    let expected_id =
+        tally::event::parse::cloudevent_ledger_id("org_ce", "/provider/acme", "evt-42");
     assert_eq!(body["results"][0]["id"], json!(expected_id.to_string()));
 
     let mut second = cloudevent.clone();

@@ -15,6 +15,7 @@ mod exports;
 mod faults;
 mod immutability;
 mod ingest;
+mod input_hardening;
 mod nats;
 mod operations;
 mod periods;
