@@ -114,6 +114,10 @@ impl Service {
             concurrency_max: config.http_concurrency_max,
             report_max_bytes: config.report_max_bytes,
             page_events_max: config.page_events_max,
+            token_limits: crate::http::auth::TokenLimits::new(config.token_concurrency_max),
+            verify_passes: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                crate::http::ledger::VERIFY_PASSES_MAX,
+            )),
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

@@ -1,5 +1,11 @@
 //! `GET /v1/ledger/verify`: recompute the hash chain and name the first broken position —
 //! from the last verified checkpoint, or from the start with `?full=true`.
+//!
+//! One pass runs at a time on an instance (issue 17): a pass holds a pool connection and a
+//! core for as long as it walks the ledger, and twenty at once took every connection and
+//! stalled everyone's reads and writes. A request that finds a pass running is answered at
+//! once with 503 `verify_in_progress` and `Retry-After`; see
+//! `docs/decisions/org-bound-tokens.md`.
 
 use std::collections::HashMap;
 
@@ -11,6 +17,14 @@ use axum::{Json, Router};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::ledger::verify::{self, VerifyReport};
+
+/// Verify passes in progress at once on one instance: one pass already uses a whole core
+/// and a pool connection; a second would only halve the speed of both.
+pub const VERIFY_PASSES_MAX: usize = 1;
+
+/// What a refused verify asks the client to wait, in seconds: a full pass over a million
+/// rows takes a few seconds.
+pub const VERIFY_RETRY_AFTER_SECONDS: u64 = 5;
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/v1/ledger/verify", get(get_verify))
@@ -26,8 +40,9 @@ pub fn router() -> Router<AppState> {
     responses(
         (status = 200, body = crate::http::ops::VerifyReportSchema),
         (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody, description = "the token is bound to an org: verify answers for the whole ledger"),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "`verify_in_progress`: another pass is running; retry after `Retry-After`"),
     ),
     security(("bearer" = []))
 )]
@@ -52,6 +67,17 @@ pub async fn get_verify(
                 format!("full: {other:?} is not true or false"),
             ))
         }
+    };
+    let Ok(_pass) = state.verify_passes.try_acquire() else {
+        metrics::counter!("tally_verify_refused_total").increment(1);
+        return Err(ApiError {
+            retry_after_seconds: Some(VERIFY_RETRY_AFTER_SECONDS),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "verify_in_progress",
+                "a verify pass is already running on this instance; retry later",
+            )
+        });
     };
     let report = if full {
         verify::verify(&state.pool).await?

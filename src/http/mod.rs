@@ -55,6 +55,10 @@ pub struct Inner {
     pub report_max_bytes: u64,
     /// The largest audit page.
     pub page_events_max: usize,
+    /// Requests in progress per token (`TALLY_TOKEN_CONCURRENCY_MAX`).
+    pub token_limits: auth::TokenLimits,
+    /// Verify passes in progress on this instance: [`ledger::VERIFY_PASSES_MAX`].
+    pub verify_passes: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {

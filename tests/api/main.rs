@@ -16,6 +16,7 @@ mod immutability;
 mod ingest;
 mod nats;
 mod operations;
+mod org_binding;
 mod periods;
 mod plans;
 mod projection;
