@@ -124,7 +124,12 @@ pub const ROUTES: &[RouteRule] = {
     &[
         route("POST", "/v1/events", EventsWrite, BodyOrg),
         route("GET", "/v1/orgs/{org_id}/usage", UsageRead, PathOrg),
-        route("GET", "/v1/containers/{container_id}", UsageRead, FilteredToOrg),
+        route(
+            "GET",
+            "/v1/containers/{container_id}",
+            UsageRead,
+            FilteredToOrg,
+        ),
         route("GET", "/v1/plans", UsageRead, NoOrgData),
         route("PUT", "/v1/plans/{plan_id}", Admin, Global),
         route("POST", "/v1/admission/check", Admission, BodyOrg),
@@ -437,10 +442,21 @@ mod tests {
 
     #[test]
     fn the_bearer_scheme_is_read_in_any_case() {
-        for value in ["Bearer s3cret", "bearer s3cret", "BEARER s3cret", "bEaReR  s3cret "] {
+        for value in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "bEaReR  s3cret ",
+        ] {
             assert_eq!(bearer_secret(value), Some("s3cret"), "{value:?}");
         }
-        for value in ["Basic s3cret", "Bearer", "Bearer ", "Bearers3cret", "s3cret"] {
+        for value in [
+            "Basic s3cret",
+            "Bearer",
+            "Bearer ",
+            "Bearers3cret",
+            "s3cret",
+        ] {
             assert_eq!(bearer_secret(value), None, "{value:?}");
         }
     }
@@ -452,12 +468,18 @@ mod tests {
         let first = limits.try_acquire(one).expect("the first is allowed");
         let second = limits.try_acquire(one).expect("the second is allowed");
         assert!(limits.try_acquire(one).is_none(), "the third is refused");
-        let theirs = limits.try_acquire(other).expect("another token is counted apart");
+        let theirs = limits
+            .try_acquire(other)
+            .expect("another token is counted apart");
         assert_eq!(limits.tokens_in_progress(), 2);
         drop(first);
         let third = limits.try_acquire(one).expect("a slot was given back");
         drop((second, third, theirs));
-        assert_eq!(limits.tokens_in_progress(), 0, "no entry outlives its requests");
+        assert_eq!(
+            limits.tokens_in_progress(),
+            0,
+            "no entry outlives its requests"
+        );
     }
 
     #[test]

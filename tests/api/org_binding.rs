@@ -71,10 +71,7 @@ async fn send(
     token: &str,
     body: Option<(&str, Vec<u8>)>,
 ) -> (u16, Option<String>, String) {
-    let mut request = app
-        .client
-        .request(method, app.url(path))
-        .bearer_auth(token);
+    let mut request = app.client.request(method, app.url(path)).bearer_auth(token);
     if let Some((content_type, bytes)) = body {
         request = request.header("content-type", content_type).body(bytes);
     }
@@ -156,8 +153,10 @@ fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
     match (rule.method, rule.path) {
         ("POST", "/v1/events") => one(
             "/v1/events".into(),
-            json_body(json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": ORG_B,
-                             "container_id": "cb_new", "occurred_at": ago(60)})),
+            json_body(
+                json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": ORG_B,
+                             "container_id": "cb_new", "occurred_at": ago(60)}),
+            ),
             Expect::Refused("org_not_allowed"),
         ),
         ("GET", "/v1/orgs/{org_id}/usage") => one(
@@ -439,7 +438,12 @@ async fn stored(app: &TestApp) -> Vec<i64> {
         "SELECT count(*) FROM period_close",
         "SELECT count(*) FROM admission_reservation WHERE released_at IS NULL",
     ] {
-        counts.push(sqlx::query_scalar(query).fetch_one(&app.pool).await.unwrap());
+        counts.push(
+            sqlx::query_scalar(query)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap(),
+        );
     }
     counts
 }
@@ -521,19 +525,25 @@ async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route(
                         }
                     }
                     Expect::OrgARowsOnly(orgs_of) => {
-                        let orgs = if status == 200 { orgs_of(&body) } else { Vec::new() };
+                        let orgs = if status == 200 {
+                            orgs_of(&body)
+                        } else {
+                            Vec::new()
+                        };
                         if status != 200 || orgs.is_empty() {
-                            Some(format!("expected 200 with org_a's rows, got {status}: {body}"))
+                            Some(format!(
+                                "expected 200 with org_a's rows, got {status}: {body}"
+                            ))
                         } else if orgs.iter().any(|org| org != ORG_A) {
                             Some(format!("rows of other orgs are served: {orgs:?}"))
                         } else {
                             None
                         }
                     }
-                    Expect::Served => (rule.org != OrgRule::NoOrgData
-                        || status != 200
-                        || body.contains(ORG_B))
-                    .then(|| format!("expected 200 without org_b, got {status}: {body}")),
+                    Expect::Served => {
+                        (rule.org != OrgRule::NoOrgData || status != 200 || body.contains(ORG_B))
+                            .then(|| format!("expected 200 without org_b, got {status}: {body}"))
+                    }
                 };
                 failures.extend(failure.map(|failure| format!("{what}: {failure}")));
             }
@@ -665,7 +675,10 @@ async fn one_token_past_its_limit_gets_429_while_another_tokens_requests_succeed
             held.push(task);
         }
     }
-    assert_eq!(refused, LIMIT, "exactly the requests past the limit are refused");
+    assert_eq!(
+        refused, LIMIT,
+        "exactly the requests past the limit are refused"
+    );
 
     // When the slow requests end, the token is served again.
     for task in held {
