@@ -68,7 +68,7 @@ pub async fn get_verify(
             ))
         }
     };
-    let Ok(_pass) = state.verify_passes.try_acquire() else {
+    let Ok(pass) = state.verify_passes.clone().try_acquire_owned() else {
         metrics::counter!("tally_verify_refused_total").increment(1);
         return Err(ApiError {
             retry_after_seconds: Some(VERIFY_RETRY_AFTER_SECONDS),
@@ -79,10 +79,23 @@ pub async fn get_verify(
             )
         });
     };
-    let report = if full {
-        verify::verify(&state.pool).await?
-    } else {
-        verify::verify_incremental(&state.pool).await?
-    };
+    // A pass hashes every row it reads: run on a runtime worker, that CPU work delayed the
+    // tasks queued behind it (a write's answer waited for the whole pass). It runs on a
+    // blocking-pool thread instead, its queries still driven by the runtime, and it keeps
+    // its permit until it ends, even when the request is dropped before.
+    let pool = state.pool.clone();
+    let runtime = tokio::runtime::Handle::current();
+    let report = tokio::task::spawn_blocking(move || {
+        let _pass = pass;
+        runtime.block_on(async move {
+            if full {
+                verify::verify(&pool).await
+            } else {
+                verify::verify_incremental(&pool).await
+            }
+        })
+    })
+    .await
+    .map_err(|error| ApiError::internal(&error))??;
     Ok(Json(report))
 }
