@@ -56,6 +56,12 @@ pub const PROJECTOR_POLL_MS: u64 = 250;
 /// freshness (admission's read-your-writes) cuts the wait short.
 pub const PROJECTOR_LINGER_MS: u64 = 50;
 
+/// Requests in progress at once from one token; past it that token's requests get 429
+/// `too_many_requests` with `Retry-After` while other tokens are served. A quarter of
+/// [`HTTP_CONCURRENCY_MAX`], so that it takes four tokens to fill every slot; well above
+/// the 64 clients `tally bench` runs with one token.
+pub const TOKEN_CONCURRENCY_MAX: usize = 256;
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     /// Postgres URL; the database is created when missing.
@@ -137,6 +143,9 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_PROJECTOR_LINGER_MS", default_value_t = PROJECTOR_LINGER_MS)]
     pub projector_linger_ms: u64,
+
+    #[arg(long, env = "TALLY_TOKEN_CONCURRENCY_MAX", default_value_t = TOKEN_CONCURRENCY_MAX)]
+    pub token_concurrency_max: usize,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -175,6 +184,7 @@ impl Config {
             projector_batch_max: PROJECTOR_BATCH_MAX,
             projector_poll_ms: PROJECTOR_POLL_MS,
             projector_linger_ms: PROJECTOR_LINGER_MS,
+            token_concurrency_max: TOKEN_CONCURRENCY_MAX,
         }
     }
 

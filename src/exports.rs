@@ -180,3 +180,31 @@ pub fn usage_rows(
         },
     )
 }
+
+/// One org's row of the usage export of `period` as of `as_of`, for a token bound to that
+/// org: `None` when [`usage_rows`] would not list the org (no usage in the period).
+pub async fn org_usage_row(
+    pool: &PgPool,
+    period: Period,
+    as_of: DateTime<Utc>,
+    org_id: &str,
+) -> anyhow::Result<Option<Figures>> {
+    let listed: bool = sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM {LIVE}.org_period WHERE period = $1 AND org_id = $2) \
+             OR EXISTS (SELECT 1 FROM {LIVE}.org_open \
+                        WHERE org_id = $2 AND running > 0 AND since_period <= $1)"
+    ))
+    .bind(period.to_string())
+    .bind(org_id)
+    .fetch_one(pool)
+    .await?;
+    if !listed {
+        return Ok(None);
+    }
+    let priced = query::priced_usage(pool, org_id, period, as_of).await?;
+    Ok(Some(Figures::from_priced(
+        org_id.to_owned(),
+        period,
+        &priced,
+    )))
+}

@@ -118,6 +118,10 @@ impl Service {
             page_events_max: config.page_events_max,
             relay_status,
             nats_names: names,
+            token_limits: crate::http::auth::TokenLimits::new(config.token_concurrency_max),
+            verify_passes: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                crate::http::ledger::VERIFY_PASSES_MAX,
+            )),
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

@@ -1,26 +1,38 @@
 //! Authentication and authorization for `/v1/*`, in one place.
 //!
-//! `require_token` runs on every `/v1` route after routing: it finds the principal behind
-//! the bearer token (401 when there is none or it is not valid — revoked tokens at once,
-//! since every request looks its token up), then the scope the matched route needs
-//! ([`required_scope`], one table for the whole API) and answers 403 when the principal
-//! lacks it. Handlers receive the [`Principal`] as an extension and check the org they act
-//! on with [`Principal::check_org`] (403 for an org-bound token on another org).
+//! `require_token` runs on every `/v1` route after routing: it counts the request against
+//! its token's limit of requests in progress ([`TokenLimits`], 429 past it), finds the
+//! principal behind the bearer token (401 when there is none or it is not valid — revoked
+//! tokens at once, since every request looks its token up), then the scope and the org
+//! rule of the matched route ([`ROUTES`], one table for the whole API): 403 when the
+//! principal lacks the scope, and for a token bound to one org, 403 on a global route or
+//! on another org's path. Handlers receive the [`Principal`] as an extension and check the
+//! org they act on with [`Principal::check_org`] (403 for a bound token on another org),
+//! or serve a bound token only its org's rows, as the route's [`OrgRule`] says.
 //!
 //! `TALLY_BOOTSTRAP_TOKEN` is the admin token; only its sha256 is kept in memory and it is
 //! compared digest to digest in constant time. Other tokens are stored as the sha256 of
 //! their secret and found by it.
 
-use axum::extract::{MatchedPath, Request, State};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::extract::{FromRequestParts, MatchedPath, RawPathParams, Request, State};
 use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
+use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::error::ApiError;
 use super::AppState;
+
+/// What a 429 for a token past its limit asks the client to wait, in seconds: its other
+/// requests are typically done in milliseconds.
+pub const TOKEN_LIMITED_RETRY_AFTER_SECONDS: u64 = 1;
 
 /// What a token may do (DESIGN §6). `admin` implies every other scope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -59,33 +71,116 @@ impl Scope {
     }
 }
 
-/// The scope each route needs: the one table of DESIGN §6. A route missing here is
-/// refused to everyone but admins, so a new route is closed until it is listed.
-pub fn required_scope(method: &Method, route: &str) -> Scope {
-    match (method.as_str(), route) {
-        ("POST", "/v1/events") => Scope::EventsWrite,
-        ("GET", "/v1/orgs/{org_id}/usage") => Scope::UsageRead,
-        ("GET", "/v1/containers/{container_id}") => Scope::UsageRead,
-        ("GET", "/v1/plans") => Scope::UsageRead,
-        ("PUT", "/v1/plans/{plan_id}") => Scope::Admin,
-        ("POST", "/v1/admission/check") => Scope::Admission,
-        ("POST", "/v1/admission/reservations") => Scope::Admission,
-        ("DELETE", "/v1/admission/reservations/{reservation_id}") => Scope::Admission,
-        ("GET", "/v1/events") => Scope::Audit,
-        ("GET", "/v1/containers/{container_id}/events") => Scope::Audit,
-        ("GET", "/v1/ledger/verify") => Scope::Audit,
-        ("POST", "/v1/tokens") => Scope::Admin,
-        ("DELETE", "/v1/tokens/{token_id}") => Scope::Admin,
-        ("POST", "/v1/provider-reports") => Scope::Finance,
-        ("POST", "/v1/reconciliations") => Scope::Finance,
-        ("GET", "/v1/exports/usage.csv") => Scope::Finance,
-        ("POST", "/v1/periods/{period}/close") => Scope::Finance,
-        ("GET", "/v1/periods/{period}") => Scope::Finance,
-        ("GET", "/v1/reconciliations/{reconciliation_id}/lines.csv") => Scope::Finance,
-        ("POST", "/v1/corrections/voids") => Scope::Admin,
-        ("POST", "/v1/corrections/events") => Scope::Admin,
-        _ => Scope::Admin,
+/// How a route treats a token bound to one org (issue 17): every route is listed in
+/// [`ROUTES`] with one of these, and the rule is enforced either here, before the handler
+/// runs ([`OrgRule::PathOrg`], [`OrgRule::Global`]), or by the handler, which alone knows
+/// the org once it has parsed the body or looked the resource up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrgRule {
+    /// Serves no org's data (the plan catalogue): a bound token is served like any other.
+    NoOrgData,
+    /// The org is the path's `{org_id}`: another org is 403 `org_not_allowed`, here.
+    PathOrg,
+    /// The org is named in the body (each event, an admission request): the handler checks
+    /// it with [`Principal::check_org`] once parsed; another org is 403 `org_not_allowed`.
+    BodyOrg,
+    /// The path names a resource of one org (a reservation): the handler looks its org up
+    /// and checks it; another org's is 403 `org_not_allowed`.
+    OwnedByOrg,
+    /// Reads rows of many orgs (exports, reconciliation lines, audit reads, a container by
+    /// id): a bound token is served only its org's rows; naming another org is 403.
+    FilteredToOrg,
+    /// Acts on or answers for every org at once (a period close, a whole provider report,
+    /// the whole ledger's chain, tokens, plans, corrections): 403 `org_bound_token`, here.
+    Global,
+}
+
+/// One route of `/v1`: the scope it needs and its org rule.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRule {
+    pub method: &'static str,
+    /// As the router spells it (axum's `MatchedPath`).
+    pub path: &'static str,
+    pub scope: Scope,
+    pub org: OrgRule,
+}
+
+const fn route(method: &'static str, path: &'static str, scope: Scope, org: OrgRule) -> RouteRule {
+    RouteRule {
+        method,
+        path,
+        scope,
+        org,
     }
+}
+
+/// Every `/v1` route, the one table of DESIGN §6 plus the org rule of each (recorded in
+/// `docs/decisions/org-bound-tokens.md`). A route missing here is refused to everyone but
+/// unbound admins, so a new route is closed until it is listed; the org-binding test walks
+/// this table and the OpenAPI document and fails on a route it has no case for.
+pub const ROUTES: &[RouteRule] = {
+    use OrgRule::*;
+    use Scope::*;
+    &[
+        route("POST", "/v1/events", EventsWrite, BodyOrg),
+        route("GET", "/v1/orgs/{org_id}/usage", UsageRead, PathOrg),
+        route(
+            "GET",
+            "/v1/containers/{container_id}",
+            UsageRead,
+            FilteredToOrg,
+        ),
+        route("GET", "/v1/plans", UsageRead, NoOrgData),
+        route("PUT", "/v1/plans/{plan_id}", Admin, Global),
+        route("POST", "/v1/admission/check", Admission, BodyOrg),
+        route("POST", "/v1/admission/reservations", Admission, BodyOrg),
+        route(
+            "DELETE",
+            "/v1/admission/reservations/{reservation_id}",
+            Admission,
+            OwnedByOrg,
+        ),
+        route("GET", "/v1/events", Audit, FilteredToOrg),
+        route(
+            "GET",
+            "/v1/containers/{container_id}/events",
+            Audit,
+            FilteredToOrg,
+        ),
+        route("GET", "/v1/ledger/verify", Audit, Global),
+        route("POST", "/v1/tokens", Admin, Global),
+        route("DELETE", "/v1/tokens/{token_id}", Admin, Global),
+        route("POST", "/v1/provider-reports", Finance, Global),
+        route("POST", "/v1/reconciliations", Finance, Global),
+        route("GET", "/v1/exports/usage.csv", Finance, FilteredToOrg),
+        route("POST", "/v1/periods/{period}/close", Finance, Global),
+        route("GET", "/v1/periods/{period}", Finance, Global),
+        route(
+            "GET",
+            "/v1/reconciliations/{reconciliation_id}/lines.csv",
+            Finance,
+            FilteredToOrg,
+        ),
+        route("POST", "/v1/corrections/voids", Admin, Global),
+        route("POST", "/v1/corrections/events", Admin, Global),
+    ]
+};
+
+/// The row of [`ROUTES`] for a matched route, if it is listed.
+pub fn route_rule(method: &Method, route: &str) -> Option<&'static RouteRule> {
+    ROUTES
+        .iter()
+        .find(|rule| rule.method == method.as_str() && rule.path == route)
+}
+
+/// The scope a route needs; admin for a route not listed.
+pub fn required_scope(method: &Method, route: &str) -> Scope {
+    route_rule(method, route).map_or(Scope::Admin, |rule| rule.scope)
+}
+
+/// A route's org rule; global (refused to a bound token) for a route not listed.
+pub fn org_rule(method: &Method, route: &str) -> OrgRule {
+    route_rule(method, route).map_or(OrgRule::Global, |rule| rule.org)
 }
 
 /// Who is calling.
@@ -148,10 +243,9 @@ impl Tokens {
 async fn principal(
     tokens: &Tokens,
     pool: &PgPool,
-    presented: &str,
+    digest: &[u8; 32],
 ) -> Result<Option<Principal>, ApiError> {
-    let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
-    if tokens.is_bootstrap(&digest) {
+    if tokens.is_bootstrap(digest) {
         return Ok(Some(Principal {
             id: "bootstrap".to_owned(),
             scopes: vec![Scope::Admin],
@@ -174,17 +268,88 @@ async fn principal(
     }))
 }
 
+/// Requests in progress per token, so that one token cannot take every request slot
+/// (issue 17): past `max` a request is refused at once with 429 `too_many_requests`.
+///
+/// The map holds an entry only while its token has a request in progress (a permit removes
+/// its entry when the count drops to 0), so it never holds more entries than there are
+/// requests in progress, which the service-wide limit bounds.
+#[derive(Clone)]
+pub struct TokenLimits {
+    max: usize,
+    in_progress: Arc<Mutex<HashMap<[u8; 32], usize>>>,
+}
+
+/// One request's place in its token's count, given back when dropped.
+pub struct TokenPermit {
+    key: [u8; 32],
+    in_progress: Arc<Mutex<HashMap<[u8; 32], usize>>>,
+}
+
+impl TokenLimits {
+    pub fn new(max: usize) -> TokenLimits {
+        TokenLimits {
+            max: max.max(1),
+            in_progress: Arc::default(),
+        }
+    }
+
+    /// A permit for one more request of the token with this digest, or `None` when it
+    /// already has `max` in progress.
+    pub fn try_acquire(&self, key: [u8; 32]) -> Option<TokenPermit> {
+        let mut in_progress = self.in_progress.lock().expect("never held across a panic");
+        let count = in_progress.entry(key).or_insert(0);
+        if *count >= self.max {
+            return None;
+        }
+        *count += 1;
+        Some(TokenPermit {
+            key,
+            in_progress: self.in_progress.clone(),
+        })
+    }
+
+    /// Tokens with a request in progress (the map's size).
+    pub fn tokens_in_progress(&self) -> usize {
+        self.in_progress
+            .lock()
+            .expect("never held across a panic")
+            .len()
+    }
+}
+
+impl Drop for TokenPermit {
+    fn drop(&mut self) {
+        let mut in_progress = self.in_progress.lock().expect("never held across a panic");
+        let count = in_progress
+            .get_mut(&self.key)
+            .expect("a permit's token is counted until its last permit is dropped");
+        assert!(*count > 0, "a counted token has a request in progress");
+        *count -= 1;
+        if *count == 0 {
+            in_progress.remove(&self.key);
+        }
+    }
+}
+
+/// The secret of `Authorization: Bearer <secret>`; the scheme is case-insensitive
+/// (RFC 7235 §2.1), so `bearer` and `BEARER` are the same.
+fn bearer_secret(value: &str) -> Option<&str> {
+    let (scheme, secret) = value.trim_start().split_once(' ')?;
+    let secret = secret.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !secret.is_empty()).then_some(secret)
+}
+
 pub async fn require_token(
     State(state): State<AppState>,
-    mut request: Request,
+    request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(bearer_secret);
     let Some(presented) = presented else {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -192,7 +357,24 @@ pub async fn require_token(
             "send Authorization: Bearer <token>",
         ));
     };
-    let Some(principal) = principal(&state.tokens, &state.pool, presented).await? else {
+    let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+    // Counted before the token is looked up, so that one token's flood cannot hold the
+    // pool connections of the look-ups either.
+    let Some(permit) = state.token_limits.try_acquire(digest) else {
+        metrics::counter!("tally_http_token_limited_total").increment(1);
+        return Err(ApiError {
+            retry_after_seconds: Some(TOKEN_LIMITED_RETRY_AFTER_SECONDS),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_requests",
+                format!(
+                    "this token has {} requests in progress; retry when one has finished",
+                    state.token_limits.max
+                ),
+            )
+        });
+    };
+    let Some(principal) = principal(&state.tokens, &state.pool, &digest).await? else {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
@@ -212,6 +394,111 @@ pub async fn require_token(
             format!("this route needs the {} scope", needed.as_str()),
         ));
     }
+    let (mut parts, body) = request.into_parts();
+    if let Some(bound) = &principal.org_id {
+        match org_rule(&parts.method, &route) {
+            OrgRule::Global => {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "org_bound_token",
+                    format!(
+                        "this token is bound to org {bound}; {} {route} acts on every org and needs a token bound to none",
+                        parts.method
+                    ),
+                ))
+            }
+            OrgRule::PathOrg => {
+                let params = RawPathParams::from_request_parts(&mut parts, &state)
+                    .await
+                    .map_err(|_| ApiError::invalid("invalid_org_id", "org_id: is not readable"))?;
+                let org_id = params
+                    .iter()
+                    .find_map(|(name, value)| (name == "org_id").then_some(value))
+                    .expect("a path-org route has {org_id} in its path");
+                principal.check_org(org_id)?;
+            }
+            OrgRule::NoOrgData
+            | OrgRule::BodyOrg
+            | OrgRule::OwnedByOrg
+            | OrgRule::FilteredToOrg => {}
+        }
+    }
+    let mut request = Request::from_parts(parts, body);
     request.extensions_mut().insert(principal);
-    Ok(next.run(request).await)
+    let response = next.run(request).await;
+    // The permit is given back when the body has been sent (or dropped), not when the
+    // headers are: a streamed export is in progress until its last row.
+    Ok(response.map(|body| {
+        Body::new(body.map_frame(move |frame| {
+            let _held = &permit;
+            frame
+        }))
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case() {
+        for value in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "bEaReR  s3cret ",
+        ] {
+            assert_eq!(bearer_secret(value), Some("s3cret"), "{value:?}");
+        }
+        for value in [
+            "Basic s3cret",
+            "Bearer",
+            "Bearer ",
+            "Bearers3cret",
+            "s3cret",
+        ] {
+            assert_eq!(bearer_secret(value), None, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn a_token_past_its_limit_is_refused_and_its_entry_goes_when_its_last_request_ends() {
+        let limits = TokenLimits::new(2);
+        let (one, other) = ([1u8; 32], [2u8; 32]);
+        let first = limits.try_acquire(one).expect("the first is allowed");
+        let second = limits.try_acquire(one).expect("the second is allowed");
+        assert!(limits.try_acquire(one).is_none(), "the third is refused");
+        let theirs = limits
+            .try_acquire(other)
+            .expect("another token is counted apart");
+        assert_eq!(limits.tokens_in_progress(), 2);
+        drop(first);
+        let third = limits.try_acquire(one).expect("a slot was given back");
+        drop((second, third, theirs));
+        assert_eq!(
+            limits.tokens_in_progress(),
+            0,
+            "no entry outlives its requests"
+        );
+    }
+
+    #[test]
+    fn every_listed_route_is_listed_once() {
+        for (index, rule) in ROUTES.iter().enumerate() {
+            assert!(
+                ROUTES[index + 1..]
+                    .iter()
+                    .all(|other| (other.method, other.path) != (rule.method, rule.path)),
+                "{} {} is listed twice",
+                rule.method,
+                rule.path
+            );
+            assert!(
+                rule.org != OrgRule::PathOrg || rule.path.contains("{org_id}"),
+                "{} {} takes its org from a path without {{org_id}}",
+                rule.method,
+                rule.path
+            );
+        }
+    }
 }

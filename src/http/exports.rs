@@ -50,7 +50,8 @@ impl From<crate::periods::Closed> for PeriodResponse {
     }
 }
 
-/// Close a finished period: freeze every org's figures in a hashed snapshot.
+/// Close a finished period: freeze every org's figures in a hashed snapshot. Global: a
+/// token bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/periods/{period}/close",
@@ -92,7 +93,8 @@ pub async fn post_close(
     }
 }
 
-/// A closed period, with its snapshot verified against its hash.
+/// A closed period, with its snapshot verified against its hash. Global (the snapshot and
+/// its hash cover every org): a token bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     get,
     path = "/v1/periods/{period}",
@@ -124,7 +126,8 @@ pub async fn get_period(
     }
 }
 
-/// Usage of every org in a period, priced: one row per org.
+/// Usage of every org in a period, priced: one row per org (a token bound to an org gets
+/// that org's row only).
 #[utoipa::path(
     get,
     path = "/v1/exports/usage.csv",
@@ -144,6 +147,7 @@ pub async fn get_period(
 )]
 pub async fn get_usage_export(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     if let Some(unknown) = params
@@ -173,7 +177,20 @@ pub async fn get_usage_export(
         }
     };
     let as_of = Utc::now().trunc_subsecs(3).min(period.end());
-    let rows = exports::usage_rows(state.pool.clone(), period, as_of).enumerate();
+    // A token bound to one org is served that org's row and adjustments only.
+    let bound = principal.org_id.clone();
+    let rows = match bound.clone() {
+        None => exports::usage_rows(state.pool.clone(), period, as_of).boxed(),
+        Some(org_id) => {
+            let pool = state.pool.clone();
+            futures::stream::once(async move {
+                exports::org_usage_row(&pool, period, as_of, &org_id).await
+            })
+            .filter_map(|row| async move { row.transpose() })
+            .boxed()
+        }
+    }
+    .enumerate();
     let head = futures::stream::once(async move {
         Ok::<Bytes, std::io::Error>(Bytes::from(if json_format {
             "{\"rows\":[".to_owned()
@@ -195,9 +212,12 @@ pub async fn get_usage_export(
     // Adjustments of closed periods whose next open period is this one, after the rows.
     let pool = state.pool.clone();
     let tail = futures::stream::once(async move {
-        let adjustments = crate::periods::adjustments(&pool, period)
+        let mut adjustments = crate::periods::adjustments(&pool, period)
             .await
             .map_err(|error| std::io::Error::other(error.to_string()))?;
+        if let Some(bound) = &bound {
+            adjustments.retain(|adjustment| &adjustment.delta.org_id == bound);
+        }
         let text = if json_format {
             let listed: Vec<_> = adjustments
                 .iter()

@@ -1,6 +1,12 @@
 //! `GET /v1/ledger/verify`: recompute the hash chain and name the first broken position —
 //! from the last verified checkpoint, or from the start with `?full=true`; with
 //! `?stream=true` also compare every row with its `TALLY_LEDGER` message.
+//!
+//! One pass runs at a time on an instance: a pass holds a pool connection and a core
+//! for as long as it walks the ledger, and twenty at once took every connection and
+//! stalled everyone's reads and writes. A request that finds a pass running is answered at
+//! once with 503 `verify_in_progress` and `Retry-After`; see
+//! `docs/decisions/org-bound-tokens.md`.
 
 use std::collections::HashMap;
 
@@ -12,6 +18,14 @@ use axum::{Json, Router};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::ledger::verify::{self, VerifyReport};
+
+/// Verify passes in progress at once on one instance: one pass already uses a whole core
+/// and a pool connection; a second would only halve the speed of both.
+pub const VERIFY_PASSES_MAX: usize = 1;
+
+/// What a refused verify asks the client to wait, in seconds: a full pass over a million
+/// rows takes a few seconds.
+pub const VERIFY_RETRY_AFTER_SECONDS: u64 = 5;
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/v1/ledger/verify", get(get_verify))
@@ -30,8 +44,9 @@ pub fn router() -> Router<AppState> {
     responses(
         (status = 200, body = crate::http::ops::VerifyReportSchema),
         (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody, description = "the token is bound to an org: verify answers for the whole ledger"),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "`verify_in_progress`: another pass is running; retry after `Retry-After`"),
     ),
     security(("bearer" = []))
 )]
@@ -71,18 +86,46 @@ pub async fn get_verify(
             ))
         }
     };
-    let report = if full {
-        verify::verify(&state.pool).await?
-    } else {
-        verify::verify_incremental(&state.pool).await?
+    let Ok(pass) = state.verify_passes.clone().try_acquire_owned() else {
+        metrics::counter!("tally_verify_refused_total").increment(1);
+        return Err(ApiError {
+            retry_after_seconds: Some(VERIFY_RETRY_AFTER_SECONDS),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "verify_in_progress",
+                "a verify pass is already running on this instance; retry later",
+            )
+        });
     };
-    if stream {
-        let context = crate::bus::jetstream(state.nats.clone());
-        let compared = crate::bus::check::verify_stream(&state.pool, &context, &state.nats_names)
-            .await
-            .map_err(stream_error)?;
-        return Ok(Json(report.with_stream(compared)));
-    }
+    // A pass hashes every row it reads: run on a runtime worker, that CPU work delayed the
+    // tasks queued behind it (a write's answer waited for the whole pass). It runs on a
+    // blocking-pool thread instead, its queries still driven by the runtime, and it keeps
+    // its permit until it ends, even when the request is dropped before. A stream
+    // comparison is part of the same pass.
+    let pool = state.pool.clone();
+    let nats = state.nats.clone();
+    let names = state.nats_names.clone();
+    let runtime = tokio::runtime::Handle::current();
+    let report = tokio::task::spawn_blocking(move || {
+        let _pass = pass;
+        runtime.block_on(async move {
+            let report = if full {
+                verify::verify(&pool).await?
+            } else {
+                verify::verify_incremental(&pool).await?
+            };
+            if !stream {
+                return Ok(report);
+            }
+            let context = crate::bus::jetstream(nats);
+            let compared = crate::bus::check::verify_stream(&pool, &context, &names)
+                .await
+                .map_err(stream_error)?;
+            Ok::<_, ApiError>(report.with_stream(compared))
+        })
+    })
+    .await
+    .map_err(|error| ApiError::internal(&error))??;
     Ok(Json(report))
 }
 

@@ -59,6 +59,10 @@ pub struct Inner {
     pub relay_status: crate::bus::relay::RelayStatus,
     /// Stream names, for `GET /v1/ledger/verify?stream=true`.
     pub nats_names: crate::bus::Names,
+    /// Requests in progress per token (`TALLY_TOKEN_CONCURRENCY_MAX`).
+    pub token_limits: auth::TokenLimits,
+    /// Verify passes in progress on this instance: [`ledger::VERIFY_PASSES_MAX`].
+    pub verify_passes: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {

@@ -51,7 +51,8 @@ pub struct ReconciliationResponse {
     totals: Value,
 }
 
-/// Reconcile a stored provider report against the ledger.
+/// Reconcile a stored provider report against the ledger. Global (a report spans orgs): a
+/// token bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/reconciliations",
@@ -191,7 +192,8 @@ impl LineRow {
     }
 }
 
-/// A reconciliation's lines, streamed: CSV with the header of DESIGN §6, or JSON.
+/// A reconciliation's lines, streamed: CSV with the header of DESIGN §6, or JSON. A token
+/// bound to an org gets that org's lines only.
 #[utoipa::path(
     get,
     path = "/v1/reconciliations/{reconciliation_id}/lines.csv",
@@ -212,6 +214,7 @@ impl LineRow {
 )]
 pub async fn get_lines(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(reconciliation_id): Path<String>,
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
@@ -250,14 +253,17 @@ pub async fn get_lines(
         ));
     }
     let pool = state.pool.clone();
+    // A token bound to one org reads only the lines of that org.
+    let bound = principal.org_id.clone();
     // (next seq to read, lines written so far, done)
     let chunks = futures::stream::unfold((0i64, 0u64, false), move |(after, written, done)| {
         let pool = pool.clone();
+        let bound = bound.clone();
         async move {
             if done {
                 return None;
             }
-            let rows = match read_lines(&pool, id, after).await {
+            let rows = match read_lines(&pool, id, after, bound.as_deref()).await {
                 Ok(rows) => rows,
                 Err(error) => {
                     return Some((Err(std::io::Error::other(error)), (after, written, true)))
@@ -306,15 +312,23 @@ pub async fn get_lines(
         .map_err(|error| ApiError::internal(&error))
 }
 
-async fn read_lines(pool: &PgPool, id: Uuid, after: i64) -> Result<Vec<LineRow>, sqlx::Error> {
+/// A chunk of lines after `after`; only `org_id`'s when given.
+async fn read_lines(
+    pool: &PgPool,
+    id: Uuid,
+    after: i64,
+    org_id: Option<&str>,
+) -> Result<Vec<LineRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT seq, org_id, container_id, charge_period_start, charge_period_end, ledger_runtime_ms, \
                 provider_runtime_ms, delta_ms, status, provider_cost, expected_cost, cost_delta, currency \
-         FROM reconciliation_line WHERE reconciliation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+         FROM reconciliation_line WHERE reconciliation_id = $1 AND seq > $2 \
+           AND ($4::text IS NULL OR org_id = $4) ORDER BY seq LIMIT $3",
     )
     .bind(id)
     .bind(after)
     .bind(EXPORT_CHUNK_LINES)
+    .bind(org_id)
     .fetch_all(pool)
     .await
 }

@@ -42,7 +42,8 @@ impl From<StoredReport> for ReportResponse {
     }
 }
 
-/// Import a provider usage report (FOCUS 1.x columns, `text/csv`).
+/// Import a provider usage report (FOCUS 1.x columns, `text/csv`). Global (a report spans
+/// orgs): a token bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/provider-reports",

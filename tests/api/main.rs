@@ -18,6 +18,7 @@ mod ingest;
 mod input_hardening;
 mod nats;
 mod operations;
+mod org_binding;
 mod periods;
 mod plans;
 mod projection;

@@ -1,0 +1,812 @@
+//! Tokens against each other (issue 17): a token bound to one org is held to it on every
+//! route, driven from the route table itself (item 3); one verify pass at a time (item 6);
+//! one token cannot take every request slot (item 5); the bearer scheme in any case
+//! (item 9).
+
+use std::collections::BTreeSet;
+
+use chrono::Utc;
+use reqwest::Method;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tally::http::auth::{OrgRule, RouteRule, ROUTES};
+use tally::runtime::Period;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use uuid::Uuid;
+
+use crate::admission::ready_org;
+use crate::helpers::{ago, eventually, period_began_within, projected_to_head, TestApp, TOKEN};
+
+const ORG_A: &str = "org_a";
+const ORG_B: &str = "org_b";
+
+/// A token made through the API.
+async fn create_token(app: &TestApp, body: Value) -> String {
+    let response = app
+        .client
+        .post(app.url("/v1/tokens"))
+        .bearer_auth(TOKEN)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    response.json::<Value>().await.unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// A token bound to `org` with every scope, admin included, stored directly: the API
+/// refuses to bind an admin token, so this is the token that reaches every route's org
+/// rule rather than stopping at its scope (and a row written some other way is held to the
+/// rules all the same).
+async fn bound_token_with_every_scope(app: &TestApp, org: &str) -> String {
+    let secret = format!("tly_test_{}", Uuid::new_v4().simple());
+    sqlx::query(
+        "INSERT INTO api_token (id, secret_sha256, scopes, org_id, created_at, created_by) \
+         VALUES ($1, $2, $3, $4, now(), 'test')",
+    )
+    .bind(Uuid::new_v4())
+    .bind(&Sha256::digest(secret.as_bytes())[..])
+    .bind(vec![
+        "events:write",
+        "usage:read",
+        "admission",
+        "finance",
+        "audit",
+        "admin",
+    ])
+    .bind(org)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    secret
+}
+
+async fn send(
+    app: &TestApp,
+    method: Method,
+    path: &str,
+    token: &str,
+    body: Option<(&str, Vec<u8>)>,
+) -> (u16, Option<String>, String) {
+    let mut request = app.client.request(method, app.url(path)).bearer_auth(token);
+    if let Some((content_type, bytes)) = body {
+        request = request.header("content-type", content_type).body(bytes);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .map(|value| value.to_str().unwrap().to_owned());
+    (status, retry_after, response.text().await.unwrap())
+}
+
+fn json_body(value: Value) -> Option<(&'static str, Vec<u8>)> {
+    Some(("application/json", value.to_string().into_bytes()))
+}
+
+/// What org_a's token must get from a request aimed at org_b or at every org.
+enum Expect {
+    /// 403 with this code.
+    Refused(&'static str),
+    /// 200 with at least one row, every row org_a's; the function lists the rows' orgs.
+    OrgARowsOnly(fn(&str) -> Vec<String>),
+    /// 200: the route serves no org's data.
+    Served,
+}
+
+struct Probe {
+    method: Method,
+    path: String,
+    body: Option<(&'static str, Vec<u8>)>,
+    expect: Expect,
+}
+
+/// What the fixture made for org_b (and org_a), for the probes to aim at.
+struct Fixture {
+    period: Period,
+    reservation_b: Uuid,
+    reconciliation: String,
+    report_csv: String,
+    some_token_id: String,
+}
+
+fn csv_orgs(body: &str) -> Vec<String> {
+    body.lines()
+        .skip(1)
+        .filter(|line| !line.is_empty())
+        .map(|line| line.split(',').next().unwrap().to_owned())
+        .collect()
+}
+
+fn event_orgs(body: &str) -> Vec<String> {
+    let page: Value = serde_json::from_str(body).unwrap();
+    page["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|event| event["org_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn container_org(body: &str) -> Vec<String> {
+    let container: Value = serde_json::from_str(body).unwrap();
+    vec![container["org_id"].as_str().unwrap().to_owned()]
+}
+
+/// The probes of one route. A route of the table with no case here fails the test: give
+/// it an org rule in `ROUTES` and a case here.
+fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
+    let probe = |method: Method, path: String, body, expect| Probe {
+        method,
+        path,
+        body,
+        expect,
+    };
+    let method: Method = rule.method.parse().unwrap();
+    let period = fixture.period;
+    let previous = Period::containing(period.start() - chrono::Duration::milliseconds(1));
+    let one = |path: String, body, expect| vec![probe(method.clone(), path, body, expect)];
+    match (rule.method, rule.path) {
+        ("POST", "/v1/events") => one(
+            "/v1/events".into(),
+            json_body(
+                json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": ORG_B,
+                             "container_id": "cb_new", "occurred_at": ago(60)}),
+            ),
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("GET", "/v1/orgs/{org_id}/usage") => one(
+            format!("/v1/orgs/{ORG_B}/usage?period={period}"),
+            None,
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("GET", "/v1/containers/{container_id}") => vec![
+            probe(
+                Method::GET,
+                "/v1/containers/shared".into(),
+                None,
+                Expect::OrgARowsOnly(container_org),
+            ),
+            probe(
+                Method::GET,
+                format!("/v1/containers/shared?org_id={ORG_B}"),
+                None,
+                Expect::Refused("org_not_allowed"),
+            ),
+        ],
+        ("GET", "/v1/plans") => one("/v1/plans".into(), None, Expect::Served),
+        ("PUT", "/v1/plans/{plan_id}") => one(
+            "/v1/plans/pro".into(),
+            json_body(crate::plans::pro_plan()),
+            Expect::Refused("org_bound_token"),
+        ),
+        ("POST", "/v1/admission/check") => one(
+            "/v1/admission/check".into(),
+            json_body(json!({"org_id": ORG_B, "action": "create"})),
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("POST", "/v1/admission/reservations") => one(
+            "/v1/admission/reservations".into(),
+            json_body(json!({"org_id": ORG_B, "action": "create"})),
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("DELETE", "/v1/admission/reservations/{reservation_id}") => one(
+            format!("/v1/admission/reservations/{}", fixture.reservation_b),
+            None,
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("GET", "/v1/events") => vec![
+            probe(
+                Method::GET,
+                "/v1/events".into(),
+                None,
+                Expect::OrgARowsOnly(event_orgs),
+            ),
+            probe(
+                Method::GET,
+                format!("/v1/events?org_id={ORG_B}"),
+                None,
+                Expect::Refused("org_not_allowed"),
+            ),
+        ],
+        ("GET", "/v1/containers/{container_id}/events") => vec![
+            probe(
+                Method::GET,
+                "/v1/containers/shared/events".into(),
+                None,
+                Expect::OrgARowsOnly(event_orgs),
+            ),
+            probe(
+                Method::GET,
+                format!("/v1/containers/shared/events?org_id={ORG_B}"),
+                None,
+                Expect::Refused("org_not_allowed"),
+            ),
+        ],
+        ("GET", "/v1/ledger/verify") => vec![
+            probe(
+                Method::GET,
+                "/v1/ledger/verify".into(),
+                None,
+                Expect::Refused("org_bound_token"),
+            ),
+            probe(
+                Method::GET,
+                "/v1/ledger/verify?full=true".into(),
+                None,
+                Expect::Refused("org_bound_token"),
+            ),
+        ],
+        ("POST", "/v1/tokens") => one(
+            "/v1/tokens".into(),
+            json_body(json!({"scopes": ["finance"], "org_id": ORG_B})),
+            Expect::Refused("org_bound_token"),
+        ),
+        ("DELETE", "/v1/tokens/{token_id}") => one(
+            format!("/v1/tokens/{}", fixture.some_token_id),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
+        ("POST", "/v1/provider-reports") => one(
+            "/v1/provider-reports".into(),
+            Some((
+                "text/csv",
+                format!("{}\n", fixture.report_csv.trim_end()).into_bytes(),
+            )),
+            Expect::Refused("org_bound_token"),
+        ),
+        ("POST", "/v1/reconciliations") => one(
+            "/v1/reconciliations".into(),
+            json_body(json!({"report_id": Uuid::new_v4()})),
+            Expect::Refused("org_bound_token"),
+        ),
+        ("GET", "/v1/exports/usage.csv") => vec![
+            probe(
+                Method::GET,
+                format!("/v1/exports/usage.csv?period={period}"),
+                None,
+                Expect::OrgARowsOnly(csv_orgs),
+            ),
+            probe(
+                Method::GET,
+                format!("/v1/exports/usage.csv?period={period}&format=json"),
+                None,
+                Expect::OrgARowsOnly(|body| {
+                    let export: Value = serde_json::from_str(body).unwrap();
+                    export["rows"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|row| row["org_id"].as_str().unwrap().to_owned())
+                        .collect()
+                }),
+            ),
+        ],
+        ("POST", "/v1/periods/{period}/close") => one(
+            format!("/v1/periods/{previous}/close"),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
+        ("GET", "/v1/periods/{period}") => one(
+            format!("/v1/periods/{previous}"),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
+        ("GET", "/v1/reconciliations/{reconciliation_id}/lines.csv") => vec![
+            probe(
+                Method::GET,
+                format!("/v1/reconciliations/{}/lines.csv", fixture.reconciliation),
+                None,
+                Expect::OrgARowsOnly(csv_orgs),
+            ),
+            probe(
+                Method::GET,
+                format!(
+                    "/v1/reconciliations/{}/lines.csv?format=json",
+                    fixture.reconciliation
+                ),
+                None,
+                Expect::OrgARowsOnly(|body| {
+                    let export: Value = serde_json::from_str(body).unwrap();
+                    export["lines"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|line| line["org_id"].as_str().unwrap_or("").to_owned())
+                        .collect()
+                }),
+            ),
+        ],
+        ("POST", "/v1/corrections/voids") => one(
+            "/v1/corrections/voids".into(),
+            json_body(json!({"event_id": Uuid::new_v4(), "reason": "test"})),
+            Expect::Refused("org_bound_token"),
+        ),
+        ("POST", "/v1/corrections/events") => one(
+            "/v1/corrections/events".into(),
+            json_body(json!({"events": [], "reason": "test"})),
+            Expect::Refused("org_bound_token"),
+        ),
+        (method, path) => panic!(
+            "{method} {path} has no org-binding case: give it an org rule in ROUTES and a case here"
+        ),
+    }
+}
+
+/// org_a and org_b each with containers running this period (one container id used by
+/// both), a reservation of org_b, a provider report with lines of both, reconciled.
+async fn fixture(app: &TestApp) -> Fixture {
+    let period = Period::containing(Utc::now());
+    ready_org(app, ORG_B).await;
+    let (status, _, reservation) = send(
+        app,
+        Method::POST,
+        "/v1/admission/reservations",
+        TOKEN,
+        json_body(json!({"org_id": ORG_B, "action": "create", "container_id": "cb_later"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{reservation}");
+    let reservation: Value = serde_json::from_str(&reservation).unwrap();
+    let reservation_b = reservation["reservation_id"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let created = |org: &str, container: &str| {
+        json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": org,
+               "container_id": container, "occurred_at": ago(1800)})
+    };
+    let events = vec![
+        created(ORG_A, "ca1"),
+        created(ORG_A, "shared"),
+        created(ORG_B, "cb1"),
+        created(ORG_B, "shared"),
+    ];
+    let (status, response) = app.post_json(&json!({ "events": events })).await;
+    assert_eq!(status, 200, "{response}");
+    projected_to_head(&app.pool, "the fixture is projected").await;
+
+    let (start, end) = (ago(1800), ago(600));
+    let line = |container: &str, org: &str| {
+        format!(r#"{start},{end},{container},1200,Seconds,0.10,USD,"{{""org_id"":""{org}""}}""#)
+    };
+    let report_csv = [
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned(),
+        line("ca1", ORG_A),
+        line("cb1", ORG_B),
+        line("shared", ORG_B),
+    ]
+    .join("\n");
+    let (status, _, report) = send(
+        app,
+        Method::POST,
+        "/v1/provider-reports",
+        TOKEN,
+        Some(("text/csv", report_csv.clone().into_bytes())),
+    )
+    .await;
+    assert_eq!(status, 201, "{report}");
+    let report: Value = serde_json::from_str(&report).unwrap();
+    let (status, _, reconciliation) = send(
+        app,
+        Method::POST,
+        "/v1/reconciliations",
+        TOKEN,
+        json_body(json!({"report_id": report["report_id"]})),
+    )
+    .await;
+    assert_eq!(status, 201, "{reconciliation}");
+    let reconciliation: Value = serde_json::from_str(&reconciliation).unwrap();
+
+    let (status, _, token) = send(
+        app,
+        Method::POST,
+        "/v1/tokens",
+        TOKEN,
+        json_body(json!({"scopes": ["audit"]})),
+    )
+    .await;
+    assert_eq!(status, 201, "{token}");
+    let token: Value = serde_json::from_str(&token).unwrap();
+    Fixture {
+        period,
+        reservation_b,
+        reconciliation: reconciliation["reconciliation_id"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+        report_csv,
+        some_token_id: token["id"].as_str().unwrap().to_owned(),
+    }
+}
+
+/// The ledger, the stored tokens, reports, reconciliations, periods and reservations, as
+/// counts: a refused request must change none of them.
+async fn stored(app: &TestApp) -> Vec<i64> {
+    let mut counts = Vec::new();
+    for query in [
+        "SELECT count(*) FROM ledger",
+        "SELECT count(*) FROM api_token WHERE revoked_at IS NULL",
+        "SELECT count(*) FROM provider_report",
+        "SELECT count(*) FROM reconciliation",
+        "SELECT count(*) FROM period_close",
+        "SELECT count(*) FROM admission_reservation WHERE released_at IS NULL",
+    ] {
+        counts.push(
+            sqlx::query_scalar(query)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap(),
+        );
+    }
+    counts
+}
+
+#[tokio::test]
+async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route() {
+    if period_began_within(1) {
+        return;
+    }
+    let app = TestApp::spawn().await;
+    let fixture = fixture(&app).await;
+
+    // Every /v1 path the OpenAPI document shows is in the table, and the other way round:
+    // a new route without an org rule fails here.
+    let (status, _, document) = send(&app, Method::GET, "/openapi.json", TOKEN, None).await;
+    assert_eq!(status, 200);
+    let document: Value = serde_json::from_str(&document).unwrap();
+    let documented: BTreeSet<(String, String)> = document["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(path, _)| path.starts_with("/v1/"))
+        .flat_map(|(path, operations)| {
+            operations
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(|method| (method.to_uppercase(), path.clone()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let listed: BTreeSet<(String, String)> = ROUTES
+        .iter()
+        .map(|rule| (rule.method.to_owned(), rule.path.to_owned()))
+        .collect();
+    assert_eq!(
+        documented, listed,
+        "the OpenAPI document's /v1 routes and the route table differ"
+    );
+
+    let every_scope = bound_token_with_every_scope(&app, ORG_A).await;
+    let mut failures = Vec::new();
+    for rule in ROUTES {
+        // The token as an operator would make it: only the route's scope (an admin token
+        // cannot be bound), and the one that has every scope.
+        let mut tokens = vec![("every scope", every_scope.clone())];
+        if rule.scope != tally::http::auth::Scope::Admin {
+            let scope = rule.scope.as_str();
+            tokens.push((
+                scope,
+                create_token(&app, json!({"scopes": [scope], "org_id": ORG_A})).await,
+            ));
+        }
+        for probe in probes(rule, &fixture) {
+            for (which, token) in &tokens {
+                let what = format!(
+                    "{} {} ({:?}) with org_a's {which} token",
+                    probe.method, probe.path, rule.org
+                );
+                let before = stored(&app).await;
+                let (status, _, body) = send(
+                    &app,
+                    probe.method.clone(),
+                    &probe.path,
+                    token,
+                    probe.body.clone(),
+                )
+                .await;
+                let failure = match &probe.expect {
+                    Expect::Refused(code) => {
+                        let error: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                        let after = stored(&app).await;
+                        if status != 403 || error["error"]["code"] != *code {
+                            Some(format!("expected 403 {code}, got {status}: {body}"))
+                        } else if after != before {
+                            Some(format!("a refused request changed {before:?} to {after:?}"))
+                        } else {
+                            None
+                        }
+                    }
+                    Expect::OrgARowsOnly(orgs_of) => {
+                        let orgs = if status == 200 {
+                            orgs_of(&body)
+                        } else {
+                            Vec::new()
+                        };
+                        if status != 200 || orgs.is_empty() {
+                            Some(format!(
+                                "expected 200 with org_a's rows, got {status}: {body}"
+                            ))
+                        } else if orgs.iter().any(|org| org != ORG_A) {
+                            Some(format!("rows of other orgs are served: {orgs:?}"))
+                        } else {
+                            None
+                        }
+                    }
+                    Expect::Served => {
+                        (rule.org != OrgRule::NoOrgData || status != 200 || body.contains(ORG_B))
+                            .then(|| format!("expected 200 without org_b, got {status}: {body}"))
+                    }
+                };
+                failures.extend(failure.map(|failure| format!("{what}: {failure}")));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} requests broke the org binding:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    // The same requests with an unbound token see org_b: the fixture is not empty of it.
+    let (status, _, lines) = send(
+        &app,
+        Method::GET,
+        &format!("/v1/reconciliations/{}/lines.csv", fixture.reconciliation),
+        TOKEN,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(csv_orgs(&lines).contains(&ORG_B.to_owned()), "{lines}");
+    let (status, _, usage) = send(
+        &app,
+        Method::GET,
+        &format!("/v1/exports/usage.csv?period={}", fixture.period),
+        TOKEN,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(csv_orgs(&usage).contains(&ORG_B.to_owned()), "{usage}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_bearer_scheme_is_accepted_in_any_case() {
+    let app = TestApp::spawn().await;
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        let response = app
+            .client
+            .get(app.url("/v1/plans"))
+            .header("authorization", format!("{scheme} {TOKEN}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200, "{scheme}");
+    }
+    let response = app
+        .client
+        .get(app.url("/v1/plans"))
+        .header("authorization", format!("Basic {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 401, "another scheme");
+    app.stop().await;
+}
+
+/// Opens a request of `token` that holds its slot: headers and part of a body that never
+/// comes. Returns the connection and a task that reads the status of the answer, if one
+/// comes before the connection is dropped.
+async fn slow_request(
+    app: &TestApp,
+    token: &str,
+) -> tokio::task::JoinHandle<Option<(u16, String)>> {
+    let mut stream = tokio::net::TcpStream::connect(app.address).await.unwrap();
+    let head = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"id\":"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    tokio::spawn(async move {
+        let mut answer = Vec::new();
+        let mut buffer = [0u8; 4096];
+        loop {
+            let read = stream.read(&mut buffer).await.ok()?;
+            if read == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buffer[..read]);
+            if answer.windows(4).any(|window| window == b"\r\n\r\n") && answer.ends_with(b"}") {
+                break;
+            }
+        }
+        let text = String::from_utf8_lossy(&answer).into_owned();
+        let status = text.split(' ').nth(1)?.parse().ok()?;
+        Some((status, text))
+    })
+}
+
+#[tokio::test]
+async fn one_token_past_its_limit_gets_429_while_another_tokens_requests_succeed() {
+    const LIMIT: usize = 8;
+    let app = TestApp::spawn_with(|config| config.token_concurrency_max = LIMIT).await;
+    let greedy = create_token(&app, json!({"scopes": ["events:write", "usage:read"]})).await;
+    let other = create_token(&app, json!({"scopes": ["events:write", "usage:read"]})).await;
+
+    // Twice the limit of slow requests from one token, all at once.
+    let mut slow = Vec::new();
+    for _ in 0..2 * LIMIT {
+        slow.push(slow_request(&app, &greedy).await);
+    }
+    eventually(10, "the requests past the limit are answered", || async {
+        slow.iter().filter(|task| task.is_finished()).count() >= LIMIT
+    })
+    .await;
+
+    // Meanwhile the other token's requests, as many as its limit, all succeed.
+    let theirs = futures::future::join_all((0..LIMIT).map(|n| {
+        let event = crate::helpers::valid_event(ORG_A, &format!("c{n}"), n);
+        send(&app, Method::POST, "/v1/events", &other, json_body(event))
+    }))
+    .await;
+    for (status, _, body) in &theirs {
+        assert_eq!(*status, 200, "the other token is served: {body}");
+    }
+
+    let mut refused = 0;
+    let mut held = Vec::new();
+    for task in slow {
+        if task.is_finished() {
+            let (status, text) = task.await.unwrap().expect("an answer");
+            assert_eq!(status, 429, "{text}");
+            assert!(text.contains("\"too_many_requests\""), "{text}");
+            assert!(text.to_lowercase().contains("retry-after:"), "{text}");
+            refused += 1;
+        } else {
+            held.push(task);
+        }
+    }
+    assert_eq!(
+        refused, LIMIT,
+        "exactly the requests past the limit are refused"
+    );
+
+    // When the slow requests end, the token is served again.
+    for task in held {
+        task.abort();
+    }
+    eventually(10, "the greedy token is served again", || async {
+        let (status, _, _) = send(&app, Method::GET, "/v1/plans", &greedy, None).await;
+        status == 200
+    })
+    .await;
+    app.stop().await;
+}
+
+/// Verify passes waiting on the checkpoint row's lock.
+async fn verifies_waiting(app: &TestApp) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+           AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO verify_checkpoint%'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+/// A ledger with a few events and a verified checkpoint, and a transaction that holds the
+/// checkpoint's row: a verify pass walks the ledger, then waits on it to save its
+/// checkpoint, holding its place until the transaction ends.
+async fn verify_held(app: &TestApp) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let events: Vec<Value> = crate::helpers::valid_events(5);
+    let (status, response) = app.post_json(&json!({ "events": events })).await;
+    assert_eq!(status, 200, "{response}");
+    let (status, _, report) = send(app, Method::GET, "/v1/ledger/verify", TOKEN, None).await;
+    assert_eq!(status, 200, "{report}");
+    let mut holder = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT position FROM verify_checkpoint FOR UPDATE")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    holder
+}
+
+fn spawn_full_verify(
+    app: &TestApp,
+    token: &str,
+) -> tokio::task::JoinHandle<(u16, Option<String>, String)> {
+    let request = app
+        .client
+        .get(app.url("/v1/ledger/verify?full=true"))
+        .bearer_auth(token);
+    tokio::spawn(async move {
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .map(|value| value.to_str().unwrap().to_owned());
+        (status, retry_after, response.text().await.unwrap())
+    })
+}
+
+fn assert_one_answered_the_rest_refused(answers: &[(u16, Option<String>, String)]) {
+    let passed = answers.iter().filter(|(status, _, _)| *status == 200);
+    assert_eq!(passed.count(), 1, "one pass runs: {answers:?}");
+    for (status, retry_after, body) in answers.iter().filter(|(status, _, _)| *status != 200) {
+        assert_eq!(*status, 503, "{body}");
+        let error: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(error["error"]["code"], "verify_in_progress", "{body}");
+        assert!(retry_after.is_some(), "with Retry-After: {body}");
+    }
+}
+
+#[tokio::test]
+async fn of_two_full_verifies_at_once_one_is_answered_and_the_other_refused_with_retry_after() {
+    let app = TestApp::spawn().await;
+    let audit = create_token(&app, json!({"scopes": ["audit"]})).await;
+    let holder = verify_held(&app).await;
+    let first = spawn_full_verify(&app, &audit);
+    eventually(10, "the first pass waits on the checkpoint", || async {
+        verifies_waiting(&app).await == 1
+    })
+    .await;
+    let second = spawn_full_verify(&app, &audit);
+    eventually(10, "the second is answered or waits too", || async {
+        second.is_finished() || verifies_waiting(&app).await == 2
+    })
+    .await;
+    holder.rollback().await.unwrap();
+    let answers = [first.await.unwrap(), second.await.unwrap()];
+    assert_one_answered_the_rest_refused(&answers);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn reads_and_writes_succeed_while_twenty_full_verifies_are_asked_at_once() {
+    const VERIFIES: usize = 20;
+    let app = TestApp::spawn().await;
+    let audit = create_token(&app, json!({"scopes": ["audit"]})).await;
+    let writer = create_token(&app, json!({"scopes": ["events:write", "usage:read"]})).await;
+    let holder = verify_held(&app).await;
+    let verifies: Vec<_> = (0..VERIFIES)
+        .map(|_| spawn_full_verify(&app, &audit))
+        .collect();
+    // Every verify has been answered or is inside its pass (holding what a pass holds).
+    eventually(30, "every verify is answered or running", || async {
+        let answered = verifies.iter().filter(|task| task.is_finished()).count() as i64;
+        answered + verifies_waiting(&app).await == VERIFIES as i64
+    })
+    .await;
+
+    let event = crate::helpers::valid_event(ORG_A, "c1", 0);
+    let (status, _, body) = send(&app, Method::POST, "/v1/events", &writer, json_body(event)).await;
+    assert_eq!(status, 200, "a write during the verifies: {body}");
+    let period = Period::containing(Utc::now());
+    let (status, _, body) = send(
+        &app,
+        Method::GET,
+        &format!("/v1/orgs/{ORG_A}/usage?period={period}"),
+        &writer,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "a read during the verifies: {body}");
+
+    holder.rollback().await.unwrap();
+    let mut answers = Vec::new();
+    for verify in verifies {
+        answers.push(verify.await.unwrap());
+    }
+    assert_one_answered_the_rest_refused(&answers);
+    app.stop().await;
+}
