@@ -24,3 +24,4 @@ mod relay;
 mod reports;
 mod tokens;
 mod verify;
+mod anomalies;
