@@ -229,7 +229,8 @@ async fn seed(
         let end = (next + COPY_CHUNK_EVENTS).min(total);
         let chunk = (next..end)
             .map(|index| {
-                let occurred_at = start + chrono::Duration::milliseconds((index as f64 * step_ms) as i64);
+                let occurred_at =
+                    start + chrono::Duration::milliseconds((index as f64 * step_ms) as i64);
                 let body = if index < containers {
                     let container_id = running_id(index);
                     envelope(
@@ -240,7 +241,11 @@ async fn seed(
                         json!({"name": format!("task-{index}")}),
                     )
                 } else {
-                    command(&mut rng, &stray_id((index - containers) % containers), occurred_at)
+                    command(
+                        &mut rng,
+                        &stray_id((index - containers) % containers),
+                        occurred_at,
+                    )
                 };
                 (body, occurred_at + chrono::Duration::milliseconds(5))
             })
@@ -344,10 +349,7 @@ async fn measure(
             "{:.2} × the {running:.0}/s of running containers in the same rounds",
             ratio
         )),
-        target: format!(
-            "≥ 0.{RATIO_TARGET_PERCENT} × running: {}",
-            verdict(met)
-        ),
+        target: format!("≥ 0.{RATIO_TARGET_PERCENT} × running: {}", verdict(met)),
     });
 
     // The stray containers kept counting: each has its seeded anomalies and one per
@@ -361,13 +363,12 @@ async fn measure(
     let mut connection = HttpConnection::open(service.local_addr, "/", &scratch.token).await?;
     let answer: ContainerAnswer = serde_json::from_slice(&connection.get(&uri).await?)
         .context("the container answer does not parse")?;
-    let commands: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM ledger WHERE org_id = $1 AND container_id = $2",
-    )
-    .bind(org_id(0))
-    .bind(stray_id(0))
-    .fetch_one(&service.pool)
-    .await?;
+    let commands: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE org_id = $1 AND container_id = $2")
+            .bind(org_id(0))
+            .bind(stray_id(0))
+            .fetch_one(&service.pool)
+            .await?;
     checks.push(Check {
         description: format!(
             "stray container {} has {} anomalies, one per command in the ledger ({commands}), \

@@ -548,7 +548,10 @@ mod tests {
         );
         let (_, rows) = changes.anomaly_rows(ANOMALIES_KEPT_MAX).next().unwrap();
         assert!(rows.replace, "a refold replaces the stored anomalies");
-        assert_eq!(rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(), [2]);
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            [2]
+        );
     }
 
     #[test]
@@ -600,10 +603,15 @@ mod tests {
     fn stray(total: i64) -> HashMap<ContainerKey, Lifecycle> {
         let history: Vec<ContainerEntry> = (1..=total)
             .map(|hour| {
-                event(hour, "a", at(1, 0) + chrono::Duration::hours(hour), CommandRan { duration_ms: 1 })
-                    .container
-                    .unwrap()
-                    .1
+                event(
+                    hour,
+                    "a",
+                    at(1, 0) + chrono::Duration::hours(hour),
+                    CommandRan { duration_ms: 1 },
+                )
+                .container
+                .unwrap()
+                .1
             })
             .collect();
         HashMap::from([(key("a"), ContainerTimeline::fold(&history).into_lifecycle())])
@@ -636,7 +644,10 @@ mod tests {
         .finish();
         let (_, rows) = changes.anomaly_rows(3).next().unwrap();
         assert!(!rows.replace);
-        assert_eq!(rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(), [11]);
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            [11]
+        );
         assert_eq!(rows.trim, 1, "hour 3's anomaly goes");
     }
 
@@ -647,7 +658,10 @@ mod tests {
             .collect();
         let changes = Changes::apply(&events, &[], HashMap::new()).finish();
         let (_, rows) = changes.anomaly_rows(2).next().unwrap();
-        assert_eq!(rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            [1, 2]
+        );
         assert_eq!(rows.trim, 0);
         let (_, lifecycle) = changes.lifecycles().next().unwrap();
         assert_eq!(lifecycle.anomalies_total(), 5);

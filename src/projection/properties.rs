@@ -92,12 +92,18 @@ impl Tables {
             }
             for anomaly in rows.insert {
                 // The store inserts without ON CONFLICT: a row already there fails.
-                assert!(kept.insert(anomaly.order(), anomaly).is_none(), "{anomaly:?} twice");
+                assert!(
+                    kept.insert(anomaly.order(), anomaly).is_none(),
+                    "{anomaly:?} twice"
+                );
             }
             for _ in 0..rows.trim {
                 kept.pop_last().expect("trims only what is kept");
             }
-            assert!(kept.len() as u64 <= self.kept_max, "more anomalies kept than the limit");
+            assert!(
+                kept.len() as u64 <= self.kept_max,
+                "more anomalies kept than the limit"
+            );
         }
         for (key, delta) in &changes.periods {
             let totals = self.periods.entry(key.clone()).or_default();

@@ -383,7 +383,11 @@ fn decode_lifecycle(
 ) -> anyhow::Result<Lifecycle> {
     let intervals = decode_intervals(intervals)?;
     let anomalies_total = u64::try_from(anomalies_total).context("anomalies_total")?;
-    Ok(Lifecycle::restore(intervals, anomalies_total, Some(last_at)))
+    Ok(Lifecycle::restore(
+        intervals,
+        anomalies_total,
+        Some(last_at),
+    ))
 }
 
 /// Where a page of a container's anomalies starts: after the anomaly with this

@@ -146,7 +146,10 @@ async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_no
     // Each table's row once (twice for an upsert: its insert and its update fire), and
     // the one new anomaly.
     let rows: i64 = written.iter().map(|(_, rows, _)| rows).sum();
-    assert!(rows <= 10, "one event wrote {rows} projection rows: {written:?}");
+    assert!(
+        rows <= 10,
+        "one event wrote {rows} projection rows: {written:?}"
+    );
     let anomaly_rows: Vec<i64> = written
         .iter()
         .filter(|(table, _, _)| table == "container_anomaly")
@@ -166,7 +169,11 @@ async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order
 
     let (status, first) = get(&app, "/v1/containers/ctr_lost").await;
     assert_eq!(status, 200, "{first}");
-    assert_eq!(first["anomalies"].as_array().unwrap().len(), 100, "the default page");
+    assert_eq!(
+        first["anomalies"].as_array().unwrap().len(),
+        100,
+        "the default page"
+    );
     assert_eq!(first["anomalies_total"], 2_500);
     assert_eq!(first["anomalies_kept"], 2_500);
     assert_eq!(first["anomalies"][0]["kind"], "command_while_not_running");
@@ -244,8 +251,18 @@ async fn the_migration_moves_anomalies_stored_as_a_json_array_into_rows_without_
     let event = |n: u128| Uuid::from_u128(n).to_string();
     let anomalies = json!([
         ["stop_while_not_running", event(1), 1_764_576_000_123_i64, 1],
-        ["command_while_not_running", event(2), 1_764_576_000_500_i64, 7],
-        ["command_while_not_running", event(3), 1_764_576_000_500_i64, 9],
+        [
+            "command_while_not_running",
+            event(2),
+            1_764_576_000_500_i64,
+            7
+        ],
+        [
+            "command_while_not_running",
+            event(3),
+            1_764_576_000_500_i64,
+            9
+        ],
     ]);
     sqlx::query(
         "INSERT INTO proj.container (org_id, container_id, intervals, anomalies, last_at) VALUES \
@@ -272,9 +289,27 @@ async fn the_migration_moves_anomalies_stored_as_a_json_array_into_rows_without_
     assert_eq!(
         rows,
         vec![
-            ("ctr_odd".into(), "stop_while_not_running".into(), at(1_764_576_000_123), 1, Uuid::from_u128(1)),
-            ("ctr_odd".into(), "command_while_not_running".into(), at(1_764_576_000_500), 7, Uuid::from_u128(2)),
-            ("ctr_odd".into(), "command_while_not_running".into(), at(1_764_576_000_500), 9, Uuid::from_u128(3)),
+            (
+                "ctr_odd".into(),
+                "stop_while_not_running".into(),
+                at(1_764_576_000_123),
+                1,
+                Uuid::from_u128(1)
+            ),
+            (
+                "ctr_odd".into(),
+                "command_while_not_running".into(),
+                at(1_764_576_000_500),
+                7,
+                Uuid::from_u128(2)
+            ),
+            (
+                "ctr_odd".into(),
+                "command_while_not_running".into(),
+                at(1_764_576_000_500),
+                9,
+                Uuid::from_u128(3)
+            ),
         ]
     );
     let totals: Vec<(String, i64)> = sqlx::query_as(
@@ -298,7 +333,10 @@ async fn the_migration_moves_anomalies_stored_as_a_json_array_into_rows_without_
         .bind(schema)
     };
     let live = shape("proj").fetch_one(&mut connection).await.unwrap();
-    let built = shape("proj_check").fetch_one(&mut connection).await.unwrap();
+    let built = shape("proj_check")
+        .fetch_one(&mut connection)
+        .await
+        .unwrap();
     assert_eq!(live, built);
     connection.close().await.unwrap();
 }

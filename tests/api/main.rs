@@ -4,6 +4,7 @@ mod helpers;
 
 mod admission;
 mod admission_cache;
+mod anomalies;
 mod audit;
 mod bench;
 mod checker;
@@ -24,4 +25,3 @@ mod relay;
 mod reports;
 mod tokens;
 mod verify;
-mod anomalies;
