@@ -17,6 +17,7 @@
 //! `reconciliation`).
 
 mod admission;
+mod anomalies;
 mod audit;
 mod projection;
 mod reconciliation;
@@ -138,6 +139,9 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub reconciliation: reconciliation::ReconciliationArgs,
+
+    #[command(flatten)]
+    pub anomalies: anomalies::AnomaliesArgs,
 }
 
 /// The parts of the benchmark, in the order they run.
@@ -148,6 +152,7 @@ pub enum Part {
     Admission,
     Audit,
     Reconciliation,
+    Anomalies,
 }
 
 impl BenchArgs {
@@ -174,7 +179,10 @@ pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
         audit::run(config.clone(), &args.audit, &nats).await?;
     }
     if args.runs(Part::Reconciliation) {
-        reconciliation::run(config, &args.reconciliation, &nats).await?;
+        reconciliation::run(config.clone(), &args.reconciliation, &nats).await?;
+    }
+    if args.runs(Part::Anomalies) {
+        anomalies::run(config, &args.anomalies, &nats).await?;
     }
     Ok(())
 }

@@ -401,7 +401,7 @@ fn plan_versions(json: Option<&str>) -> anyhow::Result<HashMap<String, Vec<plans
 fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
     Ok(Lifecycle::restore(
         store::decode_intervals(intervals)?,
-        Vec::new(),
+        0,
         None,
     ))
 }

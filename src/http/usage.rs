@@ -14,7 +14,9 @@ use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::{canonical, storable};
 use crate::event::{ContainerId, OrgId};
+use crate::projection::model::ANOMALIES_KEPT_MAX;
 use crate::projection::query;
+use crate::projection::store::AnomalyCursor;
 use crate::runtime::{ContainerState, Period, Window};
 use axum::Extension;
 
@@ -94,12 +96,23 @@ pub async fn get_usage(
     }))
 }
 
+/// Anomalies in one answer when `anomalies_limit` is not given: every anomaly of a
+/// container that has the usual few, and a small answer for one that has thousands.
+const ANOMALIES_PAGE_DEFAULT: usize = 100;
+/// The most `anomalies_limit` may ask for: a page stays around 100 KB of JSON.
+const ANOMALIES_PAGE_MAX: usize = 1_000;
+
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct ContainerParams {
     /// Runtime is counted up to this instant (RFC 3339 with an offset); default now.
     as_of: Option<String>,
     /// Needed only when several orgs have used the same container id.
     org_id: Option<String>,
+    /// Anomalies after this cursor: the `anomalies_next_after` of the previous answer,
+    /// passed back as it is.
+    anomalies_after: Option<String>,
+    /// Anomalies in this answer, 1-1000; default 100.
+    anomalies_limit: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -111,7 +124,16 @@ pub struct ContainerResponse {
     state: &'static str,
     runtime_ms: i64,
     intervals: Vec<IntervalResponse>,
+    /// A page of the kept anomalies in (`occurred_at`, ledger position) order: the first
+    /// `anomalies_limit`, or those after `anomalies_after`.
     anomalies: Vec<AnomalyResponse>,
+    /// Every anomaly the container's history caused. Only the first 10 000 in order are
+    /// kept and paged; the ledger holds the events of the rest.
+    anomalies_total: u64,
+    /// How many are kept: min(`anomalies_total`, 10 000).
+    anomalies_kept: u64,
+    /// Pass as `anomalies_after` for the next page; `null` on the last.
+    anomalies_next_after: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -171,12 +193,26 @@ pub async fn get_container(
         (None, None) => None,
     };
     let as_of = as_of(params.as_of.as_deref())?;
-    let mut found = query::container(
+    let after = params
+        .anomalies_after
+        .as_deref()
+        .map(parse_cursor)
+        .transpose()?;
+    let limit = anomalies_limit(params.anomalies_limit.as_deref())?;
+    // One more than the page, to know whether another follows.
+    let (mut found, mut anomalies) = query::container(
         &state.pool,
         container_id.as_str(),
         org_id.as_ref().map(OrgId::as_str),
+        after,
+        limit + 1,
     )
     .await?;
+    let anomalies_next_after = (anomalies.len() > limit).then(|| {
+        anomalies.truncate(limit);
+        let last = anomalies.last().expect("a full page");
+        format_cursor(AnomalyCursor::of(last))
+    });
     let stored = match found.len() {
         0 => {
             return Err(ApiError::new(
@@ -218,8 +254,7 @@ pub async fn get_container(
                 end: interval.end().map(canonical::timestamp),
             })
             .collect(),
-        anomalies: lifecycle
-            .anomalies()
+        anomalies: anomalies
             .iter()
             .map(|anomaly| AnomalyResponse {
                 kind: anomaly.kind.as_str(),
@@ -227,7 +262,51 @@ pub async fn get_container(
                 occurred_at: canonical::timestamp(anomaly.occurred_at),
             })
             .collect(),
+        anomalies_total: lifecycle.anomalies_total(),
+        anomalies_kept: lifecycle.anomalies_total().min(ANOMALIES_KEPT_MAX),
+        anomalies_next_after,
     }))
+}
+
+/// A cursor is `<occurred_at in epoch ms>_<ledger position>` of the last anomaly of a page:
+/// the order anomalies are kept in. Clients pass it back without reading it.
+fn format_cursor(cursor: AnomalyCursor) -> String {
+    format!(
+        "{}_{}",
+        cursor.occurred_at.timestamp_millis(),
+        cursor.position
+    )
+}
+
+fn parse_cursor(value: &str) -> Result<AnomalyCursor, ApiError> {
+    let parsed = value.split_once('_').and_then(|(ms, position)| {
+        Some(AnomalyCursor {
+            occurred_at: DateTime::from_timestamp_millis(ms.parse().ok()?)?,
+            position: position.parse().ok()?,
+        })
+    });
+    parsed.ok_or_else(|| {
+        invalid(
+            "invalid_anomalies_after",
+            format!("anomalies_after {value:?} is not a cursor this api gave"),
+        )
+    })
+}
+
+fn anomalies_limit(value: Option<&str>) -> Result<usize, ApiError> {
+    let Some(value) = value else {
+        return Ok(ANOMALIES_PAGE_DEFAULT);
+    };
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|limit| (1..=ANOMALIES_PAGE_MAX).contains(limit))
+        .ok_or_else(|| {
+            invalid(
+                "invalid_anomalies_limit",
+                format!("anomalies_limit {value:?} is not a whole number from 1 to {ANOMALIES_PAGE_MAX}"),
+            )
+        })
 }
 
 /// `as_of` from a query parameter, truncated to the millisecond like event times; now when

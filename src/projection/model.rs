@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use chrono::{DateTime, Utc};
 
 use crate::runtime::{
-    AccountEntry, ContainerEntry, ContainerTimeline, Lifecycle, OpenRuns, Period,
+    AccountEntry, Anomaly, ContainerEntry, ContainerTimeline, Lifecycle, OpenRuns, Period,
 };
 
 /// A container is known by its org and its id: an id reused by another org is another
@@ -67,11 +67,55 @@ pub struct PortKey {
     pub port: u16,
 }
 
+/// How many anomalies the projection keeps of one container: the first ones in
+/// (`occurred_at`, position) order; past it, `anomalies_total` still counts every one and
+/// the ledger still holds the events. A producer that never sends `created` (or a hostile
+/// one) would otherwise grow one container's rows without bound; ten thousand is far more
+/// than an operator reads, and the first of them show when the trouble began.
+pub const ANOMALIES_KEPT_MAX: u64 = 10_000;
+
+/// What a run does to one container's kept anomalies.
+#[derive(Debug, Clone, PartialEq, Default)]
+enum AnomalyChange {
+    /// New anomalies, added to those stored (in the order they were caused).
+    #[default]
+    Added,
+    /// The whole list (a refold or a replay): the stored ones are replaced.
+    Replaced,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 struct ContainerChange {
     /// As stored before this run; `None` for a container new to the projection.
     old: Option<Lifecycle>,
     new: Lifecycle,
+    anomalies_change: AnomalyChange,
+    /// Added or replacing, as `anomalies_change` says.
+    anomalies: Vec<Anomaly>,
+}
+
+impl ContainerChange {
+    fn of(old: Option<Lifecycle>) -> ContainerChange {
+        ContainerChange {
+            new: old.clone().unwrap_or_default(),
+            old,
+            anomalies_change: AnomalyChange::Added,
+            anomalies: Vec::new(),
+        }
+    }
+}
+
+/// The statements' worth of one container's kept anomalies: what the store (and the
+/// in-memory tables of the property tests) does with them, so that both keep exactly the
+/// first `kept_max` in (`occurred_at`, position) order of all the container's anomalies.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AnomalyRows {
+    /// Delete every stored anomaly first.
+    pub replace: bool,
+    /// Rows to insert, in (`occurred_at`, position) order.
+    pub insert: Vec<Anomaly>,
+    /// Then delete this many of the stored ones, from the last in order back.
+    pub trim: u64,
 }
 
 /// Everything one run of events changes; written in one transaction with the checkpoint.
@@ -122,18 +166,18 @@ impl Changes {
                 container_id: container_id.clone(),
             };
             changes.count(&key, entry);
-            let change = changes.containers.entry(key.clone()).or_insert_with(|| {
-                let old = stored.remove(&key);
-                ContainerChange {
-                    new: old.clone().unwrap_or_default(),
-                    old,
-                }
-            });
+            let change = changes
+                .containers
+                .entry(key.clone())
+                .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
             if changes.late.contains(&key) {
                 continue;
             }
-            if change.new.advance(entry).is_err() {
-                changes.late.insert(key);
+            match change.new.advance(entry) {
+                Ok(anomaly) => change.anomalies.extend(anomaly),
+                Err(_) => {
+                    changes.late.insert(key);
+                }
             }
         }
         for void in events
@@ -156,13 +200,10 @@ impl Changes {
                 container_id: container_id.clone(),
             };
             changes.uncount(&key, entry);
-            changes.containers.entry(key.clone()).or_insert_with(|| {
-                let old = stored.remove(&key);
-                ContainerChange {
-                    new: old.clone().unwrap_or_default(),
-                    old,
-                }
-            });
+            changes
+                .containers
+                .entry(key.clone())
+                .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
             changes.late.insert(key);
         }
         changes
@@ -182,10 +223,16 @@ impl Changes {
             for entry in &entries {
                 changes.count(&key, entry);
             }
-            let new = ContainerTimeline::fold(&entries).into_lifecycle();
-            changes
-                .containers
-                .insert(key, ContainerChange { old: None, new });
+            let (new, anomalies) = ContainerTimeline::fold(&entries).into_parts();
+            changes.containers.insert(
+                key,
+                ContainerChange {
+                    old: None,
+                    new,
+                    anomalies_change: AnomalyChange::Replaced,
+                    anomalies,
+                },
+            );
         }
         changes.finish()
     }
@@ -204,7 +251,10 @@ impl Changes {
             .containers
             .get_mut(key)
             .expect("a late container has a change");
-        change.new = ContainerTimeline::fold(history).into_lifecycle();
+        let (new, anomalies) = ContainerTimeline::fold(history).into_parts();
+        change.new = new;
+        change.anomalies_change = AnomalyChange::Replaced;
+        change.anomalies = anomalies;
     }
 
     /// Adds each container's runtime delta: closed runtime per period and open intervals,
@@ -251,6 +301,65 @@ impl Changes {
             .iter()
             .filter(|(_, change)| change.new.last_at().is_some())
             .map(|(key, change)| (key, &change.new))
+    }
+
+    /// What to do to the kept anomalies of each container this run touched (none for a
+    /// container whose rows go, see [`Self::removed`]), keeping the first `kept_max`.
+    ///
+    /// Stored, a container keeps the first min(`anomalies_total`, `kept_max`) anomalies in
+    /// order. New ones are inserted and the excess trimmed from the end of the order,
+    /// except those that certainly fall past `kept_max`: one after everything stored (an
+    /// in-order event) with `kept_max` or more anomalies before it. So a container at the
+    /// limit writes no anomaly row for an in-order event, and every other event writes
+    /// and trims a bounded number: the cost never grows with what is stored.
+    pub fn anomaly_rows(
+        &self,
+        kept_max: u64,
+    ) -> impl Iterator<Item = (&ContainerKey, AnomalyRows)> {
+        assert!(self.finished, "anomaly rows before finish");
+        assert!(kept_max > 0, "a container keeps at least one anomaly");
+        self.containers
+            .iter()
+            .filter(|(_, change)| change.new.last_at().is_some())
+            .filter_map(move |(key, change)| {
+                let rows = match change.anomalies_change {
+                    AnomalyChange::Replaced => AnomalyRows {
+                        replace: true,
+                        insert: change
+                            .anomalies
+                            .iter()
+                            .take(usize::try_from(kept_max).unwrap_or(usize::MAX))
+                            .copied()
+                            .collect(),
+                        trim: 0,
+                    },
+                    AnomalyChange::Added if change.anomalies.is_empty() => return None,
+                    AnomalyChange::Added => {
+                        let old_total = change.old.as_ref().map_or(0, Lifecycle::anomalies_total);
+                        let old_last_at = change.old.as_ref().and_then(Lifecycle::last_at);
+                        let mut added = change.anomalies.clone();
+                        added.sort_by_key(Anomaly::order);
+                        let insert: Vec<Anomaly> = added
+                            .into_iter()
+                            .enumerate()
+                            .filter(|(before, anomaly)| {
+                                let after_stored =
+                                    old_last_at.is_none_or(|last_at| anomaly.occurred_at > last_at);
+                                !(after_stored && old_total + *before as u64 >= kept_max)
+                            })
+                            .map(|(_, anomaly)| anomaly)
+                            .collect();
+                        let kept_before = old_total.min(kept_max);
+                        let trim = (kept_before + insert.len() as u64).saturating_sub(kept_max);
+                        AnomalyRows {
+                            replace: false,
+                            insert,
+                            trim,
+                        }
+                    }
+                };
+                Some((key, rows))
+            })
     }
 
     /// Containers left with no event at all (every one voided): their rows go.
@@ -433,9 +542,15 @@ mod tests {
         );
         let (_, lifecycle) = changes.lifecycles().next().unwrap();
         assert_eq!(
-            lifecycle.anomalies().len(),
+            lifecycle.anomalies_total(),
             1,
             "the command now ran while stopped"
+        );
+        let (_, rows) = changes.anomaly_rows(ANOMALIES_KEPT_MAX).next().unwrap();
+        assert!(rows.replace, "a refold replaces the stored anomalies");
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            [2]
         );
     }
 
@@ -467,14 +582,88 @@ mod tests {
         assert_eq!((november.commands, november.command_ms), (3, 13));
         assert_eq!(november.closed_runtime_ms, 0, "the intervals did not move");
         let (_, lifecycle) = changes.lifecycles().next().unwrap();
+        assert_eq!(lifecycle.anomalies_total(), 2);
+        let (_, rows) = changes.anomaly_rows(ANOMALIES_KEPT_MAX).next().unwrap();
         assert_eq!(
-            lifecycle
-                .anomalies()
-                .iter()
-                .map(|a| a.position)
-                .collect::<Vec<_>>(),
-            vec![6, 4],
-            "the commands after the stop ran while not running, in occurred_at order"
+            rows,
+            AnomalyRows {
+                replace: false,
+                insert: rows.insert.clone(),
+                trim: 0
+            }
         );
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            vec![6, 4],
+            "the commands after the stop ran while not running, added in occurred_at order"
+        );
+    }
+
+    /// Stored: a container never created, with `total` commands at hours 1..=total.
+    fn stray(total: i64) -> HashMap<ContainerKey, Lifecycle> {
+        let history: Vec<ContainerEntry> = (1..=total)
+            .map(|hour| {
+                event(
+                    hour,
+                    "a",
+                    at(1, 0) + chrono::Duration::hours(hour),
+                    CommandRan { duration_ms: 1 },
+                )
+                .container
+                .unwrap()
+                .1
+            })
+            .collect();
+        HashMap::from([(key("a"), ContainerTimeline::fold(&history).into_lifecycle())])
+    }
+
+    #[test]
+    fn a_container_at_the_anomaly_limit_writes_no_row_for_an_event_in_order() {
+        let later = at(1, 0) + chrono::Duration::hours(10);
+        let changes = Changes::apply(
+            &[event(11, "a", later, CommandRan { duration_ms: 1 })],
+            &[],
+            stray(3),
+        )
+        .finish();
+        let (_, lifecycle) = changes.lifecycles().next().unwrap();
+        assert_eq!(lifecycle.anomalies_total(), 4, "counted past the limit");
+        let (_, rows) = changes.anomaly_rows(3).next().unwrap();
+        assert_eq!(rows, AnomalyRows::default(), "nothing to insert or trim");
+    }
+
+    #[test]
+    fn a_late_anomaly_before_the_last_kept_one_takes_its_place() {
+        // Kept: hours 1, 2, 3 (the limit); a command at hour 1½ arrives late.
+        let late = at(1, 0) + chrono::Duration::minutes(90);
+        let changes = Changes::apply(
+            &[event(11, "a", late, CommandRan { duration_ms: 1 })],
+            &[],
+            stray(3),
+        )
+        .finish();
+        let (_, rows) = changes.anomaly_rows(3).next().unwrap();
+        assert!(!rows.replace);
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            [11]
+        );
+        assert_eq!(rows.trim, 1, "hour 3's anomaly goes");
+    }
+
+    #[test]
+    fn a_new_container_keeps_only_the_first_anomalies_up_to_the_limit() {
+        let events: Vec<ProjectedEvent> = (1..=5)
+            .map(|hour| event(hour, "a", at(1, hour as u32), CommandRan { duration_ms: 1 }))
+            .collect();
+        let changes = Changes::apply(&events, &[], HashMap::new()).finish();
+        let (_, rows) = changes.anomaly_rows(2).next().unwrap();
+        assert_eq!(
+            rows.insert.iter().map(|a| a.position).collect::<Vec<_>>(),
+            [1, 2]
+        );
+        assert_eq!(rows.trim, 0);
+        let (_, lifecycle) = changes.lifecycles().next().unwrap();
+        assert_eq!(lifecycle.anomalies_total(), 5);
     }
 }

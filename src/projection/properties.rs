@@ -3,15 +3,18 @@
 //! exactly the usage and timelines that folding the sorted history gives, and so must a
 //! replay. The database adds storage to this, which the integration tests cover.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use chrono::{DateTime, Duration, TimeZone, Utc};
 use proptest::prelude::*;
 
-use super::model::{Changes, ContainerKey, OpenDelta, PeriodDelta, PortKey, ProjectedEvent};
+use super::model::{
+    Changes, ContainerKey, OpenDelta, PeriodDelta, PortKey, ProjectedEvent, ANOMALIES_KEPT_MAX,
+};
 use crate::event::EventId;
 use crate::runtime::{
-    self, ContainerEntry, ContainerTimeline, EntryKind, Lifecycle, OpenRuns, Period, PeriodTotals,
+    self, Anomaly, ContainerEntry, ContainerTimeline, EntryKind, Lifecycle, OpenRuns, Period,
+    PeriodTotals,
 };
 
 const ORGS: usize = 2;
@@ -28,10 +31,16 @@ fn periods() -> Vec<Period> {
         .collect()
 }
 
+/// A container's kept anomalies, by (`occurred_at`, position): the `container_anomaly` rows.
+type AnomalyTable = BTreeMap<(DateTime<Utc>, i64), Anomaly>;
+
 /// The projection's tables, in memory: what `store::write` does to them, row for row.
 #[derive(Default)]
 struct Tables {
+    /// How many anomalies a container keeps ([`ANOMALIES_KEPT_MAX`] in the store).
+    kept_max: u64,
     lifecycles: HashMap<ContainerKey, Lifecycle>,
+    anomalies: HashMap<ContainerKey, AnomalyTable>,
     periods: HashMap<(String, Period), PeriodDelta>,
     open: HashMap<(String, Period), OpenDelta>,
     latest: HashMap<String, DateTime<Utc>>,
@@ -75,6 +84,26 @@ impl Tables {
         }
         for (key, lifecycle) in changes.lifecycles() {
             self.lifecycles.insert(key.clone(), lifecycle.clone());
+        }
+        for (key, rows) in changes.anomaly_rows(self.kept_max) {
+            let kept = self.anomalies.entry(key.clone()).or_default();
+            if rows.replace {
+                kept.clear();
+            }
+            for anomaly in rows.insert {
+                // The store inserts without ON CONFLICT: a row already there fails.
+                assert!(
+                    kept.insert(anomaly.order(), anomaly).is_none(),
+                    "{anomaly:?} twice"
+                );
+            }
+            for _ in 0..rows.trim {
+                kept.pop_last().expect("trims only what is kept");
+            }
+            assert!(
+                kept.len() as u64 <= self.kept_max,
+                "more anomalies kept than the limit"
+            );
         }
         for (key, delta) in &changes.periods {
             let totals = self.periods.entry(key.clone()).or_default();
@@ -176,6 +205,7 @@ proptest! {
     fn projected_rounds_and_replay_equal_the_pure_rules_whatever_the_arrival_order_and_redelivery(
         (specs, arrivals, rounds) in any_arrivals(),
         after_ms in prop_oneof![Just(0i64), 0i64..40 * 86_400_000],
+        kept_max in prop_oneof![1u64..4, Just(ANOMALIES_KEPT_MAX)],
     ) {
         // The ledger stores each event once, at the position of its first arrival.
         let mut ledger: Vec<ProjectedEvent> = Vec::new();
@@ -206,7 +236,7 @@ proptest! {
         }
 
         // The projector, in rounds of the generated sizes.
-        let mut projected = Tables::default();
+        let mut projected = Tables { kept_max, ..Tables::default() };
         let mut start = 0;
         for size in rounds.iter().cycle() {
             if start >= ledger.len() {
@@ -222,7 +252,7 @@ proptest! {
         for event in &ledger {
             histories.entry(key_of(event).unwrap()).or_default().push(event.container.as_ref().unwrap().1);
         }
-        let mut replayed = Tables::default();
+        let mut replayed = Tables { kept_max, ..Tables::default() };
         replayed.write(Changes::from_histories(histories.clone(), Vec::new()));
 
         let timelines: HashMap<ContainerKey, ContainerTimeline> = histories
@@ -232,6 +262,14 @@ proptest! {
         for (key, timeline) in &timelines {
             prop_assert_eq!(&projected.lifecycles[key], timeline.lifecycle());
             prop_assert_eq!(&replayed.lifecycles[key], timeline.lifecycle());
+            // Kept: the first `kept_max` of the fold's anomalies, in its order.
+            let first: Vec<Anomaly> =
+                timeline.anomalies().iter().take(kept_max as usize).copied().collect();
+            let kept = |tables: &Tables| -> Vec<Anomaly> {
+                tables.anomalies.get(key).map(|kept| kept.values().copied().collect()).unwrap_or_default()
+            };
+            prop_assert_eq!(kept(&projected), first.clone());
+            prop_assert_eq!(kept(&replayed), first);
         }
         for org in 0..ORGS {
             let org = format!("org{org}");

@@ -19,7 +19,9 @@ use crate::billing::overage::{self, Overage, PlanVersion};
 use crate::billing::Plan;
 use crate::event::PlanId;
 use crate::ledger::plans;
-use crate::runtime::{self, AccountTimeline, Interval, OpenRuns, Period, PeriodTotals, Usage};
+use crate::runtime::{
+    self, AccountTimeline, Anomaly, Interval, OpenRuns, Period, PeriodTotals, Usage,
+};
 
 #[derive(FromRow)]
 struct TotalsRow {
@@ -175,14 +177,29 @@ async fn cut_at(
     })
 }
 
-/// A container's lifecycle for each org that used its id (normally one).
+/// A container's lifecycle for each org that used its id (normally one) and, when exactly
+/// one did, up to `limit` of its kept anomalies after `after`, read in the same snapshot.
 pub async fn container(
     pool: &PgPool,
     container_id: &str,
     org_id: Option<&str>,
-) -> anyhow::Result<Vec<store::StoredContainer>> {
-    let mut connection = pool.acquire().await?;
-    store::containers_by_id(&mut connection, container_id, org_id).await
+    after: Option<store::AnomalyCursor>,
+    limit: usize,
+) -> anyhow::Result<(Vec<store::StoredContainer>, Vec<Anomaly>)> {
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *transaction)
+        .await?;
+    let found = store::containers_by_id(&mut transaction, container_id, org_id).await?;
+    let anomalies = match found.as_slice() {
+        [only] => {
+            store::container_anomalies(&mut transaction, &only.org_id, container_id, after, limit)
+                .await?
+        }
+        _ => Vec::new(),
+    };
+    transaction.commit().await?;
+    Ok((found, anomalies))
 }
 
 /// Usage with its overage and the plan in effect (DESIGN §6 usage).

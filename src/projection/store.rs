@@ -10,7 +10,9 @@ use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
-use super::model::{Changes, ContainerKey, PeriodDelta, PortKey, ProjectedEvent};
+use super::model::{
+    AnomalyRows, Changes, ContainerKey, PeriodDelta, PortKey, ProjectedEvent, ANOMALIES_KEPT_MAX,
+};
 use crate::event::{EventId, EventType, PlanId};
 use crate::runtime::{
     AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval,
@@ -230,17 +232,18 @@ struct LifecycleRow {
     org_id: String,
     container_id: String,
     intervals: String,
-    anomalies: String,
+    anomalies_total: i64,
     last_at: DateTime<Utc>,
 }
 
-/// The columns of [`LifecycleRow`].
+/// The columns of [`LifecycleRow`]: never the anomalies themselves, which are rows of
+/// `container_anomaly`, read a page at a time ([`container_anomalies`]).
 const CONTAINER_COLUMNS: &str = "org_id, container_id, intervals::TEXT AS intervals, \
-     anomalies::TEXT AS anomalies, last_at";
+     anomalies_total, last_at";
 
 impl LifecycleRow {
     fn decode(self) -> anyhow::Result<StoredContainer> {
-        let lifecycle = decode_lifecycle(&self.intervals, &self.anomalies, self.last_at)
+        let lifecycle = decode_lifecycle(&self.intervals, self.anomalies_total, self.last_at)
             .with_context(|| {
                 format!("stored container {} of {}", self.container_id, self.org_id)
             })?;
@@ -262,7 +265,7 @@ pub async fn load_lifecycles(
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
         "SELECT c.org_id, c.container_id, c.intervals::TEXT AS intervals, \
-                c.anomalies::TEXT AS anomalies, c.last_at \
+                c.anomalies_total, c.last_at \
          FROM UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, container_id) \
          JOIN {schema}.container c USING (container_id, org_id)"
     ))
@@ -272,7 +275,7 @@ pub async fn load_lifecycles(
     .await?;
     rows.into_iter()
         .map(|row| {
-            let lifecycle = decode_lifecycle(&row.intervals, &row.anomalies, row.last_at)
+            let lifecycle = decode_lifecycle(&row.intervals, row.anomalies_total, row.last_at)
                 .with_context(|| {
                     format!("stored container {} of {}", row.container_id, row.org_id)
                 })?;
@@ -326,9 +329,7 @@ pub async fn org_lifecycles(
         .collect()
 }
 
-type StoredAnomaly = (String, Uuid, i64, i64);
-
-fn encode_lifecycle(lifecycle: &Lifecycle) -> (String, String) {
+fn encode_intervals(lifecycle: &Lifecycle) -> String {
     let intervals: Vec<(i64, Option<i64>)> = lifecycle
         .intervals()
         .iter()
@@ -339,22 +340,7 @@ fn encode_lifecycle(lifecycle: &Lifecycle) -> (String, String) {
             )
         })
         .collect();
-    let anomalies: Vec<(&str, Uuid, i64, i64)> = lifecycle
-        .anomalies()
-        .iter()
-        .map(|anomaly| {
-            (
-                anomaly.kind.as_str(),
-                anomaly.event_id.as_uuid(),
-                anomaly.occurred_at.timestamp_millis(),
-                anomaly.position,
-            )
-        })
-        .collect();
-    (
-        serde_json::to_string(&intervals).expect("numbers serialize"),
-        serde_json::to_string(&anomalies).expect("strings and numbers serialize"),
-    )
+    serde_json::to_string(&intervals).expect("numbers serialize")
 }
 
 fn instant(ms: i64) -> anyhow::Result<DateTime<Utc>> {
@@ -392,23 +378,92 @@ pub fn account_change(
 
 fn decode_lifecycle(
     intervals: &str,
-    anomalies: &str,
+    anomalies_total: i64,
     last_at: DateTime<Utc>,
 ) -> anyhow::Result<Lifecycle> {
     let intervals = decode_intervals(intervals)?;
-    let anomalies: Vec<StoredAnomaly> = serde_json::from_str(anomalies).context("anomalies")?;
-    let anomalies = anomalies
-        .into_iter()
-        .map(|(kind, event_id, occurred_at, position)| {
+    let anomalies_total = u64::try_from(anomalies_total).context("anomalies_total")?;
+    Ok(Lifecycle::restore(
+        intervals,
+        anomalies_total,
+        Some(last_at),
+    ))
+}
+
+/// Where a page of a container's anomalies starts: after the anomaly with this
+/// (`occurred_at`, position), the order they are kept in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AnomalyCursor {
+    pub occurred_at: DateTime<Utc>,
+    pub position: i64,
+}
+
+impl AnomalyCursor {
+    pub fn of(anomaly: &Anomaly) -> AnomalyCursor {
+        AnomalyCursor {
+            occurred_at: anomaly.occurred_at,
+            position: anomaly.position,
+        }
+    }
+}
+
+#[derive(FromRow)]
+struct AnomalyRow {
+    kind: String,
+    event_id: Uuid,
+    occurred_at: DateTime<Utc>,
+    position: i64,
+}
+
+/// Up to `limit` of a container's kept anomalies after `after`, in (`occurred_at`,
+/// position) order: one range scan of the primary key, whatever the container keeps.
+pub async fn container_anomalies(
+    connection: &mut PgConnection,
+    org_id: &str,
+    container_id: &str,
+    after: Option<AnomalyCursor>,
+    limit: usize,
+) -> anyhow::Result<Vec<Anomaly>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows: Vec<AnomalyRow> = match after {
+        None => {
+            sqlx::query_as(&format!(
+                "SELECT kind, event_id, occurred_at, position FROM {LIVE}.container_anomaly \
+                 WHERE container_id = $1 AND org_id = $2 \
+                 ORDER BY occurred_at, position LIMIT $3"
+            ))
+            .bind(container_id)
+            .bind(org_id)
+            .bind(limit)
+            .fetch_all(connection)
+            .await?
+        }
+        Some(after) => {
+            sqlx::query_as(&format!(
+                "SELECT kind, event_id, occurred_at, position FROM {LIVE}.container_anomaly \
+                 WHERE container_id = $1 AND org_id = $2 AND (occurred_at, position) > ($3, $4) \
+                 ORDER BY occurred_at, position LIMIT $5"
+            ))
+            .bind(container_id)
+            .bind(org_id)
+            .bind(after.occurred_at)
+            .bind(after.position)
+            .bind(limit)
+            .fetch_all(connection)
+            .await?
+        }
+    };
+    rows.into_iter()
+        .map(|row| {
             Ok(Anomaly {
-                kind: AnomalyKind::parse(&kind).ok_or_else(|| anyhow!("anomaly kind {kind:?}"))?,
-                event_id: EventId::from_uuid(event_id)?,
-                occurred_at: instant(occurred_at)?,
-                position,
+                kind: AnomalyKind::parse(&row.kind)
+                    .ok_or_else(|| anyhow!("anomaly kind {:?}", row.kind))?,
+                event_id: EventId::from_uuid(row.event_id)?,
+                occurred_at: row.occurred_at,
+                position: row.position,
             })
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    Ok(Lifecycle::restore(intervals, anomalies, Some(last_at)))
+        .collect()
 }
 
 /// Writes a finished run of changes into `schema` and moves its checkpoint to `position`.
@@ -422,6 +477,7 @@ pub async fn write(
     write_ports(connection, schema, &mut changes).await?;
     recount_voided_ports(connection, schema, &mut changes, position).await?;
     write_containers(connection, schema, &changes).await?;
+    write_anomalies(connection, schema, &changes).await?;
     write_voids(connection, schema, &changes).await?;
     write_periods(connection, schema, &changes).await?;
     write_open(connection, schema, &changes).await?;
@@ -505,10 +561,16 @@ async fn write_containers(
             .iter()
             .map(|(key, _)| key.container_id.as_str())
             .collect();
-        let (intervals, anomalies): (Vec<String>, Vec<String>) = chunk
+        let intervals: Vec<String> = chunk
             .iter()
-            .map(|(_, lifecycle)| encode_lifecycle(lifecycle))
-            .unzip();
+            .map(|(_, lifecycle)| encode_intervals(lifecycle))
+            .collect();
+        let totals: Vec<i64> = chunk
+            .iter()
+            .map(|(_, lifecycle)| {
+                i64::try_from(lifecycle.anomalies_total()).expect("fewer anomalies than events")
+            })
+            .collect();
         let last_at: Vec<DateTime<Utc>> = chunk
             .iter()
             .map(|(_, lifecycle)| {
@@ -518,18 +580,109 @@ async fn write_containers(
             })
             .collect();
         sqlx::query(&format!(
-            "INSERT INTO {schema}.container (org_id, container_id, intervals, anomalies, last_at) \
-             SELECT o, c, i::JSONB, a::JSONB, l \
-             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::TEXT[], $5::TIMESTAMPTZ[]) \
+            "INSERT INTO {schema}.container \
+                 (org_id, container_id, intervals, anomalies_total, last_at) \
+             SELECT o, c, i::JSONB, a, l \
+             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::TIMESTAMPTZ[]) \
                  AS r(o, c, i, a, l) \
              ON CONFLICT (container_id, org_id) DO UPDATE SET intervals = EXCLUDED.intervals, \
-                 anomalies = EXCLUDED.anomalies, last_at = EXCLUDED.last_at"
+                 anomalies_total = EXCLUDED.anomalies_total, last_at = EXCLUDED.last_at"
         ))
         .bind(&orgs)
         .bind(&ids)
         .bind(&intervals)
-        .bind(&anomalies)
+        .bind(&totals)
         .bind(&last_at)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Appends each touched container's new anomalies to `container_anomaly` (or replaces
+/// them after a refold) and trims what falls past [`ANOMALIES_KEPT_MAX`]: rows written per
+/// event are bounded, whatever a container keeps (see [`Changes::anomaly_rows`]).
+async fn write_anomalies(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+) -> anyhow::Result<()> {
+    let rows: Vec<(&ContainerKey, AnomalyRows)> =
+        changes.anomaly_rows(ANOMALIES_KEPT_MAX).collect();
+    let replaced: Vec<&ContainerKey> = rows
+        .iter()
+        .filter(|(_, rows)| rows.replace)
+        .map(|(key, _)| *key)
+        .collect();
+    for chunk in replaced.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|key| key.org_id.as_str()).collect();
+        let ids: Vec<&str> = chunk.iter().map(|key| key.container_id.as_str()).collect();
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.container_anomaly a \
+             USING UNNEST($1::TEXT[], $2::TEXT[]) AS k(o, c) \
+             WHERE a.container_id = k.c AND a.org_id = k.o"
+        ))
+        .bind(&orgs)
+        .bind(&ids)
+        .execute(&mut *connection)
+        .await?;
+    }
+    let inserted: Vec<(&ContainerKey, &Anomaly)> = rows
+        .iter()
+        .flat_map(|(key, rows)| rows.insert.iter().map(move |anomaly| (*key, anomaly)))
+        .collect();
+    for chunk in inserted.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
+        let ids: Vec<&str> = chunk
+            .iter()
+            .map(|(key, _)| key.container_id.as_str())
+            .collect();
+        let instants: Vec<DateTime<Utc>> = chunk.iter().map(|(_, a)| a.occurred_at).collect();
+        let positions: Vec<i64> = chunk.iter().map(|(_, a)| a.position).collect();
+        let kinds: Vec<&str> = chunk.iter().map(|(_, a)| a.kind.as_str()).collect();
+        let events: Vec<Uuid> = chunk.iter().map(|(_, a)| a.event_id.as_uuid()).collect();
+        // No ON CONFLICT: each event is projected once, so a row already there is a bug,
+        // and the round fails rather than count an anomaly it did not keep.
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.container_anomaly \
+                 (org_id, container_id, occurred_at, position, kind, event_id) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TIMESTAMPTZ[], $4::BIGINT[], \
+                                  $5::TEXT[], $6::UUID[])"
+        ))
+        .bind(&orgs)
+        .bind(&ids)
+        .bind(&instants)
+        .bind(&positions)
+        .bind(&kinds)
+        .bind(&events)
+        .execute(&mut *connection)
+        .await?;
+    }
+    let trimmed: Vec<(&ContainerKey, i64)> = rows
+        .iter()
+        .filter(|(_, rows)| rows.trim > 0)
+        .map(|(key, rows)| (*key, i64::try_from(rows.trim).expect("a bounded trim")))
+        .collect();
+    for chunk in trimmed.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
+        let ids: Vec<&str> = chunk
+            .iter()
+            .map(|(key, _)| key.container_id.as_str())
+            .collect();
+        let counts: Vec<i64> = chunk.iter().map(|(_, count)| *count).collect();
+        // The last `n` in order: a backward scan of the primary key, `n` rows long.
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.container_anomaly a \
+             USING UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[]) AS k(o, c, n), \
+                 LATERAL (SELECT l.occurred_at, l.position FROM {schema}.container_anomaly l \
+                          WHERE l.container_id = k.c AND l.org_id = k.o \
+                          ORDER BY l.occurred_at DESC, l.position DESC LIMIT k.n) AS t \
+             WHERE a.container_id = k.c AND a.org_id = k.o \
+               AND a.occurred_at = t.occurred_at AND a.position = t.position"
+        ))
+        .bind(&orgs)
+        .bind(&ids)
+        .bind(&counts)
         .execute(&mut *connection)
         .await?;
     }
@@ -818,13 +971,15 @@ async fn write_voids(
         .await?;
     }
     for key in changes.removed() {
-        sqlx::query(&format!(
-            "DELETE FROM {schema}.container WHERE org_id = $1 AND container_id = $2"
-        ))
-        .bind(&key.org_id)
-        .bind(&key.container_id)
-        .execute(&mut *connection)
-        .await?;
+        for table in ["container", "container_anomaly"] {
+            sqlx::query(&format!(
+                "DELETE FROM {schema}.{table} WHERE org_id = $1 AND container_id = $2"
+            ))
+            .bind(&key.org_id)
+            .bind(&key.container_id)
+            .execute(&mut *connection)
+            .await?;
+        }
     }
     Ok(())
 }

@@ -174,7 +174,7 @@ pub struct Anomaly {
 impl Anomaly {
     /// The order the fold keeps anomalies in: (`occurred_at`, position). Positions are
     /// unique, so no two anomalies of a container share it.
-    fn order(&self) -> (DateTime<Utc>, i64) {
+    pub fn order(&self) -> (DateTime<Utc>, i64) {
         (self.occurred_at, self.position)
     }
 }
@@ -198,21 +198,27 @@ pub struct PortPublication {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerTimeline {
     lifecycle: Lifecycle,
+    /// Every anomaly, in (`occurred_at`, position) order.
+    anomalies: Vec<Anomaly>,
     commands: Vec<CommandRun>,
     ports: Vec<PortPublication>,
 }
 
-/// What the state machine carries from one event to the next: the running intervals, the
-/// anomalies and the latest `occurred_at` seen. A projection stores this per container and
-/// counts commands and ports as they come, so that an event later than everything before
-/// it, or a late command or port ([`Lifecycle::advance`]), needs no history; only a late
-/// lifecycle event needs a refold.
+/// What the state machine carries from one event to the next: the running intervals, how
+/// many anomalies there were, and the latest `occurred_at` seen. A projection stores this
+/// per container and counts commands and ports as they come, so that an event later than
+/// everything before it, or a late command or port ([`Lifecycle::advance`]), needs no
+/// history; only a late lifecycle event needs a refold.
+///
+/// The anomalies themselves are not carried: [`Lifecycle::advance`] hands each new one to
+/// its caller, which appends it to wherever it keeps them. Carrying the list made every
+/// event of a container cost as much as the anomalies it already had (issue 17, item 11).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Lifecycle {
     /// Sorted, non-overlapping; only the last may be open.
     intervals: Vec<Interval>,
-    /// In (`occurred_at`, position) order.
-    anomalies: Vec<Anomaly>,
+    /// Every anomaly the entries folded so far caused.
+    anomalies_total: u64,
     /// The latest `occurred_at` of any entry folded, lifecycle or not.
     last_at: Option<DateTime<Utc>>,
 }
@@ -239,6 +245,7 @@ impl ContainerTimeline {
         });
         let mut timeline = ContainerTimeline {
             lifecycle: Lifecycle::default(),
+            anomalies: Vec::new(),
             commands: Vec::new(),
             ports: Vec::new(),
         };
@@ -270,7 +277,7 @@ impl ContainerTimeline {
                 }
             };
             if let Some(kind) = anomaly {
-                lifecycle.anomalies.push(anomaly_of(kind, entry));
+                timeline.anomalies.push(anomaly_of(kind, entry));
             }
         }
         // Whether a command ran while the container was running is a question about the
@@ -280,12 +287,14 @@ impl ContainerTimeline {
             if matches!(entry.kind, EntryKind::CommandRan { .. })
                 && !lifecycle.running_at(entry.occurred_at)
             {
-                lifecycle
+                timeline
                     .anomalies
                     .push(anomaly_of(AnomalyKind::CommandWhileNotRunning, entry));
             }
         }
-        lifecycle.anomalies.sort_by_key(Anomaly::order);
+        timeline.anomalies.sort_by_key(Anomaly::order);
+        lifecycle.anomalies_total =
+            u64::try_from(timeline.anomalies.len()).expect("a history fits in memory");
         lifecycle.assert_intervals_are_ordered();
         timeline
     }
@@ -298,6 +307,11 @@ impl ContainerTimeline {
         self.lifecycle
     }
 
+    /// The lifecycle and every anomaly, in (`occurred_at`, position) order.
+    pub fn into_parts(self) -> (Lifecycle, Vec<Anomaly>) {
+        (self.lifecycle, self.anomalies)
+    }
+
     pub fn intervals(&self) -> &[Interval] {
         self.lifecycle.intervals()
     }
@@ -308,7 +322,7 @@ impl ContainerTimeline {
     }
 
     pub fn anomalies(&self) -> &[Anomaly] {
-        self.lifecycle.anomalies()
+        &self.anomalies
     }
 
     pub fn commands(&self) -> &[CommandRun] {
@@ -339,26 +353,18 @@ impl ContainerTimeline {
 
 impl Lifecycle {
     /// A lifecycle as a projection stored it. Panics if the intervals are not ordered and
-    /// disjoint with only the last open, or the anomalies not in (`occurred_at`, position)
-    /// order (which placing a late command relies on): stored lifecycles come from folds.
+    /// disjoint with only the last open: stored lifecycles come from folds.
     pub fn restore(
         intervals: Vec<Interval>,
-        anomalies: Vec<Anomaly>,
+        anomalies_total: u64,
         last_at: Option<DateTime<Utc>>,
     ) -> Lifecycle {
         let lifecycle = Lifecycle {
             intervals,
-            anomalies,
+            anomalies_total,
             last_at,
         };
         lifecycle.assert_intervals_are_ordered();
-        assert!(
-            lifecycle
-                .anomalies
-                .windows(2)
-                .all(|pair| pair[0].order() < pair[1].order()),
-            "stored anomalies are not in (occurred_at, position) order"
-        );
         lifecycle
     }
 
@@ -371,7 +377,12 @@ impl Lifecycle {
     ///
     /// A lifecycle entry at or before `last_at` is [`Late`] and changes nothing: it can
     /// move intervals, and with them every later command's running state. Returns the
-    /// anomaly the entry caused, if any.
+    /// anomaly the entry caused, if any, for the caller to keep: it is counted here, and
+    /// sorts after every anomaly before it unless the entry was at or before `last_at`.
+    ///
+    /// Each entry is advanced once: the ledger holds an event once, at one position, and
+    /// the projector reads each position once. (The fold ignores repeats because it is
+    /// also given histories as producers sent them.)
     pub fn advance(&mut self, entry: &ContainerEntry) -> Result<Option<Anomaly>, Late> {
         if let Some(last_at) = self.last_at {
             if entry.occurred_at <= last_at {
@@ -392,7 +403,7 @@ impl Lifecycle {
         };
         self.last_at = Some(entry.occurred_at);
         let anomaly = kind.map(|kind| anomaly_of(kind, entry));
-        self.anomalies.extend(anomaly);
+        self.anomalies_total += u64::from(anomaly.is_some());
         Ok(anomaly)
     }
 
@@ -401,22 +412,14 @@ impl Lifecycle {
     /// (and `last_at`, which is later); the fold judges every command against the final
     /// intervals, which entries still to come cannot change at this instant, since they
     /// come after `last_at` or are late lifecycle entries, which refold. A command's
-    /// anomaly goes where the fold sorts it; the same event placed twice is taken once.
+    /// anomaly is counted and returned; the caller keeps it where the fold sorts it.
     fn place_late(&mut self, entry: &ContainerEntry) -> Option<Option<Anomaly>> {
         match entry.kind {
             EntryKind::PortPublished { .. } => Some(None),
             EntryKind::CommandRan { .. } if self.running_at(entry.occurred_at) => Some(None),
             EntryKind::CommandRan { .. } => {
-                let anomaly = anomaly_of(AnomalyKind::CommandWhileNotRunning, entry);
-                // Found: the same event (same instant and position) was placed before.
-                let Err(at) = self
-                    .anomalies
-                    .binary_search_by_key(&anomaly.order(), Anomaly::order)
-                else {
-                    return Some(None);
-                };
-                self.anomalies.insert(at, anomaly);
-                Some(Some(anomaly))
+                self.anomalies_total += 1;
+                Some(Some(anomaly_of(AnomalyKind::CommandWhileNotRunning, entry)))
             }
             EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped => None,
         }
@@ -477,8 +480,9 @@ impl Lifecycle {
         &self.intervals
     }
 
-    pub fn anomalies(&self) -> &[Anomaly] {
-        &self.anomalies
+    /// How many anomalies the entries folded so far caused.
+    pub fn anomalies_total(&self) -> u64 {
+        self.anomalies_total
     }
 
     /// The latest `occurred_at` folded; `None` before the first entry.
@@ -928,28 +932,35 @@ pub(super) mod tests {
             vec![Some(5), None, None, Some(8)]
         );
         let all: Vec<ContainerEntry> = earlier.iter().chain(&late).copied().collect();
-        assert_eq!(lifecycle, ContainerTimeline::fold(&all).into_lifecycle());
+        let (folded, anomalies) = ContainerTimeline::fold(&all).into_parts();
+        assert_eq!(lifecycle, folded);
+        assert_eq!(lifecycle.anomalies_total(), 2);
+        let mut kept: Vec<Anomaly> = caused.into_iter().flatten().collect();
+        kept.sort_by_key(Anomaly::order);
+        assert_eq!(kept, anomalies, "the anomalies caused are the fold's");
         assert_eq!(
-            lifecycle
-                .anomalies()
-                .iter()
-                .map(|a| a.position)
-                .collect::<Vec<_>>(),
+            kept.iter().map(|a| a.position).collect::<Vec<_>>(),
             vec![8, 5],
             "sorted by occurred_at as the fold sorts them"
         );
     }
 
     #[test]
-    fn a_late_command_taken_twice_leaves_one_anomaly_as_the_fold_does() {
+    fn advancing_counts_anomalies_without_keeping_them() {
+        // Ten thousand commands of a container never created: the lifecycle stays the
+        // same size whatever it has seen, and counts each one.
         let mut lifecycle = Lifecycle::default();
-        for entry in history(&[(0, Created), (10, Stopped), (30, Resumed)]) {
-            lifecycle.advance(&entry).unwrap();
+        for position in 1..=10_000 {
+            let command = entry(
+                position,
+                minute(position),
+                EntryKind::CommandRan { duration_ms: 1 },
+            );
+            let anomaly = lifecycle.advance(&command).unwrap().expect("never created");
+            assert_eq!(anomaly.position, position);
         }
-        let command = entry(4, minute(20), EntryKind::CommandRan { duration_ms: 1 });
-        assert!(lifecycle.advance(&command).unwrap().is_some());
-        assert_eq!(lifecycle.advance(&command), Ok(None));
-        assert_eq!(lifecycle.anomalies().len(), 1);
+        assert_eq!(lifecycle.anomalies_total(), 10_000);
+        assert_eq!(lifecycle.intervals(), []);
     }
 
     #[test]

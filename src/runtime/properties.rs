@@ -260,13 +260,22 @@ proptest! {
                 .filter(|(owner, _)| *owner == container)
                 .map(|(_, entry)| *entry)
                 .collect();
+            // The anomalies each advance hands out are appended to a list, as the
+            // projection appends them to its rows; a refold replaces the list.
             let mut lifecycle = Lifecycle::default();
+            let mut anomalies: Vec<Anomaly> = Vec::new();
             for (seen, entry) in arrivals.iter().enumerate() {
-                if lifecycle.advance(entry).is_err() {
-                    lifecycle = ContainerTimeline::fold(&arrivals[..=seen]).into_lifecycle();
+                match lifecycle.advance(entry) {
+                    Ok(anomaly) => anomalies.extend(anomaly),
+                    Err(_) => {
+                        (lifecycle, anomalies) = ContainerTimeline::fold(&arrivals[..=seen]).into_parts();
+                    }
                 }
             }
-            prop_assert_eq!(lifecycle, ContainerTimeline::fold(&arrivals).into_lifecycle());
+            anomalies.sort_by_key(Anomaly::order);
+            let (folded, folded_anomalies) = ContainerTimeline::fold(&arrivals).into_parts();
+            prop_assert_eq!(lifecycle, folded);
+            prop_assert_eq!(anomalies, folded_anomalies);
         }
     }
 

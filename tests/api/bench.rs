@@ -40,7 +40,7 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
     let args = Cli::parse_from([
         "bench",
         "--only",
-        "ingest,admission",
+        "ingest,admission,anomalies",
         "--http-events",
         "2000",
         "--single-events",
@@ -53,6 +53,12 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         "2000",
         "--admission-paced-seconds",
         "1",
+        "--anomalies-containers",
+        "10",
+        "--anomalies-seeded",
+        "20",
+        "--anomalies-phase-events",
+        "200",
     ])
     .args;
     tally::bench::run(Config::new(&server, &nats.url), args)

@@ -4,6 +4,7 @@ mod helpers;
 
 mod admission;
 mod admission_cache;
+mod anomalies;
 mod append_isolation;
 mod audit;
 mod bench;

@@ -206,6 +206,10 @@ fn expected_container(
             "event_id": anomaly.event_id.to_string(),
             "occurred_at": timestamp(anomaly.occurred_at),
         })).collect::<Vec<_>>(),
+        // Every container here has fewer anomalies than one page holds.
+        "anomalies_total": timeline.anomalies().len(),
+        "anomalies_kept": timeline.anomalies().len(),
+        "anomalies_next_after": null,
     })
 }
 
