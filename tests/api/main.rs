@@ -22,5 +22,6 @@ mod projection;
 mod reconciliation;
 mod relay;
 mod reports;
+mod server_limits;
 mod tokens;
 mod verify;
