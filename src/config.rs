@@ -76,6 +76,11 @@ pub const HTTP_IDLE_TIMEOUT_MS: u64 = 75_000;
 /// without a request in progress is closed to make room; when every connection has one,
 /// the new one is answered 503 `too_many_connections` and closed.
 pub const HTTP_CONNECTIONS_MAX: usize = 4_096;
+/// How long a response may wait for the client to read any of it (a gap, not a deadline
+/// for the whole response, so a long export to a slow reader goes through): a client that
+/// reads nothing for this long is gone or holding the connection on purpose, and a
+/// connection with a response in progress cannot be closed to make room for another.
+pub const HTTP_WRITE_TIMEOUT_MS: u64 = 30_000;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -170,6 +175,9 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_HTTP_CONNECTIONS_MAX", default_value_t = HTTP_CONNECTIONS_MAX)]
     pub http_connections_max: usize,
+
+    #[arg(long, env = "TALLY_HTTP_WRITE_TIMEOUT_MS", default_value_t = HTTP_WRITE_TIMEOUT_MS)]
+    pub http_write_timeout_ms: u64,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -212,6 +220,7 @@ impl Config {
             http_body_read_timeout_ms: HTTP_BODY_READ_TIMEOUT_MS,
             http_idle_timeout_ms: HTTP_IDLE_TIMEOUT_MS,
             http_connections_max: HTTP_CONNECTIONS_MAX,
+            http_write_timeout_ms: HTTP_WRITE_TIMEOUT_MS,
         }
     }
 
@@ -230,6 +239,7 @@ impl Config {
             body_read_timeout: Duration::from_millis(self.http_body_read_timeout_ms),
             idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
             connections_max: self.http_connections_max,
+            write_timeout: Duration::from_millis(self.http_write_timeout_ms),
         }
     }
 }

@@ -8,6 +8,7 @@
 //!   head is in, and an idle timeout between keep-alive requests ([`TimedIo`]);
 //! - a body read timeout: the longest a handler waits for the next piece of a body
 //!   ([`TimedBody`]); past it the request is answered 408 `body_timeout`;
+//! - a write timeout: the longest a response waits for the client to read ([`TimedIo`]);
 //! - a cap on open connections; past it the longest-waiting connection without a request in
 //!   progress is closed, or, when every one has a request in progress, the new one is
 //!   answered 503 `too_many_connections` and closed ([`Registry`]);
@@ -60,6 +61,7 @@ pub struct Limits {
     pub body_read_timeout: Duration,
     pub idle_timeout: Duration,
     pub connections_max: usize,
+    pub write_timeout: Duration,
 }
 
 /// Serves `app` on `listener` until `shutdown`; then stops accepting, lets requests in
@@ -394,7 +396,8 @@ impl Registry {
     }
 }
 
-/// A connection's socket that fails its reads once the head or idle deadline passes.
+/// A connection's socket that fails its reads once the head or idle deadline passes, and
+/// its writes once they have waited for the write timeout.
 ///
 /// hyper reads from it only when it wants bytes: while a head is awaited, while a body is
 /// read, and, during a request, to notice the client leaving. Only the first is timed here.
@@ -406,6 +409,8 @@ struct TimedIo {
     timed_phase: Phase,
     deadline: Instant,
     timer: Pin<Box<Sleep>>,
+    /// A client that does not read its responses.
+    write_gap: Gap,
 }
 
 impl TimedIo {
@@ -418,6 +423,28 @@ impl TimedIo {
             timed_phase: Phase::Head,
             deadline,
             timer: Box::pin(tokio::time::sleep_until(deadline)),
+            write_gap: Gap::new(limits.write_timeout),
+        }
+    }
+
+    /// A write's outcome, failed once writes have waited for the write timeout.
+    fn timed_write(
+        &mut self,
+        cx: &mut Context<'_>,
+        written: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match written {
+            Poll::Ready(result) => {
+                self.write_gap.progressed();
+                Poll::Ready(result)
+            }
+            Poll::Pending => {
+                ready!(self.write_gap.poll_elapsed(cx));
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client read nothing of the response for too long",
+                )))
+            }
         }
     }
 }
@@ -471,7 +498,9 @@ impl AsyncWrite for TimedIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.timed_write(cx, written)
     }
 
     fn poll_write_vectored(
@@ -479,7 +508,9 @@ impl AsyncWrite for TimedIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.timed_write(cx, written)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -495,16 +526,50 @@ impl AsyncWrite for TimedIo {
     }
 }
 
+/// A timeout on the gap between pieces of progress: it runs only while a read or write
+/// waits, and starts afresh at each wait after progress.
+struct Gap {
+    timeout: Duration,
+    /// Made on the first wait only: most reads and writes never wait.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// Whether the timer runs for the present wait.
+    waiting: bool,
+}
+
+impl Gap {
+    fn new(timeout: Duration) -> Gap {
+        Gap {
+            timeout,
+            timer: None,
+            waiting: false,
+        }
+    }
+
+    fn progressed(&mut self) {
+        self.waiting = false;
+    }
+
+    /// Ready once the present wait has lasted the timeout.
+    fn poll_elapsed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if !self.waiting {
+            self.waiting = true;
+            let deadline = Instant::now() + self.timeout;
+            match &mut self.timer {
+                Some(timer) => timer.as_mut().reset(deadline),
+                None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        let timer = self.timer.as_mut().expect("armed when the wait began");
+        timer.as_mut().poll(cx)
+    }
+}
+
 /// A request body that fails when the handler has waited longer than the body read
 /// timeout for its next piece. Time the handler spends elsewhere (storing the previous
 /// piece) does not count, so a steady upload of any size goes through.
 struct TimedBody {
     inner: Incoming,
-    timeout: Duration,
-    /// Made on the first wait only: most bodies are in hand when first read.
-    timer: Option<Pin<Box<Sleep>>>,
-    /// Whether the timer runs for the present wait.
-    waiting: bool,
+    gap: Gap,
     connection: Arc<Connection>,
 }
 
@@ -512,9 +577,7 @@ impl TimedBody {
     fn new(inner: Incoming, timeout: Duration, connection: Arc<Connection>) -> TimedBody {
         TimedBody {
             inner,
-            timeout,
-            timer: None,
-            waiting: false,
+            gap: Gap::new(timeout),
             connection,
         }
     }
@@ -536,20 +599,11 @@ impl http_body::Body for TimedBody {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                this.waiting = false;
+                this.gap.progressed();
                 Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)))
             }
             Poll::Pending => {
-                if !this.waiting {
-                    this.waiting = true;
-                    let deadline = Instant::now() + this.timeout;
-                    match &mut this.timer {
-                        Some(timer) => timer.as_mut().reset(deadline),
-                        None => this.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
-                    }
-                }
-                let timer = this.timer.as_mut().expect("armed when the wait began");
-                ready!(timer.as_mut().poll(cx));
+                ready!(this.gap.poll_elapsed(cx));
                 this.connection
                     .body_timed_out
                     .store(true, Ordering::Relaxed);
@@ -626,6 +680,8 @@ fn open_files_allow(connections_max: usize) -> usize {
 
 /// The soft open-files limit, raised to `wanted` (or the hard limit, if lower) when below.
 #[cfg(unix)]
+// `rlim_t` is u64 on Linux, not on every unix.
+#[allow(clippy::unnecessary_cast)]
 fn raise_open_files_limit(wanted: u64) -> io::Result<u64> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,

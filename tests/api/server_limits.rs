@@ -1,5 +1,5 @@
 //! The HTTP server's connection limits, from raw TCP clients: trickled heads, stalled
-//! bodies and idle connections are closed by their timeouts, the connection cap makes room
+//! bodies, unread responses and idle connections are closed by their timeouts, the cap makes room
 //! or refuses, slow clients do not stop others, and what the router cannot answer in JSON
 //! (a repeated query parameter, an overlong target) is answered in JSON at the front door.
 
@@ -294,8 +294,8 @@ async fn three_hundred_slow_clients_do_not_stop_a_normal_client_from_getting_ans
     let app = TestApp::spawn_with(|config| {
         config.http_header_read_timeout_ms = 1_000;
         config.http_body_read_timeout_ms = 1_000;
-        // Fewer request slots than slow clients, as in the attack (1 030 against 1 024).
-        config.http_concurrency_max = 256;
+        // Fewer request slots than stalled bodies, as in the attack (1 030 against 1 024).
+        config.http_concurrency_max = 128;
     })
     .await;
     let mut slow = Vec::new();
@@ -323,13 +323,41 @@ async fn three_hundred_slow_clients_do_not_stop_a_normal_client_from_getting_ans
         || health_answers(&app),
     )
     .await;
-    let mut closed = 0;
-    for stream in &mut slow {
-        if closed_within(stream, DISCONNECT_WAIT_SECONDS).await {
-            closed += 1;
-        }
-    }
-    assert_eq!(closed, SLOW, "slow connections were kept open");
+    let closed = futures::future::join_all(
+        slow.iter_mut()
+            .map(|stream| closed_within(stream, DISCONNECT_WAIT_SECONDS)),
+    )
+    .await;
+    let open = closed.iter().filter(|closed| !**closed).count();
+    assert_eq!(open, 0, "{open} slow connections were kept open");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_none_of_its_responses_is_disconnected_within_the_write_timeout() {
+    let app = TestApp::spawn_with(|config| config.http_write_timeout_ms = 500).await;
+    let document = app
+        .client
+        .get(app.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    // More responses than the sockets' buffers on loopback hold (a few MiB each way).
+    let requests = (32 * 1024 * 1024 / document.len()).clamp(1, 20_000);
+    let mut stream = connect(&app).await;
+    let request: &[u8] = b"GET /openapi.json HTTP/1.1\r\nhost: tally\r\n\r\n";
+    let pipelined = request.repeat(requests);
+    // Written while the server writes its answers, which this client does not read yet.
+    let written = tokio::time::timeout(Duration::from_secs(3), stream.write_all(&pipelined)).await;
+    drop(written);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        closed_within(&mut stream, DISCONNECT_WAIT_SECONDS).await,
+        "a connection whose client read nothing for 3 s was still open"
+    );
     app.stop().await;
 }
 
