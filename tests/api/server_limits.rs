@@ -248,7 +248,7 @@ async fn past_the_connection_cap_the_oldest_idle_connection_makes_room_for_a_new
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_connection_cap_with_every_request_in_progress_a_new_client_gets_503_then_healthz_answers(
+async fn past_the_connection_cap_with_every_connection_busy_a_new_one_gets_503_then_healthz_answers(
 ) {
     const CAP: usize = 4;
     let app = TestApp::spawn_with(|config| {
