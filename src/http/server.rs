@@ -173,6 +173,8 @@ async fn serve_connection(
                 tracing::debug!("connection closed to make room for a new one");
                 break;
             }
+            // Polling the connection again is the point: it reads, and the idle timer starts.
+            _ = connection.became_idle.notified() => {}
         }
     }
     registry.remove(&connection);
@@ -312,6 +314,10 @@ struct Connection {
     body_timed_out: AtomicBool,
     /// Closed to make room for a new connection.
     evicted: Notify,
+    /// Its response is written. hyper polls the socket for the next request only when
+    /// woken, and its last poll came while the request was in progress, before the idle
+    /// timeout could start; this wakes the connection so that it starts.
+    became_idle: Notify,
 }
 
 impl Connection {
@@ -380,6 +386,7 @@ impl Registry {
             phase: AtomicU8::new(Phase::Head as u8),
             body_timed_out: AtomicBool::new(false),
             evicted: Notify::new(),
+            became_idle: Notify::new(),
         });
         open.connections.insert(id, connection.clone());
         metrics::gauge!("tally_http_connections_open").set(open.connections.len() as f64);
@@ -631,6 +638,7 @@ struct ResponseBody {
 impl Drop for ResponseBody {
     fn drop(&mut self) {
         self.connection.set_phase(Phase::Idle);
+        self.connection.became_idle.notify_one();
     }
 }
 

@@ -199,7 +199,12 @@ async fn a_body_sent_steadily_for_longer_than_the_body_timeout_is_read_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
-    let app = TestApp::spawn_with(|config| config.http_idle_timeout_ms = 500).await;
+    let app = TestApp::spawn_with(|config| {
+        config.http_idle_timeout_ms = 500;
+        // Only the idle timeout can close it within the wait.
+        config.http_header_read_timeout_ms = 60_000;
+    })
+    .await;
     let mut stream = connect(&app).await;
     stream.write_all(HEALTH_REQUEST).await.unwrap();
     let (status, _) = read_response(&mut stream, DISCONNECT_WAIT_SECONDS)
@@ -210,6 +215,23 @@ async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
         closed_within(&mut stream, DISCONNECT_WAIT_SECONDS).await,
         "an idle keep-alive connection was still open after {DISCONNECT_WAIT_SECONDS} s"
     );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_alive_connection_idle_for_longer_than_the_header_timeout_is_kept_for_its_next_request(
+) {
+    let app = TestApp::spawn_with(|config| config.http_header_read_timeout_ms = 300).await;
+    let mut stream = connect(&app).await;
+    for _ in 0..2 {
+        stream.write_all(HEALTH_REQUEST).await.unwrap();
+        let (status, _) = read_response(&mut stream, DISCONNECT_WAIT_SECONDS)
+            .await
+            .expect("/healthz answers on the kept connection");
+        assert_eq!(status, 200);
+        // Five header timeouts, well within the idle timeout.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+    }
     app.stop().await;
 }
 
