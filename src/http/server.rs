@@ -31,6 +31,7 @@ use axum::http::{header, HeaderValue, Request, Response, StatusCode};
 use axum::response::IntoResponse;
 use axum::{BoxError, Router};
 use bytes::Bytes;
+use futures::task::AtomicWaker;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -138,6 +139,8 @@ async fn serve_connection(
     let service = {
         let connection = connection.clone();
         hyper::service::service_fn(move |request| {
+            // Here, not in `handle`: hyper reads on before it first polls the request.
+            connection.set_phase(Phase::Busy);
             handle(
                 app.clone(),
                 connection.clone(),
@@ -173,8 +176,6 @@ async fn serve_connection(
                 tracing::debug!("connection closed to make room for a new one");
                 break;
             }
-            // Polling the connection again is the point: it reads, and the idle timer starts.
-            _ = connection.became_idle.notified() => {}
         }
     }
     registry.remove(&connection);
@@ -187,7 +188,6 @@ async fn handle(
     body_read_timeout: Duration,
     request: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, Infallible> {
-    connection.set_phase(Phase::Busy);
     let response = match refuse_at_front_door(&request) {
         Some(error) => error.into_response(),
         None => {
@@ -314,10 +314,12 @@ struct Connection {
     body_timed_out: AtomicBool,
     /// Closed to make room for a new connection.
     evicted: Notify,
-    /// Its response is written. hyper polls the socket for the next request only when
-    /// woken, and its last poll came while the request was in progress, before the idle
-    /// timeout could start; this wakes the connection so that it starts.
-    became_idle: Notify,
+    /// The connection task, as last seen reading during a request. hyper polls the socket
+    /// for the next request only when woken, and its last poll came while the request was
+    /// in progress, before the idle timeout could start: the written response wakes it so
+    /// that the timeout starts. (A waker, not a `Notify` in the connection's `select!`,
+    /// which would take a lock at every poll of the connection.)
+    reader: AtomicWaker,
 }
 
 impl Connection {
@@ -386,7 +388,7 @@ impl Registry {
             phase: AtomicU8::new(Phase::Head as u8),
             body_timed_out: AtomicBool::new(false),
             evicted: Notify::new(),
-            became_idle: Notify::new(),
+            reader: AtomicWaker::new(),
         });
         open.connections.insert(id, connection.clone());
         metrics::gauge!("tally_http_connections_open").set(open.connections.len() as f64);
@@ -466,7 +468,11 @@ impl AsyncRead for TimedIo {
         let phase = this.connection.phase();
         if phase == Phase::Busy {
             this.timed_phase = Phase::Busy;
-            return Pin::new(&mut this.stream).poll_read(cx, buf);
+            let read = Pin::new(&mut this.stream).poll_read(cx, buf);
+            if read.is_pending() {
+                this.connection.reader.register(cx.waker());
+            }
+            return read;
         }
         if phase == Phase::Idle && this.timed_phase != Phase::Idle {
             // The response was written just now: hyper reads for the next request at once.
@@ -485,6 +491,8 @@ impl AsyncRead for TimedIo {
             }
             Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
             Poll::Pending => {
+                // A read waiting for more of a head may be hyper's last before it serves it.
+                this.connection.reader.register(cx.waker());
                 if this.timer.deadline() != this.deadline {
                     this.timer.as_mut().reset(this.deadline);
                 }
@@ -638,7 +646,7 @@ struct ResponseBody {
 impl Drop for ResponseBody {
     fn drop(&mut self) {
         self.connection.set_phase(Phase::Idle);
-        self.connection.became_idle.notify_one();
+        self.connection.reader.wake();
     }
 }
 
