@@ -55,6 +55,32 @@ pub const PROJECTOR_POLL_MS: u64 = 250;
 /// began to wait: after a round that long, the next starts at once. A reader waiting for
 /// freshness (admission's read-your-writes) cuts the wait short.
 pub const PROJECTOR_LINGER_MS: u64 = 50;
+/// How long a request's head (request line and headers) may take to arrive, counted from
+/// its first byte, or from the accept for a new connection: a client on any real network
+/// sends a head in well under a second, and a connection that trickles it holds a file
+/// descriptor for nothing.
+pub const HTTP_HEADER_READ_TIMEOUT_MS: u64 = 5_000;
+/// How long a request body may send nothing while the handler waits for it (a gap between
+/// chunks, not a deadline for the whole body, so a steady 2 GiB report upload is never cut
+/// off); past it the request is answered 408 `body_timeout` and its request slot freed.
+pub const HTTP_BODY_READ_TIMEOUT_MS: u64 = 10_000;
+/// How long a keep-alive connection may wait between requests before it is closed: longer
+/// than the 60 s idle timeout of common load balancers, so that the balancer, not tally,
+/// closes a shared idle connection (closing it from this side races the balancer's next
+/// request on it).
+pub const HTTP_IDLE_TIMEOUT_MS: u64 = 75_000;
+/// Connections open at once. Each holds a file descriptor and up to a few tens of KiB of
+/// buffers; 4 096 is far above what a producer fleet behind a few proxies opens and well
+/// under the open-files limit tally raises itself to at start (the limit is lowered to fit
+/// when the process may not open that many files). Past it, the longest-waiting connection
+/// without a request in progress is closed to make room; when every connection has one,
+/// the new one is answered 503 `too_many_connections` and closed.
+pub const HTTP_CONNECTIONS_MAX: usize = 4_096;
+/// How long a response may wait for the client to read any of it (a gap, not a deadline
+/// for the whole response, so a long export to a slow reader goes through): a client that
+/// reads nothing for this long is gone or holding the connection on purpose, and a
+/// connection with a response in progress cannot be closed to make room for another.
+pub const HTTP_WRITE_TIMEOUT_MS: u64 = 30_000;
 
 /// Requests in progress at once from one token; past it that token's requests get 429
 /// `too_many_requests` with `Retry-After` while other tokens are served. A quarter of
@@ -146,6 +172,21 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_TOKEN_CONCURRENCY_MAX", default_value_t = TOKEN_CONCURRENCY_MAX)]
     pub token_concurrency_max: usize,
+
+    #[arg(long, env = "TALLY_HTTP_HEADER_READ_TIMEOUT_MS", default_value_t = HTTP_HEADER_READ_TIMEOUT_MS)]
+    pub http_header_read_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_HTTP_BODY_READ_TIMEOUT_MS", default_value_t = HTTP_BODY_READ_TIMEOUT_MS)]
+    pub http_body_read_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_HTTP_IDLE_TIMEOUT_MS", default_value_t = HTTP_IDLE_TIMEOUT_MS)]
+    pub http_idle_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_HTTP_CONNECTIONS_MAX", default_value_t = HTTP_CONNECTIONS_MAX)]
+    pub http_connections_max: usize,
+
+    #[arg(long, env = "TALLY_HTTP_WRITE_TIMEOUT_MS", default_value_t = HTTP_WRITE_TIMEOUT_MS)]
+    pub http_write_timeout_ms: u64,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -185,6 +226,11 @@ impl Config {
             projector_poll_ms: PROJECTOR_POLL_MS,
             projector_linger_ms: PROJECTOR_LINGER_MS,
             token_concurrency_max: TOKEN_CONCURRENCY_MAX,
+            http_header_read_timeout_ms: HTTP_HEADER_READ_TIMEOUT_MS,
+            http_body_read_timeout_ms: HTTP_BODY_READ_TIMEOUT_MS,
+            http_idle_timeout_ms: HTTP_IDLE_TIMEOUT_MS,
+            http_connections_max: HTTP_CONNECTIONS_MAX,
+            http_write_timeout_ms: HTTP_WRITE_TIMEOUT_MS,
         }
     }
 
@@ -194,5 +240,16 @@ impl Config {
 
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// The HTTP server's connection limits.
+    pub fn server_limits(&self) -> crate::http::server::Limits {
+        crate::http::server::Limits {
+            header_read_timeout: Duration::from_millis(self.http_header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(self.http_body_read_timeout_ms),
+            idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
+            connections_max: self.http_connections_max,
+            write_timeout: Duration::from_millis(self.http_write_timeout_ms),
+        }
     }
 }

@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::serve::ListenerExt as _;
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -126,20 +125,12 @@ impl Service {
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");
         }
-        let server_shutdown = shutdown.clone();
-        // Responses go out as soon as written: without TCP_NODELAY, Nagle's algorithm holds a
-        // small write back while an earlier one is unacknowledged, up to the client's
-        // delayed ACK (tens of milliseconds).
-        let listener = listener.tap_io(|stream| {
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "cannot set TCP_NODELAY on a connection");
-            }
-        });
-        let server = tokio::spawn(async move {
-            axum::serve(listener, http::app(state))
-                .with_graceful_shutdown(async move { server_shutdown.cancelled().await })
-                .await
-        });
+        let server = tokio::spawn(http::server::serve(
+            listener,
+            http::app(state),
+            config.server_limits(),
+            shutdown.clone(),
+        ));
         tracing::info!(%local_addr, "tally is serving");
         Ok(Service {
             local_addr,

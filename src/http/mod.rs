@@ -17,6 +17,8 @@ pub mod reports;
 pub mod tokens;
 pub mod usage;
 
+pub mod server;
+
 use std::sync::Arc;
 use std::time::Duration;
 

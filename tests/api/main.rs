@@ -26,6 +26,7 @@ mod projection;
 mod reconciliation;
 mod relay;
 mod reports;
+mod server_limits;
 mod stream_integrity;
 mod tokens;
 mod verify;

@@ -1,0 +1,758 @@
+//! The HTTP server: the accept loop and each connection's life, around `app(state)`.
+//!
+//! axum's `serve` has no timeouts and no cap on connections, so a client that opens
+//! connections and sends nothing, trickles a head, or sends one byte of a declared body
+//! could hold file descriptors and request slots for as long as it liked. This drives
+//! hyper's HTTP/1 connections itself, with (docs/decisions/http-connection-limits.md):
+//! - a header read timeout, from a connection's accept or a request's first byte until its
+//!   head is in, and an idle timeout between keep-alive requests ([`TimedIo`]);
+//! - a body read timeout: the longest a handler waits for the next piece of a body
+//!   ([`TimedBody`]); past it the request is answered 408 `body_timeout`;
+//! - a write timeout: the longest a response waits for the client to read ([`TimedIo`]);
+//! - a cap on open connections; past it the longest-waiting connection without a request in
+//!   progress is closed, or, when every one has a request in progress, the new one is
+//!   answered 503 `too_many_connections` and closed ([`Registry`]);
+//! - front-door refusals that hyper's router cannot express as JSON: a URI longer than
+//!   [`URI_MAX_BYTES`] (414 `uri_too_long`) and a repeated query parameter (400
+//!   `duplicate_query_parameter`).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::future::Future as _;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use axum::{BoxError, Router};
+use bytes::Bytes;
+use futures::task::AtomicWaker;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify};
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
+
+use super::error::ApiError;
+
+/// The longest request target (path and query) served, in bytes. Every route's path is
+/// a few ids of at most 64 characters and its query a few short parameters, well under
+/// 1 KiB; 8 KiB is what common proxies allow by default. hyper itself answers a bare 414,
+/// without a JSON body, to a target over 65 534 bytes, before tally sees it.
+pub const URI_MAX_BYTES: usize = 8 * 1024;
+/// File descriptors kept free of HTTP connections when the open-files limit is low: the
+/// database pool, NATS, the listener, logs and report files.
+const FILES_RESERVED: u64 = 256;
+/// How long the accept loop pauses after an error that is not the client's (such as no
+/// file descriptor left), so that it does not spin while none frees up.
+const ACCEPT_ERROR_PAUSE_MS: u64 = 1_000;
+
+/// The server's connection limits (see `config.rs` for each default and why).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub connections_max: usize,
+    pub write_timeout: Duration,
+}
+
+/// Serves `app` on `listener` until `shutdown`; then stops accepting, lets requests in
+/// progress finish (idle connections are closed at once) and returns when every
+/// connection is closed.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    let limits = Limits {
+        connections_max: open_files_allow(limits.connections_max),
+        ..limits
+    };
+    let registry = Arc::new(Registry::new(limits.connections_max));
+    let refusal = refusal_bytes();
+    // Each connection task holds a receiver; `closed()` resolves when the last is dropped.
+    let (closed_tx, closed_rx) = watch::channel(());
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) if is_connection_error(&error) => continue,
+                Err(error) => {
+                    tracing::error!(%error, "cannot accept a connection");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(ACCEPT_ERROR_PAUSE_MS)) => continue,
+                    }
+                }
+            },
+        };
+        // Responses go out as soon as written: without TCP_NODELAY, Nagle's algorithm holds
+        // a small write back while an earlier one is unacknowledged, up to the client's
+        // delayed ACK (tens of milliseconds).
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY on a connection");
+        }
+        let Some(connection) = registry.admit() else {
+            metrics::counter!("tally_http_connections_refused_total").increment(1);
+            // A fresh socket's send buffer is empty, so this one write does not block; if it
+            // fails the client sees the connection close, which is what it would get anyway.
+            let _ = stream.try_write(&refusal);
+            continue;
+        };
+        tokio::spawn(serve_connection(
+            stream,
+            connection,
+            app.clone(),
+            limits,
+            registry.clone(),
+            shutdown.clone(),
+            closed_rx.clone(),
+        ));
+    }
+    drop(listener);
+    drop(closed_rx);
+    closed_tx.closed().await;
+    Ok(())
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    connection: Arc<Connection>,
+    app: Router,
+    limits: Limits,
+    registry: Arc<Registry>,
+    shutdown: CancellationToken,
+    _closed: watch::Receiver<()>,
+) {
+    let io = TokioIo::new(TimedIo::new(stream, connection.clone(), limits));
+    let service = {
+        let connection = connection.clone();
+        hyper::service::service_fn(move |request| {
+            // Here, not in `handle`: hyper reads on before it first polls the request.
+            connection.set_phase(Phase::Busy);
+            handle(
+                app.clone(),
+                connection.clone(),
+                limits.body_read_timeout,
+                request,
+            )
+        })
+    };
+    // No hyper timer: hyper's header timeout runs from when a connection starts waiting for
+    // a request, so it cannot tell an idle keep-alive connection from a trickled head;
+    // `TimedIo` keeps both timeouts instead.
+    let served = hyper::server::conn::http1::Builder::new()
+        .keep_alive(true)
+        .header_read_timeout(None)
+        .serve_connection(io, service);
+    let mut served = std::pin::pin!(served);
+    let mut cancelled = std::pin::pin!(shutdown.cancelled());
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            result = served.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "connection closed with an error");
+                }
+                break;
+            }
+            _ = &mut cancelled, if !stopping => {
+                // Closes the connection if idle; otherwise after the response in progress.
+                served.as_mut().graceful_shutdown();
+                stopping = true;
+            }
+            _ = connection.evicted.notified() => {
+                tracing::debug!("connection closed to make room for a new one");
+                break;
+            }
+        }
+    }
+    registry.remove(&connection);
+}
+
+/// One request: the front-door checks, then the router, with the body timed.
+async fn handle(
+    app: Router,
+    connection: Arc<Connection>,
+    body_read_timeout: Duration,
+    request: Request<Incoming>,
+) -> Result<Response<ResponseBody>, Infallible> {
+    let response = match refuse_at_front_door(&request) {
+        Some(error) => error.into_response(),
+        None => {
+            let request = request
+                .map(|body| Body::new(TimedBody::new(body, body_read_timeout, connection.clone())));
+            let response = match app.oneshot(request).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            };
+            if connection.body_timed_out.swap(false, Ordering::Relaxed) {
+                body_timeout(body_read_timeout)
+            } else {
+                response
+            }
+        }
+    };
+    Ok(response.map(|body| ResponseBody {
+        inner: body,
+        connection,
+    }))
+}
+
+/// A request refused before routing, for what the router's extractors would refuse in
+/// plain text, or hyper with an empty body.
+fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
+    let target = request
+        .uri()
+        .path_and_query()
+        .map_or("", |target| target.as_str());
+    if target.len() > URI_MAX_BYTES {
+        return Some(ApiError::new(
+            StatusCode::URI_TOO_LONG,
+            "uri_too_long",
+            format!("the request target is longer than {URI_MAX_BYTES} bytes"),
+        ));
+    }
+    let query = request.uri().query()?;
+    repeated_parameter(query).map(|name| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "duplicate_query_parameter",
+            format!("{name}: is given more than once"),
+        )
+    })
+}
+
+/// The first query parameter name that appears twice, once decoded: no route takes a
+/// list, and which of two values a route would read is not something to leave to chance.
+fn repeated_parameter(query: &str) -> Option<String> {
+    let mut names: Vec<_> = url::form_urlencoded::parse(query.as_bytes())
+        .map(|(name, _)| name)
+        .collect();
+    names.sort_unstable();
+    names
+        .windows(2)
+        .find(|pair| pair[0] == pair[1])
+        .map(|pair| pair[0].clone().into_owned())
+}
+
+fn body_timeout(body_read_timeout: Duration) -> axum::response::Response {
+    let mut response = ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "body_timeout",
+        format!(
+            "the request body sent nothing for {} ms; send it without pauses",
+            body_read_timeout.as_millis()
+        ),
+    )
+    .into_response();
+    // The rest of the body may still come; the connection cannot be reused.
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// The answer past the cap when no connection can be closed to make room: written raw,
+/// because the connection is never handed to hyper.
+fn refusal_bytes() -> Vec<u8> {
+    let body = serde_json::json!({"error": {
+        "code": "too_many_connections",
+        "message": "too many connections are open; retry later",
+        "details": [],
+    }})
+    .to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Errors of one connection, not of the listener (as hyper's and axum's servers sort them).
+fn is_connection_error(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// Where a connection is in its request cycle; which timeout applies follows from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Phase {
+    /// Between requests, nothing of the next one read: the idle timeout.
+    Idle = 0,
+    /// A head is arriving (or, on a new connection, awaited): the header read timeout.
+    Head = 1,
+    /// A request is in progress, until its response is written: the body timeout applies
+    /// to its body, and nothing else is timed here (the request deadline is the router's).
+    Busy = 2,
+}
+
+/// What the accept loop, the connection's I/O and its requests share about it.
+struct Connection {
+    /// Its order of admission: the oldest is closed first to make room.
+    id: u64,
+    phase: AtomicU8,
+    /// Set by the request body when it timed out, so that the answer is 408 whatever the
+    /// handler made of the read error. HTTP/1 serves one request at a time per connection.
+    body_timed_out: AtomicBool,
+    /// Closed to make room for a new connection.
+    evicted: Notify,
+    /// The connection task, as last seen reading during a request. hyper polls the socket
+    /// for the next request only when woken, and its last poll came while the request was
+    /// in progress, before the idle timeout could start: the written response wakes it so
+    /// that the timeout starts. (A waker, not a `Notify` in the connection's `select!`,
+    /// which would take a lock at every poll of the connection.)
+    reader: AtomicWaker,
+}
+
+impl Connection {
+    fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Relaxed) {
+            0 => Phase::Idle,
+            1 => Phase::Head,
+            _ => Phase::Busy,
+        }
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        self.phase.store(phase as u8, Ordering::Relaxed);
+    }
+}
+
+/// The open connections, by age, for the cap.
+struct Registry {
+    connections_max: usize,
+    open: Mutex<Open>,
+}
+
+struct Open {
+    next_id: u64,
+    connections: BTreeMap<u64, Arc<Connection>>,
+}
+
+impl Registry {
+    fn new(connections_max: usize) -> Registry {
+        Registry {
+            connections_max: connections_max.max(1),
+            open: Mutex::new(Open {
+                next_id: 0,
+                connections: BTreeMap::new(),
+            }),
+        }
+    }
+
+    /// A place for a new connection: free, or made by closing the oldest idle connection,
+    /// else the oldest still sending its head. None when every open connection has a
+    /// request in progress.
+    fn admit(&self) -> Option<Arc<Connection>> {
+        let mut open = self
+            .open
+            .lock()
+            .expect("the registry lock is never poisoned");
+        if open.connections.len() >= self.connections_max {
+            let oldest_in = |phase| {
+                open.connections
+                    .values()
+                    .find(|connection| connection.phase() == phase)
+                    .map(|connection| connection.id)
+            };
+            let evicted = oldest_in(Phase::Idle).or_else(|| oldest_in(Phase::Head))?;
+            let evicted = open
+                .connections
+                .remove(&evicted)
+                .expect("the id was just found");
+            evicted.evicted.notify_one();
+            metrics::counter!("tally_http_connections_evicted_total").increment(1);
+        }
+        let id = open.next_id;
+        open.next_id += 1;
+        let connection = Arc::new(Connection {
+            id,
+            phase: AtomicU8::new(Phase::Head as u8),
+            body_timed_out: AtomicBool::new(false),
+            evicted: Notify::new(),
+            reader: AtomicWaker::new(),
+        });
+        open.connections.insert(id, connection.clone());
+        metrics::gauge!("tally_http_connections_open").set(open.connections.len() as f64);
+        Some(connection)
+    }
+
+    fn remove(&self, connection: &Connection) {
+        let mut open = self
+            .open
+            .lock()
+            .expect("the registry lock is never poisoned");
+        open.connections.remove(&connection.id);
+        metrics::gauge!("tally_http_connections_open").set(open.connections.len() as f64);
+    }
+}
+
+/// A connection's socket that fails its reads once the head or idle deadline passes, and
+/// its writes once they have waited for the write timeout.
+///
+/// hyper reads from it only when it wants bytes: while a head is awaited, while a body is
+/// read, and, during a request, to notice the client leaving. Only the first is timed here.
+struct TimedIo {
+    stream: TcpStream,
+    connection: Arc<Connection>,
+    limits: Limits,
+    /// The phase the deadline was set for.
+    timed_phase: Phase,
+    deadline: Instant,
+    timer: Pin<Box<Sleep>>,
+    /// A client that does not read its responses.
+    write_gap: Gap,
+}
+
+impl TimedIo {
+    fn new(stream: TcpStream, connection: Arc<Connection>, limits: Limits) -> TimedIo {
+        let deadline = Instant::now() + limits.header_read_timeout;
+        TimedIo {
+            stream,
+            connection,
+            limits,
+            timed_phase: Phase::Head,
+            deadline,
+            timer: Box::pin(tokio::time::sleep_until(deadline)),
+            write_gap: Gap::new(limits.write_timeout),
+        }
+    }
+
+    /// A write's outcome, failed once writes have waited for the write timeout.
+    fn timed_write(
+        &mut self,
+        cx: &mut Context<'_>,
+        written: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match written {
+            Poll::Ready(result) => {
+                self.write_gap.progressed();
+                Poll::Ready(result)
+            }
+            Poll::Pending => {
+                ready!(self.write_gap.poll_elapsed(cx));
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client read nothing of the response for too long",
+                )))
+            }
+        }
+    }
+}
+
+impl AsyncRead for TimedIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let phase = this.connection.phase();
+        if phase == Phase::Busy {
+            this.timed_phase = Phase::Busy;
+            let read = Pin::new(&mut this.stream).poll_read(cx, buf);
+            if read.is_pending() {
+                this.connection.reader.register(cx.waker());
+            }
+            return read;
+        }
+        if phase == Phase::Idle && this.timed_phase != Phase::Idle {
+            // The response was written just now: hyper reads for the next request at once.
+            this.timed_phase = Phase::Idle;
+            this.deadline = Instant::now() + this.limits.idle_timeout;
+        }
+        let filled = buf.filled().len();
+        match Pin::new(&mut this.stream).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if phase == Phase::Idle && buf.filled().len() > filled {
+                    this.connection.set_phase(Phase::Head);
+                    this.timed_phase = Phase::Head;
+                    this.deadline = Instant::now() + this.limits.header_read_timeout;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+            Poll::Pending => {
+                // A read waiting for more of a head may be hyper's last before it serves it.
+                this.connection.reader.register(cx.waker());
+                if this.timer.deadline() != this.deadline {
+                    this.timer.as_mut().reset(this.deadline);
+                }
+                ready!(this.timer.as_mut().poll(cx));
+                let what = match this.timed_phase {
+                    Phase::Idle => "the connection was idle for too long",
+                    _ => "the request head took too long",
+                };
+                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, what)))
+            }
+        }
+    }
+}
+
+impl AsyncWrite for TimedIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.timed_write(cx, written)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.timed_write(cx, written)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+/// A timeout on the gap between pieces of progress: it runs only while a read or write
+/// waits, and starts afresh at each wait after progress.
+struct Gap {
+    timeout: Duration,
+    /// Made on the first wait only: most reads and writes never wait.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// Whether the timer runs for the present wait.
+    waiting: bool,
+}
+
+impl Gap {
+    fn new(timeout: Duration) -> Gap {
+        Gap {
+            timeout,
+            timer: None,
+            waiting: false,
+        }
+    }
+
+    fn progressed(&mut self) {
+        self.waiting = false;
+    }
+
+    /// Ready once the present wait has lasted the timeout.
+    fn poll_elapsed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if !self.waiting {
+            self.waiting = true;
+            let deadline = Instant::now() + self.timeout;
+            match &mut self.timer {
+                Some(timer) => timer.as_mut().reset(deadline),
+                None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        let timer = self.timer.as_mut().expect("armed when the wait began");
+        timer.as_mut().poll(cx)
+    }
+}
+
+/// A request body that fails when the handler has waited longer than the body read
+/// timeout for its next piece. Time the handler spends elsewhere (storing the previous
+/// piece) does not count, so a steady upload of any size goes through.
+struct TimedBody {
+    inner: Incoming,
+    gap: Gap,
+    connection: Arc<Connection>,
+}
+
+impl TimedBody {
+    fn new(inner: Incoming, timeout: Duration, connection: Arc<Connection>) -> TimedBody {
+        TimedBody {
+            inner,
+            gap: Gap::new(timeout),
+            connection,
+        }
+    }
+}
+
+/// The request body sent nothing for longer than the body read timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body sent nothing for too long")]
+struct BodyTimedOut;
+
+impl http_body::Body for TimedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.gap.progressed();
+                Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)))
+            }
+            Poll::Pending => {
+                ready!(this.gap.poll_elapsed(cx));
+                this.connection
+                    .body_timed_out
+                    .store(true, Ordering::Relaxed);
+                Poll::Ready(Some(Err(BodyTimedOut.into())))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The response body, which marks the connection idle once hyper has written it (hyper
+/// drops it then), so that the idle timeout starts.
+struct ResponseBody {
+    inner: Body,
+    connection: Arc<Connection>,
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        self.connection.set_phase(Phase::Idle);
+        self.connection.reader.wake();
+    }
+}
+
+impl http_body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The connection cap that fits the open-files limit: raises the soft limit towards the
+/// hard one when the cap needs it, and lowers the cap when even that is too few.
+fn open_files_allow(connections_max: usize) -> usize {
+    let wanted = connections_max as u64 + FILES_RESERVED;
+    let available = match raise_open_files_limit(wanted) {
+        Ok(available) => available,
+        Err(error) => {
+            tracing::warn!(%error, "cannot read the open-files limit; the connection cap is kept");
+            return connections_max;
+        }
+    };
+    if available >= wanted {
+        return connections_max;
+    }
+    let fitted = available.saturating_sub(FILES_RESERVED).max(1) as usize;
+    tracing::warn!(
+        connections_max,
+        open_files_max = available,
+        fitted,
+        "the open-files limit is too low for TALLY_HTTP_CONNECTIONS_MAX; the cap is lowered to fit"
+    );
+    fitted
+}
+
+/// The soft open-files limit, raised to `wanted` (or the hard limit, if lower) when below.
+#[cfg(unix)]
+// `rlim_t` is u64 on Linux, not on every unix.
+#[allow(clippy::unnecessary_cast)]
+fn raise_open_files_limit(wanted: u64) -> io::Result<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit through a pointer to a live local of that type.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let current = limit.rlim_cur as u64;
+    if limit.rlim_cur == libc::RLIM_INFINITY || current >= wanted {
+        return Ok(current.max(wanted));
+    }
+    let raised = if limit.rlim_max == libc::RLIM_INFINITY {
+        wanted
+    } else {
+        wanted.min(limit.rlim_max as u64)
+    };
+    limit.rlim_cur = raised as libc::rlim_t;
+    // SAFETY: setrlimit reads one rlimit through a pointer to a live local of that type.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        return Ok(current);
+    }
+    Ok(raised)
+}
+
+#[cfg(not(unix))]
+fn raise_open_files_limit(wanted: u64) -> io::Result<u64> {
+    Ok(wanted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parameter_repeated_in_any_spelling_is_found_and_distinct_ones_are_not() {
+        assert_eq!(
+            repeated_parameter("period=2026-11&period=2026-12").as_deref(),
+            Some("period")
+        );
+        assert_eq!(
+            repeated_parameter("a=1&b=2&p%65riod=x&period=y").as_deref(),
+            Some("period")
+        );
+        assert_eq!(repeated_parameter("org_id=a&container_id=b&limit=5"), None);
+        assert_eq!(repeated_parameter(""), None);
+    }
+
+    #[test]
+    fn the_refusal_declares_the_length_of_its_body() {
+        let refusal = String::from_utf8(refusal_bytes()).unwrap();
+        let (head, body) = refusal.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["error"]["code"], "too_many_connections");
+    }
+}
