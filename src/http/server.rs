@@ -45,9 +45,13 @@ use super::error::ApiError;
 
 /// The longest request target (path and query) served, in bytes. Every route's path is
 /// a few ids of at most 64 characters and its query a few short parameters, well under
-/// 1 KiB; 8 KiB is what common proxies allow by default. hyper itself answers a bare 414,
-/// without a JSON body, to a target over 65 534 bytes, before tally sees it.
+/// 1 KiB; 8 KiB is what common proxies allow by default.
 pub const URI_MAX_BYTES: usize = 8 * 1024;
+/// The longest request line read before it is refused with a JSON 414 `uri_too_long` at
+/// the socket ([`TimedIo`]): a target of [`URI_MAX_BYTES`] plus room for the method and
+/// the version. A longer line would otherwise reach hyper, whose parser answers a target
+/// over 65 534 bytes with a bare 414 that has no body.
+const REQUEST_LINE_MAX_BYTES: usize = URI_MAX_BYTES + 1024;
 /// File descriptors kept free of HTTP connections when the open-files limit is low: the
 /// database pool, NATS, the listener, logs and report files.
 const FILES_RESERVED: u64 = 256;
@@ -281,6 +285,23 @@ fn refusal_bytes() -> Vec<u8> {
     .into_bytes()
 }
 
+/// The answer to a request line longer than [`REQUEST_LINE_MAX_BYTES`], written raw by
+/// [`TimedIo`] before hyper has a whole line to parse.
+fn uri_too_long_bytes() -> Vec<u8> {
+    let body = serde_json::json!({"error": {
+        "code": "uri_too_long",
+        "message": format!("the request target is longer than {URI_MAX_BYTES} bytes"),
+        "details": [],
+    }})
+    .to_string();
+    format!(
+        "HTTP/1.1 414 URI Too Long\r\ncontent-type: application/json\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
 /// Errors of one connection, not of the listener (as hyper's and axum's servers sort them).
 fn is_connection_error(error: &io::Error) -> bool {
     matches!(
@@ -420,6 +441,13 @@ struct TimedIo {
     timer: Pin<Box<Sleep>>,
     /// A client that does not read its responses.
     write_gap: Gap,
+    /// Bytes of the current request line read so far, while it has no line end yet;
+    /// `None` once it is whole (until the next request's head begins).
+    request_line_bytes: Option<usize>,
+    /// Answered 414 for an overlong request line: what the client still sends is read and
+    /// dropped until it closes or the head's deadline passes. Closing at once with its bytes
+    /// unread would reset the connection, and the client could lose the answer.
+    draining: bool,
 }
 
 impl TimedIo {
@@ -433,7 +461,57 @@ impl TimedIo {
             deadline,
             timer: Box::pin(tokio::time::sleep_until(deadline)),
             write_gap: Gap::new(limits.write_timeout),
+            request_line_bytes: Some(0),
+            draining: false,
         }
+    }
+
+    /// Counts what a read added to a request line still open; past
+    /// [`REQUEST_LINE_MAX_BYTES`] the client is answered 414 and the connection drains
+    /// (see `draining`), then fails its read, so that hyper drops it without answering.
+    fn check_request_line(&mut self, read: &[u8]) -> bool {
+        let Some(so_far) = self.request_line_bytes else {
+            return true;
+        };
+        let line_end = read.iter().position(|&byte| byte == b'\n');
+        if so_far + line_end.unwrap_or(read.len()) <= REQUEST_LINE_MAX_BYTES {
+            self.request_line_bytes = match line_end {
+                Some(_) => None,
+                None => Some(so_far + read.len()),
+            };
+            return true;
+        }
+        metrics::counter!("tally_http_request_line_refused_total").increment(1);
+        // The response to the head so far has not begun, so the send buffer is empty and
+        // this one small write does not block; if it fails the client sees the connection
+        // close, which is what it would get anyway.
+        let _ = self.stream.try_write(&uri_too_long_bytes());
+        self.draining = true;
+        false
+    }
+
+    /// Reads and drops what a client refused for its request line still sends, until it
+    /// closes (or fails) or the head's deadline passes; then the read fails.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut scratch = [0u8; 8 * 1024];
+        loop {
+            let mut dropped = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut self.stream).poll_read(cx, &mut dropped) {
+                Poll::Ready(Ok(())) if !dropped.filled().is_empty() => continue,
+                Poll::Ready(_) => break,
+                Poll::Pending => {
+                    if self.timer.deadline() != self.deadline {
+                        self.timer.as_mut().reset(self.deadline);
+                    }
+                    ready!(self.timer.as_mut().poll(cx));
+                    break;
+                }
+            }
+        }
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the request line is too long",
+        )))
     }
 
     /// A write's outcome, failed once writes have waited for the write timeout.
@@ -465,6 +543,9 @@ impl AsyncRead for TimedIo {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.draining {
+            return this.poll_drain(cx);
+        }
         let phase = this.connection.phase();
         if phase == Phase::Busy {
             this.timed_phase = Phase::Busy;
@@ -486,8 +567,14 @@ impl AsyncRead for TimedIo {
                     this.connection.set_phase(Phase::Head);
                     this.timed_phase = Phase::Head;
                     this.deadline = Instant::now() + this.limits.header_read_timeout;
+                    this.request_line_bytes = Some(0);
                 }
-                Poll::Ready(Ok(()))
+                if this.check_request_line(&buf.filled()[filled..]) {
+                    return Poll::Ready(Ok(()));
+                }
+                // hyper must not parse the line it was given: the bytes are taken back.
+                buf.set_filled(filled);
+                this.poll_drain(cx)
             }
             Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
             Poll::Pending => {
