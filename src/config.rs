@@ -55,6 +55,10 @@ pub const PROJECTOR_POLL_MS: u64 = 250;
 /// began to wait: after a round that long, the next starts at once. A reader waiting for
 /// freshness (admission's read-your-writes) cuts the wait short.
 pub const PROJECTOR_LINGER_MS: u64 = 50;
+/// Orgs a period close or usage export reads, prices and writes per batch: a batch is a few
+/// statements of a few milliseconds each and its rows are a few hundred kilobytes, so
+/// memory stays bounded whatever the number of orgs while round trips stay few.
+pub const FINANCE_BATCH_ORGS: u32 = 1_000;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -137,6 +141,10 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_PROJECTOR_LINGER_MS", default_value_t = PROJECTOR_LINGER_MS)]
     pub projector_linger_ms: u64,
+
+    #[arg(long, env = "TALLY_FINANCE_BATCH_ORGS", default_value_t = FINANCE_BATCH_ORGS,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub finance_batch_orgs: u32,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -175,6 +183,7 @@ impl Config {
             projector_batch_max: PROJECTOR_BATCH_MAX,
             projector_poll_ms: PROJECTOR_POLL_MS,
             projector_linger_ms: PROJECTOR_LINGER_MS,
+            finance_batch_orgs: FINANCE_BATCH_ORGS,
         }
     }
 

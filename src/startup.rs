@@ -114,6 +114,7 @@ impl Service {
             concurrency_max: config.http_concurrency_max,
             report_max_bytes: config.report_max_bytes,
             page_events_max: config.page_events_max,
+            finance_batch_orgs: i64::from(config.finance_batch_orgs),
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

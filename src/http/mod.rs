@@ -55,6 +55,8 @@ pub struct Inner {
     pub report_max_bytes: u64,
     /// The largest audit page.
     pub page_events_max: usize,
+    /// Orgs per batch of a period close or usage export.
+    pub finance_batch_orgs: i64,
 }
 
 impl AppState {

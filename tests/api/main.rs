@@ -16,6 +16,7 @@ mod immutability;
 mod ingest;
 mod nats;
 mod operations;
+mod period_scale;
 mod periods;
 mod plans;
 mod projection;
