@@ -132,20 +132,11 @@ async fn expected_rows(app: &TestApp, period: Period) -> Vec<String> {
 }
 
 async fn snapshot_rows(app: &TestApp, period: Period) -> Vec<String> {
-    let rows: Vec<(
-        String,
-        String,
-        i64,
-        i64,
-        i64,
-        rust_decimal::Decimal,
-        String,
-        i64,
-        i64,
-    )> = sqlx::query_as(
+    use sqlx::Row;
+    let rows = sqlx::query(
         "SELECT org_id, plan, runtime_ms, included_ms, overage_ms, overage_amount, currency, \
-                    commands, ports_published \
-             FROM period_snapshot WHERE period = $1 ORDER BY org_id",
+                commands, ports_published \
+         FROM period_snapshot WHERE period = $1 ORDER BY org_id",
     )
     .bind(period.to_string())
     .fetch_all(&app.pool)
@@ -154,16 +145,16 @@ async fn snapshot_rows(app: &TestApp, period: Period) -> Vec<String> {
     rows.into_iter()
         .map(|row| {
             tally::exports::Figures {
-                org_id: row.0,
-                plan: row.1,
+                org_id: row.get("org_id"),
+                plan: row.get("plan"),
                 period,
-                runtime_ms: row.2,
-                included_ms: row.3,
-                overage_ms: row.4,
-                overage_amount: row.5,
-                currency: row.6,
-                commands: row.7,
-                ports_published: row.8,
+                runtime_ms: row.get("runtime_ms"),
+                included_ms: row.get("included_ms"),
+                overage_ms: row.get("overage_ms"),
+                overage_amount: row.get("overage_amount"),
+                currency: row.get("currency"),
+                commands: row.get("commands"),
+                ports_published: row.get("ports_published"),
             }
             .csv()
         })
