@@ -300,7 +300,7 @@ pub async fn start(
         }
         Err(error) => {
             let _ = connection.close().await;
-            Err(error.into())
+            Err(CloseError::Store(error))
         }
     }
 }
@@ -311,7 +311,7 @@ async fn claim(
     connection: &mut PgConnection,
     period: Period,
     actor: &str,
-) -> sqlx::Result<Option<CloseJob>> {
+) -> anyhow::Result<Option<CloseJob>> {
     let closed: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM period_close WHERE period = $1)")
             .bind(period.to_string())
