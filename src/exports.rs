@@ -39,11 +39,16 @@ pub async fn orgs_after(
     after: &str,
     limit: i64,
 ) -> Result<Vec<String>, sqlx::Error> {
+    // Each branch limited in org order on its own, so that each walks its primary key from
+    // `after` and stops: a batch costs its own rows, not every org after it.
     sqlx::query_scalar(&format!(
         "SELECT org_id FROM ( \
-             SELECT org_id FROM {LIVE}.org_period WHERE period = $1 \
-             UNION SELECT org_id FROM {LIVE}.org_open WHERE running > 0 AND since_period <= $1 \
-         ) AS orgs WHERE org_id > $2 ORDER BY org_id LIMIT $3"
+             (SELECT org_id FROM {LIVE}.org_period WHERE period = $1 AND org_id > $2 \
+              ORDER BY org_id LIMIT $3) \
+             UNION (SELECT org_id FROM {LIVE}.org_open \
+                    WHERE running > 0 AND since_period <= $1 AND org_id > $2 \
+                    ORDER BY org_id LIMIT $3) \
+         ) AS orgs ORDER BY org_id LIMIT $3"
     ))
     .bind(period.to_string())
     .bind(after)

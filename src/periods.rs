@@ -622,14 +622,18 @@ pub async fn adjustments_after(
     limit: i64,
 ) -> anyhow::Result<(Vec<Adjustment>, Option<String>)> {
     let affected = pricer.period();
-    // `active`: has usage in the period now, as the export lists orgs.
+    // `active`: has usage in the period now, as the export lists orgs. Each branch is
+    // limited on its own, as in `exports::orgs_after`.
     let orgs: Vec<(String, bool)> = sqlx::query_as(&format!(
         "SELECT org_id, bool_or(active) FROM ( \
-             SELECT org_id, false AS active FROM period_snapshot WHERE period = $1 \
-             UNION ALL SELECT org_id, true FROM {LIVE}.org_period WHERE period = $1 \
-             UNION ALL SELECT org_id, true FROM {LIVE}.org_open \
-                 WHERE running > 0 AND since_period <= $1 \
-         ) AS orgs WHERE org_id > $2 GROUP BY org_id ORDER BY org_id LIMIT $3"
+             (SELECT org_id, false AS active FROM period_snapshot \
+              WHERE period = $1 AND org_id > $2 ORDER BY org_id LIMIT $3) \
+             UNION ALL (SELECT org_id, true FROM {LIVE}.org_period \
+                        WHERE period = $1 AND org_id > $2 ORDER BY org_id LIMIT $3) \
+             UNION ALL (SELECT org_id, true FROM {LIVE}.org_open \
+                        WHERE running > 0 AND since_period <= $1 AND org_id > $2 \
+                        ORDER BY org_id LIMIT $3) \
+         ) AS orgs GROUP BY org_id ORDER BY org_id LIMIT $3"
     ))
     .bind(affected.to_string())
     .bind(after)
