@@ -174,9 +174,11 @@ fn lock_key(period: Period) -> i32 {
 }
 
 /// Some process holds the period's close lock, so a `running` job of it is really running.
+/// Advisory locks belong to a database; `pg_locks` lists every database's.
 async fn lock_held(connection: &mut PgConnection, period: Period) -> sqlx::Result<bool> {
     sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
            AND classid::BIGINT = $1 AND objid::BIGINT = $2 AND objsubid = 2)",
     )
     .bind(i64::from(CLOSE_LOCK_CLASS))

@@ -326,8 +326,17 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
         .unwrap();
     assert_eq!(jobs, 1, "no second close was started");
 
-    // The process dies: its session ends, the job reads as abandoned, nothing was stored.
+    // The process dies: its session ends, the job reads as abandoned, nothing was stored;
+    // the same lock held in another database (another deployment) does not count.
     sqlx::Connection::close(running).await.unwrap();
+    let elsewhere = crate::helpers::TestDb::new().await;
+    let mut other = elsewhere.pool().await.acquire().await.unwrap().detach();
+    sqlx::query("SELECT pg_advisory_lock($1, $2)")
+        .bind(0x7065_7269_i32)
+        .bind(key)
+        .execute(&mut other)
+        .await
+        .unwrap();
     let (_, abandoned) = get_json(&app, &location).await;
     assert_eq!(
         (
@@ -340,6 +349,7 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
     let (status, _) = get_json(&app, &format!("/v1/periods/{last}")).await;
     assert_eq!(status, 404, "nothing of the close is visible");
 
+    sqlx::Connection::close(other).await.unwrap();
     let (status, _, retried) = post_close(&app, last).await;
     assert_eq!(status, 202, "{retried}");
     assert_ne!(retried["id"], job["id"]);
