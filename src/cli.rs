@@ -1,4 +1,5 @@
-//! The command line: `tally serve | migrate | verify | replay | audit | bench`.
+//! The command line: `tally serve | migrate | verify | replay | audit | export | reports |
+//! bench | periods`.
 
 use std::process::ExitCode;
 
@@ -53,6 +54,19 @@ pub enum Command {
     },
     /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
     Bench(crate::bench::BenchArgs),
+    /// Finance periods.
+    Periods {
+        #[command(subcommand)]
+        command: PeriodsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PeriodsCommand {
+    /// Close a finished period (YYYY-MM) here, however long it takes, and print the closed
+    /// period as JSON; an already closed period prints as it is. Exit 1 when the period is
+    /// still running or another process is closing it.
+    Close { period: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -174,24 +188,38 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let pool = db::prepare(&cli.config).await?;
             let as_of = chrono::Utc::now().min(period.end());
-            let mut rows = std::pin::pin!(crate::exports::usage_rows(pool.clone(), period, as_of));
+            let batch_orgs = i64::from(cli.config.finance_batch_orgs);
+            let mut parts = std::pin::pin!(crate::exports::usage_export(
+                pool.clone(),
+                period,
+                as_of,
+                batch_orgs,
+                None
+            ));
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
             if !json {
                 writeln!(out, "{}", crate::exports::USAGE_CSV_HEADER)?;
             }
-            while let Some(row) = rows.next().await {
-                let row = row?;
-                if json {
-                    writeln!(out, "{}", row.json())?;
-                } else {
-                    write!(out, "{}", row.csv())?;
-                }
-            }
-            for adjustment in crate::periods::adjustments(&pool, period).await? {
-                if json {
-                    writeln!(out, "{}", adjustment.json())?;
-                } else {
-                    write!(out, "{}", adjustment.delta.csv())?;
+            while let Some(part) = parts.next().await {
+                match part? {
+                    crate::exports::Part::Rows(rows) => {
+                        for row in rows {
+                            if json {
+                                writeln!(out, "{}", row.json())?;
+                            } else {
+                                write!(out, "{}", row.csv())?;
+                            }
+                        }
+                    }
+                    crate::exports::Part::Adjustments(adjustments) => {
+                        for adjustment in adjustments {
+                            if json {
+                                writeln!(out, "{}", adjustment.json())?;
+                            } else {
+                                write!(out, "{}", adjustment.delta.csv())?;
+                            }
+                        }
+                    }
                 }
             }
             out.flush()?;
@@ -234,5 +262,44 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             crate::bench::run(cli.config, args).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Periods {
+            command: PeriodsCommand::Close { period },
+        } => close_period(&cli.config, &period).await,
+    }
+}
+
+/// `tally periods close YYYY-MM`: the same close as the HTTP job, run to its end here.
+async fn close_period(config: &Config, period: &str) -> anyhow::Result<ExitCode> {
+    use crate::periods::{self, CloseError, JobStatus, Start};
+    let period = crate::runtime::Period::parse(period)?;
+    let pool = db::prepare(config).await?;
+    let started = periods::start(&pool, period, "cli", i64::from(config.finance_batch_orgs)).await;
+    let outcome = match started {
+        Ok(Start::Claimed(claim)) => {
+            eprintln!("closing {period} (job {})", claim.job.id);
+            claim.run().await.map(|closed| Some(closed.json()))
+        }
+        Ok(Start::Existing(job)) if job.status == JobStatus::Done => {
+            eprintln!("period {period} was already closed");
+            Ok(job.closed.map(|closed| closed.json()))
+        }
+        Ok(Start::Existing(job)) => {
+            eprintln!("period {period} is being closed by job {}", job.id);
+            Ok(None)
+        }
+        Err(error) => Err(error),
+    };
+    pool.close().await;
+    match outcome {
+        Ok(Some(closed)) => {
+            println!("{}", serde_json::to_string_pretty(&closed)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Ok(None) => Ok(ExitCode::from(1)),
+        Err(error @ (CloseError::Running(..) | CloseError::Starting(_))) => {
+            eprintln!("{error}");
+            Ok(ExitCode::from(1))
+        }
+        Err(error) => Err(anyhow::Error::new(error).context(format!("closing {period}"))),
     }
 }

@@ -88,6 +88,11 @@ pub const HTTP_WRITE_TIMEOUT_MS: u64 = 30_000;
 /// the 64 clients `tally bench` runs with one token.
 pub const TOKEN_CONCURRENCY_MAX: usize = 256;
 
+/// Orgs a period close or usage export reads, prices and writes per batch: a batch is a few
+/// statements of a few milliseconds each and its rows are a few hundred kilobytes, so
+/// memory stays bounded whatever the number of orgs while round trips stay few.
+pub const FINANCE_BATCH_ORGS: u32 = 1_000;
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     /// Postgres URL; the database is created when missing.
@@ -187,6 +192,10 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_HTTP_WRITE_TIMEOUT_MS", default_value_t = HTTP_WRITE_TIMEOUT_MS)]
     pub http_write_timeout_ms: u64,
+
+    #[arg(long, env = "TALLY_FINANCE_BATCH_ORGS", default_value_t = FINANCE_BATCH_ORGS,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub finance_batch_orgs: u32,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -231,6 +240,7 @@ impl Config {
             http_idle_timeout_ms: HTTP_IDLE_TIMEOUT_MS,
             http_connections_max: HTTP_CONNECTIONS_MAX,
             http_write_timeout_ms: HTTP_WRITE_TIMEOUT_MS,
+            finance_batch_orgs: FINANCE_BATCH_ORGS,
         }
     }
 

@@ -1,42 +1,59 @@
-//! Finance exports (DESIGN §5, §6): usage per org for a period, streamed, one org at a
-//! time, each priced with the plan versions in effect (overage amount rounded once,
-//! half-up, to the currency's minor unit).
+//! Finance exports (DESIGN §5, §6): usage per org for a period, each org priced with the
+//! plan versions in effect (overage amount rounded once, half-up, to the currency's minor
+//! unit). Orgs are read in batches (keyset on the org id) and each batch is priced with a
+//! few statements, all in one repeatable-read snapshot; the usage export is produced by a
+//! task a bounded number of batches ahead of its reader, so its memory is bounded whatever
+//! the number of orgs. A period close (src/periods.rs) prices its rows the same way.
+
+use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use futures::Stream;
 use serde_json::{json, Value};
-use sqlx::PgPool;
+use sqlx::{FromRow, PgConnection, PgPool};
+use uuid::Uuid;
 
 use rust_decimal::Decimal;
 
 use crate::billing::overage::{minor_unit_digits, round_amount};
-use crate::projection::query::{self, PricedUsage};
-use crate::projection::store::LIVE;
-use crate::runtime::Period;
+use crate::event::EventId;
+use crate::periods::Adjustment;
+use crate::projection::query::{self, PlanVersions, PricedUsage};
+use crate::projection::store::{self, LIVE};
+use crate::runtime::{self, AccountEntry, AccountTimeline, Period, PeriodTotals};
 
 /// The header of `usage.csv` (DESIGN §6).
 pub const USAGE_CSV_HEADER: &str = "org_id,plan,period,runtime_ms,included_ms,overage_ms,\
      overage_amount,currency,commands,ports_published";
 
-/// Orgs listed per query while streaming.
-const ORGS_PER_CHUNK: i64 = 500;
+/// Batches an export's task may have produced that its reader has not taken yet: enough to
+/// overlap reading the database with writing to the client, few enough that an export
+/// holds at most this many batches (plus the one being priced) in memory.
+const QUEUED_BATCHES_MAX: usize = 2;
 
-/// Every org with usage in `period`: totals in it, or containers running into it.
-async fn orgs_after(
-    pool: &PgPool,
+/// Every org with usage in `period` (totals in it, or containers running into it) after
+/// `after` in org order, at most `limit`.
+pub async fn orgs_after(
+    connection: &mut PgConnection,
     period: Period,
     after: &str,
+    limit: i64,
 ) -> Result<Vec<String>, sqlx::Error> {
+    // Each branch limited in org order on its own, so that each walks its primary key from
+    // `after` and stops: a batch costs its own rows, not every org after it.
     sqlx::query_scalar(&format!(
         "SELECT org_id FROM ( \
-             SELECT org_id FROM {LIVE}.org_period WHERE period = $1 \
-             UNION SELECT org_id FROM {LIVE}.org_open WHERE running > 0 AND since_period <= $1 \
-         ) AS orgs WHERE org_id > $2 ORDER BY org_id LIMIT $3"
+             (SELECT org_id FROM {LIVE}.org_period WHERE period = $1 AND org_id > $2 \
+              ORDER BY org_id LIMIT $3) \
+             UNION (SELECT org_id FROM {LIVE}.org_open \
+                    WHERE running > 0 AND since_period <= $1 AND org_id > $2 \
+                    ORDER BY org_id LIMIT $3) \
+         ) AS orgs ORDER BY org_id LIMIT $3"
     ))
     .bind(period.to_string())
     .bind(after)
-    .bind(ORGS_PER_CHUNK)
-    .fetch_all(pool)
+    .bind(limit)
+    .fetch_all(connection)
     .await
 }
 
@@ -147,64 +164,258 @@ impl Figures {
     }
 }
 
-/// The usage of every org in `period` as of `as_of`, in org order, one org at a time.
-pub fn usage_rows(
+#[derive(FromRow)]
+struct TotalsRow {
+    org_id: String,
+    latest_at: Option<DateTime<Utc>>,
+    closed_runtime_ms: i64,
+    commands: i64,
+    command_ms: i64,
+    ports_published: i64,
+    open_periods: Vec<String>,
+    open_running: Vec<i64>,
+    open_offsets: Vec<i64>,
+}
+
+#[derive(FromRow)]
+struct AccountRow {
+    org_id: String,
+    position: i64,
+    occurred_at: DateTime<Utc>,
+    event_id: Uuid,
+    plan: Option<String>,
+    verified: Option<bool>,
+    billing_eligible: Option<bool>,
+}
+
+/// Prices batches of orgs for one period as of one instant, as [`query::priced_usage`]
+/// prices one org: the totals and account changes of a whole batch in one statement each,
+/// each plan's versions read once. Use it within one snapshot.
+pub struct Pricer {
+    period: Period,
+    as_of: DateTime<Utc>,
+    versions: PlanVersions,
+}
+
+impl Pricer {
+    pub fn new(period: Period, as_of: DateTime<Utc>) -> Pricer {
+        Pricer {
+            period,
+            as_of,
+            versions: PlanVersions::default(),
+        }
+    }
+
+    pub fn period(&self) -> Period {
+        self.period
+    }
+
+    /// The figures of `orgs`, in the same order.
+    pub async fn price(
+        &mut self,
+        connection: &mut PgConnection,
+        orgs: &[String],
+    ) -> anyhow::Result<Vec<Figures>> {
+        let period = self.period;
+        let totals: Vec<TotalsRow> = sqlx::query_as(&format!(
+            "SELECT o.org_id, org.latest_at, \
+                    COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
+                    COALESCE(p.commands, 0) AS commands, \
+                    COALESCE(p.command_ms, 0) AS command_ms, \
+                    COALESCE(p.ports_published, 0) AS ports_published, \
+                    ARRAY(SELECT since_period FROM {LIVE}.org_open x \
+                          WHERE x.org_id = o.org_id AND x.running > 0 \
+                          ORDER BY x.since_period) AS open_periods, \
+                    ARRAY(SELECT running FROM {LIVE}.org_open x \
+                          WHERE x.org_id = o.org_id AND x.running > 0 \
+                          ORDER BY x.since_period) AS open_running, \
+                    ARRAY(SELECT since_offset_ms FROM {LIVE}.org_open x \
+                          WHERE x.org_id = o.org_id AND x.running > 0 \
+                          ORDER BY x.since_period) AS open_offsets \
+             FROM unnest($1::TEXT[]) WITH ORDINALITY AS o (org_id, n) \
+             LEFT JOIN {LIVE}.org org ON org.org_id = o.org_id \
+             LEFT JOIN {LIVE}.org_period p ON p.org_id = o.org_id AND p.period = $2 \
+             ORDER BY o.n"
+        ))
+        .bind(orgs)
+        .bind(period.to_string())
+        .fetch_all(&mut *connection)
+        .await?;
+        assert_eq!(totals.len(), orgs.len(), "one totals row per org asked for");
+        let accounts: Vec<AccountRow> = sqlx::query_as(&format!(
+            "SELECT org_id, position, occurred_at, event_id, plan, verified, billing_eligible \
+             FROM {LIVE}.account_change WHERE org_id = ANY($1)"
+        ))
+        .bind(orgs)
+        .fetch_all(&mut *connection)
+        .await?;
+        let mut entries: HashMap<String, Vec<AccountEntry>> = HashMap::new();
+        for row in accounts {
+            let change =
+                store::account_change(row.position, row.plan, row.verified, row.billing_eligible)?;
+            entries.entry(row.org_id).or_default().push(AccountEntry {
+                occurred_at: row.occurred_at,
+                position: row.position,
+                event_id: EventId::from_uuid(row.event_id)?,
+                change,
+            });
+        }
+        let mut figures = Vec::with_capacity(orgs.len());
+        for row in totals {
+            let usage = match runtime::usage_from_totals(
+                PeriodTotals {
+                    closed_runtime_ms: row.closed_runtime_ms,
+                    commands: u64::try_from(row.commands)?,
+                    command_ms: row.command_ms,
+                    ports_published: u64::try_from(row.ports_published)?,
+                },
+                &query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?,
+                period,
+                self.as_of,
+                self.settled_at(row.latest_at),
+            ) {
+                Some(usage) => usage,
+                None => query::usage_on(&mut *connection, &row.org_id, period, self.as_of).await?,
+            };
+            let account =
+                AccountTimeline::fold(entries.get(&row.org_id).map(Vec::as_slice).unwrap_or(&[]));
+            let priced: PricedUsage = query::price(
+                &mut *connection,
+                &row.org_id,
+                period,
+                self.as_of,
+                usage,
+                &account,
+                &mut self.versions,
+            )
+            .await?;
+            figures.push(Figures::from_priced(row.org_id, period, &priced));
+        }
+        Ok(figures)
+    }
+
+    /// When the org's totals alone give its figures (see [`runtime::usage_from_totals`]).
+    /// The whole period (`as_of` at or past its end) always comes from them, whatever
+    /// happened later: the projection splits closed intervals' runtime by period and counts
+    /// commands and ports in the period they occurred in, so later events change only
+    /// later periods' totals (and the count of containers running, which no figure here
+    /// uses). Only a window cut before the org's latest event needs its history.
+    fn settled_at(&self, latest_at: Option<DateTime<Utc>>) -> Option<DateTime<Utc>> {
+        if self.as_of >= self.period.end() {
+            None
+        } else {
+            latest_at.map(runtime::settled_at)
+        }
+    }
+}
+
+/// One batch of a usage export: rows in org order, then the adjustments of closed periods.
+#[derive(Debug)]
+pub enum Part {
+    Rows(Vec<Figures>),
+    Adjustments(Vec<Adjustment>),
+}
+
+/// `period`'s usage export as of `as_of`: every org's row, then the adjustments of closed
+/// periods whose next open period is `period` (src/periods.rs), in batches of at most
+/// `batch_orgs` orgs, all read in one repeatable-read snapshot by a task that runs at most
+/// [`QUEUED_BATCHES_MAX`] batches ahead of the reader. Dropping the stream stops the task.
+/// With `only_org` (a token bound to that org), only that org is listed and priced.
+pub fn usage_export(
     pool: PgPool,
     period: Period,
     as_of: DateTime<Utc>,
-) -> impl Stream<Item = anyhow::Result<Figures>> + Send {
-    // (orgs fetched but not yet priced, the last org listed, whether the list is done)
-    futures::stream::unfold(
-        (Vec::<String>::new(), String::new(), false),
-        move |(mut pending, mut last, mut listed)| {
-            let pool = pool.clone();
-            async move {
-                if pending.is_empty() && !listed {
-                    match orgs_after(&pool, period, &last).await {
-                        Ok(orgs) => {
-                            listed = (orgs.len() as i64) < ORGS_PER_CHUNK;
-                            if let Some(end) = orgs.last() {
-                                last.clone_from(end);
-                            }
-                            pending = orgs.into_iter().rev().collect();
-                        }
-                        Err(error) => return Some((Err(error.into()), (Vec::new(), last, true))),
-                    }
-                }
-                let org_id = pending.pop()?;
-                let row = query::priced_usage(&pool, &org_id, period, as_of)
-                    .await
-                    .map(|priced| Figures::from_priced(org_id, period, &priced));
-                Some((row, (pending, last, listed)))
-            }
-        },
-    )
+    batch_orgs: i64,
+    only_org: Option<String>,
+) -> impl Stream<Item = anyhow::Result<Part>> + Send {
+    assert!(batch_orgs > 0, "a batch holds at least one org");
+    let (sender, receiver) = tokio::sync::mpsc::channel(QUEUED_BATCHES_MAX);
+    tokio::spawn(async move {
+        let only_org = only_org.as_deref();
+        if let Err(error) = produce(&pool, period, as_of, batch_orgs, only_org, &sender).await {
+            let _ = sender.send(Err(error)).await;
+        }
+    });
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.recv().await.map(|part| (part, receiver))
+    })
 }
 
-/// One org's row of the usage export of `period` as of `as_of`, for a token bound to that
-/// org: `None` when [`usage_rows`] would not list the org (no usage in the period).
-pub async fn org_usage_row(
+/// Fills `sender` with the export's batches; returns early once the reader has gone.
+async fn produce(
     pool: &PgPool,
     period: Period,
     as_of: DateTime<Utc>,
+    batch_orgs: i64,
+    only_org: Option<&str>,
+    sender: &tokio::sync::mpsc::Sender<anyhow::Result<Part>>,
+) -> anyhow::Result<()> {
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *transaction)
+        .await?;
+    let mut pricer = Pricer::new(period, as_of);
+    let mut after = String::new();
+    loop {
+        let orgs = match only_org {
+            None => orgs_after(&mut transaction, period, &after, batch_orgs).await?,
+            Some(org) => {
+                let listed = is_listed(&mut transaction, period, org).await?;
+                listed.then(|| org.to_owned()).into_iter().collect()
+            }
+        };
+        let Some(last) = orgs.last() else { break };
+        after.clone_from(last);
+        let rows = pricer.price(&mut transaction, &orgs).await?;
+        if sender.send(Ok(Part::Rows(rows))).await.is_err() {
+            return Ok(());
+        }
+        if only_org.is_some() || (orgs.len() as i64) < batch_orgs {
+            break;
+        }
+    }
+    for (affected, position) in crate::periods::closed_into(&mut transaction, period).await? {
+        let mut pricer = Pricer::new(affected, affected.end());
+        let mut after = Some(String::new());
+        while let Some(from) = after {
+            let (adjustments, next) = crate::periods::adjustments_after(
+                &mut transaction,
+                &mut pricer,
+                position,
+                &from,
+                batch_orgs,
+                only_org,
+            )
+            .await?;
+            after = next;
+            if !adjustments.is_empty()
+                && sender
+                    .send(Ok(Part::Adjustments(adjustments)))
+                    .await
+                    .is_err()
+            {
+                return Ok(());
+            }
+        }
+    }
+    transaction.commit().await?;
+    Ok(())
+}
+
+/// Whether the usage export of `period` lists `org_id`: it has usage in the period, or a
+/// container running since it or before (as [`orgs_after`] lists orgs).
+async fn is_listed(
+    connection: &mut PgConnection,
+    period: Period,
     org_id: &str,
-) -> anyhow::Result<Option<Figures>> {
-    let listed: bool = sqlx::query_scalar(&format!(
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(&format!(
         "SELECT EXISTS (SELECT 1 FROM {LIVE}.org_period WHERE period = $1 AND org_id = $2) \
              OR EXISTS (SELECT 1 FROM {LIVE}.org_open \
                         WHERE org_id = $2 AND running > 0 AND since_period <= $1)"
     ))
     .bind(period.to_string())
     .bind(org_id)
-    .fetch_one(pool)
-    .await?;
-    if !listed {
-        return Ok(None);
-    }
-    let priced = query::priced_usage(pool, org_id, period, as_of).await?;
-    Ok(Some(Figures::from_priced(
-        org_id.to_owned(),
-        period,
-        &priced,
-    )))
+    .fetch_one(connection)
+    .await
 }

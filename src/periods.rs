@@ -2,23 +2,53 @@
 //! hashed snapshot; never edited. A late event that changes a closed period shows as an
 //! adjustment — the difference between the figures now and the snapshot, with the events
 //! recorded after the close that caused it — in the next open period's usage export.
+//!
+//! A close of many orgs runs as a job (`period_close_job`): the process that claims the
+//! period holds a session advisory lock on it for as long as the close runs, prices the
+//! orgs in batches (src/exports.rs) and writes them inside one repeatable-read transaction
+//! that also reads the projection's checkpoint, so the snapshot and its ledger position
+//! come from one snapshot and become visible together, with the job's `done`, in one
+//! commit. A process that dies mid-close leaves nothing of it but a `running` job whose
+//! lock nobody holds, which reads as failed and is retried by the next request.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use futures::TryStreamExt;
+use chrono::{DateTime, Datelike, Utc};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use sqlx::{FromRow, PgPool};
+use sqlx::{Connection, FromRow, PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::exports::{self, Figures, USAGE_CSV_HEADER};
+use crate::exports::{self, Figures, Pricer, USAGE_CSV_HEADER};
 use crate::projection::store::{self, LIVE};
 use crate::runtime::Period;
 
 /// Causing events listed per adjustment at most.
 const CAUSES_MAX: i64 = 100;
+
+/// Snapshot rows read per statement when a stored snapshot is re-hashed: bounds the memory
+/// of verifying a period of any number of orgs.
+const SNAPSHOT_READ_ROWS: i64 = 5_000;
+
+/// The first key of the two-key advisory locks that mark a running close (the second is the
+/// period as YYYYMM): `'peri'` in ASCII. The one-key locks (ledger, relay, replay) are a
+/// different lock space, so they cannot collide.
+const CLOSE_LOCK_CLASS: i32 = 0x7065_7269;
+
+/// How many times, [`JOB_VISIBLE_WAIT_MS`] apart, a request that finds the period's lock
+/// taken looks for the job of the process holding it: it takes the lock just before it
+/// stores its job, so the job shows up within a statement or two.
+const JOB_VISIBLE_ATTEMPTS: u32 = 50;
+const JOB_VISIBLE_WAIT_MS: u64 = 20;
+
+/// What a failed job tells its caller; the cause is logged with the job id.
+const FAILED_CODE: &str = "close_failed";
+const FAILED_MESSAGE: &str = "the close failed and nothing of it was stored; retry";
+const ABANDONED_CODE: &str = "close_abandoned";
+const ABANDONED_MESSAGE: &str =
+    "the process running the close stopped before it finished; nothing of it was stored; retry";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CloseError {
@@ -26,6 +56,8 @@ pub enum CloseError {
     Running(Period, DateTime<Utc>),
     #[error("period {0} is already closed")]
     AlreadyClosed(Period),
+    #[error("a close of period {0} is starting; retry")]
+    Starting(Period),
     #[error(transparent)]
     Store(#[from] anyhow::Error),
 }
@@ -58,71 +90,406 @@ impl Closed {
     }
 }
 
-/// The bytes a snapshot's hash covers: the usage export of its rows.
-fn snapshot_bytes(rows: &[Figures]) -> String {
-    let mut text = format!("{USAGE_CSV_HEADER}\n");
-    for row in rows {
-        text.push_str(&row.csv());
-    }
-    text
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobStatus {
+    Running,
+    Done,
+    Failed,
 }
 
-/// Closes `period`: 409-style errors when it is still running or already closed.
-pub async fn close(pool: &PgPool, period: Period, actor: &str) -> Result<Closed, CloseError> {
-    let now = Utc::now();
-    if now < period.end() {
+impl JobStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Running => "running",
+            JobStatus::Done => "done",
+            JobStatus::Failed => "failed",
+        }
+    }
+
+    fn parse(text: &str) -> anyhow::Result<JobStatus> {
+        match text {
+            "running" => Ok(JobStatus::Running),
+            "done" => Ok(JobStatus::Done),
+            "failed" => Ok(JobStatus::Failed),
+            other => anyhow::bail!("period_close_job.status {other:?} is not a status"),
+        }
+    }
+}
+
+/// Why a job failed, as its caller is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobError {
+    pub code: String,
+    pub message: String,
+}
+
+/// One attempt to close a period; `closed` is the closed period once it is `done`.
+#[derive(Debug, Clone)]
+pub struct CloseJob {
+    pub id: Uuid,
+    pub period: Period,
+    pub status: JobStatus,
+    pub requested_by: String,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub error: Option<JobError>,
+    pub closed: Option<Closed>,
+}
+
+#[derive(FromRow)]
+struct JobRow {
+    id: Uuid,
+    status: String,
+    requested_by: String,
+    started_at: DateTime<Utc>,
+    finished_at: Option<DateTime<Utc>>,
+    error_code: Option<String>,
+    error: Option<String>,
+}
+
+impl JobRow {
+    fn into_job(self, period: Period) -> anyhow::Result<CloseJob> {
+        Ok(CloseJob {
+            id: self.id,
+            period,
+            status: JobStatus::parse(&self.status)?,
+            requested_by: self.requested_by,
+            started_at: self.started_at,
+            finished_at: self.finished_at,
+            error: self
+                .error_code
+                .zip(self.error)
+                .map(|(code, message)| JobError { code, message }),
+            closed: None,
+        })
+    }
+}
+
+const JOB_COLUMNS: &str = "id, status, requested_by, started_at, finished_at, error_code, error";
+
+/// The key of the period's close lock: YYYYMM.
+fn lock_key(period: Period) -> i32 {
+    let start = period.start();
+    start.year() * 100 + start.month() as i32
+}
+
+/// Some process holds the period's close lock, so a `running` job of it is really running.
+/// Advisory locks belong to a database; `pg_locks` lists every database's.
+async fn lock_held(connection: &mut PgConnection, period: Period) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND classid::BIGINT = $1 AND objid::BIGINT = $2 AND objsubid = 2)",
+    )
+    .bind(i64::from(CLOSE_LOCK_CLASS))
+    .bind(i64::from(lock_key(period)))
+    .fetch_one(connection)
+    .await
+}
+
+async fn latest_job_row(
+    connection: &mut PgConnection,
+    period: Period,
+) -> sqlx::Result<Option<JobRow>> {
+    sqlx::query_as(&format!(
+        "SELECT {JOB_COLUMNS} FROM period_close_job WHERE period = $1 \
+         ORDER BY started_at DESC, (status = 'running') DESC LIMIT 1"
+    ))
+    .bind(period.to_string())
+    .fetch_optional(connection)
+    .await
+}
+
+/// The period's latest close job, as it stands: a `running` job whose lock nobody holds was
+/// abandoned by a process that stopped, and is reported failed; a `done` job carries the
+/// closed period, verified. `None` when no close was ever asked for.
+pub async fn job(pool: &PgPool, period: Period) -> anyhow::Result<Option<CloseJob>> {
+    let mut connection = pool.acquire().await?;
+    let Some(mut row) = latest_job_row(&mut connection, period).await? else {
+        return Ok(None);
+    };
+    // The holder takes the lock before it stores the job and lets it go only after it has
+    // stored how the job ended, so a job still running after the lock was seen free is one
+    // that nobody runs.
+    if row.status == "running" && !lock_held(&mut connection, period).await? {
+        match latest_job_row(&mut connection, period).await? {
+            Some(again) if again.id == row.id && again.status == "running" => {
+                row.status = "failed".to_owned();
+                row.error_code = Some(ABANDONED_CODE.to_owned());
+                row.error = Some(ABANDONED_MESSAGE.to_owned());
+            }
+            Some(again) => row = again,
+            None => anyhow::bail!("the close job of {period} disappeared"),
+        }
+    }
+    drop(connection);
+    let mut job = row.into_job(period)?;
+    if job.status == JobStatus::Done {
+        job.closed = get(pool, period).await?;
+        anyhow::ensure!(
+            job.closed.is_some(),
+            "close job {} is done but period {period} is not closed",
+            job.id
+        );
+    }
+    Ok(Some(job))
+}
+
+/// What asking to close a period found.
+pub enum Start {
+    /// This process now holds the period: run the claim to close it.
+    Claimed(Claim),
+    /// The period is already closed (a `done` job) or being closed (a `running` one).
+    Existing(CloseJob),
+}
+
+/// The right to close a period: a session that holds its close lock, and the `running` job
+/// stored for it. Dropping it without running it abandons the job.
+pub struct Claim {
+    connection: PgConnection,
+    pub job: CloseJob,
+    batch_orgs: i64,
+}
+
+/// Asks to close `period` on behalf of `actor`: claims it, or finds the close that exists
+/// or runs; an error when the period is still running. `batch_orgs` bounds the orgs priced
+/// and written per statement.
+pub async fn start(
+    pool: &PgPool,
+    period: Period,
+    actor: &str,
+    batch_orgs: i64,
+) -> Result<Start, CloseError> {
+    assert!(batch_orgs > 0, "a batch holds at least one org");
+    if Utc::now() < period.end() {
         return Err(CloseError::Running(period, period.end()));
     }
-    let mut connection = pool.acquire().await?;
-    let position = store::checkpoint(&mut connection, LIVE).await?;
-    drop(connection);
-    let rows: Vec<Figures> = exports::usage_rows(pool.clone(), period, period.end())
-        .try_collect()
+    if let Some(job) = job(pool, period).await? {
+        if job.status == JobStatus::Done {
+            return Ok(Start::Existing(job));
+        }
+    }
+    // The close's own session, outside the pool: it lives as long as the close, and ending
+    // it (closed, or cut by a crash) is what lets the lock go.
+    let mut connection = pool.acquire().await?.detach();
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+        .bind(CLOSE_LOCK_CLASS)
+        .bind(lock_key(period))
+        .fetch_one(&mut connection)
         .await?;
-    let sha256: [u8; 32] = Sha256::digest(snapshot_bytes(&rows).as_bytes()).into();
-    let mut transaction = pool.begin().await?;
+    if !locked {
+        let _ = connection.close().await;
+        for _ in 0..JOB_VISIBLE_ATTEMPTS {
+            match job(pool, period).await? {
+                Some(job) if job.status != JobStatus::Failed => return Ok(Start::Existing(job)),
+                _ => tokio::time::sleep(Duration::from_millis(JOB_VISIBLE_WAIT_MS)).await,
+            }
+        }
+        return Err(CloseError::Starting(period));
+    }
+    match claim(&mut connection, period, actor).await {
+        Ok(Some(job)) => Ok(Start::Claimed(Claim {
+            connection,
+            job,
+            batch_orgs,
+        })),
+        Ok(None) => {
+            let _ = connection.close().await;
+            match job(pool, period).await? {
+                Some(job) => Ok(Start::Existing(job)),
+                None => Err(CloseError::AlreadyClosed(period)),
+            }
+        }
+        Err(error) => {
+            let _ = connection.close().await;
+            Err(CloseError::Store(error))
+        }
+    }
+}
+
+/// Under the period's lock: the new `running` job, or `None` when the period was closed
+/// meanwhile. Jobs left `running` by a process that stopped are marked failed first.
+async fn claim(
+    connection: &mut PgConnection,
+    period: Period,
+    actor: &str,
+) -> anyhow::Result<Option<CloseJob>> {
+    let closed: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM period_close WHERE period = $1)")
+            .bind(period.to_string())
+            .fetch_one(&mut *connection)
+            .await?;
+    if closed {
+        return Ok(None);
+    }
+    let mut transaction = connection.begin().await?;
+    sqlx::query(
+        "UPDATE period_close_job SET status = 'failed', finished_at = now(), \
+             error_code = $2, error = $3 \
+         WHERE period = $1 AND status = 'running'",
+    )
+    .bind(period.to_string())
+    .bind(ABANDONED_CODE)
+    .bind(ABANDONED_MESSAGE)
+    .execute(&mut *transaction)
+    .await?;
+    let row: JobRow = sqlx::query_as(&format!(
+        "INSERT INTO period_close_job (id, period, status, requested_by, started_at) \
+         VALUES ($1, $2, 'running', $3, $4) RETURNING {JOB_COLUMNS}"
+    ))
+    .bind(Uuid::now_v7())
+    .bind(period.to_string())
+    .bind(actor)
+    .bind(Utc::now())
+    .fetch_one(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok(Some(
+        row.into_job(period)
+            .map_err(|error| sqlx::Error::Decode(error.into()))?,
+    ))
+}
+
+impl Claim {
+    /// Closes the period, however long it takes, and stores how the job ended; the lock
+    /// goes with the session at the end.
+    pub async fn run(self) -> Result<Closed, CloseError> {
+        let Claim {
+            mut connection,
+            job,
+            batch_orgs,
+        } = self;
+        let result = close(&mut connection, &job, batch_orgs).await;
+        if let Err(error) = &result {
+            tracing::error!(
+                job_id = %job.id,
+                period = %job.period,
+                error = format!("{error:#}"),
+                "period close failed"
+            );
+            let marked = sqlx::query(
+                "UPDATE period_close_job SET status = 'failed', finished_at = now(), \
+                     error_code = $2, error = $3 \
+                 WHERE id = $1 AND status = 'running'",
+            )
+            .bind(job.id)
+            .bind(FAILED_CODE)
+            .bind(FAILED_MESSAGE)
+            .execute(&mut connection)
+            .await;
+            if let Err(error) = marked {
+                // The job then reads as abandoned once the session below has ended.
+                tracing::warn!(job_id = %job.id, %error, "cannot mark the close job failed");
+            }
+        }
+        let _ = connection.close().await;
+        result
+    }
+}
+
+/// The close itself, in one repeatable-read transaction: the checkpoint, every org's
+/// figures streamed in batches of `batch_orgs` (priced, written, hashed), the period's row
+/// and the job's `done`, committed together.
+async fn close(
+    connection: &mut PgConnection,
+    job: &CloseJob,
+    batch_orgs: i64,
+) -> Result<Closed, CloseError> {
+    let period = job.period;
+    let mut transaction = connection.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *transaction)
+        .await?;
+    let position = store::checkpoint(&mut transaction, LIVE).await?;
+    let mut hasher = Sha256::new();
+    hasher.update(format!("{USAGE_CSV_HEADER}\n").as_bytes());
+    let mut pricer = Pricer::new(period, period.end());
+    let mut orgs_total: i64 = 0;
+    let mut after = String::new();
+    loop {
+        let orgs = exports::orgs_after(&mut transaction, period, &after, batch_orgs).await?;
+        let Some(last) = orgs.last() else { break };
+        after.clone_from(last);
+        let rows = pricer.price(&mut transaction, &orgs).await?;
+        for row in &rows {
+            hasher.update(row.csv().as_bytes());
+        }
+        insert_snapshot_rows(&mut transaction, period, &rows).await?;
+        orgs_total += rows.len() as i64;
+        if (orgs.len() as i64) < batch_orgs {
+            break;
+        }
+    }
+    let sha256: [u8; 32] = hasher.finalize().into();
+    let closed_at = Utc::now();
     let inserted = sqlx::query(
         "INSERT INTO period_close (period, closed_at, closed_by, ledger_position, orgs, sha256) \
          VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (period) DO NOTHING",
     )
     .bind(period.to_string())
-    .bind(now)
-    .bind(actor)
+    .bind(closed_at)
+    .bind(&job.requested_by)
     .bind(position)
-    .bind(rows.len() as i64)
+    .bind(orgs_total)
     .bind(&sha256[..])
     .execute(&mut *transaction)
     .await?;
     if inserted.rows_affected() == 0 {
         return Err(CloseError::AlreadyClosed(period));
     }
-    for row in &rows {
-        sqlx::query(
-            "INSERT INTO period_snapshot (period, org_id, plan, runtime_ms, included_ms, overage_ms, \
-                 overage_amount, currency, commands, ports_published) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        )
-        .bind(period.to_string())
-        .bind(&row.org_id)
-        .bind(&row.plan)
-        .bind(row.runtime_ms)
-        .bind(row.included_ms)
-        .bind(row.overage_ms)
-        .bind(row.overage_amount)
-        .bind(&row.currency)
-        .bind(row.commands)
-        .bind(row.ports_published)
-        .execute(&mut *transaction)
-        .await?;
-    }
+    sqlx::query(
+        "UPDATE period_close_job SET status = 'done', finished_at = $2 \
+         WHERE id = $1 AND status = 'running'",
+    )
+    .bind(job.id)
+    .bind(closed_at)
+    .execute(&mut *transaction)
+    .await?;
     transaction.commit().await?;
     Ok(Closed {
         period,
-        closed_at: now,
-        orgs: rows.len() as i64,
+        closed_at,
+        orgs: orgs_total,
         sha256: hex::encode(sha256),
         verified: true,
     })
+}
+
+/// One batch of snapshot rows in one statement.
+async fn insert_snapshot_rows(
+    connection: &mut PgConnection,
+    period: Period,
+    rows: &[Figures],
+) -> sqlx::Result<()> {
+    let column = |value: fn(&Figures) -> i64| rows.iter().map(value).collect::<Vec<i64>>();
+    let text = |value: fn(&Figures) -> &str| {
+        rows.iter()
+            .map(|row| value(row).to_owned())
+            .collect::<Vec<String>>()
+    };
+    sqlx::query(
+        "INSERT INTO period_snapshot (period, org_id, plan, runtime_ms, included_ms, \
+             overage_ms, overage_amount, currency, commands, ports_published) \
+         SELECT $1, * FROM unnest($2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::BIGINT[], \
+             $6::BIGINT[], $7::NUMERIC[], $8::TEXT[], $9::BIGINT[], $10::BIGINT[])",
+    )
+    .bind(period.to_string())
+    .bind(text(|row| &row.org_id))
+    .bind(text(|row| &row.plan))
+    .bind(column(|row| row.runtime_ms))
+    .bind(column(|row| row.included_ms))
+    .bind(column(|row| row.overage_ms))
+    .bind(
+        rows.iter()
+            .map(|row| row.overage_amount)
+            .collect::<Vec<Decimal>>(),
+    )
+    .bind(text(|row| &row.currency))
+    .bind(column(|row| row.commands))
+    .bind(column(|row| row.ports_published))
+    .execute(connection)
+    .await?;
+    Ok(())
 }
 
 #[derive(FromRow)]
@@ -138,50 +505,70 @@ struct SnapshotRow {
     ports_published: i64,
 }
 
-async fn snapshot(pool: &PgPool, period: Period) -> Result<Vec<Figures>, sqlx::Error> {
-    let rows: Vec<SnapshotRow> = sqlx::query_as(
-        "SELECT org_id, plan, runtime_ms, included_ms, overage_ms, overage_amount, currency, \
-                commands, ports_published \
-         FROM period_snapshot WHERE period = $1 ORDER BY org_id",
-    )
-    .bind(period.to_string())
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|row| Figures {
-            org_id: row.org_id,
-            plan: row.plan,
+impl SnapshotRow {
+    fn figures(self, period: Period) -> Figures {
+        Figures {
+            org_id: self.org_id,
+            plan: self.plan,
             period,
-            runtime_ms: row.runtime_ms,
-            included_ms: row.included_ms,
-            overage_ms: row.overage_ms,
-            overage_amount: row.overage_amount,
-            currency: row.currency,
-            commands: row.commands,
-            ports_published: row.ports_published,
-        })
-        .collect())
+            runtime_ms: self.runtime_ms,
+            included_ms: self.included_ms,
+            overage_ms: self.overage_ms,
+            overage_amount: self.overage_amount,
+            currency: self.currency,
+            commands: self.commands,
+            ports_published: self.ports_published,
+        }
+    }
 }
 
-/// A closed period, its snapshot re-hashed to verify it; `None` when it is not closed.
+const SNAPSHOT_COLUMNS: &str = "org_id, plan, runtime_ms, included_ms, overage_ms, \
+     overage_amount, currency, commands, ports_published";
+
+/// A closed period, its snapshot re-hashed (in batches, in org order) to verify it; `None`
+/// when it is not closed.
 pub async fn get(pool: &PgPool, period: Period) -> anyhow::Result<Option<Closed>> {
+    let mut connection = pool.acquire().await?;
     let row: Option<(DateTime<Utc>, i64, Vec<u8>)> =
         sqlx::query_as("SELECT closed_at, orgs, sha256 FROM period_close WHERE period = $1")
             .bind(period.to_string())
-            .fetch_optional(pool)
+            .fetch_optional(&mut *connection)
             .await?;
     let Some((closed_at, orgs, sha256)) = row else {
         return Ok(None);
     };
-    let rows = snapshot(pool, period).await?;
-    let recomputed: [u8; 32] = Sha256::digest(snapshot_bytes(&rows).as_bytes()).into();
+    let mut hasher = Sha256::new();
+    hasher.update(format!("{USAGE_CSV_HEADER}\n").as_bytes());
+    let mut rows_total: i64 = 0;
+    let mut after = String::new();
+    loop {
+        let rows: Vec<SnapshotRow> = sqlx::query_as(&format!(
+            "SELECT {SNAPSHOT_COLUMNS} FROM period_snapshot \
+             WHERE period = $1 AND org_id > $2 ORDER BY org_id LIMIT $3"
+        ))
+        .bind(period.to_string())
+        .bind(&after)
+        .bind(SNAPSHOT_READ_ROWS)
+        .fetch_all(&mut *connection)
+        .await?;
+        let Some(last) = rows.last() else { break };
+        after.clone_from(&last.org_id);
+        let count = rows.len() as i64;
+        rows_total += count;
+        for row in rows {
+            hasher.update(row.figures(period).csv().as_bytes());
+        }
+        if count < SNAPSHOT_READ_ROWS {
+            break;
+        }
+    }
+    let recomputed: [u8; 32] = hasher.finalize().into();
     Ok(Some(Closed {
         period,
         closed_at,
         orgs,
         sha256: hex::encode(&sha256),
-        verified: recomputed[..] == sha256[..] && rows.len() as i64 == orgs,
+        verified: recomputed[..] == sha256[..] && rows_total == orgs,
     }))
 }
 
@@ -201,58 +588,114 @@ impl Adjustment {
     }
 }
 
-/// The adjustments that belong in `period`'s export: those of every closed period whose
-/// next open period is `period`.
-pub async fn adjustments(pool: &PgPool, period: Period) -> anyhow::Result<Vec<Adjustment>> {
+/// The closed periods whose adjustments belong in `period`'s export (those whose next open
+/// period is `period`), in period order, each with the ledger position it was closed at.
+pub async fn closed_into(
+    connection: &mut PgConnection,
+    period: Period,
+) -> anyhow::Result<Vec<(Period, i64)>> {
     let closed: Vec<(String, i64)> =
         sqlx::query_as("SELECT period, ledger_position FROM period_close ORDER BY period")
-            .fetch_all(pool)
+            .fetch_all(&mut *connection)
             .await?;
     let closed_set: BTreeSet<&str> = closed.iter().map(|(name, _)| name.as_str()).collect();
-    let mut adjustments = Vec::new();
+    let mut into = Vec::new();
     for (name, position) in &closed {
         let affected = Period::parse(name)?;
         let mut next = affected.next();
         while closed_set.contains(next.to_string().as_str()) {
             next = next.next();
         }
-        if next != period {
-            continue;
-        }
-        let frozen: BTreeMap<String, Figures> = snapshot(pool, affected)
-            .await?
-            .into_iter()
-            .map(|row| (row.org_id.clone(), row))
-            .collect();
-        let now: BTreeMap<String, Figures> =
-            exports::usage_rows(pool.clone(), affected, affected.end())
-                .map_ok(|row| (row.org_id.clone(), row))
-                .try_collect()
-                .await?;
-        let orgs: BTreeSet<&String> = frozen.keys().chain(now.keys()).collect();
-        for org in orgs {
-            let before = frozen.get(org);
-            let after = now.get(org);
-            let template = after.or(before).expect("the org is in one of them");
-            let empty = Figures::empty(org, affected, &template.plan, &template.currency);
-            let delta = after.unwrap_or(&empty).minus(before.unwrap_or(&empty));
-            if delta.is_zero() {
-                continue;
-            }
-            let caused_by: Vec<Uuid> = sqlx::query_scalar(
-                "SELECT id FROM ledger WHERE org_id = $1 AND position > $2 \
-                   AND (occurred_at >= $3 AND occurred_at < $4 OR type = 'ledger.event_voided') \
-                 ORDER BY position LIMIT $5",
-            )
-            .bind(org)
-            .bind(position)
-            .bind(affected.start())
-            .bind(affected.end())
-            .bind(CAUSES_MAX)
-            .fetch_all(pool)
-            .await?;
-            adjustments.push(Adjustment { delta, caused_by });
+        if next == period {
+            into.push((affected, *position));
         }
     }
-    Ok(adjustments)
+    Ok(into)
+}
+
+/// One batch of a closed period's adjustments (the period is the pricer's, closed at
+/// ledger `position`): the orgs after `after` that are in its snapshot or have usage in it
+/// now, at most `limit`, compared; with `only_org`, that org alone. Also the org to
+/// continue after, `None` when done.
+pub async fn adjustments_after(
+    connection: &mut PgConnection,
+    pricer: &mut Pricer,
+    position: i64,
+    after: &str,
+    limit: i64,
+    only_org: Option<&str>,
+) -> anyhow::Result<(Vec<Adjustment>, Option<String>)> {
+    let affected = pricer.period();
+    // `active`: has usage in the period now, as the export lists orgs. Each branch is
+    // limited on its own, as in `exports::orgs_after`.
+    let orgs: Vec<(String, bool)> = sqlx::query_as(&format!(
+        "SELECT org_id, bool_or(active) FROM ( \
+             (SELECT org_id, false AS active FROM period_snapshot \
+              WHERE period = $1 AND org_id > $2 AND ($4::text IS NULL OR org_id = $4) \
+              ORDER BY org_id LIMIT $3) \
+             UNION ALL (SELECT org_id, true FROM {LIVE}.org_period \
+                        WHERE period = $1 AND org_id > $2 AND ($4::text IS NULL OR org_id = $4) \
+                        ORDER BY org_id LIMIT $3) \
+             UNION ALL (SELECT org_id, true FROM {LIVE}.org_open \
+                        WHERE running > 0 AND since_period <= $1 AND org_id > $2 \
+                        AND ($4::text IS NULL OR org_id = $4) ORDER BY org_id LIMIT $3) \
+         ) AS orgs GROUP BY org_id ORDER BY org_id LIMIT $3"
+    ))
+    .bind(affected.to_string())
+    .bind(after)
+    .bind(limit)
+    .bind(only_org)
+    .fetch_all(&mut *connection)
+    .await?;
+    let next = match orgs.last() {
+        Some((last, _)) if orgs.len() as i64 == limit => Some(last.clone()),
+        _ => None,
+    };
+    let names: Vec<String> = orgs.iter().map(|(org, _)| org.clone()).collect();
+    let frozen: HashMap<String, Figures> = sqlx::query_as::<_, SnapshotRow>(&format!(
+        "SELECT {SNAPSHOT_COLUMNS} FROM period_snapshot WHERE period = $1 AND org_id = ANY($2)"
+    ))
+    .bind(affected.to_string())
+    .bind(&names)
+    .fetch_all(&mut *connection)
+    .await?
+    .into_iter()
+    .map(|row| (row.org_id.clone(), row.figures(affected)))
+    .collect();
+    let active: Vec<String> = orgs
+        .iter()
+        .filter(|(_, active)| *active)
+        .map(|(org, _)| org.clone())
+        .collect();
+    let now: HashMap<String, Figures> = pricer
+        .price(&mut *connection, &active)
+        .await?
+        .into_iter()
+        .map(|row| (row.org_id.clone(), row))
+        .collect();
+    let mut adjustments = Vec::new();
+    for org in &names {
+        let before = frozen.get(org);
+        let after = now.get(org);
+        let template = after.or(before).expect("the org is in one of them");
+        let empty = Figures::empty(org, affected, &template.plan, &template.currency);
+        let delta = after.unwrap_or(&empty).minus(before.unwrap_or(&empty));
+        if delta.is_zero() {
+            continue;
+        }
+        let caused_by: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM ledger WHERE org_id = $1 AND position > $2 \
+               AND (occurred_at >= $3 AND occurred_at < $4 OR type = 'ledger.event_voided') \
+             ORDER BY position LIMIT $5",
+        )
+        .bind(org)
+        .bind(position)
+        .bind(affected.start())
+        .bind(affected.end())
+        .bind(CAUSES_MAX)
+        .fetch_all(&mut *connection)
+        .await?;
+        adjustments.push(Adjustment { delta, caused_by });
+    }
+    Ok((adjustments, next))
 }

@@ -121,6 +121,7 @@ impl Service {
             verify_passes: std::sync::Arc::new(tokio::sync::Semaphore::new(
                 crate::http::ledger::VERIFY_PASSES_MAX,
             )),
+            finance_batch_orgs: i64::from(config.finance_batch_orgs),
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

@@ -154,6 +154,7 @@ pub const ROUTES: &[RouteRule] = {
         route("POST", "/v1/reconciliations", Finance, Global),
         route("GET", "/v1/exports/usage.csv", Finance, FilteredToOrg),
         route("POST", "/v1/periods/{period}/close", Finance, Global),
+        route("GET", "/v1/periods/{period}/close", Finance, Global),
         route("GET", "/v1/periods/{period}", Finance, Global),
         route(
             "GET",

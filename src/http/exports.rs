@@ -1,13 +1,14 @@
 //! `GET /v1/exports/usage.csv?period=YYYY-MM` (DESIGN §6): usage per org, streamed as CSV
-//! (or `?format=json`).
+//! (or `?format=json`); period close as a job (`POST /v1/periods/{p}/close`, its status at
+//! `GET /v1/periods/{p}/close`) and the closed period (`GET /v1/periods/{p}`).
 
 use std::collections::HashMap;
 
 use axum::body::{Body, Bytes};
 use axum::extract::Path;
 use axum::extract::{Query, State};
-use axum::http::{header, StatusCode};
-use axum::response::Response;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use chrono::{SubsecRound, Utc};
@@ -16,14 +17,17 @@ use futures::StreamExt;
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
-use crate::exports::{self, USAGE_CSV_HEADER};
-use crate::periods::CloseError;
+use crate::exports::{self, Part, USAGE_CSV_HEADER};
+use crate::periods::{CloseError, CloseJob, JobStatus, Start};
 use crate::runtime::Period;
 
 pub fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/exports/usage.csv", get(get_usage_export))
-        .route("/v1/periods/{period}/close", post(post_close))
+        .route(
+            "/v1/periods/{period}/close",
+            post(post_close).get(get_close),
+        )
         .route("/v1/periods/{period}", get(get_period))
 }
 
@@ -50,18 +54,65 @@ impl From<crate::periods::Closed> for PeriodResponse {
     }
 }
 
-/// Close a finished period: freeze every org's figures in a hashed snapshot. Global: a
-/// token bound to an org gets 403 `org_bound_token`.
+/// A close job: `running`, then `done` with the closed period or `failed` with why.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct CloseJobResponse {
+    id: uuid::Uuid,
+    period: String,
+    /// `running`, `done` or `failed`.
+    status: &'static str,
+    requested_by: String,
+    started_at: String,
+    finished_at: Option<String>,
+    /// When `failed`: `{"code", "message"}`; retry with another `POST`.
+    error: Option<serde_json::Value>,
+    /// When `done`: the closed period.
+    closed: Option<PeriodResponse>,
+}
+
+impl From<CloseJob> for CloseJobResponse {
+    fn from(job: CloseJob) -> Self {
+        CloseJobResponse {
+            id: job.id,
+            period: job.period.to_string(),
+            status: job.status.as_str(),
+            requested_by: job.requested_by,
+            started_at: crate::event::canonical::timestamp(job.started_at),
+            finished_at: job.finished_at.map(crate::event::canonical::timestamp),
+            error: job
+                .error
+                .map(|error| serde_json::json!({"code": error.code, "message": error.message})),
+            closed: job.closed.map(PeriodResponse::from),
+        }
+    }
+}
+
+/// The status URL of a period's close.
+fn close_location(period: Period) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::LOCATION,
+        HeaderValue::from_str(&format!("/v1/periods/{period}/close"))
+            .expect("a period is a valid header value"),
+    );
+    headers
+}
+
+/// Close a finished period: freeze every org's figures in a hashed snapshot. The close runs
+/// as a job: `202` with the job (a new one, or the one already running; `Location` is its
+/// status), `200` with the done job when the period is already closed. Global: a token
+/// bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/periods/{period}/close",
     tag = "finance",
     params(("period" = String, Path, description = "YYYY-MM")),
     responses(
-        (status = 201, body = PeriodResponse),
+        (status = 200, body = CloseJobResponse, description = "already closed"),
+        (status = 202, body = CloseJobResponse, description = "closing"),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
-        (status = 409, body = ErrorBody, description = "still running, or already closed"),
+        (status = 409, body = ErrorBody, description = "still running"),
         (status = 422, body = ErrorBody),
         (status = 503, body = ErrorBody),
     ),
@@ -71,25 +122,86 @@ pub async fn post_close(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(period): Path<String>,
-) -> Result<(StatusCode, Json<PeriodResponse>), ApiError> {
+) -> Result<Response, ApiError> {
     let period = Period::parse(&period)
         .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
-    match crate::periods::close(&state.pool, period, &principal.id).await {
-        Ok(closed) => Ok((StatusCode::CREATED, Json(closed.into()))),
-        Err(CloseError::Running(period, until)) => Err(ApiError::new(
+    let started =
+        crate::periods::start(&state.pool, period, &principal.id, state.finance_batch_orgs).await;
+    let job = match started {
+        Ok(Start::Claimed(claim)) => {
+            let job = claim.job.clone();
+            // The close outlives the request; how it ends is stored on the job.
+            tokio::spawn(claim.run());
+            job
+        }
+        Ok(Start::Existing(job)) => job,
+        Err(error) => return Err(close_error(error)),
+    };
+    let status = match job.status {
+        JobStatus::Done => StatusCode::OK,
+        JobStatus::Running | JobStatus::Failed => StatusCode::ACCEPTED,
+    };
+    Ok((
+        status,
+        close_location(period),
+        Json(CloseJobResponse::from(job)),
+    )
+        .into_response())
+}
+
+fn close_error(error: CloseError) -> ApiError {
+    match error {
+        CloseError::Running(period, until) => ApiError::new(
             StatusCode::CONFLICT,
             "period_running",
             format!(
                 "period {period} runs until {}",
                 crate::event::canonical::timestamp(until)
             ),
-        )),
-        Err(CloseError::AlreadyClosed(period)) => Err(ApiError::new(
+        ),
+        CloseError::AlreadyClosed(period) => ApiError::new(
             StatusCode::CONFLICT,
             "period_closed",
             format!("period {period} is already closed"),
+        ),
+        CloseError::Starting(period) => ApiError::unavailable(
+            "close_starting",
+            format!("a close of period {period} is starting; retry"),
+        ),
+        CloseError::Store(error) => ApiError::from(error),
+    }
+}
+
+/// The latest close job of a period: `running`, `done` (with the closed period) or
+/// `failed` (with why; a close whose process stopped reads as failed).
+#[utoipa::path(
+    get,
+    path = "/v1/periods/{period}/close",
+    tag = "finance",
+    params(("period" = String, Path, description = "YYYY-MM")),
+    responses(
+        (status = 200, body = CloseJobResponse),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody, description = "no close asked for"),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_close(
+    State(state): State<AppState>,
+    Path(period): Path<String>,
+) -> Result<Json<CloseJobResponse>, ApiError> {
+    let period = Period::parse(&period)
+        .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
+    match crate::periods::job(&state.pool, period).await? {
+        Some(job) => Ok(Json(job.into())),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "close_not_found",
+            format!("no close of period {period} was asked for"),
         )),
-        Err(CloseError::Store(error)) => Err(ApiError::from(error)),
     }
 }
 
@@ -177,20 +289,15 @@ pub async fn get_usage_export(
         }
     };
     let as_of = Utc::now().trunc_subsecs(3).min(period.end());
-    // A token bound to one org is served that org's row and adjustments only.
-    let bound = principal.org_id.clone();
-    let rows = match bound.clone() {
-        None => exports::usage_rows(state.pool.clone(), period, as_of).boxed(),
-        Some(org_id) => {
-            let pool = state.pool.clone();
-            futures::stream::once(async move {
-                exports::org_usage_row(&pool, period, as_of, &org_id).await
-            })
-            .filter_map(|row| async move { row.transpose() })
-            .boxed()
-        }
-    }
-    .enumerate();
+    // A token bound to one org is served that org's row and adjustments only, and only
+    // that org is priced.
+    let parts = exports::usage_export(
+        state.pool.clone(),
+        period,
+        as_of,
+        state.finance_batch_orgs,
+        principal.org_id.clone(),
+    );
     let head = futures::stream::once(async move {
         Ok::<Bytes, std::io::Error>(Bytes::from(if json_format {
             "{\"rows\":[".to_owned()
@@ -198,39 +305,51 @@ pub async fn get_usage_export(
             format!("{USAGE_CSV_HEADER}\n")
         }))
     });
-    let body = rows.map(move |(index, row)| match row {
-        Ok(row) if json_format => {
-            let separator = if index == 0 { "" } else { "," };
-            Ok(Bytes::from(format!("{separator}{}", row.json())))
+    // Whether a row or an adjustment has been written yet, for JSON's separators.
+    let mut rows_written = false;
+    let mut adjustments_written = false;
+    // `None` after the last part: the place to close the JSON.
+    let parts = parts.map(Some).chain(futures::stream::once(async { None }));
+    let body = parts.map(move |part| {
+        let mut text = String::new();
+        match part {
+            None if json_format && !adjustments_written => text.push_str("],\"adjustments\":[]}"),
+            None if json_format => text.push_str("]}"),
+            None => {}
+            Some(Ok(Part::Rows(rows))) => {
+                for row in rows {
+                    if json_format {
+                        text.push_str(if rows_written { "," } else { "" });
+                        text.push_str(&row.json().to_string());
+                    } else {
+                        text.push_str(&row.csv());
+                    }
+                    rows_written = true;
+                }
+            }
+            // Adjustments of closed periods whose next open period is this one, after
+            // the rows.
+            Some(Ok(Part::Adjustments(adjustments))) => {
+                for adjustment in adjustments {
+                    if json_format {
+                        text.push_str(if adjustments_written {
+                            ","
+                        } else {
+                            "],\"adjustments\":["
+                        });
+                        text.push_str(&adjustment.json().to_string());
+                    } else {
+                        text.push_str(&adjustment.delta.csv());
+                    }
+                    adjustments_written = true;
+                }
+            }
+            Some(Err(error)) => {
+                tracing::error!(error = format!("{error:#}"), "usage export failed midway");
+                return Err(std::io::Error::other(error.to_string()));
+            }
         }
-        Ok(row) => Ok(Bytes::from(row.csv())),
-        Err(error) => {
-            tracing::error!(error = format!("{error:#}"), "usage export failed midway");
-            Err(std::io::Error::other(error.to_string()))
-        }
-    });
-    // Adjustments of closed periods whose next open period is this one, after the rows.
-    let pool = state.pool.clone();
-    let tail = futures::stream::once(async move {
-        let mut adjustments = crate::periods::adjustments(&pool, period)
-            .await
-            .map_err(|error| std::io::Error::other(error.to_string()))?;
-        if let Some(bound) = &bound {
-            adjustments.retain(|adjustment| &adjustment.delta.org_id == bound);
-        }
-        let text = if json_format {
-            let listed: Vec<_> = adjustments
-                .iter()
-                .map(|adjustment| adjustment.json())
-                .collect();
-            format!("],\"adjustments\":{}}}", serde_json::Value::from(listed))
-        } else {
-            adjustments
-                .iter()
-                .map(|adjustment| adjustment.delta.csv())
-                .collect()
-        };
-        Ok::<Bytes, std::io::Error>(Bytes::from(text))
+        Ok(Bytes::from(text))
     });
     let content_type = if json_format {
         "application/json"
@@ -239,6 +358,6 @@ pub async fn get_usage_export(
     };
     Response::builder()
         .header(header::CONTENT_TYPE, content_type)
-        .body(Body::from_stream(head.chain(body).chain(tail)))
+        .body(Body::from_stream(head.chain(body)))
         .map_err(|error| ApiError::internal(&error))
 }

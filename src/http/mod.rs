@@ -65,6 +65,8 @@ pub struct Inner {
     pub token_limits: auth::TokenLimits,
     /// Verify passes in progress on this instance: [`ledger::VERIFY_PASSES_MAX`].
     pub verify_passes: Arc<tokio::sync::Semaphore>,
+    /// Orgs per batch of a period close or usage export.
+    pub finance_batch_orgs: i64,
 }
 
 impl AppState {

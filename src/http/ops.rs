@@ -177,6 +177,7 @@ impl Modify for BearerAuth {
         super::exports::get_usage_export,
         super::exports::post_close,
         super::exports::get_period,
+        super::exports::get_close,
     ),
     components(schemas(
         EventInput,
@@ -198,6 +199,7 @@ impl Modify for BearerAuth {
         super::reports::ReportResponse,
         super::reconciliations::ReconciliationResponse,
         super::exports::PeriodResponse,
+        super::exports::CloseJobResponse,
         super::usage::ContainerResponse,
         super::usage::IntervalResponse,
         super::usage::AnomalyResponse,

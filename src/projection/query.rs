@@ -226,26 +226,63 @@ pub async fn priced_usage(
     let usage = usage(pool, org_id, period, as_of).await?;
     let mut connection = pool.acquire().await?;
     let account = AccountTimeline::fold(&store::account_entries(&mut connection, org_id).await?);
-    let window = period.window().until(as_of);
-    let mut plan_ids: Vec<PlanId> = vec![account.state_at(window.start()).plan];
-    for change in account.changes() {
-        if window.contains(change.from) && !plan_ids.contains(&change.state.plan) {
-            plan_ids.push(change.state.plan.clone());
+    let mut versions = PlanVersions::default();
+    price(
+        &mut connection,
+        org_id,
+        period,
+        as_of,
+        usage,
+        &account,
+        &mut versions,
+    )
+    .await
+}
+
+/// Plan versions as read, by plan id: a batch of orgs on a few plans reads each plan once.
+/// Read them in the same snapshot as the usage they price.
+#[derive(Debug, Default)]
+pub struct PlanVersions(HashMap<String, Vec<PlanVersion>>);
+
+impl PlanVersions {
+    async fn load(&mut self, connection: &mut PgConnection, id: &PlanId) -> anyhow::Result<()> {
+        if !self.0.contains_key(id.as_str()) {
+            let versions = plans::versions(&mut *connection, id).await?;
+            self.0.insert(id.as_str().to_owned(), versions);
         }
+        Ok(())
     }
-    let mut versions: HashMap<String, Vec<PlanVersion>> = HashMap::new();
-    for id in &plan_ids {
-        versions.insert(
-            id.as_str().to_owned(),
-            plans::versions(&mut *connection, id).await?,
-        );
-    }
-    let versions_of = |id: &str| {
-        versions
+
+    fn of(&self, id: &str) -> Option<&[PlanVersion]> {
+        self.0
             .get(id)
             .map(Vec::as_slice)
             .filter(|found| !found.is_empty())
-    };
+    }
+}
+
+/// Prices `usage` (of `org_id` in `period` as of `as_of`) with the org's account timeline:
+/// the plan in effect at the window's last instant, and the overage (see [`priced_usage`]).
+pub async fn price(
+    connection: &mut PgConnection,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+    usage: Usage,
+    account: &AccountTimeline,
+    versions: &mut PlanVersions,
+) -> anyhow::Result<PricedUsage> {
+    let window = period.window().until(as_of);
+    versions
+        .load(&mut *connection, &account.state_at(window.start()).plan)
+        .await?;
+    for change in account.changes() {
+        if window.contains(change.from) {
+            versions.load(&mut *connection, &change.state.plan).await?;
+        }
+    }
+    let versions: &PlanVersions = versions;
+    let versions_of = |id: &str| versions.of(id);
     let last_instant = if window.length_ms() > 0 {
         window.end() - chrono::Duration::milliseconds(1)
     } else {
@@ -259,12 +296,12 @@ pub async fn priced_usage(
     .ok_or_else(|| anyhow!("org {org_id} is on a plan with no version"))?
     .plan
     .clone();
-    let segments = overage::plan_segments(&account, versions_of, window)
+    let segments = overage::plan_segments(account, versions_of, window)
         .ok_or_else(|| anyhow!("org {org_id} was on a plan with no version"))?;
     let overage = match segments.as_slice() {
         [only] => overage::single_plan(usage.runtime_ms, &only.plan),
         _ => {
-            let lifecycles = store::org_lifecycles(&mut connection, org_id).await?;
+            let lifecycles = store::org_lifecycles(&mut *connection, org_id).await?;
             let intervals: Vec<Interval> = lifecycles
                 .iter()
                 .flat_map(|lifecycle| lifecycle.intervals().iter().copied())

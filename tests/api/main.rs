@@ -20,6 +20,7 @@ mod input_hardening;
 mod nats;
 mod operations;
 mod org_binding;
+mod period_scale;
 mod periods;
 mod plans;
 mod projection;

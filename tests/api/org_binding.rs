@@ -291,6 +291,11 @@ fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
             None,
             Expect::Refused("org_bound_token"),
         ),
+        ("GET", "/v1/periods/{period}/close") => one(
+            format!("/v1/periods/{previous}/close"),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
         ("GET", "/v1/periods/{period}") => one(
             format!("/v1/periods/{previous}"),
             None,
