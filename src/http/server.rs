@@ -13,8 +13,8 @@
 //!   progress is closed, or, when every one has a request in progress, the new one is
 //!   answered 503 `too_many_connections` and closed ([`Registry`]);
 //! - front-door refusals that hyper's router cannot express as JSON: a URI longer than
-//!   [`URI_MAX_BYTES`] (414 `uri_too_long`) and a repeated query parameter (400
-//!   `duplicate_query_parameter`).
+//!   [`URI_MAX_BYTES`] (414 `uri_too_long`) and a repeated query parameter (422
+//!   `duplicate_query_parameter`, as every route answers an unknown one).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -231,7 +231,7 @@ fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
     let query = request.uri().query()?;
     repeated_parameter(query).map(|name| {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
+            StatusCode::UNPROCESSABLE_ENTITY,
             "duplicate_query_parameter",
             format!("{name}: is given more than once"),
         )

@@ -13,7 +13,7 @@ use uuid::Uuid;
 use tally::event::canonical::timestamp;
 use tally::projection::model::ANOMALIES_KEPT_MAX;
 
-use crate::helpers::{projected_to_head, TestApp, TestDb, TOKEN};
+use crate::helpers::{projected_to_head, TestApp, TestDb};
 
 /// A command of `container`, which nobody created: each is a `command_while_not_running`.
 fn command(container: &str, at: DateTime<Utc>) -> Value {
@@ -49,18 +49,6 @@ async fn post_commands(
         .collect()
 }
 
-async fn get(app: &TestApp, path: &str) -> (u16, Value) {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
-
 /// Every kept anomaly's event id, page after page of `limit`; also checks that each page
 /// but the last is full and names the next.
 async fn every_page(app: &TestApp, container: &str, limit: usize) -> (Vec<String>, usize) {
@@ -72,7 +60,7 @@ async fn every_page(app: &TestApp, container: &str, limit: usize) -> (Vec<String
         if let Some(after) = &after {
             path.push_str(&format!("&anomalies_after={after}"));
         }
-        let (status, page) = get(app, &path).await;
+        let (status, page) = app.get_json(&path).await;
         assert_eq!(status, 200, "{page}");
         pages += 1;
         let anomalies = page["anomalies"].as_array().unwrap();
@@ -156,7 +144,9 @@ async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_no
         .map(|(_, rows, _)| *rows)
         .collect();
     assert_eq!(anomaly_rows, [1], "{written:?}");
-    let (_, container) = get(&app, "/v1/containers/ctr_lost?anomalies_limit=1").await;
+    let (_, container) = app
+        .get_json("/v1/containers/ctr_lost?anomalies_limit=1")
+        .await;
     assert_eq!(container["anomalies_total"], 3_001, "{container}");
     app.stop().await;
 }
@@ -167,7 +157,7 @@ async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(1);
     let ids = post_commands(&app, "ctr_lost", start, 2_500).await;
 
-    let (status, first) = get(&app, "/v1/containers/ctr_lost").await;
+    let (status, first) = app.get_json("/v1/containers/ctr_lost").await;
     assert_eq!(status, 200, "{first}");
     assert_eq!(
         first["anomalies"].as_array().unwrap().len(),
@@ -191,7 +181,9 @@ async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order
         ("anomalies_after=yesterday", "invalid_anomalies_after"),
         ("anomalies_after=1_x", "invalid_anomalies_after"),
     ] {
-        let (status, body) = get(&app, &format!("/v1/containers/ctr_lost?{query}")).await;
+        let (status, body) = app
+            .get_json(&format!("/v1/containers/ctr_lost?{query}"))
+            .await;
         assert_eq!(status, 422, "{query}: {body}");
         assert_eq!(body["error"]["code"], code, "{query}: {body}");
     }
@@ -213,7 +205,9 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     ids.insert(0, late["id"].as_str().unwrap().to_owned());
     ids.truncate(kept_max);
 
-    let (_, container) = get(&app, "/v1/containers/ctr_lost?anomalies_limit=1").await;
+    let (_, container) = app
+        .get_json("/v1/containers/ctr_lost?anomalies_limit=1")
+        .await;
     assert_eq!(container["anomalies_total"], kept_max + 51);
     assert_eq!(container["anomalies_kept"], kept_max);
     let (paged, _) = every_page(&app, "ctr_lost", 1_000).await;
@@ -221,7 +215,9 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
 
     let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
     tally::projection::replay(&mut connection).await.unwrap();
-    let (_, replayed) = get(&app, "/v1/containers/ctr_lost?anomalies_limit=1").await;
+    let (_, replayed) = app
+        .get_json("/v1/containers/ctr_lost?anomalies_limit=1")
+        .await;
     assert_eq!(replayed, container);
     let (replayed_pages, _) = every_page(&app, "ctr_lost", 1_000).await;
     assert_eq!(replayed_pages, ids, "replay keeps the same anomalies");

@@ -198,6 +198,25 @@ impl TestApp {
         format!("http://{}{path}", self.address)
     }
 
+    /// GET `path` with the admin token: the status and the JSON body (`null` when empty).
+    pub async fn get_json(&self, path: &str) -> (u16, Value) {
+        let response = self
+            .client
+            .get(self.url(path))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("the request reaches the service");
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        if text.is_empty() {
+            return (status, Value::Null);
+        }
+        let json = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"));
+        (status, json)
+    }
+
     pub async fn post_json(&self, body: &Value) -> (u16, Value) {
         self.post_raw("application/json", body.to_string().into_bytes())
             .await

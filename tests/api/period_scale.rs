@@ -90,25 +90,11 @@ async fn post_close(app: &TestApp, period: Period) -> (u16, Option<String>, Valu
     (status, location, response.json().await.unwrap())
 }
 
-async fn get_json(app: &TestApp, path: &str) -> (u16, Value) {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    (
-        response.status().as_u16(),
-        response.json().await.unwrap_or(Value::Null),
-    )
-}
-
 /// Waits until the status route says the job is no longer running, and returns it.
 async fn finished(app: &TestApp, location: &str) -> Value {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let (status, job) = get_json(app, location).await;
+        let (status, job) = app.get_json(location).await;
         assert_eq!(status, 200, "{job}");
         if job["status"] != "running" {
             return job;
@@ -193,7 +179,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
     // orgs whose events reach past the period's end.
     let expected = expected_rows(&app, last).await;
     assert_eq!(snapshot_rows(&app, last).await, expected);
-    let (status, period) = get_json(&app, &format!("/v1/periods/{last}")).await;
+    let (status, period) = app.get_json(&format!("/v1/periods/{last}")).await;
     assert_eq!(
         (status, &period["sha256"]),
         (200, &done["closed"]["sha256"])
@@ -244,11 +230,11 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
         .map(|index| format!("{},free,{last},1800000,0,1800000,0.00,USD,0,0", org(*index)))
         .collect();
     assert_eq!(adjustments, wanted, "{csv}");
-    let (status, exported) = get_json(
-        &app,
-        &format!("/v1/exports/usage.csv?period={current}&format=json"),
-    )
-    .await;
+    let (status, exported) = app
+        .get_json(&format!(
+            "/v1/exports/usage.csv?period={current}&format=json"
+        ))
+        .await;
     assert_eq!(status, 200);
     assert_eq!(
         exported["adjustments"].as_array().unwrap().len(),
@@ -318,7 +304,7 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
     );
     assert_eq!(job["status"], "running");
     let location = location.unwrap();
-    let (_, status_now) = get_json(&app, &location).await;
+    let (_, status_now) = app.get_json(&location).await;
     assert_eq!(status_now["status"], "running");
     let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM period_close_job")
         .fetch_one(&app.pool)
@@ -337,7 +323,7 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
         .execute(&mut other)
         .await
         .unwrap();
-    let (_, abandoned) = get_json(&app, &location).await;
+    let (_, abandoned) = app.get_json(&location).await;
     assert_eq!(
         (
             abandoned["status"].as_str(),
@@ -346,7 +332,7 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
         (Some("failed"), Some("close_abandoned")),
         "{abandoned}"
     );
-    let (status, _) = get_json(&app, &format!("/v1/periods/{last}")).await;
+    let (status, _) = app.get_json(&format!("/v1/periods/{last}")).await;
     assert_eq!(status, 404, "nothing of the close is visible");
 
     sqlx::Connection::close(other).await.unwrap();
@@ -439,7 +425,7 @@ async fn the_cli_closes_a_period_of_many_batches_and_prints_it_and_then_prints_i
     assert!(again.status.success());
     let again: Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(again["sha256"], closed["sha256"]);
-    let (status, job) = get_json(&app, &format!("/v1/periods/{last}/close")).await;
+    let (status, job) = app.get_json(&format!("/v1/periods/{last}/close")).await;
     assert_eq!((status, job["requested_by"].as_str()), (200, Some("cli")));
 
     let running = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))

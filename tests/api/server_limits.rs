@@ -384,7 +384,7 @@ async fn a_client_that_reads_none_of_its_responses_is_disconnected_within_the_wr
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_repeated_query_parameter_is_a_json_400_naming_it() {
+async fn a_repeated_query_parameter_is_a_json_422_naming_it() {
     let app = TestApp::spawn().await;
     let response = app
         .client
@@ -393,7 +393,7 @@ async fn a_repeated_query_parameter_is_a_json_400_naming_it() {
         .send()
         .await
         .unwrap();
-    assert_eq!(response.status(), 400);
+    assert_eq!(response.status(), 422);
     let body = response.text().await.unwrap();
     assert_eq!(error_code(&body), "duplicate_query_parameter");
     assert!(body.contains("period"), "{body}");

@@ -49,18 +49,6 @@ fn run_tally_verify(app: &TestApp, nats_url: &str, args: &[&str]) -> (i32, Value
     (output.status.code().unwrap_or(-1), report, stderr)
 }
 
-async fn get_json(app: &TestApp, path: &str) -> (u16, Value) {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
-
 async fn wait_for_stream(js: &async_nats::jetstream::Context, count: u64) {
     eventually(
         20,
@@ -155,13 +143,15 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
         .await;
     assert_eq!(status, 200, "{body}");
     wait_for_stream(&tally_js, 5).await;
-    let (status, ready) = get_json(&app, "/readyz").await;
+    let (status, ready) = app.get_json("/readyz").await;
     assert_eq!(
         (status, ready["relay"].clone()),
         (200, json!("up")),
         "{ready}"
     );
-    let (status, report) = get_json(&app, "/v1/ledger/verify?full=true&stream=true").await;
+    let (status, report) = app
+        .get_json("/v1/ledger/verify?full=true&stream=true")
+        .await;
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["ok"], true, "{report}");
     assert_eq!(report["stream"]["messages_checked"], 5, "{report}");
@@ -216,7 +206,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
         6,
         "nothing relayed past the forged message"
     );
-    let (_, report) = get_json(&app, "/v1/ledger/verify?stream=true").await;
+    let (_, report) = app.get_json("/v1/ledger/verify?stream=true").await;
     assert_eq!(
         (report["ok"].clone(), report["first_bad_position"].clone()),
         (json!(false), json!(6)),
@@ -337,7 +327,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         let (code, report, _) = run_tally_verify(&app, &nats_url, args);
         assert_eq!((code, report["ok"].clone()), (0, json!(true)), "{report}");
     }
-    let (status, report) = get_json(&app, "/v1/ledger/verify?full=true").await;
+    let (status, report) = app.get_json("/v1/ledger/verify?full=true").await;
     assert_eq!((status, report["ok"].clone()), (200, json!(true)));
 
     let (code, report, stderr) = run_tally_verify(&app, &nats_url, &["--stream"]);
@@ -353,7 +343,9 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         "{problem}"
     );
 
-    let (status, report) = get_json(&app, "/v1/ledger/verify?full=true&stream=true").await;
+    let (status, report) = app
+        .get_json("/v1/ledger/verify?full=true&stream=true")
+        .await;
     assert_eq!(status, 200);
     assert_eq!(
         (
@@ -364,7 +356,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         (json!(false), json!(4), json!(4)),
         "{report}"
     );
-    let (status, refused) = get_json(&app, "/v1/ledger/verify?stream=yes").await;
+    let (status, refused) = app.get_json("/v1/ledger/verify?stream=yes").await;
     assert_eq!(
         (status, refused["error"]["code"].clone()),
         (422, json!("invalid_stream"))
