@@ -93,6 +93,12 @@ pub const TOKEN_CONCURRENCY_MAX: usize = 256;
 /// memory stays bounded whatever the number of orgs while round trips stay few.
 pub const FINANCE_BATCH_ORGS: u32 = 1_000;
 
+/// How long a read of derived figures waits for the projection to reach the position it
+/// needs (DESIGN §8) before answering 503 `projection_lagging`: the projection trails the
+/// ledger by tens of milliseconds, so two seconds is far past normal lag and still short
+/// enough for a caller to retry.
+pub const READ_WAIT_MS: u64 = 2_000;
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     /// Postgres URL; the database is created when missing.
@@ -196,6 +202,9 @@ pub struct Config {
     #[arg(long, env = "TALLY_FINANCE_BATCH_ORGS", default_value_t = FINANCE_BATCH_ORGS,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub finance_batch_orgs: u32,
+
+    #[arg(long, env = "TALLY_READ_WAIT_MS", default_value_t = READ_WAIT_MS)]
+    pub read_wait_ms: u64,
 }
 
 /// 1 to 1000: DESIGN §6 allows no larger page.
@@ -241,6 +250,7 @@ impl Config {
             http_connections_max: HTTP_CONNECTIONS_MAX,
             http_write_timeout_ms: HTTP_WRITE_TIMEOUT_MS,
             finance_batch_orgs: FINANCE_BATCH_ORGS,
+            read_wait_ms: READ_WAIT_MS,
         }
     }
 

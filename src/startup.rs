@@ -122,6 +122,7 @@ impl Service {
                 crate::http::ledger::VERIFY_PASSES_MAX,
             )),
             finance_batch_orgs: i64::from(config.finance_batch_orgs),
+            read_wait: Duration::from_millis(config.read_wait_ms),
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");

@@ -5,6 +5,7 @@ pub mod admission;
 pub mod audit;
 pub mod auth;
 pub mod body;
+pub mod consistency;
 pub mod corrections;
 pub mod error;
 pub mod events;
@@ -67,6 +68,8 @@ pub struct Inner {
     pub verify_passes: Arc<tokio::sync::Semaphore>,
     /// Orgs per batch of a period close or usage export.
     pub finance_batch_orgs: i64,
+    /// How long a read of derived figures waits for the projection (`TALLY_READ_WAIT_MS`).
+    pub read_wait: Duration,
 }
 
 impl AppState {

@@ -1,8 +1,10 @@
 //! The runtime read API (DESIGN §6): `GET /v1/orgs/{org_id}/usage` and
 //! `GET /v1/containers/{container_id}`, served from the projection.
 
+use std::collections::HashMap;
+
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use axum::{Json, Router};
 use chrono::{DateTime, SubsecRound, Utc};
@@ -10,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Principal;
+use super::consistency::{self, Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::{canonical, storable};
@@ -26,7 +29,9 @@ pub fn router() -> Router<AppState> {
         .route("/v1/containers/{container_id}", get(get_container))
 }
 
+/// For the OpenAPI document only: the handler reads the raw query, refusing unknown names.
 #[derive(Debug, Deserialize, IntoParams)]
+#[allow(dead_code)]
 pub struct UsageParams {
     /// The billing period, `YYYY-MM` (UTC calendar month).
     period: Option<String>,
@@ -36,6 +41,8 @@ pub struct UsageParams {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct UsageResponse {
+    /// The ledger position the figures reflect: the projection's checkpoint.
+    position: i64,
     org_id: String,
     period: String,
     as_of: String,
@@ -55,12 +62,17 @@ pub struct UsageResponse {
     get,
     path = "/v1/orgs/{org_id}/usage",
     tag = "usage",
-    params(("org_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"), UsageParams),
+    params(
+        ("org_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"),
+        UsageParams,
+        ConsistencyParams,
+        ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
+    ),
     responses(
         (status = 200, body = UsageResponse),
         (status = 401, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "`projection_lagging` (with `Retry-After`): the projection did not reach the position within `TALLY_READ_WAIT_MS`"),
     ),
     security(("bearer" = []))
 )]
@@ -68,21 +80,26 @@ pub async fn get_usage(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(org_id): Path<String>,
-    Query(params): Query<UsageParams>,
+    headers: HeaderMap,
+    Query(params): Query<HashMap<String, String>>,
 ) -> Result<Json<UsageResponse>, ApiError> {
+    known_parameters(&params, &["period", "as_of"])?;
     let org_id = OrgId::parse(&org_id).map_err(|error| invalid("invalid_org_id", error))?;
     principal.check_org(org_id.as_str())?;
+    let consistency = Consistency::parse(&params, &headers)?;
     let period = params
-        .period
-        .as_deref()
+        .get("period")
+        .map(String::as_str)
         .ok_or_else(|| invalid("invalid_period", "period is required: YYYY-MM"))
         .and_then(|period| {
             Period::parse(period).map_err(|error| invalid("invalid_period", error))
         })?;
-    let as_of = as_of(params.as_of.as_deref())?;
+    let as_of = as_of(params.get("as_of").map(String::as_str))?;
+    let position = consistency.settle(&state).await?;
     let priced = query::priced_usage(&state.pool, org_id.as_str(), period, as_of).await?;
     let usage = priced.usage;
     Ok(Json(UsageResponse {
+        position,
         org_id: org_id.as_str().to_owned(),
         period: period.to_string(),
         as_of: canonical::timestamp(as_of),
@@ -102,7 +119,9 @@ const ANOMALIES_PAGE_DEFAULT: usize = 100;
 /// The most `anomalies_limit` may ask for: a page stays around 100 KB of JSON.
 const ANOMALIES_PAGE_MAX: usize = 1_000;
 
+/// For the OpenAPI document only: the handler reads the raw query, refusing unknown names.
 #[derive(Debug, Deserialize, IntoParams)]
+#[allow(dead_code)]
 pub struct ContainerParams {
     /// Runtime is counted up to this instant (RFC 3339 with an offset); default now.
     as_of: Option<String>,
@@ -117,6 +136,8 @@ pub struct ContainerParams {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ContainerResponse {
+    /// The ledger position the figures reflect: the projection's checkpoint.
+    position: i64,
     container_id: String,
     org_id: String,
     /// After its last lifecycle event; a container never created or resumed is `stopped`.
@@ -156,14 +177,19 @@ pub struct AnomalyResponse {
     get,
     path = "/v1/containers/{container_id}",
     tag = "usage",
-    params(("container_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"), ContainerParams),
+    params(
+        ("container_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"),
+        ContainerParams,
+        ConsistencyParams,
+        ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
+    ),
     responses(
         (status = 200, body = ContainerResponse),
         (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody, description = "several orgs used this id; pass org_id"),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "`projection_lagging` (with `Retry-After`): the projection did not reach the position within `TALLY_READ_WAIT_MS`"),
     ),
     security(("bearer" = []))
 )]
@@ -171,14 +197,18 @@ pub async fn get_container(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(container_id): Path<String>,
-    Query(params): Query<ContainerParams>,
+    headers: HeaderMap,
+    Query(params): Query<HashMap<String, String>>,
 ) -> Result<Json<ContainerResponse>, ApiError> {
+    known_parameters(
+        &params,
+        &["as_of", "org_id", "anomalies_after", "anomalies_limit"],
+    )?;
     let container_id = ContainerId::parse(&container_id)
         .map_err(|error| invalid("invalid_container_id", error))?;
     let org_id = params
-        .org_id
-        .as_deref()
-        .map(OrgId::parse)
+        .get("org_id")
+        .map(|org_id| OrgId::parse(org_id))
         .transpose()
         .map_err(|error| invalid("invalid_org_id", error))?;
     // An org-bound token sees only its org's container of that id.
@@ -192,13 +222,14 @@ pub async fn get_container(
         }
         (None, None) => None,
     };
-    let as_of = as_of(params.as_of.as_deref())?;
+    let consistency = Consistency::parse(&params, &headers)?;
+    let as_of = as_of(params.get("as_of").map(String::as_str))?;
     let after = params
-        .anomalies_after
-        .as_deref()
-        .map(parse_cursor)
+        .get("anomalies_after")
+        .map(|cursor| parse_cursor(cursor))
         .transpose()?;
-    let limit = anomalies_limit(params.anomalies_limit.as_deref())?;
+    let limit = anomalies_limit(params.get("anomalies_limit").map(String::as_str))?;
+    let position = consistency.settle(&state).await?;
     // One more than the page, to know whether another follows.
     let (mut found, mut anomalies) = query::container(
         &state.pool,
@@ -239,6 +270,7 @@ pub async fn get_container(
         lifecycle.runtime_ms(Window::new(first.start(), first.start().max(as_of)).until(as_of))
     });
     Ok(Json(ContainerResponse {
+        position,
         container_id: container_id.as_str().to_owned(),
         org_id: stored.org_id,
         state: match lifecycle.state() {
@@ -318,6 +350,20 @@ fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
     storable::parse_instant(value)
         .map(|instant| instant.trunc_subsecs(3))
         .map_err(|error| invalid(error.code_or("invalid_as_of"), format!("as_of: {error}")))
+}
+
+/// Refuses a query parameter that is neither one of `known` nor a consistency parameter.
+fn known_parameters(params: &HashMap<String, String>, known: &[&str]) -> Result<(), ApiError> {
+    let unknown = params.keys().find(|name| {
+        !known.contains(&name.as_str()) && !consistency::PARAMETERS.contains(&name.as_str())
+    });
+    match unknown {
+        Some(name) => Err(ApiError::invalid(
+            "unknown_parameter",
+            format!("{name}: is not a parameter of this route"),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn invalid(code: &'static str, error: impl ToString) -> ApiError {

@@ -13,5 +13,5 @@ pub mod store;
 #[cfg(test)]
 mod properties;
 
-pub use projector::{project_once, Freshness, ProjectorSettings, Round};
+pub use projector::{project_once, Freshness, ProjectorSettings, Round, WaitError};
 pub use replay::{replay, ReplayReport};

@@ -32,6 +32,12 @@ use crate::runtime::EntryKind;
 
 /// Pause after an error before trying the round again.
 const RETRY_DELAY_MS: u64 = 500;
+/// How often a reader waiting for the projection ([`Freshness::wait_projected`]) reads the
+/// checkpoint row: this instance's rounds wake it at once, but another instance's projector
+/// can only be seen there. One single-row read per waiting reader per interval; 20 ms adds
+/// little to a wait that a round of another instance ends, and bounds the reads a waiting
+/// reader makes to 50 a second.
+pub const CHECKPOINT_POLL_MS: u64 = 20;
 
 #[derive(Debug, Clone)]
 pub struct ProjectorSettings {
@@ -51,6 +57,19 @@ pub struct Freshness {
     head: watch::Receiver<i64>,
     acknowledged: Arc<Mutex<Acknowledged>>,
     hurry: Arc<Notify>,
+    /// The checkpoint this instance's projector last committed or found: wakes readers
+    /// waiting for the projection without a read of the checkpoint row.
+    projected: Arc<watch::Sender<i64>>,
+}
+
+/// Why [`Freshness::wait_projected`] gave up.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    /// The projection did not reach the position within the wait.
+    #[error("the projection is at {checkpoint}, short of {wanted}")]
+    Lagging { wanted: i64, checkpoint: i64 },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
 }
 
 impl Freshness {
@@ -59,7 +78,54 @@ impl Freshness {
             head,
             acknowledged,
             hurry: Arc::new(Notify::new()),
+            projected: Arc::new(watch::Sender::new(0)),
         }
+    }
+
+    /// Waits until the stored checkpoint (which every instance's projector moves) is at
+    /// least `position`, for at most `wait`; returns the checkpoint read. Woken by this
+    /// instance's rounds, and reads the checkpoint row every [`CHECKPOINT_POLL_MS`] to see
+    /// another instance's. While it waits the projector is hurried, so that a reader does
+    /// not wait out the linger.
+    pub async fn wait_projected(
+        &self,
+        pool: &PgPool,
+        position: i64,
+        wait: Duration,
+    ) -> Result<i64, WaitError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut projected = self.projected.subscribe();
+        loop {
+            let checkpoint = {
+                let mut connection = pool.acquire().await?;
+                store::checkpoint(&mut connection, store::LIVE).await?
+            };
+            if checkpoint >= position {
+                return Ok(checkpoint);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(WaitError::Lagging {
+                    wanted: position,
+                    checkpoint,
+                });
+            }
+            self.hurry();
+            let poll = tokio::time::sleep(Duration::from_millis(CHECKPOINT_POLL_MS));
+            tokio::select! {
+                _ = projected.changed() => {}
+                _ = poll => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    /// Records a checkpoint this instance's projector reached, waking waiting readers.
+    fn reached(&self, position: i64) {
+        self.projected.send_if_modified(|projected| {
+            let moved = position > *projected;
+            *projected = (*projected).max(position);
+            moved
+        });
     }
 
     /// The last position this instance acknowledged with an event of `org` (or a plan
@@ -120,6 +186,7 @@ pub async fn run(
         );
         match round {
             Ok(Round::Projected { events, position }) => {
+                freshness.reached(position);
                 let head_position = *head.borrow();
                 metrics::gauge!("tally_projection_lag_positions")
                     .set((head_position - position).max(0) as f64);
@@ -127,7 +194,8 @@ pub async fn run(
                     continue;
                 }
             }
-            Ok(Round::CaughtUp { .. }) => {
+            Ok(Round::CaughtUp { position }) => {
+                freshness.reached(position);
                 metrics::gauge!("tally_projection_lag_positions").set(0.0);
                 metrics::gauge!("tally_projection_lag_ms").set(0.0);
             }

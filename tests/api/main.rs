@@ -10,6 +10,7 @@ mod audit;
 mod bench;
 mod checker;
 mod concurrency;
+mod consistency;
 mod corrections;
 mod crash;
 mod exports;

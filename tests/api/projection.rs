@@ -18,12 +18,12 @@ use crate::helpers::{eventually, TestApp, TOKEN};
 
 /// A generated event and the entry the pure rules read from it.
 #[derive(Clone)]
-struct Generated {
-    org: String,
-    container: String,
-    body: Value,
-    occurred_at: DateTime<Utc>,
-    kind: EntryKind,
+pub(crate) struct Generated {
+    pub(crate) org: String,
+    pub(crate) container: String,
+    pub(crate) body: Value,
+    pub(crate) occurred_at: DateTime<Utc>,
+    pub(crate) kind: EntryKind,
 }
 
 fn body(id: Uuid, org: &str, container: &str, at: DateTime<Utc>, kind: EntryKind) -> Value {
@@ -53,7 +53,7 @@ fn generated(org: &str, container: &str, at: DateTime<Utc>, kind: EntryKind) -> 
 
 /// A month of random histories: every kind of event at random instants, so that every
 /// anomaly occurs, many events share a millisecond, and many arrive late.
-fn month_of_events(
+pub(crate) fn month_of_events(
     rng: &mut StdRng,
     orgs: usize,
     containers: usize,
@@ -99,7 +99,7 @@ fn month_of_events(
 }
 
 /// Posts `events` in batches and returns each event id's ledger position.
-async fn post_all(app: &TestApp, events: &[Generated]) -> HashMap<Uuid, i64> {
+pub(crate) async fn post_all(app: &TestApp, events: &[Generated]) -> HashMap<Uuid, i64> {
     let mut positions = HashMap::new();
     for chunk in events.chunks(1000) {
         let bodies: Vec<&Value> = chunk.iter().map(|event| &event.body).collect();
@@ -149,18 +149,25 @@ async fn get(app: &TestApp, path: &str) -> (u16, String) {
     (response.status().as_u16(), response.text().await.unwrap())
 }
 
+/// The answer without its `position` (which names the checkpoint, not a figure).
 async fn get_json(app: &TestApp, path: &str) -> Value {
     let (status, text) = get(app, path).await;
     assert_eq!(status, 200, "{path}: {text}");
-    serde_json::from_str(&text).unwrap()
+    let mut answer: Value = serde_json::from_str(&text).unwrap();
+    let position = answer.as_object_mut().unwrap().remove("position");
+    assert!(
+        position.is_some_and(|position| position.is_i64()),
+        "{path}: {text}"
+    );
+    answer
 }
 
-fn encode(at: DateTime<Utc>) -> String {
+pub(crate) fn encode(at: DateTime<Utc>) -> String {
     timestamp(at).replace(':', "%3A")
 }
 
 /// The timelines the pure rules give for the stored events, per (org, container).
-fn expected_timelines(
+pub(crate) fn expected_timelines(
     events: &[Generated],
     positions: &HashMap<Uuid, i64>,
 ) -> BTreeMap<(String, String), ContainerTimeline> {
@@ -183,7 +190,7 @@ fn expected_timelines(
         .collect()
 }
 
-fn expected_container(
+pub(crate) fn expected_container(
     org: &str,
     container: &str,
     timeline: &ContainerTimeline,
@@ -213,7 +220,7 @@ fn expected_container(
     })
 }
 
-fn periods_around(events: &[Generated]) -> Vec<Period> {
+pub(crate) fn periods_around(events: &[Generated]) -> Vec<Period> {
     let first = events.iter().map(|event| event.occurred_at).min().unwrap();
     let mut period = Period::containing(first - Duration::days(31));
     let last = Period::containing(Utc::now() + Duration::days(31));

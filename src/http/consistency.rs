@@ -1,0 +1,203 @@
+//! How fresh a read of derived figures must be (DESIGN §8): by default every event
+//! acknowledged before the read began, by any instance; `min_position` (query parameter or
+//! `Tally-Min-Position` header) for a given position; `consistency=eventual` for the
+//! projection as it stands. Every answer names the checkpoint its figures reflect.
+
+use std::collections::HashMap;
+
+use axum::http::HeaderMap;
+use utoipa::IntoParams;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::ledger::read;
+use crate::projection::WaitError;
+
+/// The header a producer may send instead of `?min_position=`.
+pub const MIN_POSITION_HEADER: &str = "tally-min-position";
+
+/// The query parameters of this module, for the routes that list their known ones.
+pub const PARAMETERS: [&str; 2] = ["min_position", "consistency"];
+
+/// The query parameters, for the OpenAPI document only: handlers read them from the raw
+/// query so that an unknown parameter is refused.
+#[derive(Debug, IntoParams)]
+#[allow(dead_code)]
+pub struct ConsistencyParams {
+    /// Wait only until the projection has reached this ledger position (the highest
+    /// `position` an ingest answer gave), rather than the head. Also accepted as the header
+    /// `Tally-Min-Position`.
+    #[param(minimum = 0)]
+    min_position: Option<i64>,
+    /// `eventual`: answer at once from the projection as it stands; its `position` says how
+    /// fresh it is.
+    #[param(pattern = "^eventual$")]
+    consistency: Option<String>,
+}
+
+/// What a read waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consistency {
+    /// Every event acknowledged before the read began: the ledger head taken at its start.
+    Head,
+    /// The projection at this position or later.
+    AtLeast(i64),
+    /// No wait.
+    Eventual,
+}
+
+impl Consistency {
+    /// From the query parameters and headers. `min_position` given both ways must agree,
+    /// and does not go with `consistency=eventual` (which would not wait for it).
+    pub fn parse(
+        params: &HashMap<String, String>,
+        headers: &HeaderMap,
+    ) -> Result<Consistency, ApiError> {
+        let from_query = params
+            .get("min_position")
+            .map(|value| min_position("min_position", value))
+            .transpose()?;
+        let from_header = match headers.get(MIN_POSITION_HEADER) {
+            None => None,
+            Some(value) => Some(min_position(
+                "Tally-Min-Position",
+                value.to_str().map_err(|_| {
+                    ApiError::invalid(
+                        "invalid_min_position",
+                        "Tally-Min-Position: is not a whole number",
+                    )
+                })?,
+            )?),
+        };
+        let wanted = match (from_query, from_header) {
+            (Some(query), Some(header)) if query != header => {
+                return Err(ApiError::invalid(
+                    "invalid_min_position",
+                    format!(
+                        "min_position {query} and Tally-Min-Position {header} disagree; give one"
+                    ),
+                ))
+            }
+            (query, header) => query.or(header),
+        };
+        let eventual = match params.get("consistency").map(String::as_str) {
+            None => false,
+            Some("eventual") => true,
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "invalid_consistency",
+                    format!("consistency: {other:?} is not eventual"),
+                ))
+            }
+        };
+        match (eventual, wanted) {
+            (true, Some(_)) => Err(ApiError::invalid(
+                "invalid_consistency",
+                "consistency=eventual does not wait, so it does not go with min_position",
+            )),
+            (true, None) => Ok(Consistency::Eventual),
+            (false, Some(position)) => Ok(Consistency::AtLeast(position)),
+            (false, None) => Ok(Consistency::Head),
+        }
+    }
+
+    /// Waits as this asks, within `TALLY_READ_WAIT_MS`; returns the projection's checkpoint,
+    /// the `position` of the answer. Past the wait: 503 `projection_lagging`.
+    pub async fn settle(self, state: &AppState) -> Result<i64, ApiError> {
+        let wanted = match self {
+            Consistency::Eventual => 0,
+            Consistency::AtLeast(position) => position,
+            // The head is the last position, read on the primary key's index.
+            Consistency::Head => read::head(&state.pool).await?.position,
+        };
+        match state
+            .freshness
+            .wait_projected(&state.pool, wanted, state.read_wait)
+            .await
+        {
+            Ok(checkpoint) => Ok(checkpoint),
+            Err(WaitError::Lagging { wanted, checkpoint }) => {
+                metrics::counter!("tally_read_lagging_total").increment(1);
+                Err(ApiError::unavailable(
+                    "projection_lagging",
+                    format!(
+                        "the projection is at position {checkpoint}, short of {wanted} after {} ms; retry later",
+                        state.read_wait.as_millis()
+                    ),
+                ))
+            }
+            Err(WaitError::Database(error)) => Err(error.into()),
+        }
+    }
+}
+
+fn min_position(name: &str, value: &str) -> Result<i64, ApiError> {
+    value
+        .parse::<i64>()
+        .ok()
+        .filter(|position| *position >= 0)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "invalid_min_position",
+                format!("{name}: {value:?} is not a whole number from 0"),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(query: &[(&str, &str)], header: Option<&str>) -> Result<Consistency, &'static str> {
+        let params = query
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect();
+        let mut headers = HeaderMap::new();
+        if let Some(header) = header {
+            headers.insert(MIN_POSITION_HEADER, header.parse().unwrap());
+        }
+        Consistency::parse(&params, &headers).map_err(|error| error.code)
+    }
+
+    #[test]
+    fn the_modes_parse_from_the_query_and_the_header() {
+        assert_eq!(parse(&[], None), Ok(Consistency::Head));
+        assert_eq!(
+            parse(&[("min_position", "7")], None),
+            Ok(Consistency::AtLeast(7))
+        );
+        assert_eq!(parse(&[], Some("7")), Ok(Consistency::AtLeast(7)));
+        assert_eq!(
+            parse(&[("min_position", "7")], Some("7")),
+            Ok(Consistency::AtLeast(7))
+        );
+        assert_eq!(
+            parse(&[("consistency", "eventual")], None),
+            Ok(Consistency::Eventual)
+        );
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_their_code() {
+        for (query, header, code) in [
+            (vec![("min_position", "-1")], None, "invalid_min_position"),
+            (vec![("min_position", "x")], None, "invalid_min_position"),
+            (vec![("min_position", "1.5")], None, "invalid_min_position"),
+            (vec![], Some("-3"), "invalid_min_position"),
+            (
+                vec![("min_position", "7")],
+                Some("8"),
+                "invalid_min_position",
+            ),
+            (vec![("consistency", "strong")], None, "invalid_consistency"),
+            (
+                vec![("consistency", "eventual"), ("min_position", "7")],
+                None,
+                "invalid_consistency",
+            ),
+        ] {
+            assert_eq!(parse(&query, header), Err(code), "{query:?} {header:?}");
+        }
+    }
+}
