@@ -127,9 +127,30 @@ def map_body(context, body):
     return hostile(body, timestamps=True, keys=True)
 
 
+def reachable(parameters, name):
+    """A `min_position` past the ledger head is answered, as documented, 503
+    `projection_lagging` once the read wait is over; the fuzz cannot know the head, so a
+    whole number from 0 becomes 0. A negative or non-numeric one stays, for its 422."""
+    if not parameters:
+        return parameters
+    for key in list(parameters):
+        if key.lower() == name.lower():
+            try:
+                if int(str(parameters[key])) >= 0:
+                    parameters[key] = 0 if not isinstance(parameters[key], str) else "0"
+            except ValueError:
+                pass
+    return parameters
+
+
 @schemathesis.hook
 def map_query(context, query):
-    return hostile(query, timestamps=True, keys=False)
+    return hostile(reachable(query, "min_position"), timestamps=True, keys=False)
+
+
+@schemathesis.hook
+def map_headers(context, headers):
+    return reachable(headers, "Tally-Min-Position")
 
 
 @schemathesis.hook
