@@ -14,7 +14,7 @@
 //! idles between them: a fixed 25 ms pause after every round measured a lag p99 of 234,
 //! 367 and 418 ms at 10 000 events/s when the machine was slow, and this rule 91–300 ms in
 //! six runs (25 or 50 ms) in the same hours (on a smaller replay ledger both rules were
-//! far slower; see the README). A reader that needs this instance's
+//! far slower; see docs/benchmarks.md). A reader that needs this instance's
 //! appends projected now ([`Freshness::hurry`]) ends the linger at once.
 
 use std::collections::{HashMap, HashSet};
