@@ -4,6 +4,10 @@
 //! projection as it stands. Every answer names the checkpoint its figures reflect.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use axum::http::HeaderMap;
 use utoipa::IntoParams;
@@ -11,6 +15,7 @@ use utoipa::IntoParams;
 use super::error::ApiError;
 use super::AppState;
 use crate::ledger::read;
+use crate::projection::query::AtPosition;
 use crate::projection::WaitError;
 
 /// The header a producer may send instead of `?min_position=`.
@@ -101,34 +106,77 @@ impl Consistency {
         }
     }
 
-    /// Waits as this asks, within `TALLY_READ_WAIT_MS`; returns the projection's checkpoint,
-    /// the `position` of the answer. Past the wait: 503 `projection_lagging`.
-    pub async fn settle(self, state: &AppState) -> Result<i64, ApiError> {
-        let wanted = match self {
+    /// The position the projection must reach: the ledger head for the default mode, read
+    /// on the primary key's index.
+    async fn wanted(self, state: &AppState) -> Result<i64, ApiError> {
+        Ok(match self {
             Consistency::Eventual => 0,
             Consistency::AtLeast(position) => position,
-            // The head is the last position, read on the primary key's index.
             Consistency::Head => read::head(&state.pool).await?.position,
-        };
-        match state
-            .freshness
-            .wait_projected(&state.pool, wanted, state.read_wait)
-            .await
-        {
-            Ok(checkpoint) => Ok(checkpoint),
-            Err(WaitError::Lagging { wanted, checkpoint }) => {
-                metrics::counter!("tally_read_lagging_total").increment(1);
-                Err(ApiError::unavailable(
-                    "projection_lagging",
-                    format!(
-                        "the projection is at position {checkpoint}, short of {wanted} after {} ms; retry later",
-                        state.read_wait.as_millis()
-                    ),
-                ))
+        })
+    }
+
+    /// Waits as this asks, within `TALLY_READ_WAIT_MS`; returns the projection's checkpoint.
+    /// Past the wait: 503 `projection_lagging`.
+    pub async fn settle(self, state: &AppState) -> Result<i64, ApiError> {
+        let wanted = self.wanted(state).await?;
+        wait(state, wanted, state.read_wait).await
+    }
+
+    /// Reads figures once the projection has reached what this asks. `read` returns them
+    /// with the checkpoint of the snapshot they come from, which is the answer's `position`;
+    /// should that snapshot be behind the position waited for (a replay swapped in its
+    /// tables meanwhile), the read waits and reads again, all within `TALLY_READ_WAIT_MS`.
+    pub async fn read<T, Read>(
+        self,
+        state: &AppState,
+        mut read: impl FnMut() -> Read,
+    ) -> Result<AtPosition<T>, ApiError>
+    where
+        Read: Future<Output = anyhow::Result<AtPosition<T>>>,
+    {
+        let deadline = Instant::now() + state.read_wait;
+        let wanted = self.wanted(state).await?;
+        loop {
+            wait(
+                state,
+                wanted,
+                deadline.saturating_duration_since(Instant::now()),
+            )
+            .await?;
+            let found = read().await?;
+            if found.position >= wanted {
+                return Ok(found);
             }
-            Err(WaitError::Database(error)) => Err(error.into()),
+            if Instant::now() >= deadline {
+                return Err(lagging(state, wanted, found.position));
+            }
         }
     }
+}
+
+/// Waits until the projection reaches `wanted`, for at most `within`.
+async fn wait(state: &AppState, wanted: i64, within: Duration) -> Result<i64, ApiError> {
+    match state
+        .freshness
+        .wait_projected(&state.pool, wanted, within)
+        .await
+    {
+        Ok(checkpoint) => Ok(checkpoint),
+        Err(WaitError::Lagging { wanted, checkpoint }) => Err(lagging(state, wanted, checkpoint)),
+        Err(WaitError::Database(error)) => Err(error.into()),
+    }
+}
+
+fn lagging(state: &AppState, wanted: i64, checkpoint: i64) -> ApiError {
+    metrics::counter!("tally_read_lagging_total").increment(1);
+    ApiError::unavailable(
+        "projection_lagging",
+        format!(
+            "the projection is at position {checkpoint}, short of {wanted} after {} ms; retry later",
+            state.read_wait.as_millis()
+        ),
+    )
 }
 
 fn min_position(name: &str, value: &str) -> Result<i64, ApiError> {

@@ -18,7 +18,7 @@ use super::AppState;
 use crate::event::{canonical, storable};
 use crate::event::{ContainerId, OrgId};
 use crate::projection::model::ANOMALIES_KEPT_MAX;
-use crate::projection::query;
+use crate::projection::query::{self, AtPosition, ContainerFound};
 use crate::projection::store::AnomalyCursor;
 use crate::runtime::{ContainerState, Period, Window};
 use axum::Extension;
@@ -95,8 +95,14 @@ pub async fn get_usage(
             Period::parse(period).map_err(|error| invalid("invalid_period", error))
         })?;
     let as_of = as_of(params.get("as_of").map(String::as_str))?;
-    let position = consistency.settle(&state).await?;
-    let priced = query::priced_usage(&state.pool, org_id.as_str(), period, as_of).await?;
+    let AtPosition {
+        position,
+        figures: priced,
+    } = consistency
+        .read(&state, || {
+            query::priced_usage(&state.pool, org_id.as_str(), period, as_of)
+        })
+        .await?;
     let usage = priced.usage;
     Ok(Json(UsageResponse {
         position,
@@ -229,16 +235,25 @@ pub async fn get_container(
         .map(|cursor| parse_cursor(cursor))
         .transpose()?;
     let limit = anomalies_limit(params.get("anomalies_limit").map(String::as_str))?;
-    let position = consistency.settle(&state).await?;
     // One more than the page, to know whether another follows.
-    let (mut found, mut anomalies) = query::container(
-        &state.pool,
-        container_id.as_str(),
-        org_id.as_ref().map(OrgId::as_str),
-        after,
-        limit + 1,
-    )
-    .await?;
+    let AtPosition {
+        position,
+        figures:
+            ContainerFound {
+                containers: mut found,
+                mut anomalies,
+            },
+    } = consistency
+        .read(&state, || {
+            query::container(
+                &state.pool,
+                container_id.as_str(),
+                org_id.as_ref().map(OrgId::as_str),
+                after,
+                limit + 1,
+            )
+        })
+        .await?;
     let anomalies_next_after = (anomalies.len() > limit).then(|| {
         anomalies.truncate(limit);
         let last = anomalies.last().expect("a full page");

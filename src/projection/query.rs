@@ -8,7 +8,7 @@
 //! ledger up to the projection's checkpoint, all in one snapshot.
 
 use chrono::{DateTime, Utc};
-use sqlx::{FromRow, PgConnection, PgPool};
+use sqlx::{FromRow, PgConnection, PgPool, Postgres, Transaction};
 
 use std::collections::HashMap;
 
@@ -35,6 +35,21 @@ struct TotalsRow {
     open_offsets: Vec<i64>,
 }
 
+/// A read-only transaction whose statements all see one snapshot: figures that agree with
+/// each other and with the checkpoint read in it.
+pub async fn snapshot(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+    pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .await
+}
+
+/// Figures with the projection checkpoint of the snapshot they were read in: the ledger
+/// position they reflect.
+#[derive(Debug)]
+pub struct AtPosition<T> {
+    pub position: i64,
+    pub figures: T,
+}
+
 /// The usage of `org_id` in `period` as of `as_of` (already truncated to milliseconds).
 /// An org the projection has never seen has zero usage.
 pub async fn usage(
@@ -43,16 +58,8 @@ pub async fn usage(
     period: Period,
     as_of: DateTime<Utc>,
 ) -> anyhow::Result<Usage> {
-    let mut connection = pool.acquire().await?;
-    if let Some(usage) = from_totals(&mut connection, org_id, period, as_of).await? {
-        return Ok(usage);
-    }
-    drop(connection);
-    let mut transaction = pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *transaction)
-        .await?;
-    let usage = cut_at(&mut transaction, org_id, period, as_of).await?;
+    let mut transaction = snapshot(pool).await?;
+    let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
     transaction.commit().await?;
     Ok(usage)
 }
@@ -177,21 +184,28 @@ async fn cut_at(
     })
 }
 
+/// What [`container`] found: the container's lifecycle for each org that used its id and,
+/// when exactly one did, a page of its kept anomalies.
+#[derive(Debug)]
+pub struct ContainerFound {
+    pub containers: Vec<store::StoredContainer>,
+    pub anomalies: Vec<Anomaly>,
+}
+
 /// A container's lifecycle for each org that used its id (normally one) and, when exactly
-/// one did, up to `limit` of its kept anomalies after `after`, read in the same snapshot.
+/// one did, up to `limit` of its kept anomalies after `after`, read in one snapshot with
+/// the checkpoint.
 pub async fn container(
     pool: &PgPool,
     container_id: &str,
     org_id: Option<&str>,
     after: Option<store::AnomalyCursor>,
     limit: usize,
-) -> anyhow::Result<(Vec<store::StoredContainer>, Vec<Anomaly>)> {
-    let mut transaction = pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *transaction)
-        .await?;
-    let found = store::containers_by_id(&mut transaction, container_id, org_id).await?;
-    let anomalies = match found.as_slice() {
+) -> anyhow::Result<AtPosition<ContainerFound>> {
+    let mut transaction = snapshot(pool).await?;
+    let position = store::checkpoint(&mut transaction, LIVE).await?;
+    let containers = store::containers_by_id(&mut transaction, container_id, org_id).await?;
+    let anomalies = match containers.as_slice() {
         [only] => {
             store::container_anomalies(&mut transaction, &only.org_id, container_id, after, limit)
                 .await?
@@ -199,7 +213,13 @@ pub async fn container(
         _ => Vec::new(),
     };
     transaction.commit().await?;
-    Ok((found, anomalies))
+    Ok(AtPosition {
+        position,
+        figures: ContainerFound {
+            containers,
+            anomalies,
+        },
+    })
 }
 
 /// Usage with its overage and the plan in effect (DESIGN §6 usage).
@@ -216,27 +236,33 @@ pub struct PricedUsage {
 /// [`usage`] plus overage: the allowance is consumed in time order across the org's
 /// containers, switching plan, allowance and price where the org's plan or that plan's
 /// version changes. With one plan over the whole window this needs no interval; with
-/// several it sweeps the org's intervals.
+/// several it sweeps the org's intervals. Every figure, and the checkpoint, from one
+/// snapshot.
 pub async fn priced_usage(
     pool: &PgPool,
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
-) -> anyhow::Result<PricedUsage> {
-    let usage = usage(pool, org_id, period, as_of).await?;
-    let mut connection = pool.acquire().await?;
-    let account = AccountTimeline::fold(&store::account_entries(&mut connection, org_id).await?);
-    let mut versions = PlanVersions::default();
-    price(
-        &mut connection,
+) -> anyhow::Result<AtPosition<PricedUsage>> {
+    let mut transaction = snapshot(pool).await?;
+    let position = store::checkpoint(&mut transaction, LIVE).await?;
+    let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
+    let account = AccountTimeline::fold(&store::account_entries(&mut transaction, org_id).await?);
+    let priced = price(
+        &mut transaction,
         org_id,
         period,
         as_of,
         usage,
         &account,
-        &mut versions,
+        &mut PlanVersions::default(),
     )
-    .await
+    .await?;
+    transaction.commit().await?;
+    Ok(AtPosition {
+        position,
+        figures: priced,
+    })
 }
 
 /// Plan versions as read, by plan id: a batch of orgs on a few plans reads each plan once.

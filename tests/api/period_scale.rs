@@ -114,7 +114,8 @@ async fn expected_rows(app: &TestApp, period: Period) -> Vec<String> {
         let org = org(index);
         let priced = tally::projection::query::priced_usage(&app.pool, &org, period, period.end())
             .await
-            .unwrap();
+            .unwrap()
+            .figures;
         rows.push(tally::exports::Figures::from_priced(org, period, &priced).csv());
     }
     rows
