@@ -731,10 +731,7 @@ async fn seed_ledger_stream(
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
     headers.insert("Nats-Expected-Last-Sequence", "0");
-    headers.insert(
-        bus::relay::POSITION_HEADER,
-        row.position.to_string().as_str(),
-    );
+    headers.insert(bus::POSITION_HEADER, row.position.to_string().as_str());
     let ack = nats
         .publish_with_headers(
             names.ledger_subject(&row.org_id, &row.event_type),

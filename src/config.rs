@@ -261,15 +261,4 @@ impl Config {
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
     }
-
-    /// The HTTP server's connection limits.
-    pub fn server_limits(&self) -> crate::http::server::Limits {
-        crate::http::server::Limits {
-            header_read_timeout: Duration::from_millis(self.http_header_read_timeout_ms),
-            body_read_timeout: Duration::from_millis(self.http_body_read_timeout_ms),
-            idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
-            connections_max: self.http_connections_max,
-            write_timeout: Duration::from_millis(self.http_write_timeout_ms),
-        }
-    }
 }

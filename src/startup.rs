@@ -130,7 +130,7 @@ impl Service {
         let server = tokio::spawn(http::server::serve(
             listener,
             http::app(state),
-            config.server_limits(),
+            crate::http::server::Limits::from_config(&config),
             shutdown.clone(),
         ));
         tracing::info!(%local_addr, "tally is serving");

@@ -25,8 +25,7 @@ use serde::Deserialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::relay::{HASH_HEADER, POSITION_HEADER};
-use super::Names;
+use super::{Names, HASH_HEADER, POSITION_HEADER};
 use crate::event::canonical::{self, RecordFields, GENESIS_HASH};
 use crate::ledger::read::{self, LedgerRow, ROW_COLUMNS};
 use crate::ledger::verify::StreamReport;

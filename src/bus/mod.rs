@@ -32,6 +32,12 @@ pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
 /// permissions (`deploy/nats/tally.conf`) producers may subscribe to `_INBOX.>` for their
 /// publish acknowledgements, and tally's replies (pulled ingest messages, stream reads)
 /// must not reach them.
+/// Header carrying the ledger position of a message of the ledger stream.
+pub const POSITION_HEADER: &str = "Tally-Position";
+/// Header carrying the ledger hash of a message of the ledger stream (hex), so that a
+/// message can be checked against its row without parsing the payload.
+pub const HASH_HEADER: &str = "Tally-Hash";
+
 pub const INBOX_PREFIX: &str = "_INBOX_tally";
 
 /// Stream names and subject prefixes, with the optional namespace applied.

@@ -34,14 +34,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::check::{self, Mismatch};
-use super::Names;
+use super::{Names, HASH_HEADER, POSITION_HEADER};
 use crate::ledger::{read, Committed};
 
-/// Header carrying the ledger position of a relayed event.
-pub const POSITION_HEADER: &str = "Tally-Position";
-/// Header carrying the ledger hash of a relayed event (hex), so that a message can be
-/// checked against its row without parsing the payload.
-pub const HASH_HEADER: &str = "Tally-Hash";
 /// The session advisory lock that elects the one relaying instance.
 pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
 /// After being woken by a commit, the relay waits this long before reading, so that one

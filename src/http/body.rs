@@ -17,7 +17,6 @@ use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::events::read_body;
 use super::AppState;
 use crate::event::storable;
 
@@ -251,6 +250,64 @@ impl<'de> Visitor<'de> for Strict<'_> {
         }
         Ok(Value::Object(fields))
     }
+}
+
+/// A body past the limit is still read and discarded up to this many bytes, so that the
+/// client, still sending, receives the 413 instead of a reset connection (what nginx calls
+/// lingering close). Past it, the connection is cut.
+const OVERSIZED_DRAIN_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// And for at most this long.
+const OVERSIZED_DRAIN_MAX_MS: u64 = 2_000;
+
+/// Reads the whole body, refusing it when it passes `limit` bytes.
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    use http_body_util::BodyExt;
+
+    let mut body = body;
+    let mut collected = bytes::BytesMut::new();
+    let mut oversized = false;
+    let mut seen = 0usize;
+    let deadline =
+        tokio::time::Instant::now() + std::time::Duration::from_millis(OVERSIZED_DRAIN_MAX_MS);
+    loop {
+        let frame = if oversized {
+            match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) => break,
+            }
+        } else {
+            body.frame().await
+        };
+        let Some(frame) = frame else { break };
+        let frame = frame.map_err(|error| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "unreadable_body",
+                format!("cannot read the body: {error}"),
+            )
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen = seen.saturating_add(data.len());
+        if seen > limit {
+            oversized = true;
+            collected.clear();
+            if seen > OVERSIZED_DRAIN_MAX_BYTES {
+                break;
+            }
+        } else {
+            collected.extend_from_slice(&data);
+        }
+    }
+    if oversized {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the body must be at most {limit} bytes"),
+        ));
+    }
+    Ok(collected.freeze())
 }
 
 #[cfg(test)]

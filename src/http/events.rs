@@ -6,6 +6,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
 use serde::Serialize;
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -23,13 +24,13 @@ pub fn router() -> Router<AppState> {
     )
 }
 
-#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct EventsResponse {
     /// One per input event, in input order.
     pub results: Vec<EventResult>,
 }
 
-#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct EventResult {
     pub id: Uuid,
     /// The event's ledger position (the original one for a duplicate).
@@ -55,7 +56,7 @@ impl From<crate::ledger::AppendedEvent> for EventResult {
     path = "/v1/events",
     tag = "events",
     request_body(
-        content = crate::http::ops::EventInput,
+        content = EventInput,
         description = "One event, `{\"events\": [...]}` (1–1000), or CloudEvents 1.0 (`application/cloudevents+json`, `application/cloudevents-batch+json`)",
         content_type = "application/json"
     ),
@@ -88,7 +89,7 @@ pub async fn post_events(
                 "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json",
             )
         })?;
-    let bytes = read_body(body, state.body_max_bytes).await?;
+    let bytes = super::body::read_body(body, state.body_max_bytes).await?;
     let bounds = TimeBounds {
         now: chrono::Utc::now(),
         backdate_max: state.backdate_max,
@@ -130,60 +131,19 @@ pub async fn post_events(
     }))
 }
 
-/// A body past the limit is still read and discarded up to this many bytes, so that the
-/// client, still sending, receives the 413 instead of a reset connection (what nginx calls
-/// lingering close). Past it, the connection is cut.
-const OVERSIZED_DRAIN_MAX_BYTES: usize = 64 * 1024 * 1024;
-/// And for at most this long.
-const OVERSIZED_DRAIN_MAX_MS: u64 = 2_000;
-
-/// Reads the whole body, refusing it when it passes `limit` bytes.
-pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
-    use http_body_util::BodyExt;
-
-    let mut body = body;
-    let mut collected = bytes::BytesMut::new();
-    let mut oversized = false;
-    let mut seen = 0usize;
-    let deadline =
-        tokio::time::Instant::now() + std::time::Duration::from_millis(OVERSIZED_DRAIN_MAX_MS);
-    loop {
-        let frame = if oversized {
-            match tokio::time::timeout_at(deadline, body.frame()).await {
-                Ok(frame) => frame,
-                Err(_) => break,
-            }
-        } else {
-            body.frame().await
-        };
-        let Some(frame) = frame else { break };
-        let frame = frame.map_err(|error| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "unreadable_body",
-                format!("cannot read the body: {error}"),
-            )
-        })?;
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        seen = seen.saturating_add(data.len());
-        if seen > limit {
-            oversized = true;
-            collected.clear();
-            if seen > OVERSIZED_DRAIN_MAX_BYTES {
-                break;
-            }
-        } else {
-            collected.extend_from_slice(&data);
-        }
-    }
-    if oversized {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("the body must be at most {limit} bytes"),
-        ));
-    }
-    Ok(collected.freeze())
+/// A native event, as the OpenAPI document shows it. `data` depends on `type`.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct EventInput {
+    /// UUID, the idempotency key.
+    id: uuid::Uuid,
+    #[schema(example = "container.created")]
+    r#type: String,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    org_id: String,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    container_id: Option<String>,
+    /// RFC 3339 with offset.
+    occurred_at: String,
+    data: Option<serde_json::Value>,
 }

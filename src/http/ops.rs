@@ -8,10 +8,9 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
-use serde::Serialize;
 use serde_json::json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{Modify, OpenApi};
 
 use super::AppState;
 
@@ -86,56 +85,6 @@ pub async fn openapi_json() -> impl IntoResponse {
     Json(ApiDoc::openapi())
 }
 
-/// A native event (DESIGN §2). `data` depends on `type`.
-#[derive(Serialize, ToSchema)]
-#[allow(dead_code)]
-pub struct EventInput {
-    /// UUID, the idempotency key.
-    id: uuid::Uuid,
-    #[schema(example = "container.created")]
-    r#type: String,
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
-    org_id: String,
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
-    container_id: Option<String>,
-    /// RFC 3339 with offset.
-    occurred_at: String,
-    data: Option<serde_json::Value>,
-}
-
-/// The verification report.
-#[derive(Serialize, ToSchema)]
-#[allow(dead_code)]
-pub struct VerifyReportSchema {
-    ok: bool,
-    events_checked: u64,
-    head_position: i64,
-    head_hash: String,
-    first_bad_position: Option<i64>,
-    /// 0 for a full pass; the stored checkpoint for an incremental one.
-    from_position: i64,
-    problem: Option<String>,
-    /// Present with `stream=true`: the ledger compared with its `TALLY_LEDGER` copy.
-    stream: Option<StreamReportSchema>,
-}
-
-/// Every ledger row compared with its `TALLY_LEDGER` message (event id, position, hash
-/// and content); `first_bad_position` is the first that differs.
-#[derive(Serialize, ToSchema)]
-#[allow(dead_code)]
-pub struct StreamReportSchema {
-    ok: bool,
-    messages_checked: u64,
-    /// The stream's last sequence when the pass began.
-    last_sequence: u64,
-    /// The ledger position of the stream's first message (1 unless seeded; 0 when empty).
-    first_position: i64,
-    /// Ledger rows after `last_sequence`: not relayed yet.
-    rows_not_in_stream: u64,
-    first_bad_position: Option<i64>,
-    problem: Option<String>,
-}
-
 struct BearerAuth;
 
 impl Modify for BearerAuth {
@@ -180,9 +129,9 @@ impl Modify for BearerAuth {
         super::exports::get_close,
     ),
     components(schemas(
-        EventInput,
-        VerifyReportSchema,
-        StreamReportSchema,
+        super::events::EventInput,
+        super::ledger::VerifyReportSchema,
+        super::ledger::StreamReportSchema,
         super::events::EventsResponse,
         super::events::EventResult,
         super::usage::UsageResponse,

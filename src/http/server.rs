@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt as _;
 
 use super::error::ApiError;
+use crate::config::Config;
 
 /// The longest request target (path and query) served, in bytes. Every route's path is
 /// a few ids of at most 64 characters and its query a few short parameters, well under
@@ -67,6 +68,18 @@ pub struct Limits {
     pub idle_timeout: Duration,
     pub connections_max: usize,
     pub write_timeout: Duration,
+}
+
+impl Limits {
+    pub fn from_config(config: &Config) -> Limits {
+        Limits {
+            header_read_timeout: Duration::from_millis(config.http_header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(config.http_body_read_timeout_ms),
+            idle_timeout: Duration::from_millis(config.http_idle_timeout_ms),
+            connections_max: config.http_connections_max,
+            write_timeout: Duration::from_millis(config.http_write_timeout_ms),
+        }
+    }
 }
 
 /// Serves `app` on `listener` until `shutdown`; then stops accepting, lets requests in
