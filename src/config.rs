@@ -16,7 +16,7 @@ pub const DB_STATEMENT_TIMEOUT_MS: u64 = 15_000;
 /// Largest request body, in bytes: a full batch of 1 000 events at maximal field lengths
 /// is about 3 MiB.
 pub const BODY_MAX_BYTES: usize = 4 * 1024 * 1024;
-/// Events per ingest batch (DESIGN §6).
+/// Events per ingest batch (contract §6).
 pub const BATCH_EVENTS_MAX: usize = 1_000;
 /// Append requests waiting for the appender; past it, producers get 503 and retry
 /// rather than queueing without bound.
@@ -33,10 +33,10 @@ pub const HTTP_CONCURRENCY_MAX: usize = 1_024;
 /// The largest provider report accepted, in bytes: imports stream, so this bounds disk
 /// and time, not memory. Over HTTP an import must also finish within the request
 /// timeout; `tally reports import` has none.
-/// The largest audit page (`limit`); DESIGN §6 caps it at 1000, so this may only lower it.
+/// The largest audit page (`limit`); contract §6 caps it at 1000, so this may only lower it.
 pub const PAGE_EVENTS_MAX: usize = 1_000;
 pub const REPORT_MAX_BYTES: u64 = 2 * 1024 * 1024 * 1024;
-/// Default backdate bound (DESIGN §2).
+/// Default backdate bound (contract §2).
 pub const BACKDATE_DAYS: u32 = 35;
 /// Ledger rows the relay reads and publishes per round.
 pub const RELAY_BATCH_MAX: usize = 1_000;
@@ -94,7 +94,7 @@ pub const TOKEN_CONCURRENCY_MAX: usize = 256;
 pub const FINANCE_BATCH_ORGS: u32 = 1_000;
 
 /// How long a read of derived figures waits for the projection to reach the position it
-/// needs (DESIGN §8) before answering 503 `projection_lagging`: the projection trails the
+/// needs (contract §8) before answering 503 `projection_lagging`: the projection trails the
 /// ledger by tens of milliseconds, so two seconds is far past normal lag and still short
 /// enough for a caller to retry.
 pub const READ_WAIT_MS: u64 = 2_000;
@@ -207,7 +207,7 @@ pub struct Config {
     pub read_wait_ms: u64,
 }
 
-/// 1 to 1000: DESIGN §6 allows no larger page.
+/// 1 to 1000: contract §6 allows no larger page.
 fn page_events_max(value: &str) -> Result<usize, String> {
     value
         .parse::<usize>()

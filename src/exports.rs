@@ -1,4 +1,4 @@
-//! Finance exports (DESIGN §5, §6): usage per org for a period, each org priced with the
+//! Finance exports (contract §5, §6): usage per org for a period, each org priced with the
 //! plan versions in effect (overage amount rounded once, half-up, to the currency's minor
 //! unit). Orgs are read in batches (keyset on the org id) and each batch is priced with a
 //! few statements, all in one repeatable-read snapshot; the usage export is produced by a
@@ -22,7 +22,7 @@ use crate::projection::query::{self, PlanVersions, PricedUsage};
 use crate::projection::store::{self, LIVE};
 use crate::runtime::{self, AccountEntry, AccountTimeline, Period, PeriodTotals};
 
-/// The header of `usage.csv` (DESIGN §6).
+/// The header of `usage.csv` (contract §6).
 pub const USAGE_CSV_HEADER: &str = "org_id,plan,period,runtime_ms,included_ms,overage_ms,\
      overage_amount,currency,commands,ports_published";
 

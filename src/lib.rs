@@ -1,4 +1,5 @@
-//! tally: an event-sourced usage and billing ledger. Modules in reading order.
+//! tally: an event-sourced usage and billing ledger. Modules in reading order. "contract §N"
+//! in comments is section N of `docs/contract.md`, the public contract.
 
 /// Admission against the database: facts, reservations (grant, release, consume).
 pub mod admission;
@@ -30,7 +31,7 @@ pub mod projection;
 pub mod reconciliation;
 /// Provider report import: streamed CSV, stored immutably by its sha256.
 pub mod reports;
-/// The runtime rules of DESIGN §3: intervals, anomalies, periods, usage, account state (pure).
+/// The runtime rules of contract §3: intervals, anomalies, periods, usage, account state (pure).
 pub mod runtime;
 /// Wiring: starts every component of `tally serve` and stops them in order.
 pub mod startup;

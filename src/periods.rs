@@ -1,4 +1,4 @@
-//! Period close (DESIGN §5): each org's figures for a finished period frozen in a stored,
+//! Period close (contract §5): each org's figures for a finished period frozen in a stored,
 //! hashed snapshot; never edited. A late event that changes a closed period shows as an
 //! adjustment — the difference between the figures now and the snapshot, with the events
 //! recorded after the close that caused it — in the next open period's usage export.

@@ -1,4 +1,4 @@
-//! Running a reconciliation (DESIGN §5): every line of a stored report against the
+//! Running a reconciliation (contract §5): every line of a stored report against the
 //! projection's container lifecycles, then the containers the report does not mention;
 //! results, counts and money totals stored together in one transaction.
 
@@ -296,6 +296,6 @@ async fn insert(
     Ok(())
 }
 
-/// The header of `lines.csv` (DESIGN §6).
+/// The header of `lines.csv` (contract §6).
 pub const LINES_CSV_HEADER: &str = "org_id,container_id,charge_period_start,charge_period_end,\
      ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency";

@@ -1,4 +1,4 @@
-//! Provider report import (DESIGN §5): streamed, all-or-nothing, stored immutably by the
+//! Provider report import (contract §5): streamed, all-or-nothing, stored immutably by the
 //! sha256 of its bytes.
 //!
 //! The bytes arrive in chunks (an HTTP body, a file). A blocking task reads them as CSV —

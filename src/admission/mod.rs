@@ -1,4 +1,4 @@
-//! Admission against the database (DESIGN §4): gathers the facts of [`billing::decide`]
+//! Admission against the database (contract §4): gathers the facts of [`billing::decide`]
 //! from the projection, the plans and the live reservations; grants and releases
 //! reservations; and consumes them when their container's `created`/`resumed` is projected.
 //!
@@ -33,7 +33,7 @@ use crate::runtime::{self, AccountEntry, AccountTimeline, Lifecycle, Period, Per
 pub const FRESHNESS_WAIT_MS: u64 = 2_000;
 /// Between looks at the projection's checkpoint while waiting.
 const FRESHNESS_POLL_MS: u64 = 2;
-/// Reservation lifetimes (DESIGN §4).
+/// Reservation lifetimes (contract §4).
 pub const TTL_SECONDS_MIN: u64 = 1;
 pub const TTL_SECONDS_MAX: u64 = 300;
 pub const TTL_SECONDS_DEFAULT: u64 = 60;

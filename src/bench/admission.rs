@@ -395,7 +395,7 @@ impl Probe {
         }
     }
 
-    /// The reasons DESIGN §4 gives for this question, from what the population is by
+    /// The reasons contract §4 gives for this question, from what the population is by
     /// construction (no reservations are taken in this bench).
     fn expected_reasons(&self, orgs: &[Org]) -> Vec<&'static str> {
         let org = &orgs[self.org];

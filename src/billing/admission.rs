@@ -1,4 +1,4 @@
-//! Admission (DESIGN §4): may an org create, resume, run a command in, or publish a port of
+//! Admission (contract §4): may an org create, resume, run a command in, or publish a port of
 //! a container now? A pure function of the facts the projections hold.
 
 use serde::Serialize;
@@ -37,7 +37,7 @@ impl Action {
     }
 }
 
-/// Why admission refuses, in the order DESIGN §4 lists them.
+/// Why admission refuses, in the order contract §4 lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
@@ -110,7 +110,7 @@ pub fn decide(action: Action, facts: &Facts) -> Decision {
     if !facts.account.billing_eligible {
         reasons.push(Reason::NotBillingEligible);
     }
-    // With sandboxes excluded the plan's limits are moot (DESIGN §4).
+    // With sandboxes excluded the plan's limits are moot (contract §4).
     if !excluded && action.takes_slot() && slots_taken >= plan.max_running_containers {
         reasons.push(Reason::ConcurrencyLimit);
     }

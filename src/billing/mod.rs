@@ -1,4 +1,4 @@
-//! Plans and admission (DESIGN §4), pure: plan definitions with decimal money, and the
+//! Plans and admission (contract §4), pure: plan definitions with decimal money, and the
 //! admission decision over the facts the projections hold.
 
 pub mod admission;

@@ -1,4 +1,4 @@
-//! Overage (DESIGN §6): within a period an org's allowance is consumed in time order across
+//! Overage (contract §6): within a period an org's allowance is consumed in time order across
 //! its containers; runtime accrued while the period's cumulative runtime is at or above the
 //! included seconds of the plan in effect at that instant is overage, priced at that plan's
 //! rate. Pure.

@@ -1,4 +1,4 @@
-//! Plans (DESIGN §4): what an org may run and what its runtime costs. Pure.
+//! Plans (contract §4): what an org may run and what its runtime costs. Pure.
 //!
 //! A plan is defined or changed by `PUT /v1/plans/{id}`, which appends a `plan.defined`
 //! event; each one is a new version, in effect from its `occurred_at`. Money is a
@@ -58,7 +58,7 @@ fn decimal_string<S: serde::Serializer>(value: &Decimal, serializer: S) -> Resul
 }
 
 impl Plan {
-    /// The plan every org starts on (DESIGN §3, §4): no sandboxes, nothing included. It
+    /// The plan every org starts on (contract §3, §4): no sandboxes, nothing included. It
     /// exists before any `plan.defined` event; defining `free` makes a new version of it.
     pub fn free() -> Plan {
         Plan {

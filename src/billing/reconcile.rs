@@ -1,4 +1,4 @@
-//! Reconciliation (DESIGN §5): the provider's runtime for a container over a charge period
+//! Reconciliation (contract §5): the provider's runtime for a container over a charge period
 //! against the ledger's, line by line, and the containers the provider did not report.
 //! Pure; money is `Decimal` throughout.
 
@@ -16,7 +16,7 @@ pub struct Tolerance {
 }
 
 impl Default for Tolerance {
-    /// max(2000 ms, 0.5 % of the ledger), DESIGN §5.
+    /// max(2000 ms, 0.5 % of the ledger), contract §5.
     fn default() -> Self {
         Tolerance {
             min_ms: 2_000,

@@ -1,4 +1,4 @@
-//! Provider reports in FOCUS 1.x columns (DESIGN §5): the header and each record, checked
+//! Provider reports in FOCUS 1.x columns (contract §5): the header and each record, checked
 //! and parsed into [`ReportLine`]s. Pure: the caller feeds records from any reader.
 //!
 //! Columns are found by name in any order; unknown columns are ignored; a required column

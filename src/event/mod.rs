@@ -1,5 +1,5 @@
 //! The event: what producers send, and the rules an event must meet before the ledger takes
-//! it (DESIGN §2). Pure: no I/O, the clock is passed in.
+//! it (contract §2). Pure: no I/O, the clock is passed in.
 //!
 //! Flow: bytes → [`parse`] (native JSON or CloudEvents) → [`Event`] → ledger appender.
 
@@ -18,19 +18,19 @@ pub use ids::{ContainerId, EventId, IdError, OrgId, PlanId};
 /// but an event from the future would let a caller pre-book runtime.
 pub const FUTURE_SKEW_MAX_SECONDS: i64 = 5 * 60;
 
-/// Longest `container.created` name, in characters (DESIGN §2).
+/// Longest `container.created` name, in characters (contract §2).
 pub const CONTAINER_NAME_LENGTH_MAX: usize = 128;
-/// Longest `container.created` image reference, in characters (DESIGN §2).
+/// Longest `container.created` image reference, in characters (contract §2).
 pub const IMAGE_LENGTH_MAX: usize = 256;
-/// Longest `command_id`, in characters (DESIGN §2).
+/// Longest `command_id`, in characters (contract §2).
 pub const COMMAND_ID_LENGTH_MAX: usize = 128;
-/// Longest published-port URL, in bytes (DESIGN §2).
+/// Longest published-port URL, in bytes (contract §2).
 pub const URL_LENGTH_MAX: usize = 2048;
 /// Longest command duration we accept: a year. No command outlives a billing year, and
 /// the bound keeps every sum of durations far inside `i64` milliseconds.
 pub const COMMAND_DURATION_MAX_MS: u64 = 366 * 24 * 60 * 60 * 1000;
 
-/// The eight kinds of event of DESIGN §2. Names are past tense: each records a fact.
+/// The eight kinds of event of contract §2. Names are past tense: each records a fact.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EventType {
     ContainerCreated,
@@ -263,7 +263,7 @@ pub struct FieldNames {
 }
 
 impl Unchecked<'_> {
-    /// Applies every rule of DESIGN §2 and returns the event as the ledger will store it.
+    /// Applies every rule of contract §2 and returns the event as the ledger will store it.
     pub fn check(self, bounds: TimeBounds) -> Result<Event, EventError> {
         let names = self.names;
         let event_type = EventType::parse(self.event_type).ok_or_else(|| {

@@ -2,7 +2,7 @@
 //! CloudEvents 1.0 in structured mode (one event, or a batch array).
 //!
 //! Serde does the shape checks (unknown and duplicated fields are errors everywhere); the
-//! rules of DESIGN §2 live in [`Unchecked::check`]. A body that is not JSON at all is
+//! rules of contract §2 live in [`Unchecked::check`]. A body that is not JSON at all is
 //! *malformed* (HTTP 400); a JSON body that breaks a rule is *invalid* (HTTP 422) with one
 //! detail per offending event, so that a producer can fix a batch in one round.
 
@@ -15,7 +15,7 @@ use super::{
 };
 
 /// The namespace under which a CloudEvent becomes its ledger id: UUIDv5 of
-/// `orgid + "\n" + source + "\n" + id` (DESIGN §2). Fixed forever: changing it would let
+/// `orgid + "\n" + source + "\n" + id` (contract §2). Fixed forever: changing it would let
 /// every retried CloudEvent in flight be stored twice. Not the legacy namespace, so that no
 /// scoped name can land on an id a legacy name already took (a legacy `id` could hold a
 /// line break, making `source + "\n" + id` spell a scoped name).
@@ -91,7 +91,7 @@ pub enum BodyError {
 }
 
 impl BodyError {
-    /// The stable error code of DESIGN §7.
+    /// The stable error code of contract §7.
     pub fn code(&self) -> &'static str {
         match self {
             BodyError::Malformed(_) => "malformed_json",

@@ -1,4 +1,4 @@
-//! What Postgres stores exactly as tally hashed it (DESIGN §2: text anywhere in an event
+//! What Postgres stores exactly as tally hashed it (contract §2: text anywhere in an event
 //! must be storable as it was hashed). Every text and instant that enters tally — event
 //! fields, request bodies, query parameters, report cells — is checked here before it can
 //! reach the ledger or any table. Pure.

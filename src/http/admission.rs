@@ -1,4 +1,4 @@
-//! Admission (DESIGN §4, §6): `POST /v1/admission/check`, `POST /v1/admission/reservations`,
+//! Admission (contract §4, §6): `POST /v1/admission/check`, `POST /v1/admission/reservations`,
 //! `DELETE /v1/admission/reservations/{id}`.
 
 use axum::body::Body;
@@ -33,7 +33,7 @@ pub fn router() -> Router<AppState> {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CheckResponse {
     allowed: bool,
-    /// Every reason that applies, in the order of DESIGN §4.
+    /// Every reason that applies, in the order of contract §4.
     reasons: Vec<&'static str>,
     plan: String,
     period: String,

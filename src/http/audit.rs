@@ -1,4 +1,4 @@
-//! Audit queries (DESIGN §6): `GET /v1/events` and `GET /v1/containers/{id}/events`, pages
+//! Audit queries (contract §6): `GET /v1/events` and `GET /v1/containers/{id}/events`, pages
 //! of the ledger in position order with a `next_after` cursor.
 
 use std::collections::HashMap;
@@ -19,7 +19,7 @@ use axum::Extension;
 
 /// Events per page when `limit` is not given.
 pub const PAGE_DEFAULT: usize = 100;
-/// The largest page DESIGN §6 allows; `TALLY_PAGE_EVENTS_MAX` may lower it.
+/// The largest page contract §6 allows; `TALLY_PAGE_EVENTS_MAX` may lower it.
 pub const PAGE_MAX: usize = crate::config::PAGE_EVENTS_MAX;
 
 pub fn router() -> Router<AppState> {

@@ -34,7 +34,7 @@ use super::AppState;
 /// requests are typically done in milliseconds.
 pub const TOKEN_LIMITED_RETRY_AFTER_SECONDS: u64 = 1;
 
-/// What a token may do (DESIGN §6). `admin` implies every other scope.
+/// What a token may do (contract §6). `admin` implies every other scope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Scope {
     EventsWrite,
@@ -114,8 +114,8 @@ const fn route(method: &'static str, path: &'static str, scope: Scope, org: OrgR
     }
 }
 
-/// Every `/v1` route, the one table of DESIGN §6 plus the org rule of each (recorded in
-/// `docs/decisions/org-bound-tokens.md`). A route missing here is refused to everyone but
+/// Every `/v1` route, the one table of contract §6 plus the org rule of each (recorded in
+/// `docs/decisions/0014-org-bound-tokens.md`). A route missing here is refused to everyone but
 /// unbound admins, so a new route is closed until it is listed; the org-binding test walks
 /// this table and the OpenAPI document and fails on a route it has no case for.
 pub const ROUTES: &[RouteRule] = {

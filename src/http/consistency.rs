@@ -1,4 +1,4 @@
-//! How fresh a read of derived figures must be (DESIGN §8): by default every event
+//! How fresh a read of derived figures must be (contract §8): by default every event
 //! acknowledged before the read began, by any instance; `min_position` (query parameter or
 //! `Tally-Min-Position` header) for a given position; `consistency=eventual` for the
 //! projection as it stands. Every answer names the checkpoint its figures reflect.

@@ -1,4 +1,4 @@
-//! `POST /v1/events`: one event, `{"events": [...]}`, or CloudEvents (DESIGN §2, §6).
+//! `POST /v1/events`: one event, `{"events": [...]}`, or CloudEvents (contract §2, §6).
 
 use axum::body::Body;
 use axum::extract::State;

@@ -1,4 +1,4 @@
-//! `GET /v1/exports/usage.csv?period=YYYY-MM` (DESIGN §6): usage per org, streamed as CSV
+//! `GET /v1/exports/usage.csv?period=YYYY-MM` (contract §6): usage per org, streamed as CSV
 //! (or `?format=json`); period close as a job (`POST /v1/periods/{p}/close`, its status at
 //! `GET /v1/periods/{p}/close`) and the closed period (`GET /v1/periods/{p}`).
 

@@ -6,7 +6,7 @@
 //! for as long as it walks the ledger, and twenty at once took every connection and
 //! stalled everyone's reads and writes. A request that finds a pass running is answered at
 //! once with 503 `verify_in_progress` and `Retry-After`; see
-//! `docs/decisions/org-bound-tokens.md`.
+//! `docs/decisions/0014-org-bound-tokens.md`.
 
 use std::collections::HashMap;
 

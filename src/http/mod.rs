@@ -1,4 +1,4 @@
-//! The HTTP API (DESIGN §6, §7): `app(state)` builds the router; each feature module owns
+//! The HTTP API (contract §6, §7): `app(state)` builds the router; each feature module owns
 //! its routes. Handlers are thin: extract, parse into domain types, call the ledger, map.
 
 pub mod admission;

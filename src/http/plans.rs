@@ -1,4 +1,4 @@
-//! Plans (DESIGN §4, §6): `PUT /v1/plans/{plan_id}` defines or changes a plan by appending a
+//! Plans (contract §4, §6): `PUT /v1/plans/{plan_id}` defines or changes a plan by appending a
 //! `plan.defined` event (a new version, in effect from now); `GET /v1/plans` lists the
 //! current version of each.
 

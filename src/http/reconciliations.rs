@@ -1,4 +1,4 @@
-//! Reconciliations (DESIGN §5, §6): `POST /v1/reconciliations` runs one;
+//! Reconciliations (contract §5, §6): `POST /v1/reconciliations` runs one;
 //! `GET /v1/reconciliations/{id}/lines.csv` streams its lines (`?format=json` for JSON).
 
 use std::collections::HashMap;
@@ -192,7 +192,7 @@ impl LineRow {
     }
 }
 
-/// A reconciliation's lines, streamed: CSV with the header of DESIGN §6, or JSON. A token
+/// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. A token
 /// bound to an org gets that org's lines only.
 #[utoipa::path(
     get,

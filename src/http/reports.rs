@@ -1,4 +1,4 @@
-//! `POST /v1/provider-reports` (DESIGN §5, §6): a FOCUS CSV report, streamed into the
+//! `POST /v1/provider-reports` (contract §5, §6): a FOCUS CSV report, streamed into the
 //! database all-or-nothing; the same bytes again answer 200 with the same report.
 
 use axum::body::Body;

@@ -3,7 +3,7 @@
 //! axum's `serve` has no timeouts and no cap on connections, so a client that opens
 //! connections and sends nothing, trickles a head, or sends one byte of a declared body
 //! could hold file descriptors and request slots for as long as it liked. This drives
-//! hyper's HTTP/1 connections itself, with (docs/decisions/http-connection-limits.md):
+//! hyper's HTTP/1 connections itself, with (docs/decisions/0015-http-connection-limits.md):
 //! - a header read timeout, from a connection's accept or a request's first byte until its
 //!   head is in, and an idle timeout between keep-alive requests ([`TimedIo`]);
 //! - a body read timeout: the longest a handler waits for the next piece of a body

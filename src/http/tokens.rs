@@ -1,4 +1,4 @@
-//! Tokens (DESIGN §6): `POST /v1/tokens` creates one — the secret is in the answer and
+//! Tokens (contract §6): `POST /v1/tokens` creates one — the secret is in the answer and
 //! nowhere else, since only its sha256 is stored — and `DELETE /v1/tokens/{id}` revokes one,
 //! at once.
 

@@ -1,4 +1,4 @@
-//! The runtime read API (DESIGN §6): `GET /v1/orgs/{org_id}/usage` and
+//! The runtime read API (contract §6): `GET /v1/orgs/{org_id}/usage` and
 //! `GET /v1/containers/{container_id}`, served from the projection.
 
 use std::collections::HashMap;

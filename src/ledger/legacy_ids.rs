@@ -1,5 +1,5 @@
 //! CloudEvents stored before ids were scoped by org keep their ids (see
-//! `docs/decisions/cloudevents-ids-scoped-by-org.md`).
+//! `docs/decisions/0003-cloudevents-ids-scoped-by-org.md`).
 //!
 //! The parser gives every CloudEvent its org-scoped id. Before such events go to the
 //! appender, one query asks whether the ledger already holds any of them under its legacy

@@ -86,7 +86,7 @@ pub async fn versions(
     Ok(versions)
 }
 
-/// The first event of `events` that moves an org to a plan that does not exist (DESIGN §4:
+/// The first event of `events` that moves an org to a plan that does not exist (contract §4:
 /// 422 `unknown_plan`), as (index, plan id). Plans are never removed, so a plan found here
 /// still exists when the event is appended.
 pub async fn unknown_reference(

@@ -222,7 +222,7 @@ pub async fn container(
     })
 }
 
-/// Usage with its overage and the plan in effect (DESIGN §6 usage).
+/// Usage with its overage and the plan in effect (contract §6 usage).
 #[derive(Debug, Clone)]
 pub struct PricedUsage {
     pub usage: Usage,

@@ -3,14 +3,14 @@
 //! Admission asks what the state is now, and pricing asks which plan was in effect at each
 //! instant of a period; both read an [`AccountTimeline`] folded from the org's account
 //! events. The state at an instant is the last value set at or before it, by `occurred_at`
-//! and then ledger position (DESIGN §3), whatever order the events arrived in.
+//! and then ledger position (contract §3), whatever order the events arrived in.
 
 use chrono::{DateTime, Utc};
 
 use super::ledger_order;
 use crate::event::{Event, EventData, EventId, PlanId};
 
-/// The plan of an org that never had a plan event (DESIGN §3, §4).
+/// The plan of an org that never had a plan event (contract §3, §4).
 pub const FREE_PLAN: &str = "free";
 
 /// An org event, reduced to the value it sets.

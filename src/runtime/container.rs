@@ -3,7 +3,7 @@
 //!
 //! A projector hands [`ContainerTimeline::fold`] every container event it has for one
 //! container, in whatever order they arrived. The fold orders them by (`occurred_at`, ledger
-//! position) and walks the state machine of DESIGN §3. Because it always starts from the
+//! position) and walks the state machine of contract §3. Because it always starts from the
 //! whole history, a late event yields exactly the figures it would have yielded in order.
 
 use std::collections::BTreeMap;
@@ -128,7 +128,7 @@ impl ContainerState {
 }
 
 /// An event the state machine could not take at face value. Anomalies are recorded, not
-/// rejected: the ledger keeps every fact, and billing follows the table of DESIGN §3.
+/// rejected: the ledger keeps every fact, and billing follows the table of contract §3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AnomalyKind {
     DuplicateCreate,
@@ -425,7 +425,7 @@ impl Lifecycle {
         }
     }
 
-    /// One step of the table in DESIGN §3. "Seen" means a `created` or `resumed` came
+    /// One step of the table in contract §3. "Seen" means a `created` or `resumed` came
     /// before, which is exactly "has an interval": so a `created` after a
     /// `resume_before_create` is a `duplicate_create`, while a `created` after a stray
     /// `stop_while_not_running` is the container's real start.

@@ -1,4 +1,4 @@
-//! The runtime rules of DESIGN §3: how a container's lifecycle events become running time,
+//! The runtime rules of contract §3: how a container's lifecycle events become running time,
 //! how that time falls into billing periods, and what an org's account state is at each
 //! instant. Pure: no I/O, and the clock is passed in as `as_of`.
 //!
@@ -32,7 +32,7 @@ pub use container::{
 };
 pub use period::{Period, PeriodError, Window};
 
-/// What one org used in one period, as of an instant (DESIGN §6 usage).
+/// What one org used in one period, as of an instant (contract §6 usage).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     /// Running time in `[period start, min(period end, as_of))`.

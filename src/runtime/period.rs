@@ -1,6 +1,6 @@
 //! Billing periods and time windows: the calendar arithmetic under every runtime figure.
 //!
-//! Periods are UTC calendar months named `YYYY-MM` (DESIGN §3). Every span of time is
+//! Periods are UTC calendar months named `YYYY-MM` (contract §3). Every span of time is
 //! half-open, `[start, end)`, so that an instant on a boundary belongs to exactly one period
 //! and adjacent pieces add up without double counting.
 
@@ -137,7 +137,7 @@ impl Window {
     }
 
     /// The part of the window before `as_of`: a figure "as of" an instant counts nothing
-    /// after it (DESIGN §6), and an `as_of` before the window leaves it empty. `as_of` is
+    /// after it (contract §6), and an `as_of` before the window leaves it empty. `as_of` is
     /// truncated to the millisecond, like event times, so that every count is exact.
     pub fn until(self, as_of: DateTime<Utc>) -> Window {
         let as_of = as_of.trunc_subsecs(3);

@@ -416,7 +416,7 @@ async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
     );
     assert_eq!(app.ledger_count().await, 0);
 
-    // `null` means absent (docs/decisions/event-data-null-is-absent.md).
+    // `null` means absent (docs/decisions/0002-event-data-null-is-absent.md).
     resumed["data"] = Value::Null;
     let (status, body) = app.post_json(&resumed).await;
     assert_eq!(status, 200, "{body}");
@@ -732,7 +732,7 @@ impl Generated {
     }
 }
 
-/// DESIGN §2: the stored, hashed and relayed forms are the same bytes. For every event the
+/// contract §2: the stored, hashed and relayed forms are the same bytes. For every event the
 /// parser accepts, the hash the appender computed at ingest equals the hash recomputed
 /// from the row Postgres gives back (what `verify` does), and the canonical bytes from the
 /// event in memory equal those from the stored row; an event Postgres could not give back
