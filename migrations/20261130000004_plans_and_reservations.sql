@@ -3,7 +3,7 @@
 CREATE INDEX ledger_plan_definitions ON ledger ((data->>'id'), occurred_at, position)
     WHERE type = 'plan.defined';
 
--- Admission reservations (contract §4): operational state, not part of the ledger. A
+-- Admission reservations (DESIGN §4): operational state, not part of the ledger. A
 -- reservation holds one running slot of its org while it is live: not expired, not
 -- released, not consumed by its container's `created`/`resumed`. Rows are never deleted,
 -- so they are also the audit record of who reserved, when, and what became of it.

@@ -1,4 +1,4 @@
--- API tokens (contract §6). The secret is shown once, when the token is created; only its
+-- API tokens (DESIGN §6). The secret is shown once, when the token is created; only its
 -- sha256 is stored, so a dump of the database holds nothing that authenticates. Revoked
 -- tokens are kept (revoked_at), for audit.
 CREATE TABLE api_token (

@@ -1,4 +1,4 @@
--- Provider usage reports (contract §5), stored as imported: never changed. The sha256 of
+-- Provider usage reports (DESIGN §5), stored as imported: never changed. The sha256 of
 -- the bytes identifies a report, so importing the same bytes again finds the same one.
 CREATE TABLE provider_report (
     id           UUID        PRIMARY KEY,

@@ -1,4 +1,4 @@
--- Reconciliations of provider reports against the ledger (contract §5): each run's result,
+-- Reconciliations of provider reports against the ledger (DESIGN §5): each run's result,
 -- kept as computed (counts and money totals per status and per org), and its lines.
 CREATE TABLE reconciliation (
     id              UUID        PRIMARY KEY,

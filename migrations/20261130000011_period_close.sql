@@ -1,4 +1,4 @@
--- Closed periods (contract §5): each org's figures frozen when the period was closed, with
+-- Closed periods (DESIGN §5): each org's figures frozen when the period was closed, with
 -- the sha256 of their usage-export bytes so that the snapshot can be verified later. Never
 -- changed: a late event affecting a closed period shows as an adjustment in the next open
 -- period's export instead.
