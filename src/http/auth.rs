@@ -71,7 +71,7 @@ impl Scope {
     }
 }
 
-/// How a route treats a token bound to one org (issue 17): every route is listed in
+/// How a route treats a token bound to one org: every route is listed in
 /// [`ROUTES`] with one of these, and the rule is enforced either here, before the handler
 /// runs ([`OrgRule::PathOrg`], [`OrgRule::Global`]), or by the handler, which alone knows
 /// the org once it has parsed the body or looked the resource up.
@@ -269,8 +269,8 @@ async fn principal(
     }))
 }
 
-/// Requests in progress per token, so that one token cannot take every request slot
-/// (issue 17): past `max` a request is refused at once with 429 `too_many_requests`.
+/// Requests in progress per token, so that one token cannot take every request slot:
+/// past `max` a request is refused at once with 429 `too_many_requests`.
 ///
 /// The map holds an entry only while its token has a request in progress (a permit removes
 /// its entry when the count drops to 0), so it never holds more entries than there are

@@ -1,4 +1,4 @@
-//! Corrections, append-only (issue 6): an admin voids an event — a `ledger.event_voided`
+//! Corrections, append-only: an admin voids an event — a `ledger.event_voided`
 //! naming it, why, and who — or adds events the producers never sent, beyond the backdate
 //! bound, recorded with a `ledger.events_added` naming them, why, and who. Nothing is ever
 //! changed in place: the projections take a voided event back as if it had never been

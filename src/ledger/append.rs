@@ -26,15 +26,15 @@
 //! and is answered [`AppendError::Unstorable`]; every other request is committed, in queue
 //! order, with positions and hashes prepared again for what was actually committed. This
 //! costs nothing until such an error happens. Other errors (the database is down, a
-//! timeout) fail the whole group as before: they are not the requests' fault, and retrying
+//! timeout) fail the whole group: they are not the requests' fault, and retrying
 //! is the producers' call.
 //!
 //! The appender runs on a thread of its own, with a single-threaded runtime and its own
 //! connection, whose socket that runtime's reactor watches. On the service's runtime the
-//! appender's wake-ups (the answer to `ledger_append`, a new request) queued behind every
-//! ready HTTP task, and the socket was only polled when a worker got round to the reactor:
-//! with 64 single-event clients on two cores that added more to each group commit than
-//! Postgres spent executing it. A thread of its own is woken by the kernel directly, and
+//! appender's wake-ups (the answer to `ledger_append`, a new request) would queue behind
+//! every ready HTTP task, and the socket would be polled only when a worker got round to
+//! the reactor: with 64 single-event clients on two cores that adds more to each group
+//! commit than Postgres spends executing it. A thread of its own is woken by the kernel directly, and
 //! a group commit is that much shorter for every request waiting on it.
 
 use std::collections::HashMap;

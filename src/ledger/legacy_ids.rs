@@ -5,7 +5,7 @@
 //! appender, one query asks whether the ledger already holds any of them under its legacy
 //! id — the same org, the same `source` and `id` — and those take the legacy id back, so
 //! that a producer retrying an event stored by an earlier version gets a duplicate (or a
-//! 409 for other content), exactly as before. No new row is ever written with a legacy id,
+//! 409 for other content), as that version answered. No new row is ever written with a legacy id,
 //! so the answer for an event can only change from "no" to "no": the lookup is stable.
 
 use std::collections::HashMap;

@@ -11,10 +11,8 @@
 //! group commits: per round, every touched container, org and period row is written once
 //! and the fixed statements are paid once. The linger counts from when the first commit
 //! not yet projected began to wait, so a busy projector, whose rounds last as long, never
-//! idles between them: a fixed 25 ms pause after every round measured a lag p99 of 234,
-//! 367 and 418 ms at 10 000 events/s when the machine was slow, and this rule 91–300 ms in
-//! six runs (25 or 50 ms) in the same hours (on a smaller replay ledger both rules were
-//! far slower; see docs/benchmarks.md). A reader that needs this instance's
+//! idles between them (a fixed pause after every round roughly doubles the lag p99 at
+//! 10 000 events/s; docs/benchmarks.md). A reader that needs this instance's
 //! appends projected now ([`Freshness::hurry`]) ends the linger at once.
 
 use std::collections::{HashMap, HashSet};

@@ -212,7 +212,7 @@ pub struct ContainerTimeline {
 ///
 /// The anomalies themselves are not carried: [`Lifecycle::advance`] hands each new one to
 /// its caller, which appends it to wherever it keeps them. Carrying the list made every
-/// event of a container cost as much as the anomalies it already had (issue 17, item 11).
+/// event of a container cost as much as the anomalies it already had.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Lifecycle {
     /// Sorted, non-overlapping; only the last may be open.

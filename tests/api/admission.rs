@@ -1,4 +1,4 @@
-//! Admission and reservations (issue 4): decisions from the projection, and reservations
+//! Admission and reservations: decisions from the projection, and reservations
 //! that grant the last slot exactly once however many requests race for it, on one
 //! instance or several.
 

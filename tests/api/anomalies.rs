@@ -1,4 +1,4 @@
-//! Container anomalies (issue 17, item 11): an event of a container costs the projection
+//! Container anomalies: an event of a container costs the projection
 //! the same whatever anomalies the container already has, the API pages them, a container
 //! keeps at most `ANOMALIES_KEPT_MAX` and counts the rest, replay keeps the same rows, and
 //! the migration moves anomalies stored as one JSON array into rows without losing one.

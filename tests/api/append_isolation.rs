@@ -1,4 +1,4 @@
-//! Issue 17 item 2, the isolation half: one request whose content Postgres refuses fails
+//! Append isolation: one request whose content Postgres refuses fails
 //! alone. Every other request of its group commit is stored and answered, positions stay
 //! gap-free and the chain intact; over HTTP the refused caller gets a 422, over NATS the
 //! message is dead-lettered instead of redelivered for ever.

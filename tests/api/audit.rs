@@ -1,4 +1,4 @@
-//! Audit queries (issue 6): pages of the ledger in position order with a cursor.
+//! Audit queries: pages of the ledger in position order with a cursor.
 
 use std::collections::BTreeSet;
 

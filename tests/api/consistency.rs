@@ -1,4 +1,4 @@
-//! Reading what was written (issue 18, contract §8): a read of usage or a container reflects
+//! Reading what was written (contract §8): a read of usage or a container reflects
 //! every event acknowledged before it began, by any instance, and names the position it
 //! reflects; `min_position` waits only for that position, `consistency=eventual` not at
 //! all, and a projection that does not catch up within the wait is a 503, never stale

@@ -1,4 +1,4 @@
-//! Corrections (issue 6): a void takes an event back as if it had never been stored, while
+//! Corrections: a void takes an event back as if it had never been stored, while
 //! both stay in the ledger and its chain; admins can add events beyond the backdate bound,
 //! and the audit trail says who and why.
 

@@ -1,4 +1,4 @@
-//! The usage export (issue 5): one row per org, priced with its plan, overage rounded
+//! The usage export: one row per org, priced with its plan, overage rounded
 //! half-up to the currency's minor unit; the CLI prints the same.
 
 use chrono::{Duration, DurationRound, Utc};

@@ -1,4 +1,4 @@
-//! Faults (issue 6): with Postgres gone, requests fail fast with 503 — never a 500 — and
+//! Faults: with Postgres gone, requests fail fast with 503 — never a 500 — and
 //! nothing is half-written; when it returns, the service recovers by itself. The test runs
 //! a private Postgres cluster of its own, so that stopping it disturbs nobody.
 

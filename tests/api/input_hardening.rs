@@ -1,4 +1,4 @@
-//! Input hardening (issue 17, items 1, 2, 7 and 9): what Postgres cannot store as it was
+//! Input hardening: what Postgres cannot store as it was
 //! hashed (leap seconds, NUL) is refused at validation wherever it enters; CloudEvents ids
 //! are scoped by org while ids stored before keep theirs; duplicate JSON keys and
 //! non-object `data` are refused; a report's year 0000 is a 422 naming its line.

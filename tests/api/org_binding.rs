@@ -1,4 +1,4 @@
-//! Tokens against each other (issue 17): a token bound to one org is held to it on every
+//! Tokens against each other: a token bound to one org is held to it on every
 //! route, driven from the route table itself (item 3); one verify pass at a time (item 6);
 //! one token cannot take every request slot (item 5); the bearer scheme in any case
 //! (item 9).

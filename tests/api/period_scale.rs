@@ -1,4 +1,4 @@
-//! Period close and usage export at scale (issue 17 item 8): a close runs as a job, in
+//! Period close and usage export at scale: a close runs as a job, in
 //! batches inside one transaction, from HTTP (202 and a status route) or the CLI; a running
 //! close is found, not doubled; an abandoned or failed one leaves nothing and is retried.
 //! The batch size is set tiny so that a few hundred orgs make many batches.

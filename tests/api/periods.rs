@@ -1,4 +1,4 @@
-//! Period close (issue 5): figures frozen in a hashed snapshot; a late event leaves it
+//! Period close: figures frozen in a hashed snapshot; a late event leaves it
 //! untouched and shows as an adjustment in the next open period's export.
 
 use chrono::Duration;
@@ -38,7 +38,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         let request = app.client.get(app.url(&path)).bearer_auth(TOKEN);
         async move { request.send().await.unwrap() }
     };
-    // A close is a job (issue 17): accepted, then done with the closed period.
+    // A close is a job: accepted, then done with the closed period.
     let (status, job) = post(format!("/v1/periods/{closed}/close")).await;
     assert_eq!(status, 202, "{job}");
     let snapshot = loop {

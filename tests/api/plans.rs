@@ -1,4 +1,4 @@
-//! Plans (issue 4): definitions are ledger events with decimal-string money; an org can
+//! Plans: definitions are ledger events with decimal-string money; an org can
 //! only move to a plan that exists.
 
 use serde_json::{json, Value};

@@ -1,4 +1,4 @@
-//! Runtime projections (issue 3): the projected usage and timelines equal the pure rules
+//! Runtime projections: the projected usage and timelines equal the pure rules
 //! over the same events, whatever their arrival order, and replay reproduces them exactly.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

@@ -1,4 +1,4 @@
-//! Reconciliation (issue 5): a report derived from the ledger with one planted discrepancy
+//! Reconciliation: a report derived from the ledger with one planted discrepancy
 //! of every kind is reconciled to exactly those, with exact deltas and costs to the cent.
 
 use chrono::{Duration, DurationRound, Utc};

@@ -1,4 +1,4 @@
-//! Provider report import (issue 5): FOCUS CSV, all-or-nothing, errors naming line and
+//! Provider report import: FOCUS CSV, all-or-nothing, errors naming line and
 //! column, the same bytes again are the same report.
 
 use serde_json::Value;

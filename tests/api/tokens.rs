@@ -1,4 +1,4 @@
-//! Tokens and scopes (issue 6): every route checks its scope in one place, org-bound
+//! Tokens and scopes: every route checks its scope in one place, org-bound
 //! tokens act on their org only, revocation is immediate, and secrets are never stored.
 
 use reqwest::Method;
