@@ -474,3 +474,54 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
         "{position} short of {acknowledged}"
     );
 }
+
+/// While another process holds the projection's checkpoint (as a running service's
+/// projector does during a round) and does not move it, the command line's export cannot
+/// reach the head: it waits `TALLY_READ_WAIT_MS`, then fails saying so, rather than print
+/// figures that miss an acknowledged event.
+#[tokio::test]
+async fn the_command_line_export_fails_clearly_when_a_held_projection_does_not_reach_the_head() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _, _task) = Appender::start(
+        pool.clone(),
+        AppendLimits {
+            queue_max: 64,
+            group_events_max: 1_000,
+        },
+    );
+    let now = Utc::now().duration_trunc(Duration::seconds(1)).unwrap();
+    let events = run(
+        "org_held",
+        "ctr_held",
+        now - Duration::minutes(2),
+        now - Duration::minutes(1),
+    );
+    let acknowledged = append(&appender, &events).await;
+    let mut hold = pool.begin().await.unwrap();
+    sqlx::query("SELECT position FROM proj.checkpoint FOR UPDATE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args([
+            "export",
+            "usage",
+            "--period",
+            &Period::containing(now).to_string(),
+        ])
+        .env("DATABASE_URL", &db.url)
+        .env("TALLY_READ_WAIT_MS", "300")
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    hold.rollback().await.unwrap();
+    let printed = String::from_utf8(output.stderr).unwrap();
+    assert!(!output.status.success(), "{printed}");
+    assert!(output.stdout.is_empty(), "nothing is exported: {printed}");
+    assert!(
+        printed.contains(&format!("short of the ledger head {acknowledged}")),
+        "{printed}"
+    );
+}
