@@ -265,7 +265,11 @@ pub async fn get_period(
     params(
         ("period" = String, Query, description = "YYYY-MM"),
         ("format" = Option<String>, Query, description = "csv (default) or json"),
-        consistency::ConsistencyParams,
+        ("min_position" = Option<i64>, Query, minimum = 0,
+         description = "wait only until the projection has reached this ledger position, rather than the head"),
+        ("consistency" = Option<String>, Query, pattern = "^eventual$",
+         description = "`eventual`: export at once from the projection as it stands"),
+        ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
     ),
     responses(
         (status = 200, content_type = "text/csv", body = String,
