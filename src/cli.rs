@@ -64,14 +64,18 @@ pub enum Command {
 #[derive(Debug, Subcommand)]
 pub enum PeriodsCommand {
     /// Close a finished period (YYYY-MM) here, however long it takes, and print the closed
-    /// period as JSON; an already closed period prints as it is. Exit 1 when the period is
+    /// period as JSON (`position`: the ledger position its snapshot reflects); an already
+    /// closed period prints as it is. The projection is first brought to the ledger head, so
+    /// every event recorded before the command is in the snapshot. Exit 1 when the period is
     /// still running or another process is closing it.
     Close { period: String },
 }
 
 #[derive(Debug, Subcommand)]
 pub enum ExportCommand {
-    /// Usage per org for a period, as CSV (`--format json` for JSON lines).
+    /// Usage per org for a period, as CSV (`--format json` for JSON lines). The projection is
+    /// first brought to the ledger head; the position the figures reflect goes to standard
+    /// error as `position N`.
     Usage {
         #[arg(long)]
         period: String,
@@ -187,15 +191,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 other => anyhow::bail!("--format {other:?}: csv or json"),
             };
             let pool = db::prepare(&cli.config).await?;
+            // No projector runs here: every event acknowledged before now is projected first.
+            to_head(&pool, &cli.config).await?;
             let as_of = chrono::Utc::now().min(period.end());
             let batch_orgs = i64::from(cli.config.finance_batch_orgs);
-            let mut parts = std::pin::pin!(crate::exports::usage_export(
-                pool.clone(),
-                period,
-                as_of,
-                batch_orgs,
-                None
-            ));
+            let export =
+                crate::exports::usage_export(&pool, period, as_of, batch_orgs, None).await?;
+            eprintln!("position {}", export.position);
+            let mut parts = std::pin::pin!(export.parts);
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
             if !json {
                 writeln!(out, "{}", crate::exports::USAGE_CSV_HEADER)?;
@@ -268,11 +271,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Brings the projection to the ledger head taken now (see src/projection/catch_up.rs),
+/// waiting at most `TALLY_READ_WAIT_MS` for a running service's projector.
+async fn to_head(pool: &sqlx::PgPool, config: &Config) -> anyhow::Result<i64> {
+    let wait = std::time::Duration::from_millis(config.read_wait_ms);
+    Ok(crate::projection::catch_up::to_head(pool, config.projector_batch_max, wait).await?)
+}
+
 /// `tally periods close YYYY-MM`: the same close as the HTTP job, run to its end here.
 async fn close_period(config: &Config, period: &str) -> anyhow::Result<ExitCode> {
     use crate::periods::{self, CloseError, JobStatus, Start};
     let period = crate::runtime::Period::parse(period)?;
     let pool = db::prepare(config).await?;
+    // No projector runs here: every event acknowledged before now goes in the snapshot.
+    to_head(&pool, config).await?;
     let started = periods::start(&pool, period, "cli", i64::from(config.finance_batch_orgs)).await;
     let outcome = match started {
         Ok(Start::Claimed(claim)) => {

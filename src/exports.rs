@@ -316,57 +316,83 @@ pub enum Part {
     Adjustments(Vec<Adjustment>),
 }
 
+/// A usage export under way: the ledger position its figures reflect (the projection's
+/// checkpoint, read in the export's snapshot before any row) and its batches.
+pub struct UsageExport<S> {
+    pub position: i64,
+    pub parts: S,
+}
+
 /// `period`'s usage export as of `as_of`: every org's row, then the adjustments of closed
 /// periods whose next open period is `period` (src/periods.rs), in batches of at most
 /// `batch_orgs` orgs, all read in one repeatable-read snapshot by a task that runs at most
 /// [`QUEUED_BATCHES_MAX`] batches ahead of the reader. Dropping the stream stops the task.
-/// With `only_org` (a token bound to that org), only that org is listed and priced.
-pub fn usage_export(
-    pool: PgPool,
+/// With `only_org` (a token bound to that org), only that org is listed and priced. The
+/// snapshot is taken here, with the checkpoint, so that the position is known before the
+/// first byte is written.
+pub async fn usage_export(
+    pool: &PgPool,
     period: Period,
     as_of: DateTime<Utc>,
     batch_orgs: i64,
     only_org: Option<String>,
-) -> impl Stream<Item = anyhow::Result<Part>> + Send {
+) -> anyhow::Result<UsageExport<impl Stream<Item = anyhow::Result<Part>> + Send>> {
     assert!(batch_orgs > 0, "a batch holds at least one org");
+    let mut transaction = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *transaction)
+        .await?;
+    // The first read takes the snapshot: the checkpoint and every row come from it.
+    let position = store::checkpoint(&mut transaction, LIVE).await?;
     let (sender, receiver) = tokio::sync::mpsc::channel(QUEUED_BATCHES_MAX);
     tokio::spawn(async move {
         let only_org = only_org.as_deref();
-        if let Err(error) = produce(&pool, period, as_of, batch_orgs, only_org, &sender).await {
+        let produced = produce(
+            &mut transaction,
+            period,
+            as_of,
+            batch_orgs,
+            only_org,
+            &sender,
+        )
+        .await;
+        let ended = match produced {
+            Ok(()) => transaction.commit().await.map_err(anyhow::Error::from),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = ended {
             let _ = sender.send(Err(error)).await;
         }
     });
-    futures::stream::unfold(receiver, |mut receiver| async move {
+    let parts = futures::stream::unfold(receiver, |mut receiver| async move {
         receiver.recv().await.map(|part| (part, receiver))
-    })
+    });
+    Ok(UsageExport { position, parts })
 }
 
-/// Fills `sender` with the export's batches; returns early once the reader has gone.
+/// Fills `sender` with the export's batches, read in `transaction`'s snapshot; returns
+/// early once the reader has gone.
 async fn produce(
-    pool: &PgPool,
+    transaction: &mut PgConnection,
     period: Period,
     as_of: DateTime<Utc>,
     batch_orgs: i64,
     only_org: Option<&str>,
     sender: &tokio::sync::mpsc::Sender<anyhow::Result<Part>>,
 ) -> anyhow::Result<()> {
-    let mut transaction = pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *transaction)
-        .await?;
     let mut pricer = Pricer::new(period, as_of);
     let mut after = String::new();
     loop {
         let orgs = match only_org {
-            None => orgs_after(&mut transaction, period, &after, batch_orgs).await?,
+            None => orgs_after(&mut *transaction, period, &after, batch_orgs).await?,
             Some(org) => {
-                let listed = is_listed(&mut transaction, period, org).await?;
+                let listed = is_listed(&mut *transaction, period, org).await?;
                 listed.then(|| org.to_owned()).into_iter().collect()
             }
         };
         let Some(last) = orgs.last() else { break };
         after.clone_from(last);
-        let rows = pricer.price(&mut transaction, &orgs).await?;
+        let rows = pricer.price(&mut *transaction, &orgs).await?;
         if sender.send(Ok(Part::Rows(rows))).await.is_err() {
             return Ok(());
         }
@@ -374,12 +400,12 @@ async fn produce(
             break;
         }
     }
-    for (affected, position) in crate::periods::closed_into(&mut transaction, period).await? {
+    for (affected, position) in crate::periods::closed_into(&mut *transaction, period).await? {
         let mut pricer = Pricer::new(affected, affected.end());
         let mut after = Some(String::new());
         while let Some(from) = after {
             let (adjustments, next) = crate::periods::adjustments_after(
-                &mut transaction,
+                &mut *transaction,
                 &mut pricer,
                 position,
                 &from,
@@ -398,7 +424,6 @@ async fn produce(
             }
         }
     }
-    transaction.commit().await?;
     Ok(())
 }
 

@@ -76,6 +76,9 @@ pub struct Closed {
     pub orgs: i64,
     pub sha256: String,
     pub verified: bool,
+    /// The ledger position the snapshot reflects: the projection's checkpoint, read in the
+    /// snapshot's own transaction.
+    pub position: i64,
 }
 
 impl Closed {
@@ -86,6 +89,7 @@ impl Closed {
             "orgs": self.orgs,
             "sha256": self.sha256,
             "verified": self.verified,
+            "position": self.position,
         })
     }
 }
@@ -452,6 +456,7 @@ async fn close(
         orgs: orgs_total,
         sha256: hex::encode(sha256),
         verified: true,
+        position,
     })
 }
 
@@ -529,12 +534,13 @@ const SNAPSHOT_COLUMNS: &str = "org_id, plan, runtime_ms, included_ms, overage_m
 /// when it is not closed.
 pub async fn get(pool: &PgPool, period: Period) -> anyhow::Result<Option<Closed>> {
     let mut connection = pool.acquire().await?;
-    let row: Option<(DateTime<Utc>, i64, Vec<u8>)> =
-        sqlx::query_as("SELECT closed_at, orgs, sha256 FROM period_close WHERE period = $1")
-            .bind(period.to_string())
-            .fetch_optional(&mut *connection)
-            .await?;
-    let Some((closed_at, orgs, sha256)) = row else {
+    let row: Option<(DateTime<Utc>, i64, Vec<u8>, i64)> = sqlx::query_as(
+        "SELECT closed_at, orgs, sha256, ledger_position FROM period_close WHERE period = $1",
+    )
+    .bind(period.to_string())
+    .fetch_optional(&mut *connection)
+    .await?;
+    let Some((closed_at, orgs, sha256, position)) = row else {
         return Ok(None);
     };
     let mut hasher = Sha256::new();
@@ -569,6 +575,7 @@ pub async fn get(pool: &PgPool, period: Period) -> anyhow::Result<Option<Closed>
         orgs,
         sha256: hex::encode(&sha256),
         verified: recomputed[..] == sha256[..] && rows_total == orgs,
+        position,
     }))
 }
 

@@ -25,6 +25,9 @@ pub struct Summary {
     pub id: Uuid,
     pub counts: Value,
     pub totals: Value,
+    /// The ledger position the figures reflect (stored as `ledger_position`): the
+    /// projection's checkpoint, read in the snapshot every line was reconciled in.
+    pub position: i64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -99,7 +102,8 @@ pub async fn run(
     let as_of = Utc::now().trunc_subsecs(3);
     let id = Uuid::now_v7();
     let mut transaction = pool.begin().await?;
-    // One snapshot for every read: the ledger figures all come from one checkpoint.
+    // One snapshot for every read: the ledger figures all come from one checkpoint, read
+    // first, so that it is the position of the snapshot.
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         .execute(&mut *transaction)
         .await?;
@@ -230,7 +234,12 @@ pub async fn run(
     .execute(&mut *transaction)
     .await?;
     transaction.commit().await?;
-    Ok(Summary { id, counts, totals })
+    Ok(Summary {
+        id,
+        counts,
+        totals,
+        position: ledger_position,
+    })
 }
 
 fn tally(

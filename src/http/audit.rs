@@ -30,6 +30,7 @@ pub fn router() -> Router<AppState> {
 }
 
 #[derive(Debug, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[allow(dead_code)]
 pub struct EventsParams {
     org_id: Option<String>,

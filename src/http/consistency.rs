@@ -27,6 +27,7 @@ pub const PARAMETERS: [&str; 2] = ["min_position", "consistency"];
 /// The query parameters, for the OpenAPI document only: handlers read them from the raw
 /// query so that an unknown parameter is refused.
 #[derive(Debug, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[allow(dead_code)]
 pub struct ConsistencyParams {
     /// Wait only until the projection has reached this ledger position (the highest

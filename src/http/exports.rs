@@ -15,11 +15,15 @@ use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
 
 use super::auth::Principal;
+use super::consistency::{self, Consistency};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::exports::{self, Part, USAGE_CSV_HEADER};
 use crate::periods::{CloseError, CloseJob, JobStatus, Start};
 use crate::runtime::Period;
+
+/// The response header naming the ledger position a finance export reflects.
+pub const POSITION_HEADER: &str = "tally-position";
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -40,6 +44,9 @@ pub struct PeriodResponse {
     sha256: String,
     /// The stored snapshot still hashes to `sha256`.
     verified: bool,
+    /// The ledger position the snapshot reflects: every event at or below it is in it, so
+    /// only events recorded after it show as adjustments.
+    position: i64,
 }
 
 impl From<crate::periods::Closed> for PeriodResponse {
@@ -50,6 +57,7 @@ impl From<crate::periods::Closed> for PeriodResponse {
             orgs: closed.orgs,
             sha256: closed.sha256,
             verified: closed.verified,
+            position: closed.position,
         }
     }
 }
@@ -100,8 +108,11 @@ fn close_location(period: Period) -> HeaderMap {
 
 /// Close a finished period: freeze every org's figures in a hashed snapshot. The close runs
 /// as a job: `202` with the job (a new one, or the one already running; `Location` is its
-/// status), `200` with the done job when the period is already closed. Global: a token
-/// bound to an org gets 403 `org_bound_token`.
+/// status), `200` with the done job when the period is already closed. The request first
+/// waits until the projection has reached the ledger head taken at its start, so that every
+/// event acknowledged before it (by any instance) is in the snapshot and none shows as an
+/// adjustment; past `TALLY_READ_WAIT_MS`, 503 `projection_lagging` with `Retry-After`.
+/// Global: a token bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/periods/{period}/close",
@@ -114,7 +125,7 @@ fn close_location(period: Period) -> HeaderMap {
         (status = 403, body = ErrorBody),
         (status = 409, body = ErrorBody, description = "still running"),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "projection_lagging (with Retry-After), close_starting or unavailable"),
     ),
     security(("bearer" = []))
 )]
@@ -125,6 +136,9 @@ pub async fn post_close(
 ) -> Result<Response, ApiError> {
     let period = Period::parse(&period)
         .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
+    // The job starts after the wait, so its snapshot (which reads the checkpoint with the
+    // rows) is at or past this request's head.
+    Consistency::Head.settle(&state).await?;
     let started =
         crate::periods::start(&state.pool, period, &principal.id, state.finance_batch_orgs).await;
     let job = match started {
@@ -239,7 +253,11 @@ pub async fn get_period(
 }
 
 /// Usage of every org in a period, priced: one row per org (a token bound to an org gets
-/// that org's row only).
+/// that org's row only). By default the export first waits until the projection has
+/// reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
+/// for that position instead, `consistency=eventual` not at all; past `TALLY_READ_WAIT_MS`,
+/// 503 `projection_lagging`). Every row comes from one snapshot; the ledger position it
+/// reflects is the `Tally-Position` header, and also `position` in a JSON answer.
 #[utoipa::path(
     get,
     path = "/v1/exports/usage.csv",
@@ -247,25 +265,32 @@ pub async fn get_period(
     params(
         ("period" = String, Query, description = "YYYY-MM"),
         ("format" = Option<String>, Query, description = "csv (default) or json"),
+        ("min_position" = Option<i64>, Query, minimum = 0,
+         description = "wait only until the projection has reached this ledger position, rather than the head"),
+        ("consistency" = Option<String>, Query, pattern = "^eventual$",
+         description = "`eventual`: export at once from the projection as it stands"),
+        ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
     ),
     responses(
-        (status = 200, content_type = "text/csv", body = String),
+        (status = 200, content_type = "text/csv", body = String,
+         headers(("Tally-Position" = i64, description = "the ledger position the figures reflect"))),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "projection_lagging (with Retry-After) or unavailable"),
     ),
     security(("bearer" = []))
 )]
 pub async fn get_usage_export(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
     Query(params): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    if let Some(unknown) = params
-        .keys()
-        .find(|name| !["period", "format"].contains(&name.as_str()))
-    {
+    if let Some(unknown) = params.keys().find(|name| {
+        !["period", "format"].contains(&name.as_str())
+            && !consistency::PARAMETERS.contains(&name.as_str())
+    }) {
         return Err(ApiError::invalid(
             "unknown_parameter",
             format!("{unknown}: is not a parameter of this export"),
@@ -288,19 +313,24 @@ pub async fn get_usage_export(
             ))
         }
     };
+    Consistency::parse(&params, &headers)?
+        .settle(&state)
+        .await?;
     let as_of = Utc::now().trunc_subsecs(3).min(period.end());
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.
-    let parts = exports::usage_export(
-        state.pool.clone(),
+    let export = exports::usage_export(
+        &state.pool,
         period,
         as_of,
         state.finance_batch_orgs,
         principal.org_id.clone(),
-    );
+    )
+    .await?;
+    let (position, parts) = (export.position, export.parts);
     let head = futures::stream::once(async move {
         Ok::<Bytes, std::io::Error>(Bytes::from(if json_format {
-            "{\"rows\":[".to_owned()
+            format!("{{\"position\":{position},\"rows\":[")
         } else {
             format!("{USAGE_CSV_HEADER}\n")
         }))
@@ -358,6 +388,7 @@ pub async fn get_usage_export(
     };
     Response::builder()
         .header(header::CONTENT_TYPE, content_type)
+        .header(POSITION_HEADER, position)
         .body(Body::from_stream(head.chain(body)))
         .map_err(|error| ApiError::internal(&error))
 }

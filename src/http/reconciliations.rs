@@ -19,7 +19,9 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::auth::Principal;
+use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
+use super::exports::POSITION_HEADER;
 use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
@@ -49,10 +51,16 @@ pub struct ReconciliationResponse {
     /// Money per status and per org, as decimal strings rounded to the currency's minor unit.
     #[schema(value_type = Object)]
     totals: Value,
+    /// The ledger position the ledger figures reflect: every event acknowledged before the
+    /// request, by any instance, is at or below it.
+    position: i64,
 }
 
-/// Reconcile a stored provider report against the ledger. Global (a report spans orgs): a
-/// token bound to an org gets 403 `org_bound_token`.
+/// Reconcile a stored provider report against the ledger. The run first waits until the
+/// projection has reached the ledger head taken at the request's start, so that every event
+/// acknowledged before it (by any instance) is counted; past `TALLY_READ_WAIT_MS`, 503
+/// `projection_lagging` with `Retry-After`. Global (a report spans orgs): a token bound to
+/// an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/reconciliations",
@@ -66,7 +74,7 @@ pub struct ReconciliationResponse {
         (status = 404, body = ErrorBody),
         (status = 415, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "projection_lagging (with Retry-After) or unavailable"),
     ),
     security(("bearer" = []))
 )]
@@ -117,6 +125,8 @@ pub async fn post_reconciliation(
                 )
             })?;
     }
+    // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
+    Consistency::Head.settle(&state).await?;
     let summary = reconciliation::run(&state.pool, report_id, tolerance, &principal.id)
         .await
         .map_err(|error| match error {
@@ -133,6 +143,7 @@ pub async fn post_reconciliation(
             reconciliation_id: summary.id,
             counts: summary.counts,
             totals: summary.totals,
+            position: summary.position,
         }),
     ))
 }
@@ -192,8 +203,9 @@ impl LineRow {
     }
 }
 
-/// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. A token
-/// bound to an org gets that org's lines only.
+/// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. The
+/// `Tally-Position` header (and `position` in JSON) is the ledger position the
+/// reconciliation reflected. A token bound to an org gets that org's lines only.
 #[utoipa::path(
     get,
     path = "/v1/reconciliations/{reconciliation_id}/lines.csv",
@@ -203,7 +215,8 @@ impl LineRow {
         ("format" = Option<String>, Query, description = "csv (default) or json"),
     ),
     responses(
-        (status = 200, content_type = "text/csv", body = String),
+        (status = 200, content_type = "text/csv", body = String,
+         headers(("Tally-Position" = i64, description = "the ledger position the reconciliation reflected"))),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
@@ -240,18 +253,18 @@ pub async fn get_lines(
             "reconciliation_id: must be a UUID",
         )
     })?;
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM reconciliation WHERE id = $1)")
+    let position: i64 =
+        sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
             .bind(id)
-            .fetch_one(&state.pool)
-            .await?;
-    if !exists {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "reconciliation_not_found",
-            format!("no reconciliation {id}"),
-        ));
-    }
+            .fetch_optional(&state.pool)
+            .await?
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "reconciliation_not_found",
+                    format!("no reconciliation {id}"),
+                )
+            })?;
     let pool = state.pool.clone();
     // A token bound to one org reads only the lines of that org.
     let bound = principal.org_id.clone();
@@ -272,12 +285,10 @@ pub async fn get_lines(
             let last = rows.last().map_or(after, |row| row.seq);
             let mut text = String::new();
             if written == 0 {
-                text.push_str(if json_format {
-                    "{\"lines\":["
+                if json_format {
+                    text.push_str(&format!("{{\"position\":{position},\"lines\":["));
                 } else {
-                    LINES_CSV_HEADER
-                });
-                if !json_format {
+                    text.push_str(LINES_CSV_HEADER);
                     text.push('\n');
                 }
             }
@@ -308,6 +319,7 @@ pub async fn get_lines(
     };
     Response::builder()
         .header(header::CONTENT_TYPE, content_type)
+        .header(POSITION_HEADER, position)
         .body(Body::from_stream(chunks))
         .map_err(|error| ApiError::internal(&error))
 }

@@ -31,6 +31,7 @@ pub fn router() -> Router<AppState> {
 
 /// For the OpenAPI document only: the handler reads the raw query, refusing unknown names.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[allow(dead_code)]
 pub struct UsageParams {
     /// The billing period, `YYYY-MM` (UTC calendar month).
@@ -127,6 +128,7 @@ const ANOMALIES_PAGE_MAX: usize = 1_000;
 
 /// For the OpenAPI document only: the handler reads the raw query, refusing unknown names.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[allow(dead_code)]
 pub struct ContainerParams {
     /// Runtime is counted up to this instant (RFC 3339 with an offset); default now.

@@ -2,8 +2,10 @@
 //!
 //! `model` decides what a run of events changes (pure), `store` reads and writes the
 //! projection tables, `projector` keeps them current as the ledger grows, `replay` rebuilds
-//! them from scratch, and `query` answers the API's reads.
+//! them from scratch, `catch_up` brings it to the head in a process that runs no projector,
+//! and `query` answers the API's reads.
 
+pub mod catch_up;
 pub mod model;
 pub mod projector;
 pub mod query;

@@ -15,6 +15,7 @@ mod corrections;
 mod crash;
 mod exports;
 mod faults;
+mod finance_consistency;
 mod immutability;
 mod ingest;
 mod input_hardening;
