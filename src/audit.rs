@@ -1,4 +1,10 @@
 //! `tally audit`: the ledger as a readable timeline, one line per event, in position order.
+//!
+//! It reads the ledger itself, not a projection, so it sees every acknowledged event. It
+//! takes the head at its start, says it (`# ledger head N`, on the notes stream: standard
+//! error from the command line) and prints the events up to it, no further: the timeline is
+//! the ledger as it stood at that position, however many pages it takes and whatever is
+//! appended meanwhile.
 
 use std::io::Write;
 
@@ -11,10 +17,12 @@ use crate::event::{ContainerId, EventType, OrgId};
 use crate::http::audit::PAGE_MAX;
 use crate::ledger::read::{self, Filter};
 
+/// Prints the timeline to `out` and the head it was read at to `notes`.
 pub async fn print_timeline(
     pool: &PgPool,
     args: &AuditArgs,
     out: &mut impl Write,
+    notes: &mut impl Write,
 ) -> anyhow::Result<()> {
     if let Some(org) = &args.org {
         OrgId::parse(org).map_err(|error| anyhow!("--org: {error}"))?;
@@ -32,6 +40,8 @@ pub async fn print_timeline(
         container_id: args.container.as_deref(),
         event_type: args.event_type.as_deref(),
     };
+    let head = read::head(pool).await?.position;
+    writeln!(notes, "# ledger head {head}")?;
     writeln!(
         out,
         "{:>10}  {:<24}  {:<24}  {:<32}  {:<24}  data",
@@ -39,8 +49,10 @@ pub async fn print_timeline(
     )?;
     let mut after = args.after;
     let mut left = args.limit;
-    while left > 0 {
-        let rows = read::read_filtered(pool, &filter, after, left.min(PAGE_MAX)).await?;
+    while left > 0 && after < head {
+        let mut rows = read::read_filtered(pool, &filter, after, left.min(PAGE_MAX)).await?;
+        // Appended after the head was taken: not in this timeline.
+        rows.retain(|row| row.position <= head);
         let Some(last) = rows.last() else { break };
         after = last.position;
         left -= rows.len();

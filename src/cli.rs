@@ -40,7 +40,9 @@ pub enum Command {
     },
     /// Rebuild every projection from the ledger (into fresh tables, then swapped in).
     Replay,
-    /// Print ledger events as a readable timeline, filtered, in position order.
+    /// Print ledger events as a readable timeline, filtered, in position order. Reads the
+    /// ledger itself, so every acknowledged event: the head at the start goes to standard
+    /// error as `# ledger head N`, and the timeline stops at it.
     Audit(AuditArgs),
     /// Finance exports to standard output.
     Export {
@@ -174,7 +176,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Audit(args) => {
             let pool = db::prepare(&cli.config).await?;
-            let printed = crate::audit::print_timeline(&pool, &args, &mut std::io::stdout()).await;
+            let (mut out, mut notes) = (std::io::stdout(), std::io::stderr());
+            let printed = crate::audit::print_timeline(&pool, &args, &mut out, &mut notes).await;
             pool.close().await;
             printed?;
             Ok(ExitCode::SUCCESS)

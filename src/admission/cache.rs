@@ -229,17 +229,22 @@ impl FactsCache {
     }
 
     /// The facts kept for `request`, when they are known to include every event up to
-    /// `wanted` and every change notified.
-    pub(crate) fn get(&self, request: &Request, wanted: i64) -> Option<Arc<Prepared>> {
+    /// `wanted` and every change notified, with the position they reflect: kept facts
+    /// are those of the projection at every checkpoint a notice reported since they were
+    /// read (a notice touching the org would have dropped them), so the later of that and
+    /// the checkpoint they were read at.
+    pub(crate) fn get(&self, request: &Request, wanted: i64) -> Option<(Arc<Prepared>, i64)> {
         let state = self.lock();
-        if !state.listening || state.projected < wanted {
+        if !state.listening {
             return None;
         }
         let key = key(request)?;
-        state
+        let facts = state
             .orgs
             .get(request.org_id.as_str())
-            .and_then(|slot| slot.facts.get(&key).cloned())
+            .and_then(|slot| slot.facts.get(&key).cloned())?;
+        let position = state.projected.max(facts.projected);
+        (position >= wanted).then_some((facts, position))
     }
 
     /// Counts a check answered from memory (`hit`) or from Postgres.
@@ -536,6 +541,7 @@ mod tests {
 
     fn facts() -> Arc<Prepared> {
         Arc::new(Prepared {
+            projected: 0,
             read_at: read_at(),
             period: Period::containing(read_at()),
             settled_at: None,

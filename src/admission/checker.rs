@@ -20,7 +20,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, Context as _};
 use chrono::{DateTime, SubsecRound, Utc};
@@ -29,8 +29,7 @@ use tokio::sync::oneshot;
 
 use super::cache::FactsCache;
 use super::{
-    answer_from, load_facts, AdmissionError, Answer, FactsRow, Prepared, Reader, Request,
-    FRESHNESS_POLL_MS, FRESHNESS_WAIT_MS,
+    answer_from, load_facts, AdmissionError, Answer, FactsRow, Prepared, Reader, Request, Wait,
 };
 use crate::projection::Freshness;
 
@@ -103,22 +102,33 @@ impl Checker {
     }
 
     /// `POST /v1/admission/check`: the decision now, read-your-writes for this instance.
-    /// From the facts kept in memory when they serve (see [`super::cache`]), else from a
-    /// read of Postgres, whose facts are then kept.
     pub async fn check(&self, request: &Request) -> Result<Answer, AdmissionError> {
-        let wanted = self.freshness.wanted_for(request.org_id.as_str());
-        if let Some(facts) = self.cache.get(request, wanted) {
+        self.check_with(request, Wait::default()).await
+    }
+
+    /// [`Checker::check`], with the facts reflecting `wait.min_position` too, waiting
+    /// `wait.within` for it. From the facts kept in memory when they reflect that position
+    /// and serve (see [`super::cache`]), else from a read of Postgres, whose facts are then
+    /// kept.
+    pub async fn check_with(
+        &self,
+        request: &Request,
+        wait: Wait,
+    ) -> Result<Answer, AdmissionError> {
+        let wanted = wait.wanted(&self.freshness, &request.org_id);
+        if let Some((facts, position)) = self.cache.get(request, wanted) {
             let now = Utc::now().trunc_subsecs(3);
             if facts.serves(now) {
                 if let Some(runtime_used_ms) = facts.runtime_used_ms(now) {
                     self.cache.count(true);
-                    return Ok(facts.answer(request, now, runtime_used_ms)?);
+                    let answer = facts.answer(request, now, runtime_used_ms)?;
+                    return Ok(Answer { position, ..answer });
                 }
             }
         }
         self.cache.count(false);
         let ticket = self.cache.ticket(request.org_id.as_str());
-        let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
+        let deadline = Instant::now() + wait.within;
         loop {
             let read = self.read(request).await?;
             if read.row.projected >= wanted {
@@ -129,11 +139,8 @@ impl Checker {
                 let reader = Reader::Pool(&self.pool);
                 return Ok(answer_from(reader, request, &facts, read.now).await?);
             }
-            if Instant::now() >= deadline {
-                return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
-            }
-            self.freshness.hurry();
-            tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
+            wait.catch_up(&self.pool, &self.freshness, wanted, deadline)
+                .await?;
         }
     }
 

@@ -23,16 +23,15 @@ use uuid::Uuid;
 use crate::billing::{self, Action, Decision, Facts};
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
-use crate::projection::{query, store, Freshness};
+use crate::projection::{query, store, Freshness, WaitError};
 pub use checker::Checker;
 
 use crate::runtime::{self, AccountEntry, AccountTimeline, Lifecycle, Period, PeriodTotals};
 
 /// How long a check waits for the projection to include this instance's own appends
-/// before it answers 503 rather than from stale figures.
+/// before it answers 503 rather than from stale figures, unless told otherwise
+/// ([`Wait::within`]; the HTTP routes wait `TALLY_READ_WAIT_MS`, as reads do).
 pub const FRESHNESS_WAIT_MS: u64 = 2_000;
-/// Between looks at the projection's checkpoint while waiting.
-const FRESHNESS_POLL_MS: u64 = 2;
 /// Reservation lifetimes (contract §4).
 pub const TTL_SECONDS_MIN: u64 = 1;
 pub const TTL_SECONDS_MAX: u64 = 300;
@@ -46,9 +45,63 @@ pub struct Request {
     pub container_id: Option<ContainerId>,
 }
 
+/// What an admission answer must reflect, and how long to wait for the projection to
+/// reach it. Every answer reflects this instance's own appends of the org (and plan
+/// definitions): [`Freshness::wanted_for`]. `min_position` adds a position acknowledged
+/// elsewhere, e.g. by another instance, that the caller needs counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wait {
+    /// A ledger position the projection must reach as well; 0 for none.
+    pub min_position: i64,
+    /// How long to wait for it before [`AdmissionError::Stale`].
+    pub within: Duration,
+}
+
+impl Default for Wait {
+    fn default() -> Wait {
+        Wait {
+            min_position: 0,
+            within: Duration::from_millis(FRESHNESS_WAIT_MS),
+        }
+    }
+}
+
+impl Wait {
+    /// The position the facts of `org` must reflect.
+    fn wanted(&self, freshness: &Freshness, org: &OrgId) -> i64 {
+        freshness.wanted_for(org.as_str()).max(self.min_position)
+    }
+
+    /// After facts were found short of `wanted`: waits, until `deadline`, for the stored
+    /// checkpoint to reach it (woken by this instance's projector, which it hurries, and
+    /// reading the checkpoint row for another instance's), so that the facts are read
+    /// again only once they can serve.
+    async fn catch_up(
+        &self,
+        pool: &PgPool,
+        freshness: &Freshness,
+        wanted: i64,
+        deadline: Instant,
+    ) -> Result<(), AdmissionError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match freshness.wait_projected(pool, wanted, left).await {
+            Ok(_) => Ok(()),
+            Err(WaitError::Lagging { wanted, checkpoint }) => Err(AdmissionError::Stale {
+                wanted,
+                checkpoint,
+                waited_ms: self.within.as_millis(),
+            }),
+            Err(WaitError::Database(error)) => Err(error.into()),
+        }
+    }
+}
+
 /// A decision with the figures it was made from.
 #[derive(Debug, Clone)]
 pub struct Answer {
+    /// The projection's checkpoint the facts reflect: of the snapshot they were read in, or
+    /// for facts kept in memory, the latest checkpoint notified since (see [`cache`]).
+    pub position: i64,
     pub decision: Decision,
     pub plan: PlanId,
     pub period: Period,
@@ -60,8 +113,12 @@ pub struct Answer {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdmissionError {
-    #[error("the projection has not caught up with this instance's appends within {0} ms")]
-    Stale(u64),
+    #[error("the projection is at position {checkpoint}, short of {wanted} after {waited_ms} ms; retry later")]
+    Stale {
+        wanted: i64,
+        checkpoint: i64,
+        waited_ms: u128,
+    },
     #[error("more than {0} admission checks are waiting; retry later")]
     Busy(usize),
     #[error(transparent)]
@@ -234,6 +291,8 @@ async fn answer_from(
 /// so far, account state, plan in effect, live reservations) is worked out at each answer.
 #[derive(Debug)]
 pub(crate) struct Prepared {
+    /// The projection's checkpoint in the snapshot the facts were read in.
+    projected: i64,
     read_at: DateTime<Utc>,
     period: Period,
     settled_at: Option<DateTime<Utc>>,
@@ -264,6 +323,7 @@ impl Prepared {
             None => AccountTimeline::fold(&[]),
         };
         Ok(Prepared {
+            projected: row.projected,
             read_at,
             period: Period::containing(read_at),
             settled_at: row.latest_at.map(runtime::settled_at),
@@ -354,6 +414,7 @@ impl Prepared {
         };
         let decision = billing::decide(request.action, &facts);
         Ok(Answer {
+            position: self.projected,
             decision,
             plan: plan.id.clone(),
             period: self.period,
@@ -445,17 +506,31 @@ pub async fn reserve(
     ttl_seconds: u64,
     actor: &str,
 ) -> Result<(Answer, Option<Reservation>), AdmissionError> {
+    let wait = Wait::default();
+    reserve_with(pool, freshness, cache, request, ttl_seconds, actor, wait).await
+}
+
+/// [`reserve`], with the facts reflecting `wait.min_position` too, waiting `wait.within`.
+pub async fn reserve_with(
+    pool: &PgPool,
+    freshness: &Freshness,
+    cache: &cache::FactsCache,
+    request: &Request,
+    ttl_seconds: u64,
+    actor: &str,
+    wait: Wait,
+) -> Result<(Answer, Option<Reservation>), AdmissionError> {
     assert!(
         request.action.takes_slot(),
         "only create and resume reserve a slot"
     );
     // Read-your-writes: the projection must hold every event of the org (and every plan
-    // definition) this instance acknowledged. Checked on the facts read under the org's
-    // lock, so that a replay's swap moving the checkpoint back cannot slip in between;
-    // while they are behind, the lock is let go and the projector hurried, within one
-    // deadline however often the checkpoint moves.
-    let wanted = freshness.wanted_for(request.org_id.as_str());
-    let deadline = Instant::now() + Duration::from_millis(FRESHNESS_WAIT_MS);
+    // definition) this instance acknowledged, and `min_position`. Checked on the facts read
+    // under the org's lock, so that a replay's swap moving the checkpoint back cannot slip
+    // in between; while they are behind, the lock is let go and the projector awaited,
+    // within one deadline however often the checkpoint moves.
+    let wanted = wait.wanted(freshness, &request.org_id);
+    let deadline = Instant::now() + wait.within;
     let (mut transaction, now, answer) = loop {
         let mut transaction = pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
@@ -469,11 +544,7 @@ pub async fn reserve(
             break (transaction, now, answer);
         }
         transaction.rollback().await?;
-        if Instant::now() >= deadline {
-            return Err(AdmissionError::Stale(FRESHNESS_WAIT_MS));
-        }
-        freshness.hurry();
-        tokio::time::sleep(Duration::from_millis(FRESHNESS_POLL_MS)).await;
+        wait.catch_up(pool, freshness, wanted, deadline).await?;
     };
     let action = serde_json::to_value(request.action)
         .ok()

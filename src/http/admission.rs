@@ -1,8 +1,10 @@
 //! Admission (contract §4, §6): `POST /v1/admission/check`, `POST /v1/admission/reservations`,
 //! `DELETE /v1/admission/reservations/{id}`.
 
+use std::collections::HashMap;
+
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{delete, post};
 use axum::{Json, Router};
@@ -12,9 +14,10 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::auth::Principal;
+use super::consistency::{Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
-use crate::admission::{self, AdmissionError, Answer, Released, Request};
+use crate::admission::{self, AdmissionError, Answer, Released, Request, Wait};
 use crate::billing::Action;
 use crate::event::canonical;
 use crate::event::{ContainerId, OrgId};
@@ -32,6 +35,9 @@ pub fn router() -> Router<AppState> {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CheckResponse {
+    /// The ledger position the facts reflect: the projection's checkpoint they were read
+    /// at, at least `min_position` and every event of the org this instance acknowledged.
+    position: i64,
     allowed: bool,
     /// Every reason that applies, in the order of contract §4.
     reasons: Vec<&'static str>,
@@ -47,6 +53,7 @@ pub struct CheckResponse {
 impl From<&Answer> for CheckResponse {
     fn from(answer: &Answer) -> Self {
         CheckResponse {
+            position: answer.position,
             allowed: answer.decision.allowed,
             reasons: answer
                 .decision
@@ -79,13 +86,17 @@ pub struct ReservationResponse {
     path = "/v1/admission/check",
     tag = "admission",
     request_body(content = Object, description = "{\"org_id\", \"action\": \"create\"|\"resume\"|\"run\"|\"publish_port\", \"container_id\"?}"),
+    params(
+        ConsistencyParams,
+        ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
+    ),
     responses(
         (status = 200, body = CheckResponse),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 415, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = LAGGING),
     ),
     security(("bearer" = []))
 )]
@@ -93,14 +104,16 @@ pub async fn post_check(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     headers: HeaderMap,
+    Query(params): Query<HashMap<String, String>>,
     body: Body,
 ) -> Result<Json<CheckResponse>, ApiError> {
+    let wait = wait(&state, &params, &headers)?;
     let fields = super::body::json_object(&state, &headers, body).await?;
     let request = parse_request(&fields, &["org_id", "action", "container_id"])?;
     principal.check_org(request.org_id.as_str())?;
     let answer = state
         .checker
-        .check(&request)
+        .check_with(&request, wait)
         .await
         .map_err(admission_error)?;
     metrics::counter!("tally_admission_checks_total", "allowed" => answer.decision.allowed.to_string())
@@ -114,14 +127,18 @@ pub async fn post_check(
     path = "/v1/admission/reservations",
     tag = "admission",
     request_body(content = Object, description = "{\"org_id\", \"action\": \"create\"|\"resume\", \"container_id\"?, \"ttl_seconds\"?}"),
+    params(
+        ConsistencyParams,
+        ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
+    ),
     responses(
         (status = 201, body = ReservationResponse),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
-        (status = 409, body = ErrorBody, description = "refused; the code is the first reason, details list them all"),
+        (status = 409, body = ErrorBody, description = "refused; the code is the first reason, details list them all, each as `{\"code\", \"message\", \"position\"}` with the ledger position the facts reflect"),
         (status = 415, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = LAGGING),
     ),
     security(("bearer" = []))
 )]
@@ -129,8 +146,10 @@ pub async fn post_reservation(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     headers: HeaderMap,
+    Query(params): Query<HashMap<String, String>>,
     body: Body,
 ) -> Result<(StatusCode, Json<ReservationResponse>), ApiError> {
+    let wait = wait(&state, &params, &headers)?;
     let fields = super::body::json_object(&state, &headers, body).await?;
     let request = parse_request(
         &fields,
@@ -159,13 +178,14 @@ pub async fn post_reservation(
                 )
             })?,
     };
-    let (answer, reservation) = admission::reserve(
+    let (answer, reservation) = admission::reserve_with(
         &state.pool,
         &state.freshness,
         state.checker.cache(),
         &request,
         ttl_seconds,
         &principal.id,
+        wait,
     )
     .await
     .map_err(admission_error)?;
@@ -187,7 +207,10 @@ pub async fn post_reservation(
         .with_details(
             reasons
                 .iter()
-                .map(|reason| json!({"code": reason.as_str(), "message": reason.as_str()}))
+                .map(|reason| {
+                    json!({"code": reason.as_str(), "message": reason.as_str(),
+                           "position": answer.position})
+                })
                 .collect(),
         ));
     };
@@ -255,6 +278,30 @@ pub async fn delete_reservation(
     }
 }
 
+/// The 503 of a check that the projection did not catch up with.
+const LAGGING: &str = "`projection_lagging` (with `Retry-After`): the projection did not reach this instance's appends of the org or `min_position` within `TALLY_READ_WAIT_MS`; `overloaded` (checks): too many checks waiting";
+
+/// What the answer must reflect besides this instance's own appends of the org, from the
+/// query and headers. The default needs nothing more: admission is read-your-writes for
+/// the instance asked, and a caller that wrote elsewhere names its write's position.
+/// `consistency=eventual` is the same, as no admission answer leaves out the instance's own
+/// appends (see docs/decisions/read-consistency.md).
+fn wait(
+    state: &AppState,
+    params: &HashMap<String, String>,
+    headers: &HeaderMap,
+) -> Result<Wait, ApiError> {
+    super::usage::known_parameters(params, &[])?;
+    let min_position = match Consistency::parse(params, headers)? {
+        Consistency::AtLeast(position) => position,
+        Consistency::Head | Consistency::Eventual => 0,
+    };
+    Ok(Wait {
+        min_position,
+        within: state.read_wait,
+    })
+}
+
 fn parse_request(fields: &Map<String, Value>, known: &[&str]) -> Result<Request, ApiError> {
     super::body::only_fields(fields, known, "this request")?;
     let text = |name: &str| fields.get(name).and_then(Value::as_str);
@@ -297,7 +344,10 @@ fn parse_request(fields: &Map<String, Value>, known: &[&str]) -> Result<Request,
 
 fn admission_error(error: AdmissionError) -> ApiError {
     match error {
-        AdmissionError::Stale(_) => ApiError::unavailable("projection_lagging", error.to_string()),
+        AdmissionError::Stale { .. } => {
+            metrics::counter!("tally_read_lagging_total").increment(1);
+            ApiError::unavailable("projection_lagging", error.to_string())
+        }
         AdmissionError::Busy(_) => ApiError::unavailable("overloaded", error.to_string()),
         AdmissionError::Store(error) => ApiError::from(error),
     }

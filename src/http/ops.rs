@@ -137,6 +137,7 @@ impl Modify for BearerAuth {
         super::usage::UsageResponse,
         super::plans::PlanResponse,
         super::plans::PlansResponse,
+        super::plans::StoredPlanResponse,
         super::admission::CheckResponse,
         super::admission::ReservationResponse,
         super::admission::ReleaseResponse,

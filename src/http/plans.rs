@@ -18,6 +18,7 @@ use crate::billing::Plan;
 use crate::event::canonical;
 use crate::event::{Event, EventData, EventId, EventType, OrgId, PlanId};
 use crate::ledger::plans::{self, PlanVersion};
+use crate::ledger::read;
 
 /// The org id `plan.defined` events are recorded under: plans belong to no org.
 pub const PLANS_ORG_ID: &str = "_plans";
@@ -69,7 +70,29 @@ impl From<&PlanVersion> for PlanResponse {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct PlansResponse {
+    /// The ledger position the list reflects: the head of the snapshot the plans were read
+    /// in, so every plan definition at or below it is counted.
+    position: i64,
     plans: Vec<PlanResponse>,
+}
+
+/// The version a definition stored or found, with the ledger position of its
+/// `plan.defined` event (0 for the built-in `free`): a `min_position` for an admission
+/// check that must count the plan.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StoredPlanResponse {
+    position: i64,
+    #[serde(flatten)]
+    plan: PlanResponse,
+}
+
+impl From<&PlanVersion> for StoredPlanResponse {
+    fn from(version: &PlanVersion) -> Self {
+        StoredPlanResponse {
+            position: version.position,
+            plan: PlanResponse::from(version),
+        }
+    }
 }
 
 /// The current version of every plan.
@@ -85,8 +108,18 @@ pub struct PlansResponse {
     security(("bearer" = []))
 )]
 pub async fn get_plans(State(state): State<AppState>) -> Result<Json<PlansResponse>, ApiError> {
-    let current = plans::current(&state.pool).await?;
+    // The head and the plans from one snapshot, so that the head names exactly the
+    // definitions listed. Positions commit in order: the snapshot holds every event up to
+    // its head.
+    let mut snapshot = state.pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *snapshot)
+        .await?;
+    let position = read::head(&mut *snapshot).await?.position;
+    let current = plans::current(&mut *snapshot).await?;
+    snapshot.commit().await?;
     Ok(Json(PlansResponse {
+        position,
         plans: current.iter().map(PlanResponse::from).collect(),
     }))
 }
@@ -100,8 +133,8 @@ pub async fn get_plans(State(state): State<AppState>) -> Result<Json<PlansRespon
     params(("plan_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]")),
     request_body(content = Object, description = "sandbox_runtime, included_runtime_seconds, overage (deny|bill), overage_price_per_hour (decimal string), currency, max_running_containers, max_published_ports"),
     responses(
-        (status = 200, body = PlanResponse, description = "unchanged"),
-        (status = 201, body = PlanResponse, description = "a new version"),
+        (status = 200, body = StoredPlanResponse, description = "unchanged"),
+        (status = 201, body = StoredPlanResponse, description = "a new version"),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 413, body = ErrorBody),
@@ -116,7 +149,7 @@ pub async fn put_plan(
     Path(plan_id): Path<String>,
     headers: HeaderMap,
     body: Body,
-) -> Result<(StatusCode, Json<PlanResponse>), ApiError> {
+) -> Result<(StatusCode, Json<StoredPlanResponse>), ApiError> {
     let id = PlanId::parse(&plan_id).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -143,7 +176,7 @@ pub async fn put_plan(
     })?;
     let versions = plans::versions(&state.pool, &id).await?;
     if let Some(current) = versions.last().filter(|current| current.plan == plan) {
-        return Ok((StatusCode::OK, Json(PlanResponse::from(current))));
+        return Ok((StatusCode::OK, Json(StoredPlanResponse::from(current))));
     }
     let event = Event {
         id: EventId::from_uuid(uuid::Uuid::now_v7()).expect("a v7 UUID is not nil"),
@@ -166,5 +199,5 @@ pub async fn put_plan(
             ))
         })?;
     tracing::info!(plan = %id, version = stored.version, "plan defined");
-    Ok((StatusCode::CREATED, Json(PlanResponse::from(stored))))
+    Ok((StatusCode::CREATED, Json(StoredPlanResponse::from(stored))))
 }

@@ -370,7 +370,10 @@ fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
 }
 
 /// Refuses a query parameter that is neither one of `known` nor a consistency parameter.
-fn known_parameters(params: &HashMap<String, String>, known: &[&str]) -> Result<(), ApiError> {
+pub(super) fn known_parameters(
+    params: &HashMap<String, String>,
+    known: &[&str],
+) -> Result<(), ApiError> {
     let unknown = params.keys().find(|name| {
         !known.contains(&name.as_str()) && !consistency::PARAMETERS.contains(&name.as_str())
     });

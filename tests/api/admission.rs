@@ -76,7 +76,7 @@ async fn an_org_never_seen_is_refused_for_its_free_plan_verification_and_eligibi
     let answer = check(&app, json!({"org_id": "stranger", "action": "create"})).await;
     assert_eq!(
         answer,
-        json!({"allowed": false, "reasons": ["plan_excludes_sandbox", "not_verified", "not_billing_eligible"],
+        json!({"position": 0, "allowed": false, "reasons": ["plan_excludes_sandbox", "not_verified", "not_billing_eligible"],
                "plan": "free", "period": Utc::now().format("%Y-%m").to_string(), "runtime_used_ms": 0,
                "runtime_included_ms": 0, "overage": true, "running_containers": 0,
                "max_running_containers": 0})

@@ -4,6 +4,7 @@ mod helpers;
 
 mod admission;
 mod admission_cache;
+mod admission_consistency;
 mod anomalies;
 mod append_isolation;
 mod audit;
