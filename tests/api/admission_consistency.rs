@@ -1,4 +1,4 @@
-//! Admission and plans name what they read : an admission check is
+//! Admission and plans name what they read (contract §8): an admission check is
 //! read-your-writes for the instance asked, and `min_position` (query parameter or
 //! `Tally-Min-Position`) makes it count a write acknowledged by another instance; every
 //! admission answer names the position its facts reflect, and so do plan answers. `tally
