@@ -37,19 +37,16 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::{Prepared, Request};
 use crate::event::ContainerId;
+use crate::projection::notice::{notify, Notice, CHANNEL};
 use crate::projection::store;
+use crate::projection::Freshness;
 
-/// The channel of the notices.
-pub const CHANNEL: &str = "tally_admission";
-/// Postgres refuses a notice of 8 000 bytes or more; past this many a round says "all".
-pub const NOTICE_BYTES_MAX: usize = 7_000;
 /// Orgs with facts kept, or with a read in flight; past it, everything is dropped.
 pub const ORGS_MAX: usize = 100_000;
 /// Facts kept at most (an org has one for each container asked about); past it, reads
@@ -83,84 +80,6 @@ impl Default for Heartbeat {
             deadline: Duration::from_millis(HEARTBEAT_DEADLINE_MS),
         }
     }
-}
-
-/// What a notice says has changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Notice {
-    /// The projection's checkpoint after the change, when it comes from a projector round.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub position: Option<i64>,
-    /// The orgs whose facts may have changed.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub orgs: Vec<String>,
-    /// Everything may have changed.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub all: bool,
-}
-
-impl Notice {
-    /// Everything may have changed.
-    fn all(position: Option<i64>) -> Notice {
-        Notice {
-            position,
-            orgs: Vec::new(),
-            all: true,
-        }
-    }
-
-    /// The notice of a change to `org`'s reservations.
-    pub fn of_org(org: &str) -> String {
-        Notice {
-            position: None,
-            orgs: vec![org.to_owned()],
-            all: false,
-        }
-        .to_string()
-    }
-
-    /// The notice of a projector round up to `position` over events of `orgs`; "all" when
-    /// `all` or when the orgs do not fit in one notice.
-    pub fn of_round<'a>(
-        position: i64,
-        orgs: impl IntoIterator<Item = &'a str>,
-        all: bool,
-    ) -> String {
-        let mut notice = Notice {
-            position: Some(position),
-            orgs: Vec::new(),
-            all,
-        };
-        if !all {
-            let mut orgs: Vec<String> = orgs.into_iter().map(str::to_owned).collect();
-            orgs.sort_unstable();
-            orgs.dedup();
-            notice.orgs = orgs;
-        }
-        let payload = notice.to_string();
-        if payload.len() <= NOTICE_BYTES_MAX {
-            return payload;
-        }
-        Notice::all(Some(position)).to_string()
-    }
-}
-
-impl std::fmt::Display for Notice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let json = serde_json::to_string(self).map_err(|_| std::fmt::Error)?;
-        f.write_str(&json)
-    }
-}
-
-/// Sends `payload` on [`CHANNEL`] when the transaction of `executor` commits (at once
-/// outside a transaction).
-pub async fn notify(executor: impl sqlx::PgExecutor<'_>, payload: &str) -> sqlx::Result<()> {
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(CHANNEL)
-        .bind(payload)
-        .execute(executor)
-        .await?;
-    Ok(())
 }
 
 /// Taken before a read; the read's facts are kept only when no notice touched the org
@@ -212,6 +131,9 @@ pub struct CacheStats {
 pub struct FactsCache {
     state: Arc<Mutex<State>>,
     stats: Arc<Counters>,
+    /// Told of every projector round its listener hears, any instance's, so that reads
+    /// waiting for another instance's round are woken by it rather than by their poll.
+    rounds: Option<Freshness>,
 }
 
 #[derive(Default)]
@@ -306,6 +228,14 @@ impl FactsCache {
     }
 
     /// Drops what `notice` says may have changed, then records its checkpoint.
+    /// A cache whose listener also tells `freshness` of every projector round it hears.
+    pub fn waking(freshness: Freshness) -> FactsCache {
+        FactsCache {
+            rounds: Some(freshness),
+            ..FactsCache::default()
+        }
+    }
+
     pub fn apply(&self, notice: &Notice) {
         let mut state = self.lock();
         if notice.all {
@@ -465,7 +395,13 @@ async fn listen_once(
     loop {
         let notification = receive(&mut listener, &mut beating, heartbeat.deadline).await?;
         match serde_json::from_str::<Notice>(notification.payload()) {
-            Ok(notice) => cache.apply(&notice),
+            Ok(notice) => {
+                cache.apply(&notice);
+                // Sent when the round's transaction committed: the checkpoint is there.
+                if let (Some(freshness), Some(position)) = (&cache.rounds, notice.position) {
+                    freshness.reached(position);
+                }
+            }
             Err(error) => {
                 tracing::warn!(%error, payload = notification.payload(), "admission listener: a notice that does not parse; dropping every fact kept");
                 cache.apply(&Notice::all(None));
@@ -521,6 +457,7 @@ mod tests {
     use super::*;
     use crate::billing::Action;
     use crate::event::OrgId;
+    use crate::projection::notice::NOTICE_BYTES_MAX;
     use crate::runtime::{AccountTimeline, Period, PeriodTotals};
 
     /// A `run` (whose container counts) of `container`, or a `create` without one.

@@ -84,9 +84,9 @@ impl Checker {
         Checker {
             queue: Arc::default(),
             queue_max,
+            cache: FactsCache::waking(freshness.clone()),
             freshness,
             pool,
-            cache: FactsCache::default(),
         }
     }
 

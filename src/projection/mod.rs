@@ -7,6 +7,7 @@
 
 pub mod catch_up;
 pub mod model;
+pub mod notice;
 pub mod projector;
 pub mod query;
 pub mod replay;

@@ -24,7 +24,7 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::model::{Changes, ContainerKey};
-use super::store;
+use super::{notice, store};
 use crate::ledger::Acknowledged;
 use crate::runtime::EntryKind;
 
@@ -117,8 +117,9 @@ impl Freshness {
         }
     }
 
-    /// Records a checkpoint this instance's projector reached, waking waiting readers.
-    fn reached(&self, position: i64) {
+    /// Records a checkpoint that a projector (this instance's, or another's as its round
+    /// notice tells) has committed, waking waiting readers.
+    pub fn reached(&self, position: i64) {
         self.projected.send_if_modified(|projected| {
             let moved = position > *projected;
             *projected = (*projected).max(position);
@@ -289,19 +290,19 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
             })
         })
         .collect();
-    let consumed = crate::admission::consume(&mut transaction, &starts).await?;
+    let consumed = store::consume_reservations(&mut transaction, &starts).await?;
     metrics::counter!("tally_reservations_consumed_total").increment(consumed);
     // Admission facts kept in memory by every instance drop what this round changed: its
     // orgs, or everything for a plan definition (an event of no container and no account).
     let projected = || events.iter().chain(&voided);
     let plans_changed = projected()
         .any(|event| event.container.is_none() && event.account.is_none() && event.voids.is_none());
-    let notice = crate::admission::cache::Notice::of_round(
+    let notice = notice::Notice::of_round(
         position,
         projected().map(|event| event.org_id.as_str()),
         plans_changed,
     );
-    crate::admission::cache::notify(&mut *transaction, &notice).await?;
+    notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
 
     metrics::histogram!("tally_projection_round_events").record(events.len() as f64);

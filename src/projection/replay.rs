@@ -149,8 +149,8 @@ async fn build_and_swap(
             .with_context(|| statement.clone())?;
     }
     // Admission facts kept in memory were read from the projection swapped out.
-    let notice = crate::admission::cache::Notice::of_round(head, [], true);
-    crate::admission::cache::notify(&mut *transaction, &notice).await?;
+    let notice = super::notice::Notice::of_round(head, [], true);
+    super::notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
     Ok(ReplayReport {
         events,

@@ -1012,3 +1012,46 @@ pub async fn containers_running_since(
     .await?;
     rows.into_iter().map(LifecycleRow::decode).collect()
 }
+
+/// Admission's reservations taken up by a projector round: consumes, for each container that a `created` or `resumed` of this projector round
+/// starts, its oldest live reservation — unless that event consumed one already (it is
+/// projected again after a replay's swap) — and records the event's position on it.
+/// Runs in the round's transaction.
+pub async fn consume_reservations(
+    connection: &mut PgConnection,
+    starts: &HashMap<(String, String), (Uuid, i64)>,
+) -> sqlx::Result<u64> {
+    if starts.is_empty() {
+        return Ok(0);
+    }
+    let mut orgs = Vec::with_capacity(starts.len());
+    let mut containers = Vec::with_capacity(starts.len());
+    let mut events = Vec::with_capacity(starts.len());
+    let mut positions = Vec::with_capacity(starts.len());
+    for ((org, container), (event, position)) in starts {
+        orgs.push(org.as_str());
+        containers.push(container.as_str());
+        events.push(*event);
+        positions.push(*position);
+    }
+    let consumed = sqlx::query(
+        "UPDATE admission_reservation r \
+         SET consumed_at = now(), consumed_by = s.event_id, consumed_position = s.position \
+         FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[], $4::BIGINT[]) \
+              AS s(org_id, container_id, event_id, position) \
+         WHERE r.id = (SELECT x.id FROM admission_reservation x \
+                       WHERE x.org_id = s.org_id AND x.container_id = s.container_id \
+                         AND x.released_at IS NULL AND x.consumed_at IS NULL \
+                         AND x.expires_at > now() \
+                       ORDER BY x.created_at LIMIT 1) \
+           AND NOT EXISTS (SELECT 1 FROM admission_reservation c \
+                           WHERE c.consumed_by = s.event_id)",
+    )
+    .bind(&orgs)
+    .bind(&containers)
+    .bind(&events)
+    .bind(&positions)
+    .execute(connection)
+    .await?;
+    Ok(consumed.rows_affected())
+}

@@ -276,7 +276,9 @@ fn notices_until(pool: &sqlx::PgPool, stop: tokio_util::sync::CancellationToken)
     let pool = pool.clone();
     tokio::spawn(async move {
         while !stop.is_cancelled() {
-            cache::notify(&pool, "{}").await.unwrap();
+            tally::projection::notice::notify(&pool, "{}")
+                .await
+                .unwrap();
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
