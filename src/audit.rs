@@ -11,11 +11,28 @@ use std::io::Write;
 use anyhow::{anyhow, bail};
 use sqlx::PgPool;
 
-use crate::cli::AuditArgs;
 use crate::event::canonical;
 use crate::event::{ContainerId, EventType, OrgId};
 use crate::http::audit::PAGE_MAX;
 use crate::ledger::read::{self, Filter};
+
+/// The filters and page of `tally audit`.
+#[derive(Debug, clap::Args)]
+pub struct AuditArgs {
+    #[arg(long)]
+    pub org: Option<String>,
+    #[arg(long)]
+    pub container: Option<String>,
+    /// An event type, e.g. `container.stopped`.
+    #[arg(long = "type")]
+    pub event_type: Option<String>,
+    /// Start after this position.
+    #[arg(long, default_value_t = 0)]
+    pub after: i64,
+    /// Events to print at most.
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+}
 
 /// Prints the timeline to `out` and the head it was read at to `notes`.
 pub async fn print_timeline(

@@ -43,7 +43,7 @@ pub enum Command {
     /// Print ledger events as a readable timeline, filtered, in position order. Reads the
     /// ledger itself, so every acknowledged event: the head at the start goes to standard
     /// error as `# ledger head N`, and the timeline stops at it.
-    Audit(AuditArgs),
+    Audit(crate::audit::AuditArgs),
     /// Finance exports to standard output.
     Export {
         #[command(subcommand)]
@@ -94,23 +94,6 @@ pub enum ReportsCommand {
         /// The CSV file; `-` reads standard input.
         file: std::path::PathBuf,
     },
-}
-
-#[derive(Debug, clap::Args)]
-pub struct AuditArgs {
-    #[arg(long)]
-    pub org: Option<String>,
-    #[arg(long)]
-    pub container: Option<String>,
-    /// An event type, e.g. `container.stopped`.
-    #[arg(long = "type")]
-    pub event_type: Option<String>,
-    /// Start after this position.
-    #[arg(long, default_value_t = 0)]
-    pub after: i64,
-    /// Events to print at most.
-    #[arg(long, default_value_t = 100)]
-    pub limit: usize,
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -199,16 +182,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let as_of = chrono::Utc::now().min(period.end());
             let batch_orgs = i64::from(cli.config.finance_batch_orgs);
             let export =
-                crate::exports::usage_export(&pool, period, as_of, batch_orgs, None).await?;
+                crate::finance::export::usage_export(&pool, period, as_of, batch_orgs, None)
+                    .await?;
             eprintln!("position {}", export.position);
             let mut parts = std::pin::pin!(export.parts);
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
             if !json {
-                writeln!(out, "{}", crate::exports::USAGE_CSV_HEADER)?;
+                writeln!(out, "{}", crate::finance::pricing::USAGE_CSV_HEADER)?;
             }
             while let Some(part) = parts.next().await {
                 match part? {
-                    crate::exports::Part::Rows(rows) => {
+                    crate::finance::export::Part::Rows(rows) => {
                         for row in rows {
                             if json {
                                 writeln!(out, "{}", row.json())?;
@@ -217,7 +201,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                             }
                         }
                     }
-                    crate::exports::Part::Adjustments(adjustments) => {
+                    crate::finance::export::Part::Adjustments(adjustments) => {
                         for adjustment in adjustments {
                             if json {
                                 writeln!(out, "{}", adjustment.json())?;
@@ -243,11 +227,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Box::new(tokio::fs::File::open(&file).await?)
             };
             let chunks = tokio_util::io::ReaderStream::new(reader);
-            let imported = crate::reports::import(&pool, chunks, u64::MAX, "cli").await;
+            let imported = crate::finance::reports::import(&pool, chunks, u64::MAX, "cli").await;
             pool.close().await;
             let (report, new) = match imported {
-                Ok(crate::reports::Imported::Created(report)) => (report, true),
-                Ok(crate::reports::Imported::Existing(report)) => (report, false),
+                Ok(crate::finance::reports::Imported::Created(report)) => (report, true),
+                Ok(crate::finance::reports::Imported::Existing(report)) => (report, false),
                 Err(error) => {
                     eprintln!("import refused, nothing stored: {error}");
                     return Ok(ExitCode::from(1));
@@ -283,7 +267,7 @@ async fn to_head(pool: &sqlx::PgPool, config: &Config) -> anyhow::Result<i64> {
 
 /// `tally periods close YYYY-MM`: the same close as the HTTP job, run to its end here.
 async fn close_period(config: &Config, period: &str) -> anyhow::Result<ExitCode> {
-    use crate::periods::{self, CloseError, JobStatus, Start};
+    use crate::finance::periods::{self, CloseError, JobStatus, Start};
     let period = crate::runtime::Period::parse(period)?;
     let pool = db::prepare(config).await?;
     // No projector runs here: every event acknowledged before now goes in the snapshot.

@@ -17,20 +17,14 @@ pub mod cli;
 pub mod config;
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
 pub mod event;
-/// Finance exports: usage per org and period, streamed.
-pub mod exports;
+/// Finance: provider reports, reconciliation, priced usage, the usage export, period close.
+pub mod finance;
 /// The HTTP API: one module per feature, mapped errors, operations endpoints.
 pub mod http;
 /// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
 pub mod ledger;
-/// Period close: frozen, hashed snapshots; adjustments for late events.
-pub mod periods;
 /// Projections of the ledger (runtime, usage, container timelines), the projector, replay.
 pub mod projection;
-/// Reconciliation runs: a stored report against the projection, results stored.
-pub mod reconciliation;
-/// Provider report import: streamed CSV, stored immutably by its sha256.
-pub mod reports;
 /// The runtime rules of contract §3: intervals, anomalies, periods, usage, account state (pure).
 pub mod runtime;
 /// Wiring: starts every component of `tally serve` and stops them in order.

@@ -38,7 +38,7 @@ use crate::billing::reconcile::Tolerance;
 use crate::billing::report;
 use crate::config::Config;
 use crate::event::canonical;
-use crate::reports::Imported;
+use crate::finance::reports::Imported;
 
 /// Events in the ledger: ten million, a month of a busy platform.
 const EVENTS: usize = 10_000_000;
@@ -735,7 +735,7 @@ async fn prepare_and_measure(
     let started = Instant::now();
     let file = tokio::fs::File::open(&report_file.0).await?;
     let chunks = tokio_util::io::ReaderStream::with_capacity(file, READ_CHUNK_BYTES);
-    let imported = crate::reports::import(&pool, chunks, u64::MAX, "bench").await?;
+    let imported = crate::finance::reports::import(&pool, chunks, u64::MAX, "bench").await?;
     let import_elapsed = started.elapsed();
     let after_import = Memory::now()?;
     let stored = match imported {
@@ -762,7 +762,7 @@ async fn prepare_and_measure(
             "{} KiB chunks; parse and sha256 on a blocking thread, batches of {} inserted in \
              one transaction",
             READ_CHUNK_BYTES / 1024,
-            crate::reports::IMPORT_BATCH_LINES
+            crate::finance::reports::IMPORT_BATCH_LINES
         )),
         target: format!(
             "≥ {TARGET_IMPORT_ROWS_PER_SECOND:.0} rows/s: {}",
@@ -781,7 +781,8 @@ async fn prepare_and_measure(
     );
     let started = Instant::now();
     let summary =
-        crate::reconciliation::run(&pool, stored.id, Tolerance::default(), "bench").await?;
+        crate::finance::reconciliation::run(&pool, stored.id, Tolerance::default(), "bench")
+            .await?;
     let reconcile_elapsed = started.elapsed();
     let after_reconcile = Memory::now()?;
     let counted = |status: &str| summary.counts[status].as_u64().unwrap_or(0);

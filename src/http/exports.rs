@@ -18,8 +18,9 @@ use super::auth::Principal;
 use super::consistency::{self, Consistency};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
-use crate::exports::{self, Part, USAGE_CSV_HEADER};
-use crate::periods::{CloseError, CloseJob, JobStatus, Start};
+use crate::finance::export::{self, Part};
+use crate::finance::periods::{CloseError, CloseJob, JobStatus, Start};
+use crate::finance::pricing::USAGE_CSV_HEADER;
 use crate::runtime::Period;
 
 /// The response header naming the ledger position a finance export reflects.
@@ -49,8 +50,8 @@ pub struct PeriodResponse {
     position: i64,
 }
 
-impl From<crate::periods::Closed> for PeriodResponse {
-    fn from(closed: crate::periods::Closed) -> Self {
+impl From<crate::finance::periods::Closed> for PeriodResponse {
+    fn from(closed: crate::finance::periods::Closed) -> Self {
         PeriodResponse {
             period: closed.period.to_string(),
             closed_at: crate::event::canonical::timestamp(closed.closed_at),
@@ -139,8 +140,13 @@ pub async fn post_close(
     // The job starts after the wait, so its snapshot (which reads the checkpoint with the
     // rows) is at or past this request's head.
     Consistency::Head.settle(&state).await?;
-    let started =
-        crate::periods::start(&state.pool, period, &principal.id, state.finance_batch_orgs).await;
+    let started = crate::finance::periods::start(
+        &state.pool,
+        period,
+        &principal.id,
+        state.finance_batch_orgs,
+    )
+    .await;
     let job = match started {
         Ok(Start::Claimed(claim)) => {
             let job = claim.job.clone();
@@ -209,7 +215,7 @@ pub async fn get_close(
 ) -> Result<Json<CloseJobResponse>, ApiError> {
     let period = Period::parse(&period)
         .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
-    match crate::periods::job(&state.pool, period).await? {
+    match crate::finance::periods::job(&state.pool, period).await? {
         Some(job) => Ok(Json(job.into())),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -242,7 +248,7 @@ pub async fn get_period(
 ) -> Result<Json<PeriodResponse>, ApiError> {
     let period = Period::parse(&period)
         .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
-    match crate::periods::get(&state.pool, period).await? {
+    match crate::finance::periods::get(&state.pool, period).await? {
         Some(closed) => Ok(Json(closed.into())),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -319,7 +325,7 @@ pub async fn get_usage_export(
     let as_of = Utc::now().trunc_subsecs(3).min(period.end());
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.
-    let export = exports::usage_export(
+    let export = export::usage_export(
         &state.pool,
         period,
         as_of,

@@ -26,7 +26,7 @@ use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
 use crate::event::canonical;
-use crate::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
+use crate::finance::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
 
 /// Lines read per query while streaming an export.
 const EXPORT_CHUNK_LINES: i64 = 1_000;

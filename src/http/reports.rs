@@ -15,7 +15,7 @@ use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::event::canonical;
-use crate::reports::{self, ImportError, Imported, StoredReport};
+use crate::finance::reports::{self, ImportError, Imported, StoredReport};
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/v1/provider-reports", post(post_report))

@@ -116,7 +116,7 @@ async fn expected_rows(app: &TestApp, period: Period) -> Vec<String> {
             .await
             .unwrap()
             .figures;
-        rows.push(tally::exports::Figures::from_priced(org, period, &priced).csv());
+        rows.push(tally::finance::pricing::Figures::from_priced(org, period, &priced).csv());
     }
     rows
 }
@@ -134,7 +134,7 @@ async fn snapshot_rows(app: &TestApp, period: Period) -> Vec<String> {
     .unwrap();
     rows.into_iter()
         .map(|row| {
-            tally::exports::Figures {
+            tally::finance::pricing::Figures {
                 org_id: row.get("org_id"),
                 plan: row.get("plan"),
                 period,

@@ -5,7 +5,7 @@
 //!
 //! A close of many orgs runs as a job (`period_close_job`): the process that claims the
 //! period holds a session advisory lock on it for as long as the close runs, prices the
-//! orgs in batches (src/exports.rs) and writes them inside one repeatable-read transaction
+//! orgs in batches (`pricing`) and writes them inside one repeatable-read transaction
 //! that also reads the projection's checkpoint, so the snapshot and its ledger position
 //! come from one snapshot and become visible together, with the job's `done`, in one
 //! commit. A process that dies mid-close leaves nothing of it but a `running` job whose
@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use sqlx::{Connection, FromRow, PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::exports::{self, Figures, Pricer, USAGE_CSV_HEADER};
+use super::pricing::{self, Figures, Pricer, USAGE_CSV_HEADER};
 use crate::projection::store::{self, LIVE};
 use crate::runtime::Period;
 
@@ -411,7 +411,7 @@ async fn close(
     let mut orgs_total: i64 = 0;
     let mut after = String::new();
     loop {
-        let orgs = exports::orgs_after(&mut transaction, period, &after, batch_orgs).await?;
+        let orgs = pricing::orgs_after(&mut transaction, period, &after, batch_orgs).await?;
         let Some(last) = orgs.last() else { break };
         after.clone_from(last);
         let rows = pricer.price(&mut transaction, &orgs).await?;
@@ -634,7 +634,7 @@ pub async fn adjustments_after(
 ) -> anyhow::Result<(Vec<Adjustment>, Option<String>)> {
     let affected = pricer.period();
     // `active`: has usage in the period now, as the export lists orgs. Each branch is
-    // limited on its own, as in `exports::orgs_after`.
+    // limited on its own, as in `pricing::orgs_after`.
     let orgs: Vec<(String, bool)> = sqlx::query_as(&format!(
         "SELECT org_id, bool_or(active) FROM ( \
              (SELECT org_id, false AS active FROM period_snapshot \
