@@ -69,3 +69,41 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
     let created: Vec<&String> = left.difference(&before).collect();
     assert!(created.is_empty(), "the bench left databases: {created:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_under_load_reflects_every_acknowledged_batch(
+) {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let admin = PgPool::connect(&server)
+        .await
+        .expect("connecting to the test server");
+    let before = scratch_databases(&admin).await;
+
+    // Among the projection part's checks: every usage answer in both modes equals the
+    // plan, and no default-mode read during the lag load answers at a position short of a
+    // batch acknowledged before it was sent.
+    let args = Cli::parse_from([
+        "bench",
+        "--only",
+        "projection",
+        "--orgs",
+        "10",
+        "--replay-events",
+        "5000",
+        "--usage-containers",
+        "50",
+        "--lag-rate",
+        "2000",
+        "--lag-seconds",
+        "2",
+    ])
+    .args;
+    tally::bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect("the bench runs and every check it makes passes");
+
+    let left = scratch_databases(&admin).await;
+    let created: Vec<&String> = left.difference(&before).collect();
+    assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
