@@ -18,6 +18,10 @@ struct Cli {
     args: BenchArgs,
 }
 
+/// Held by each test for its whole run: a test counts the scratch databases left after it
+/// by comparing with those before, which another bench running meanwhile would upset.
+static ONE_BENCH_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
     sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'")
         .fetch_all(pool)
@@ -30,6 +34,7 @@ async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_passing_and_leaves_no_database(
 ) {
+    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
     let nats = TestNats::start();
     let server = format!("{}/postgres", server_url().trim_end_matches('/'));
     let admin = PgPool::connect(&server)
@@ -73,6 +78,7 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_under_load_reflects_every_acknowledged_batch(
 ) {
+    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
     let nats = TestNats::start();
     let server = format!("{}/postgres", server_url().trim_end_matches('/'));
     let admin = PgPool::connect(&server)
@@ -90,9 +96,11 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
         "--orgs",
         "10",
         "--replay-events",
-        "5000",
+        "20000",
+        // Enough containers that org_big almost surely has commands in the current period,
+        // which the usage check asks for, even when the period is only hours old.
         "--usage-containers",
-        "50",
+        "500",
         "--lag-rate",
         "2000",
         "--lag-seconds",
