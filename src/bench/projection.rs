@@ -7,9 +7,11 @@
 //! Flow: plan a month of history — many orgs, plus `org_big` with thousands of containers —
 //! and `COPY` it straight into `ledger` with a valid hash chain (nothing of that is timed)
 //! → time `replay` and, separately, how that time splits between reading, folding and
-//! writing → start the service in-process on that database → the usage of `org_big` and
-//! `/healthz` from one keep-alive connection → paced HTTP ingest while a monitor watches
-//! the projection's checkpoint, for the lag from acknowledgement to visible → the table.
+//! writing → start the service in-process on that database → the usage of `org_big` in the
+//! default mode and with `consistency=eventual`, and `/healthz`, from one keep-alive
+//! connection → paced HTTP ingest while a monitor watches the projection's checkpoint, for
+//! the lag from acknowledgement to visible → the same load again while paced readers read
+//! `org_big`'s usage in both modes → the table.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
