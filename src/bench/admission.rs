@@ -12,10 +12,11 @@
 //! population says → checks paced at half that rate → the same again while events arrive
 //! → `GET /healthz` from 64 connections, the floor → `admission::check` without HTTP,
 //! from facts kept in memory and from Postgres, and statements apart → `GET /healthz`
-//! paced as the checks were → the table.
+//! paced as the checks were → `admission::check` from Postgres while events arrive, in turn
+//! waiting for this instance's appends and waiting for nothing → the table.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -30,9 +31,9 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use super::{
-    load_average, measured_then_cleaned, percentile_ms, print_lines, verdict, wait_for_projection,
-    without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch, IMAGES, PORTS,
-    STOP_REASONS,
+    load_average, max_ms, measured_then_cleaned, percentile_ms, print_lines, verdict,
+    wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
+    IMAGES, PORTS, STOP_REASONS,
 };
 use crate::admission::cache::CacheStats;
 use crate::admission::{Checker, Request};
@@ -40,8 +41,10 @@ use crate::billing::Action;
 use crate::config::Config;
 use crate::event::canonical;
 use crate::event::{ContainerId, OrgId, PlanId};
+use crate::ledger::append::Acknowledged;
 use crate::ledger::plans;
 use crate::projection::store::{self, LIVE};
+use crate::projection::Freshness;
 use crate::startup::Service;
 
 /// Checks in the throughput phase: ten seconds at the target rate.
@@ -958,8 +961,11 @@ async fn measure(
         target: "-".to_owned(),
     };
 
+    let waits = measure_waits(service, token, &population, &probes, &mut checks).await?;
+
     let mut lines = vec![throughput, paced, during_ingest, floor, paced_floor];
     lines.extend(direct);
+    lines.extend(waits);
     Ok(Report { lines, checks })
 }
 
@@ -1310,6 +1316,116 @@ async fn measure_checker(
         target: "-".to_owned(),
     };
     Ok([concurrent, sequential])
+}
+
+/// What read-your-writes costs a check while events arrive: admission has no
+/// `consistency=eventual`, so the comparison is between two checkers on the service's pool
+/// that both read Postgres for every check (neither keeps facts): one waits, as the
+/// service's does, until the projection holds every event this instance acknowledged for
+/// the check's org; the other is given an empty record of acknowledged events, as on an
+/// instance that appended none of them, so it never waits. They answer the same probes in
+/// turn, one at a time, while [`stream_commands`] posts events through the service.
+async fn measure_waits(
+    service: &Service,
+    token: &str,
+    population: &Population,
+    probes: &[Probe],
+    checks: &mut Vec<Check>,
+) -> anyhow::Result<[Line; 2]> {
+    let waiting = Checker::new(service.pool.clone(), service.freshness.clone());
+    let appended_nothing = Freshness::new(
+        service.appender.head(),
+        Arc::new(Mutex::new(Acknowledged::default())),
+    );
+    let not_waiting = Checker::new(service.pool.clone(), appended_nothing);
+    let requests: Vec<Request> = probes
+        .iter()
+        .take(DIRECT_REQUESTS)
+        .map(Probe::request)
+        .collect::<anyhow::Result<_>>()?;
+    eprintln!(
+        "bench: admission: {} admission::check calls from Postgres, waiting for this \
+         instance's appends and not, in turn, while {STREAM_EVENTS_PER_SECOND} events/s arrive",
+        requests.len()
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let head_before = *service.appender.head().borrow();
+    let started = Instant::now();
+    let alternate = async {
+        let timed = async {
+            let mut waited = Vec::with_capacity(requests.len());
+            let mut not_waited = Vec::with_capacity(requests.len());
+            for request in &requests {
+                let sent = Instant::now();
+                waiting.check(request).await?;
+                waited.push(sent.elapsed());
+                let sent = Instant::now();
+                not_waiting.check(request).await?;
+                not_waited.push(sent.elapsed());
+            }
+            anyhow::Ok((waited, not_waited))
+        }
+        .await;
+        stop.cancel();
+        timed
+    };
+    let (timed, streamed) = tokio::join!(
+        alternate,
+        stream_commands(service, token, population, &stop)
+    );
+    let elapsed = started.elapsed();
+    let (mut waited, mut not_waited) = timed?;
+    let streamed = streamed?;
+    checks.push(Check {
+        description: format!(
+            "the {streamed} events posted during the checks from Postgres were appended"
+        ),
+        passed: *service.appender.head().borrow() - head_before == i64::try_from(streamed)?,
+    });
+    waited.sort_unstable();
+    not_waited.sort_unstable();
+    let ratio = |fraction: f64| {
+        percentile_ms(&waited, fraction) / percentile_ms(&not_waited, fraction).max(f64::EPSILON)
+    };
+    let count = requests.len();
+    let line = |label: &str, latencies: &[Duration], note: String| Line {
+        figure: Figure::new(
+            format!(
+                "admission::check {label} while {STREAM_EVENTS_PER_SECOND} events/s arrive \
+                 (no HTTP)"
+            ),
+            count,
+            latencies.iter().sum(),
+        )
+        .with_latencies(latencies)
+        .with_note(note),
+        target: "-".to_owned(),
+    };
+    Ok([
+        line(
+            "from Postgres, waiting for this instance's appends",
+            &waited,
+            format!(
+                "as the service checks; one at a time, in turn with the line below, over \
+                 {:.1} s; {streamed} command events posted meanwhile; max {:.2} ms; load \
+                 average {}",
+                elapsed.as_secs_f64(),
+                max_ms(&waited),
+                load_average()
+            ),
+        ),
+        line(
+            "from Postgres, waiting for nothing",
+            &not_waited,
+            format!(
+                "as on an instance that appended none of the events (the nearest to \
+                 consistency=eventual); waiting / not: p50 {:.2} x, p99 {:.2} x; max {:.2} ms",
+                ratio(0.50),
+                ratio(0.99),
+                max_ms(&not_waited)
+            ),
+        ),
+    ])
 }
 
 /// Everything the admission table prints.

@@ -7,12 +7,14 @@
 //! Flow: plan a month of history — many orgs, plus `org_big` with thousands of containers —
 //! and `COPY` it straight into `ledger` with a valid hash chain (nothing of that is timed)
 //! → time `replay` and, separately, how that time splits between reading, folding and
-//! writing → start the service in-process on that database → the usage of `org_big` and
-//! `/healthz` from one keep-alive connection → paced HTTP ingest while a monitor watches
-//! the projection's checkpoint, for the lag from acknowledgement to visible → the table.
+//! writing → start the service in-process on that database → the usage of `org_big` in the
+//! default mode and with `consistency=eventual`, and `/healthz`, from one keep-alive
+//! connection → paced HTTP ingest while a monitor watches the projection's checkpoint, for
+//! the lag from acknowledgement to visible → the same load again while paced readers read
+//! `org_big`'s usage in both modes → the table.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,6 +62,9 @@ const LAG_BATCH_EVENTS: usize = 100;
 /// Connections the paced batches are sent on: a batch waits for no earlier one unless all
 /// of them are still waiting for their commit.
 const LAG_CLIENTS: usize = 8;
+/// How often each paced reader reads `org_big`'s usage during the second lag load: a
+/// dashboard refreshing briskly, a few reads per projector round.
+const LAG_READ_INTERVAL_MS: u64 = 20;
 /// How often the monitor reads the checkpoint; the lag figures are this coarse.
 const CHECKPOINT_POLL_MS: u64 = 2;
 /// Deadline for one checkpoint read by the monitor.
@@ -758,8 +763,10 @@ async fn measure_service(
         replay,
         mut checks,
     } = prepared;
-    let [usage, query, healthz] = measure_usage(service, scratch, &plan, &mut checks).await?;
-    let lag = measure_lag(service, args, scratch, &plan, &mut checks).await?;
+    let [usage, eventual, query, healthz] =
+        measure_usage(service, scratch, &plan, &mut checks).await?;
+    let mut lag = measure_lag(service, args, scratch, &plan, &mut checks, false).await?;
+    lag.extend(measure_lag(service, args, scratch, &plan, &mut checks, true).await?);
 
     eprintln!("bench: projections: verifying the ledger");
     let started = Instant::now();
@@ -779,6 +786,7 @@ async fn measure_service(
     Ok(Report {
         replay,
         usage,
+        eventual,
         query,
         healthz,
         lag,
@@ -786,29 +794,35 @@ async fn measure_service(
     })
 }
 
-/// `org_big`'s usage for the current period and `/healthz`, alternately on one keep-alive
-/// connection, so that both see the same conditions and `/healthz` is the floor: HTTP,
-/// routing and the client, without the query. Every usage answer is checked exactly.
+/// `org_big`'s usage for the current period in the default mode (which waits for the
+/// projection to reach the ledger head), the same with `consistency=eventual` (which does
+/// not wait), and `/healthz`, in turn on one keep-alive connection, so that all three see
+/// the same conditions: the two usage reads differ by what the guarantee costs, and
+/// `/healthz` is the floor (HTTP, routing and the client, without the query). Every usage
+/// answer is checked exactly.
 async fn measure_usage(
     service: &Service,
     scratch: &Scratch,
     plan: &Plan,
     checks: &mut Vec<Check>,
-) -> anyhow::Result<[Line; 3]> {
+) -> anyhow::Result<[Line; 4]> {
     let period = Period::containing(Utc::now());
-    let usage_uri: hyper::Uri = format!("/v1/orgs/{BIG_ORG}/usage?period={period}").parse()?;
+    let eventual_uri = usage_uri(period, ReadMode::Eventual)?;
+    let usage_uri = usage_uri(period, ReadMode::Default)?;
     let healthz_uri: hyper::Uri = "/healthz".parse()?;
     let mut connection =
         HttpConnection::open(service.local_addr, "/healthz", &scratch.token).await?;
     eprintln!(
-        "bench: projections: {USAGE_REQUESTS} usage queries for {BIG_ORG} in {period}, and as \
-         many GET /healthz"
+        "bench: projections: {USAGE_REQUESTS} usage queries for {BIG_ORG} in {period} in the \
+         default mode, as many with consistency=eventual, and as many GET /healthz"
     );
     for _ in 0..USAGE_WARMUP_REQUESTS {
         connection.get(&usage_uri).await?;
+        connection.get(&eventual_uri).await?;
         connection.get(&healthz_uri).await?;
     }
     let mut usage_latencies = Vec::with_capacity(USAGE_REQUESTS);
+    let mut eventual_latencies = Vec::with_capacity(USAGE_REQUESTS);
     let mut healthz_latencies = Vec::with_capacity(USAGE_REQUESTS);
     let mut wrong: Vec<(UsageAnswer, UsageAnswer)> = Vec::new();
     let mut first: Option<UsageAnswer> = None;
@@ -817,27 +831,28 @@ async fn measure_usage(
         let answer = connection.get(&usage_uri).await?;
         usage_latencies.push(sent.elapsed());
         let sent = Instant::now();
+        let eventual = connection.get(&eventual_uri).await?;
+        eventual_latencies.push(sent.elapsed());
+        let sent = Instant::now();
         connection.get(&healthz_uri).await?;
         healthz_latencies.push(sent.elapsed());
 
-        let answer: UsageAnswer =
-            serde_json::from_slice(&answer).context("the usage answer does not parse")?;
-        let as_of = DateTime::parse_from_rfc3339(&answer.as_of)
-            .context("the usage answer's as_of")?
-            .with_timezone(&Utc);
-        let expected = plan.big.usage(period, as_of);
-        if answer != expected {
-            wrong.push((answer.clone(), expected));
+        for answer in [&answer, &eventual] {
+            let (answer, expected) = answer_and_expected(plan, period, answer)?;
+            if answer != expected {
+                wrong.push((answer.clone(), expected));
+            }
+            first.get_or_insert(answer);
         }
-        first.get_or_insert(answer);
     }
     let first = first.expect("at least one request");
+    let answers = 2 * USAGE_REQUESTS;
     checks.push(Check {
         description: format!(
-            "{} of {USAGE_REQUESTS} usage answers equal {BIG_ORG}'s usage computed from the plan \
-             (first: runtime {} ms, {} commands, {} command ms, {} ports, {} running of {} \
-             containers){}",
-            USAGE_REQUESTS - wrong.len(),
+            "{} of {answers} usage answers (both modes) equal {BIG_ORG}'s usage computed from \
+             the plan (first: runtime {} ms, {} commands, {} command ms, {} ports, {} running of \
+             {} containers){}",
+            answers - wrong.len(),
             first.runtime_ms,
             first.commands,
             first.command_ms,
@@ -857,6 +872,7 @@ async fn measure_usage(
     });
     let elapsed = |latencies: &[Duration]| latencies.iter().sum::<Duration>();
     usage_latencies.sort_unstable();
+    eventual_latencies.sort_unstable();
     healthz_latencies.sort_unstable();
     let usage = Figure::new(
         format!("usage of {BIG_ORG}, {period}"),
@@ -869,8 +885,8 @@ async fn measure_usage(
         .is_some_and(|(_, p99)| p99 <= USAGE_TARGET_P99_MS as f64);
     let usage = Line {
         figure: usage.with_note(format!(
-            "max {:.2} ms; {} containers, {} running; one connection, sequential; load \
-             average {}",
+            "default mode (waits for the ledger head); max {:.2} ms; {} containers, {} \
+             running; one connection, sequential; load average {}",
             max_ms(&usage_latencies),
             plan.big.containers,
             plan.big.running,
@@ -878,13 +894,29 @@ async fn measure_usage(
         )),
         target: format!("p99 ≤ {USAGE_TARGET_P99_MS} ms: {}", verdict(meets)),
     };
+    let eventual = Figure::new(
+        format!("usage of {BIG_ORG}, {period}, consistency=eventual"),
+        USAGE_REQUESTS,
+        elapsed(&eventual_latencies),
+    )
+    .with_latencies(&eventual_latencies);
+    let eventual = Line {
+        figure: eventual.with_note(format!(
+            "max {:.2} ms; same connection, in turn with the default reads; default / \
+             eventual: p50 {:.2} x, p99 {:.2} x",
+            max_ms(&eventual_latencies),
+            percentile_ms(&usage_latencies, 0.50) / percentile_ms(&eventual_latencies, 0.50),
+            percentile_ms(&usage_latencies, 0.99) / percentile_ms(&eventual_latencies, 0.99)
+        )),
+        target: "-".to_owned(),
+    };
     let healthz = Figure::new(
         "GET /healthz (the floor)",
         USAGE_REQUESTS,
         elapsed(&healthz_latencies),
     )
     .with_latencies(&healthz_latencies)
-    .with_note("same connection, alternating with the usage queries".to_owned());
+    .with_note("same connection, in turn with the usage queries".to_owned());
     let healthz = Line {
         figure: healthz,
         target: "-".to_owned(),
@@ -921,7 +953,49 @@ async fn measure_usage(
         )),
         target: "-".to_owned(),
     };
-    Ok([usage, query, healthz])
+    Ok([usage, eventual, query, healthz])
+}
+
+/// How a usage read asks for its figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadMode {
+    /// No parameter: the figures reflect every event acknowledged before the read.
+    Default,
+    /// `consistency=eventual`: the figures as projected, at once.
+    Eventual,
+}
+
+impl ReadMode {
+    fn describe(self) -> &'static str {
+        match self {
+            ReadMode::Default => "default mode",
+            ReadMode::Eventual => "consistency=eventual",
+        }
+    }
+}
+
+/// `org_big`'s usage in `period`, read in `mode`.
+fn usage_uri(period: Period, mode: ReadMode) -> anyhow::Result<hyper::Uri> {
+    let consistency = match mode {
+        ReadMode::Default => "",
+        ReadMode::Eventual => "&consistency=eventual",
+    };
+    Ok(format!("/v1/orgs/{BIG_ORG}/usage?period={period}{consistency}").parse()?)
+}
+
+/// A usage answer of `org_big`, and what the plan says it must be at its `as_of`.
+fn answer_and_expected(
+    plan: &Plan,
+    period: Period,
+    answer: &[u8],
+) -> anyhow::Result<(UsageAnswer, UsageAnswer)> {
+    let answer: UsageAnswer =
+        serde_json::from_slice(answer).context("the usage answer does not parse")?;
+    let as_of = DateTime::parse_from_rfc3339(&answer.as_of)
+        .context("the usage answer's as_of")?
+        .with_timezone(&Utc);
+    let expected = plan.big.usage(period, as_of);
+    Ok((answer, expected))
 }
 
 /// One paced batch, acknowledged.
@@ -952,13 +1026,19 @@ struct AppendedEvent {
 /// Lag is measured from the HTTP acknowledgement, which the service sends just after the
 /// commit: the time from the commit to the projection is at most a little longer (by the
 /// answer's trip back), and the time the producer sees is exactly this.
+///
+/// With `readers`, two paced readers read `org_big`'s usage meanwhile, one in the default
+/// mode and one with `consistency=eventual` (see [`read_during_lag`]); their lines follow
+/// the lag's. A default read hurries the projector, so this lag is not the one without
+/// readers, which is measured in a run of its own.
 async fn measure_lag(
     service: &Service,
     args: &ProjectionArgs,
     scratch: &Scratch,
     plan: &Plan,
     checks: &mut Vec<Check>,
-) -> anyhow::Result<Line> {
+    readers: bool,
+) -> anyhow::Result<Vec<Line>> {
     let batches = lag_batches(args);
     let events = batches * LAG_BATCH_EVENTS;
     let interval_ns = (LAG_BATCH_EVENTS as u64).saturating_mul(1_000_000_000) / args.lag_rate;
@@ -991,10 +1071,12 @@ async fn measure_lag(
 
     let started = tokio::time::Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
+    // The highest position acknowledged to any lag client so far.
+    let acknowledged = Arc::new(AtomicI64::new(head_before));
     // A JoinSet aborts the other clients as soon as one fails and this returns.
     let mut clients = JoinSet::new();
     for _ in 0..LAG_CLIENTS {
-        let next = next.clone();
+        let (next, acknowledged) = (next.clone(), acknowledged.clone());
         let (address, token) = (service.local_addr, scratch.token.clone());
         let (orgs, containers_per_org) = (plan.orgs, plan.containers_per_org);
         clients.spawn(async move {
@@ -1027,6 +1109,7 @@ async fn measure_lag(
                     .map(|event| event.position)
                     .max()
                     .expect("a non-empty batch");
+                acknowledged.fetch_max(position, Ordering::SeqCst);
                 acked.push(Acked {
                     acked: Instant::now(),
                     latency,
@@ -1036,10 +1119,35 @@ async fn measure_lag(
             anyhow::Ok(acked)
         });
     }
-    let mut acked = Vec::with_capacity(batches);
-    while let Some(joined) = clients.join_next().await {
-        acked.extend(joined.context("a lag client panicked")??);
-    }
+    let reading = CancellationToken::new();
+    let collect = async {
+        let collected = async {
+            let mut acked = Vec::with_capacity(batches);
+            while let Some(joined) = clients.join_next().await {
+                acked.extend(joined.context("a lag client panicked")??);
+            }
+            anyhow::Ok(acked)
+        }
+        .await;
+        reading.cancel();
+        collected
+    };
+    let period = Period::containing(Utc::now());
+    let read = |mode| {
+        let (acknowledged, reading) = (&acknowledged, &reading);
+        async move {
+            if !readers {
+                return Ok(None);
+            }
+            read_during_lag(service, scratch, plan, period, mode, acknowledged, reading)
+                .await
+                .map(Some)
+        }
+    };
+    let (acked, default_reads, eventual_reads) =
+        tokio::join!(collect, read(ReadMode::Default), read(ReadMode::Eventual));
+    let acked = acked?;
+    let reads = [default_reads?, eventual_reads?];
     let last_ack = acked.iter().map(|batch| batch.acked).max();
     let posted = last_ack.map_or(Duration::ZERO, |last| {
         last.saturating_duration_since(started.into_std())
@@ -1079,8 +1187,16 @@ async fn measure_lag(
     lags.sort_unstable();
     let mut latencies: Vec<Duration> = acked.iter().map(|batch| batch.latency).collect();
     latencies.sort_unstable();
+    let with_readers = if readers {
+        format!(", with usage reads every {LAG_READ_INTERVAL_MS} ms")
+    } else {
+        String::new()
+    };
     let figure = Figure::new(
-        format!("projection lag, ack → visible, {} events/s", args.lag_rate),
+        format!(
+            "projection lag, ack → visible, {} events/s{with_readers}",
+            args.lag_rate
+        ),
         events,
         posted,
     )
@@ -1110,7 +1226,171 @@ async fn measure_lag(
             events / advances
         ))
         .with_note(rounds.describe(posted));
-    Ok(Line { figure, target })
+    let mut lines = vec![Line { figure, target }];
+    for reads in reads.into_iter().flatten() {
+        checks.push(reads.check());
+        lines.push(reads.line(args, posted));
+    }
+    Ok(lines)
+}
+
+/// The usage reads of one paced reader during the lag load.
+struct LagReads {
+    mode: ReadMode,
+    /// From the send to the whole answer, 503s included, sorted.
+    latencies: Vec<Duration>,
+    /// Answered 503 `projection_lagging`.
+    lagging: usize,
+    /// Answered with a position short of the last batch acknowledged before the send.
+    behind: usize,
+    /// Answers unlike `org_big`'s usage computed from the plan, and the first of them.
+    wrong: usize,
+    first_wrong: Option<(UsageAnswer, UsageAnswer)>,
+}
+
+impl LagReads {
+    fn check(&self) -> Check {
+        let reads = self.latencies.len();
+        let answered = reads - self.lagging;
+        let wrong = self
+            .first_wrong
+            .as_ref()
+            .map(|(got, expected)| format!("; e.g. got {got:?}, expected {expected:?}"))
+            .unwrap_or_default();
+        match self.mode {
+            ReadMode::Default => Check {
+                description: format!(
+                    "{reads} default-mode usage reads during the lag load: {} of the \
+                     {answered} answers at a position short of the last batch acknowledged \
+                     before the read was sent, {} unlike the plan{wrong}; {} answered 503 \
+                     projection_lagging",
+                    self.behind, self.wrong, self.lagging
+                ),
+                passed: reads > 0 && self.behind == 0 && self.wrong == 0,
+            },
+            ReadMode::Eventual => Check {
+                description: format!(
+                    "{reads} consistency=eventual usage reads during the lag load: {} of the \
+                     {answered} answers unlike the plan{wrong}; {} answered 503",
+                    self.wrong, self.lagging
+                ),
+                passed: reads > 0 && self.wrong == 0 && self.lagging == 0,
+            },
+        }
+    }
+
+    fn line(&self, args: &ProjectionArgs, phase: Duration) -> Line {
+        let reads = self.latencies.len();
+        let figure = Figure::new(
+            format!(
+                "usage of {BIG_ORG} while {} events/s arrive, {}",
+                args.lag_rate,
+                self.mode.describe()
+            ),
+            reads,
+            phase,
+        )
+        .with_latencies(&self.latencies)
+        .with_note(format!(
+            "max {:.1} ms; one read every {LAG_READ_INTERVAL_MS} ms on a connection of its \
+             own; {} of {reads} answered 503 projection_lagging; {} behind the last batch \
+             acknowledged before the read",
+            max_ms(&self.latencies),
+            self.lagging,
+            self.behind
+        ));
+        Line {
+            figure,
+            target: "-".to_owned(),
+        }
+    }
+}
+
+/// The position an answer reflects.
+#[derive(Deserialize)]
+struct Positioned {
+    position: i64,
+}
+
+#[derive(Deserialize)]
+struct ErrorAnswer {
+    error: ErrorCode,
+}
+
+#[derive(Deserialize)]
+struct ErrorCode {
+    code: String,
+}
+
+/// Reads `org_big`'s usage in `mode` every [`LAG_READ_INTERVAL_MS`] on a connection of its
+/// own until `stop`, as a dashboard would while events arrive. Each answer is checked
+/// against the plan (the lag load touches other orgs only) and its position against the
+/// highest position `acknowledged` to a lag client before the read was sent: a default
+/// read must reflect it.
+async fn read_during_lag(
+    service: &Service,
+    scratch: &Scratch,
+    plan: &Plan,
+    period: Period,
+    mode: ReadMode,
+    acknowledged: &AtomicI64,
+    stop: &CancellationToken,
+) -> anyhow::Result<LagReads> {
+    let uri = usage_uri(period, mode)?;
+    let mut connection =
+        HttpConnection::open(service.local_addr, "/healthz", &scratch.token).await?;
+    let mut reads = LagReads {
+        mode,
+        latencies: Vec::new(),
+        lagging: 0,
+        behind: 0,
+        wrong: 0,
+        first_wrong: None,
+    };
+    let mut ticks = tokio::time::interval(Duration::from_millis(LAG_READ_INTERVAL_MS));
+    // A read that waited long is followed by the next one, not by a burst.
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = ticks.tick() => {}
+        }
+        let acknowledged_before = acknowledged.load(Ordering::SeqCst);
+        let sent = Instant::now();
+        let (status, answer) = connection
+            .round_trip(&hyper::Method::GET, &uri, Bytes::new())
+            .await?;
+        reads.latencies.push(sent.elapsed());
+        match status {
+            hyper::StatusCode::OK => {
+                let position = serde_json::from_slice::<Positioned>(&answer)
+                    .context("the usage answer has no position")?
+                    .position;
+                if position < acknowledged_before {
+                    reads.behind += 1;
+                }
+                let (answer, expected) = answer_and_expected(plan, period, &answer)?;
+                if answer != expected {
+                    reads.wrong += 1;
+                    reads.first_wrong.get_or_insert((answer, expected));
+                }
+            }
+            hyper::StatusCode::SERVICE_UNAVAILABLE => {
+                let code = serde_json::from_slice::<ErrorAnswer>(&answer)
+                    .context("the 503 answer does not parse")?
+                    .error
+                    .code;
+                anyhow::ensure!(
+                    code == "projection_lagging",
+                    "GET {uri} answered 503 {code}"
+                );
+                reads.lagging += 1;
+            }
+            _ => anyhow::bail!("GET {uri} answered {status}: {}", super::excerpt(&answer)),
+        }
+    }
+    reads.latencies.sort_unstable();
+    Ok(reads)
 }
 
 /// The body of one lag batch: new events on the planned containers of the other orgs,
@@ -1222,9 +1502,11 @@ impl ProjectorRounds {
 struct Report {
     replay: Line,
     usage: Line,
+    eventual: Line,
     query: Line,
     healthz: Line,
-    lag: Line,
+    /// The lag alone, then the lag and the usage reads during a second load.
+    lag: Vec<Line>,
     checks: Vec<Check>,
 }
 
@@ -1245,10 +1527,12 @@ impl Report {
         let lines = [
             &self.replay,
             &self.usage,
+            &self.eventual,
             &self.query,
             &self.healthz,
-            &self.lag,
-        ];
+        ]
+        .into_iter()
+        .chain(&self.lag);
         print_lines(lines, &self.checks);
     }
 }

@@ -18,6 +18,10 @@ struct Cli {
     args: BenchArgs,
 }
 
+/// Held by each test for its whole run: a test counts the scratch databases left after it
+/// by comparing with those before, which another bench running meanwhile would upset.
+static ONE_BENCH_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
     sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'")
         .fetch_all(pool)
@@ -30,6 +34,7 @@ async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_passing_and_leaves_no_database(
 ) {
+    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
     let nats = TestNats::start();
     let server = format!("{}/postgres", server_url().trim_end_matches('/'));
     let admin = PgPool::connect(&server)
@@ -59,6 +64,47 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         "20",
         "--anomalies-phase-events",
         "200",
+    ])
+    .args;
+    tally::bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect("the bench runs and every check it makes passes");
+
+    let left = scratch_databases(&admin).await;
+    let created: Vec<&String> = left.difference(&before).collect();
+    assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_under_load_reflects_every_acknowledged_batch(
+) {
+    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let admin = PgPool::connect(&server)
+        .await
+        .expect("connecting to the test server");
+    let before = scratch_databases(&admin).await;
+
+    // Among the projection part's checks: every usage answer in both modes equals the
+    // plan, and no default-mode read during the lag load answers at a position short of a
+    // batch acknowledged before it was sent.
+    let args = Cli::parse_from([
+        "bench",
+        "--only",
+        "projection",
+        "--orgs",
+        "10",
+        "--replay-events",
+        "20000",
+        // Enough containers that org_big almost surely has commands in the current period,
+        // which the usage check asks for, even when the period is only hours old.
+        "--usage-containers",
+        "500",
+        "--lag-rate",
+        "2000",
+        "--lag-seconds",
+        "2",
     ])
     .args;
     tally::bench::run(Config::new(&server, &nats.url), args)
