@@ -1,5 +1,5 @@
 //! `tally bench`, third part: how many admission checks the service answers, how fast at
-//! half that load, and what the floor of the same HTTP path is (issue 4, acceptance 5).
+//! half that load, and what the floor of the same HTTP path is.
 //!
 //! It runs after the projection part, in a scratch database and NATS namespace of its own,
 //! which it removes at the end, also when a step fails or the run is interrupted.
@@ -102,7 +102,7 @@ const POPULATION_CLIENTS: usize = 4;
 /// Linux reports CPU time in clock ticks of `USER_HZ`, which is 100 on every architecture
 /// the service runs on.
 const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
-/// Targets (issue 4, acceptance 5).
+/// Targets.
 const TARGET_CHECKS_PER_SECOND: u64 = 10_000;
 const TARGET_PACED_P99_MS: f64 = 3.0;
 

@@ -1,6 +1,6 @@
 //! `tally bench`, anomalies part: what commands of containers that were never created cost
 //! the projection once each of those containers has a thousand anomalies, next to commands
-//! of running containers, in the same run (issue 17, item 11).
+//! of running containers, in the same run.
 //!
 //! It runs in a scratch database and NATS namespace of its own, removed at the end, also
 //! when a step fails or the run is interrupted.
@@ -55,7 +55,7 @@ const SEED_END_MARGIN_MS: i64 = 60_000;
 const SEED_WINDOW_MS: i64 = 60 * 60 * 1000;
 /// Seeded events turned into ledger rows and sent to `COPY` at a time.
 const COPY_CHUNK_EVENTS: usize = 10_000;
-/// Target (issue 17): the stray rate is at least this share of the running rate.
+/// Target: the stray rate is at least this share of the running rate.
 const RATIO_TARGET_PERCENT: u64 = 80;
 
 #[derive(Debug, Clone, clap::Args)]

@@ -1,5 +1,5 @@
 //! `tally bench`, fourth part: audit pages and verification on a ledger of millions of
-//! events (issue 6, acceptance 6).
+//! events.
 //!
 //! It runs after the admission part, in a scratch database and NATS namespace of its own,
 //! which it removes at the end, also when a step fails or the run is interrupted.
@@ -70,7 +70,7 @@ const PAGE_EVENTS: usize = 100;
 /// Events appended before the incremental pass, in batches of the service's maximum.
 const APPENDED_EVENTS: usize = 10_000;
 const APPEND_CLIENTS: usize = 4;
-/// Target (issue 6, acceptance 6).
+/// Target.
 const TARGET_PAGE_P99_MS: f64 = 10.0;
 
 #[derive(Debug, Clone, clap::Args)]

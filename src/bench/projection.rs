@@ -100,7 +100,7 @@ const COPY_CHUNK_EVENTS: usize = 10_000;
 const BIG_ORG: &str = "org_big";
 /// `org_big` among the org indexes of the plan.
 const BIG_ORG_INDEX: u32 = u32::MAX;
-/// Targets (issue 3, acceptance 5).
+/// Targets.
 const REPLAY_TARGET_EVENTS_PER_SECOND: u64 = 200_000;
 const USAGE_TARGET_P99_MS: u64 = 5;
 const LAG_TARGET_P99_MS: u64 = 250;

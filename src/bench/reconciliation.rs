@@ -1,5 +1,5 @@
 //! `tally bench`, fifth part: importing and reconciling a provider report of a million
-//! lines against a ledger of ten million events (issue 5, acceptance 5).
+//! lines against a ledger of ten million events.
 //!
 //! It runs after the audit part, in a scratch database and NATS namespace of its own, which
 //! it removes at the end with the report file, also when a step fails or the run is
@@ -78,7 +78,7 @@ const PRICE_PER_HOUR_MICROS: i64 = 48_000;
 const COPY_CHUNK_EVENTS: usize = 10_000;
 /// Bytes read from the report file at a time: what an HTTP body's chunks come to.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
-/// Targets (issue 5, acceptance 5).
+/// Targets.
 const TARGET_IMPORT_ROWS_PER_SECOND: f64 = 200_000.0;
 const TARGET_RECONCILE_SECONDS: f64 = 30.0;
 const TARGET_PEAK_RSS_MB: f64 = 300.0;
