@@ -117,172 +117,36 @@ impl Header {
 
     /// One record (at file line `line`) into a line of the report.
     pub fn line(&self, record: &csv::StringRecord, line: u64) -> Result<ParsedLine, ReportError> {
-        let field = |name: &'static str| -> Option<&str> {
-            self.positions
-                .get(name)
-                .and_then(|index| record.get(*index))
-                .map(str::trim)
-                .filter(|value| !value.is_empty())
+        let cells = Cells {
+            header: self,
+            record,
+            line,
         };
-        let required = |name: &'static str| -> Result<&str, ReportError> {
-            field(name).ok_or_else(|| {
-                ReportError::new(
-                    line,
-                    Some(name),
-                    "missing_value",
-                    format!("{name} is empty"),
-                )
-            })
-        };
-        // Some cells are stored as text (provider name, charge category), the others are read
-        // into ids, numbers and instants: none may hold a NUL, whichever column it is in.
-        // One memchr over the record's bytes; the cells are searched only to name the one.
-        if !storable::is_storable(record.as_slice()) {
-            let (index, _) = record
-                .iter()
-                .enumerate()
-                .find(|(_, cell)| !storable::is_storable(cell))
-                .expect("one of the cells holds the NUL");
-            let column = self.name_of(index);
-            return Err(ReportError::new(
-                line,
-                column.as_deref(),
-                storable::UNSTORABLE_TEXT,
-                storable::UNSTORABLE_WHY,
-            ));
-        }
-        let instant = |name: &'static str| -> Result<DateTime<Utc>, ReportError> {
-            let value = required(name)?;
-            storable::parse_instant(value).map_err(|error| {
-                let message = match error {
-                    storable::InstantError::Malformed { .. } => {
-                        format!("{value:?} is not an ISO 8601 instant with an offset")
-                    }
-                    _ => error.to_string(),
-                };
-                ReportError::new(
-                    line,
-                    Some(name),
-                    error.code_or("invalid_timestamp"),
-                    message,
-                )
-            })
-        };
-        let decimal = |name: &'static str| -> Result<Decimal, ReportError> {
-            let value = required(name)?;
-            let plain = value
-                .bytes()
-                .all(|b| b.is_ascii_digit() || b == b'.' || b == b'-');
-            plain
-                .then(|| Decimal::from_str(value).ok())
-                .flatten()
-                .ok_or_else(|| {
-                    ReportError::new(
-                        line,
-                        Some(name),
-                        "invalid_number",
-                        format!("{value:?} is not a decimal number"),
-                    )
-                })
-        };
-        let start = instant("ChargePeriodStart")?;
-        let end = instant("ChargePeriodEnd")?;
+        cells.storable()?;
+        let start = cells.instant("ChargePeriodStart")?;
+        let end = cells.instant("ChargePeriodEnd")?;
         if end <= start {
-            return Err(ReportError::new(
-                line,
-                Some("ChargePeriodEnd"),
+            return Err(cells.error(
+                "ChargePeriodEnd",
                 "end_before_start",
                 format!("the charge period ends at {end}, not after its start {start}"),
             ));
         }
-        let container_id = required("ResourceId")?;
-        ContainerId::parse(container_id).map_err(|error| {
-            ReportError::new(
-                line,
-                Some("ResourceId"),
-                "invalid_resource_id",
-                error.to_string(),
-            )
-        })?;
-        let quantity = decimal("ConsumedQuantity")?;
+        let container_id = cells.required("ResourceId")?;
+        ContainerId::parse(container_id)
+            .map_err(|error| cells.error("ResourceId", "invalid_resource_id", error.to_string()))?;
+        let quantity = cells.decimal("ConsumedQuantity")?;
         if quantity.is_sign_negative() {
-            return Err(ReportError::new(
-                line,
-                Some("ConsumedQuantity"),
+            return Err(cells.error(
+                "ConsumedQuantity",
                 "invalid_number",
                 "a quantity cannot be negative",
             ));
         }
-        let unit = match required("ConsumedUnit")? {
-            "Seconds" => Unit::Seconds,
-            "Hours" => Unit::Hours,
-            other => {
-                return Err(ReportError::new(
-                    line,
-                    Some("ConsumedUnit"),
-                    "unknown_unit",
-                    format!("{other:?}: the unit must be Seconds or Hours"),
-                ))
-            }
-        };
-        let billed_cost = decimal("BilledCost")?;
-        let currency = required("BillingCurrency")?;
-        if !(currency.len() == 3 && currency.bytes().all(|b| b.is_ascii_uppercase())) {
-            return Err(ReportError::new(
-                line,
-                Some("BillingCurrency"),
-                "invalid_currency",
-                format!("{currency:?} is not an ISO 4217 code"),
-            ));
-        }
-        let org_id = match field("Tags") {
-            None => None,
-            Some(tags) => match serde_json::from_str::<Value>(tags) {
-                Ok(Value::Object(tags)) => match tags.get("org_id") {
-                    None => None,
-                    Some(Value::String(org)) => Some(
-                        OrgId::parse(org)
-                            .map_err(|error| {
-                                ReportError::new(
-                                    line,
-                                    Some("Tags"),
-                                    "invalid_tags",
-                                    format!("org_id: {error}"),
-                                )
-                            })?
-                            .as_str()
-                            .to_owned(),
-                    ),
-                    Some(_) => {
-                        return Err(ReportError::new(
-                            line,
-                            Some("Tags"),
-                            "invalid_tags",
-                            "org_id must be a string",
-                        ))
-                    }
-                },
-                _ => {
-                    return Err(ReportError::new(
-                        line,
-                        Some("Tags"),
-                        "invalid_tags",
-                        "Tags must be a JSON object",
-                    ))
-                }
-            },
-        };
-        let text = |name: &'static str| -> Result<Option<String>, ReportError> {
-            match field(name) {
-                Some(value) if value.chars().count() > TEXT_MAX => Err(ReportError::new(
-                    line,
-                    Some(name),
-                    "too_long",
-                    format!("at most {TEXT_MAX} characters"),
-                )),
-                value => Ok(value.map(str::to_owned)),
-            }
-        };
+        let unit = cells.unit()?;
+        let billed_cost = cells.decimal("BilledCost")?;
+        let currency = cells.currency()?.to_owned();
+        let org_id = cells.org_id()?;
         Ok(ParsedLine {
             line,
             report: ReportLine {
@@ -292,11 +156,145 @@ impl Header {
                 quantity,
                 unit,
                 billed_cost,
-                currency: currency.to_owned(),
+                currency,
             },
-            provider_name: text("ProviderName")?,
-            charge_category: text("ChargeCategory")?,
+            provider_name: cells.text("ProviderName")?,
+            charge_category: cells.text("ChargeCategory")?,
         })
+    }
+}
+
+/// One record's cells, read by column name; every error names the record's line and the
+/// column. Checks are made in the order of the columns' meaning (the charge period, the
+/// resource, the quantity, the unit, the cost, the currency, the tags), so that a line with
+/// several faults is reported by its first.
+struct Cells<'a> {
+    header: &'a Header,
+    record: &'a csv::StringRecord,
+    line: u64,
+}
+
+impl<'a> Cells<'a> {
+    fn error(&self, column: &str, code: &'static str, message: impl Into<String>) -> ReportError {
+        ReportError::new(self.line, Some(column), code, message)
+    }
+
+    /// The trimmed cell of a known column; `None` when the column is absent or the cell
+    /// empty.
+    fn field(&self, name: &'static str) -> Option<&'a str> {
+        self.header
+            .positions
+            .get(name)
+            .and_then(|index| self.record.get(*index))
+            .map(str::trim)
+            .filter(|value| !value.is_empty())
+    }
+
+    fn required(&self, name: &'static str) -> Result<&'a str, ReportError> {
+        self.field(name)
+            .ok_or_else(|| self.error(name, "missing_value", format!("{name} is empty")))
+    }
+
+    /// Some cells are stored as text (provider name, charge category), the others are read
+    /// into ids, numbers and instants: none may hold a NUL, whichever column it is in. One
+    /// memchr over the record's bytes; the cells are searched only to name the one.
+    fn storable(&self) -> Result<(), ReportError> {
+        if storable::is_storable(self.record.as_slice()) {
+            return Ok(());
+        }
+        let (index, _) = self
+            .record
+            .iter()
+            .enumerate()
+            .find(|(_, cell)| !storable::is_storable(cell))
+            .expect("one of the cells holds the NUL");
+        let column = self.header.name_of(index);
+        Err(ReportError::new(
+            self.line,
+            column.as_deref(),
+            storable::UNSTORABLE_TEXT,
+            storable::UNSTORABLE_WHY,
+        ))
+    }
+
+    fn instant(&self, name: &'static str) -> Result<DateTime<Utc>, ReportError> {
+        let value = self.required(name)?;
+        storable::parse_instant(value).map_err(|error| {
+            let message = match error {
+                storable::InstantError::Malformed { .. } => {
+                    format!("{value:?} is not an ISO 8601 instant with an offset")
+                }
+                _ => error.to_string(),
+            };
+            self.error(name, error.code_or("invalid_timestamp"), message)
+        })
+    }
+
+    fn decimal(&self, name: &'static str) -> Result<Decimal, ReportError> {
+        let value = self.required(name)?;
+        let plain = value
+            .bytes()
+            .all(|b| b.is_ascii_digit() || b == b'.' || b == b'-');
+        plain
+            .then(|| Decimal::from_str(value).ok())
+            .flatten()
+            .ok_or_else(|| {
+                self.error(
+                    name,
+                    "invalid_number",
+                    format!("{value:?} is not a decimal number"),
+                )
+            })
+    }
+
+    fn unit(&self) -> Result<Unit, ReportError> {
+        match self.required("ConsumedUnit")? {
+            "Seconds" => Ok(Unit::Seconds),
+            "Hours" => Ok(Unit::Hours),
+            other => Err(self.error(
+                "ConsumedUnit",
+                "unknown_unit",
+                format!("{other:?}: the unit must be Seconds or Hours"),
+            )),
+        }
+    }
+
+    fn currency(&self) -> Result<&'a str, ReportError> {
+        let currency = self.required("BillingCurrency")?;
+        if currency.len() == 3 && currency.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Ok(currency);
+        }
+        Err(self.error(
+            "BillingCurrency",
+            "invalid_currency",
+            format!("{currency:?} is not an ISO 4217 code"),
+        ))
+    }
+
+    /// The org of the `Tags` JSON object's `org_id`, when it has one.
+    fn org_id(&self) -> Result<Option<String>, ReportError> {
+        let Some(tags) = self.field("Tags") else {
+            return Ok(None);
+        };
+        let Ok(Value::Object(tags)) = serde_json::from_str::<Value>(tags) else {
+            return Err(self.error("Tags", "invalid_tags", "Tags must be a JSON object"));
+        };
+        match tags.get("org_id") {
+            None => Ok(None),
+            Some(Value::String(org)) => OrgId::parse(org)
+                .map(|org| Some(org.as_str().to_owned()))
+                .map_err(|error| self.error("Tags", "invalid_tags", format!("org_id: {error}"))),
+            Some(_) => Err(self.error("Tags", "invalid_tags", "org_id must be a string")),
+        }
+    }
+
+    fn text(&self, name: &'static str) -> Result<Option<String>, ReportError> {
+        match self.field(name) {
+            Some(value) if value.chars().count() > TEXT_MAX => {
+                Err(self.error(name, "too_long", format!("at most {TEXT_MAX} characters")))
+            }
+            value => Ok(value.map(str::to_owned)),
+        }
     }
 }
 
