@@ -57,6 +57,24 @@ struct LineRow {
     billing_currency: String,
 }
 
+impl LineRow {
+    fn report_line(&self) -> ReportLine {
+        ReportLine {
+            charge_period: Window::new(self.charge_period_start, self.charge_period_end),
+            container_id: self.container_id.clone(),
+            org_id: self.org_id.clone(),
+            quantity: self.consumed_quantity,
+            unit: if self.consumed_unit == "Hours" {
+                Unit::Hours
+            } else {
+                Unit::Seconds
+            },
+            billed_cost: self.billed_cost,
+            currency: self.billing_currency.clone(),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Tally {
     count: u64,
@@ -98,22 +116,126 @@ pub async fn run(
     let Some((window_start, window_end)) = window else {
         return Err(ReconcileError::UnknownReport(report_id));
     };
-    let report_window = Window::new(window_start, window_end);
     let as_of = Utc::now().trunc_subsecs(3);
-    let id = Uuid::now_v7();
     let mut transaction = pool.begin().await?;
     // One snapshot for every read: the ledger figures all come from one checkpoint, read
     // first, so that it is the position of the snapshot.
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         .execute(&mut *transaction)
         .await?;
-    let ledger_position = store::checkpoint(&mut transaction, LIVE).await?;
+    let position = store::checkpoint(&mut transaction, LIVE).await?;
+    let mut progress = Progress::new(Uuid::now_v7());
+    reconcile_lines(&mut transaction, report_id, tolerance, as_of, &mut progress).await?;
+    let missing = missing_in_provider(
+        &mut transaction,
+        Window::new(window_start, window_end),
+        tolerance,
+        as_of,
+        &progress,
+    )
+    .await?;
+    progress.record(&mut transaction, &missing).await?;
+    let (counts, totals) = (progress.counts(), progress.totals());
+    sqlx::query(
+        "INSERT INTO reconciliation (id, report_id, tolerance_ms, tolerance_ratio, as_of, \
+             ledger_position, counts, totals, created_at, created_by) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), $9)",
+    )
+    .bind(progress.id)
+    .bind(report_id)
+    .bind(tolerance.min_ms)
+    .bind(tolerance.ratio)
+    .bind(as_of)
+    .bind(position)
+    .bind(&counts)
+    .bind(&totals)
+    .bind(actor)
+    .execute(&mut *transaction)
+    .await?;
+    transaction.commit().await?;
+    Ok(Summary {
+        id: progress.id,
+        counts,
+        totals,
+        position,
+    })
+}
 
-    let mut mentioned: HashSet<String> = HashSet::new();
-    let mut by_status: BTreeMap<&'static str, Tally> = BTreeMap::new();
-    let mut by_org: BTreeMap<String, Tally> = BTreeMap::new();
-    let mut currency = String::from("USD");
-    let mut seq = 0i64;
+/// What a run has gathered: the lines stored so far, their tallies by status and by org,
+/// the containers the report mentions and the report's currency.
+struct Progress {
+    id: Uuid,
+    seq: i64,
+    by_status: BTreeMap<&'static str, Tally>,
+    by_org: BTreeMap<String, Tally>,
+    mentioned: HashSet<String>,
+    currency: String,
+}
+
+impl Progress {
+    fn new(id: Uuid) -> Progress {
+        Progress {
+            id,
+            seq: 0,
+            by_status: BTreeMap::new(),
+            by_org: BTreeMap::new(),
+            mentioned: HashSet::new(),
+            currency: String::from("USD"),
+        }
+    }
+
+    /// Tallies `lines` and stores them after those stored before.
+    async fn record(
+        &mut self,
+        transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        lines: &[Reconciled],
+    ) -> Result<(), sqlx::Error> {
+        tally(lines, &mut self.by_status, &mut self.by_org);
+        insert(transaction, self.id, &mut self.seq, lines).await
+    }
+
+    /// The number of lines of every status, zeros included.
+    fn counts(&self) -> Value {
+        [
+            Status::Matched,
+            Status::ProviderOver,
+            Status::ProviderUnder,
+            Status::MissingInLedger,
+            Status::OrgMismatch,
+            Status::MissingInProvider,
+        ]
+        .iter()
+        .map(|status| {
+            let count = self
+                .by_status
+                .get(status.as_str())
+                .map_or(0, |tally| tally.count);
+            (status.as_str().to_owned(), json!(count))
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+    }
+
+    /// Money by status and by org, each rounded once to the currency's minor unit.
+    fn totals(&self) -> Value {
+        let currency = &self.currency;
+        json!({
+            "currency": currency,
+            "by_status": self.by_status.iter().map(|(status, tally)| ((*status).to_owned(), tally.json(currency))).collect::<serde_json::Map<_, _>>(),
+            "by_org": self.by_org.iter().map(|(org, tally)| (org.clone(), tally.json(currency))).collect::<serde_json::Map<_, _>>(),
+        })
+    }
+}
+
+/// Every line of the report, a round of [`LINES_PER_ROUND`] at a time, against the
+/// lifecycles of the containers it names.
+async fn reconcile_lines(
+    transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    report_id: Uuid,
+    tolerance: Tolerance,
+    as_of: DateTime<Utc>,
+    progress: &mut Progress,
+) -> Result<(), ReconcileError> {
     let mut after = 0i64;
     loop {
         let rows: Vec<LineRow> = sqlx::query_as(
@@ -124,9 +246,11 @@ pub async fn run(
         .bind(report_id)
         .bind(after)
         .bind(LINES_PER_ROUND)
-        .fetch_all(&mut *transaction)
+        .fetch_all(&mut **transaction)
         .await?;
-        let Some(last) = rows.last() else { break };
+        let Some(last) = rows.last() else {
+            return Ok(());
+        };
         after = last.line;
         let ids: Vec<&str> = rows
             .iter()
@@ -135,7 +259,7 @@ pub async fn run(
             .into_iter()
             .collect();
         let mut known: HashMap<String, Vec<StoredContainer>> = HashMap::new();
-        for stored in store::containers_by_ids(&mut transaction, &ids).await? {
+        for stored in store::containers_by_ids(transaction, &ids).await? {
             known
                 .entry(stored.container_id.clone())
                 .or_default()
@@ -143,19 +267,6 @@ pub async fn run(
         }
         let mut results = Vec::with_capacity(rows.len());
         for row in &rows {
-            let line = ReportLine {
-                charge_period: Window::new(row.charge_period_start, row.charge_period_end),
-                container_id: row.container_id.clone(),
-                org_id: row.org_id.clone(),
-                quantity: row.consumed_quantity,
-                unit: if row.consumed_unit == "Hours" {
-                    Unit::Hours
-                } else {
-                    Unit::Seconds
-                },
-                billed_cost: row.billed_cost,
-                currency: row.billing_currency.clone(),
-            };
             let ledger: Vec<LedgerContainer> = known
                 .get(&row.container_id)
                 .map(|stored| {
@@ -168,78 +279,45 @@ pub async fn run(
                         .collect()
                 })
                 .unwrap_or_default();
-            currency.clone_from(&row.billing_currency);
-            mentioned.insert(row.container_id.clone());
-            results.push(reconcile::reconcile_line(&line, &ledger, tolerance, as_of));
+            progress.currency.clone_from(&row.billing_currency);
+            progress.mentioned.insert(row.container_id.clone());
+            results.push(reconcile::reconcile_line(
+                &row.report_line(),
+                &ledger,
+                tolerance,
+                as_of,
+            ));
         }
-        tally(&results, &mut by_status, &mut by_org);
-        insert(&mut transaction, id, &mut seq, &results).await?;
+        progress.record(transaction, &results).await?;
     }
+}
 
+/// One `missing_in_provider` line for each container that ran in the report's window
+/// above the tolerance and that the report does not mention, in (org, container) order.
+async fn missing_in_provider(
+    transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    window: Window,
+    tolerance: Tolerance,
+    as_of: DateTime<Utc>,
+    progress: &Progress,
+) -> Result<Vec<Reconciled>, ReconcileError> {
     let mut missing = Vec::new();
-    for stored in store::containers_running_since(&mut transaction, window_start).await? {
-        if mentioned.contains(&stored.container_id) {
+    for stored in store::containers_running_since(transaction, window.start()).await? {
+        if progress.mentioned.contains(&stored.container_id) {
             continue;
         }
         missing.extend(reconcile::missing_in_provider(
             &stored.org_id,
             &stored.container_id,
             &stored.lifecycle,
-            report_window,
+            window,
             tolerance,
             as_of,
-            &currency,
+            &progress.currency,
         ));
     }
     missing.sort_by(|a, b| (&a.org_id, &a.container_id).cmp(&(&b.org_id, &b.container_id)));
-    tally(&missing, &mut by_status, &mut by_org);
-    insert(&mut transaction, id, &mut seq, &missing).await?;
-
-    let counts: Value = [
-        Status::Matched,
-        Status::ProviderOver,
-        Status::ProviderUnder,
-        Status::MissingInLedger,
-        Status::OrgMismatch,
-        Status::MissingInProvider,
-    ]
-    .iter()
-    .map(|status| {
-        let count = by_status
-            .get(status.as_str())
-            .map_or(0, |tally| tally.count);
-        (status.as_str().to_owned(), json!(count))
-    })
-    .collect::<serde_json::Map<_, _>>()
-    .into();
-    let totals = json!({
-        "currency": currency,
-        "by_status": by_status.iter().map(|(status, tally)| ((*status).to_owned(), tally.json(&currency))).collect::<serde_json::Map<_, _>>(),
-        "by_org": by_org.iter().map(|(org, tally)| (org.clone(), tally.json(&currency))).collect::<serde_json::Map<_, _>>(),
-    });
-    sqlx::query(
-        "INSERT INTO reconciliation (id, report_id, tolerance_ms, tolerance_ratio, as_of, \
-             ledger_position, counts, totals, created_at, created_by) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), $9)",
-    )
-    .bind(id)
-    .bind(report_id)
-    .bind(tolerance.min_ms)
-    .bind(tolerance.ratio)
-    .bind(as_of)
-    .bind(ledger_position)
-    .bind(&counts)
-    .bind(&totals)
-    .bind(actor)
-    .execute(&mut *transaction)
-    .await?;
-    transaction.commit().await?;
-    Ok(Summary {
-        id,
-        counts,
-        totals,
-        position: ledger_position,
-    })
+    Ok(missing)
 }
 
 fn tally(
