@@ -327,66 +327,15 @@ pub async fn verify_stream(
         .execute(&mut *transaction)
         .await?;
     if last_sequence > 0 && found.is_none() {
-        let first_position = report.first_position;
-        let query =
-            format!("SELECT {ROW_COLUMNS} FROM ledger WHERE position >= $1 ORDER BY position");
-        let mut rows = sqlx::query_as::<_, LedgerRow>(&query)
-            .bind(first_position)
-            .fetch(&mut *transaction);
-        let mut prev_hash = hash_before(pool, first_position)
-            .await?
-            .unwrap_or(GENESIS_HASH);
-        let consumer = stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: state.first_sequence,
-                },
-                max_batch: STREAM_VERIFY_BATCH_MESSAGES,
-                ..Default::default()
-            })
-            .await
-            .context("cannot read the ledger stream")?;
-        let mut messages = consumer.messages().await?;
-        let mut expected = state.first_sequence;
-        while expected <= last_sequence {
-            let position = i64::try_from(expected)? + offset;
-            let message = messages
-                .next()
-                .await
-                .context("the ledger stream ended early")??;
-            let sequence = message
-                .info()
-                .map_err(|error| anyhow::anyhow!("{error}"))?
-                .stream_sequence;
-            if sequence != expected {
-                found = Some(Mismatch {
-                    sequence: expected,
-                    position,
-                    difference: "the stream no longer holds it".to_owned(),
-                });
-                break;
-            }
-            let row = rows.try_next().await?;
-            let row = row.filter(|row| row.position == position);
-            if let Some(difference) = difference(
-                position,
-                message.headers.as_ref(),
-                &message.payload,
-                row.as_ref(),
-                &prev_hash,
-            ) {
-                found = Some(Mismatch {
-                    sequence,
-                    position,
-                    difference,
-                });
-                break;
-            }
-            let row = row.expect("a matching message has its row");
-            prev_hash = row.hash.as_slice().try_into().expect("32-byte hashes");
-            report.messages_checked += 1;
-            expected += 1;
-        }
+        found = compare(
+            &mut transaction,
+            pool,
+            &stream,
+            state.first_sequence..=last_sequence,
+            offset,
+            &mut report,
+        )
+        .await?;
     }
     if found.is_none() {
         // Whatever the ledger holds past the stream has not been relayed yet.
@@ -404,6 +353,74 @@ pub async fn verify_stream(
         report.problem = Some(mismatch.to_string());
     }
     Ok(report)
+}
+
+/// Compares the messages of `sequences` with their rows in order, counting each that
+/// matches in `report`; the first difference, if any.
+async fn compare(
+    transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    pool: &PgPool,
+    stream: &jetstream::stream::Stream,
+    sequences: std::ops::RangeInclusive<u64>,
+    offset: i64,
+    report: &mut StreamReport,
+) -> anyhow::Result<Option<Mismatch>> {
+    let first_position = report.first_position;
+    let query = format!("SELECT {ROW_COLUMNS} FROM ledger WHERE position >= $1 ORDER BY position");
+    let mut rows = sqlx::query_as::<_, LedgerRow>(&query)
+        .bind(first_position)
+        .fetch(&mut **transaction);
+    let mut prev_hash = hash_before(pool, first_position)
+        .await?
+        .unwrap_or(GENESIS_HASH);
+    let consumer = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: *sequences.start(),
+            },
+            max_batch: STREAM_VERIFY_BATCH_MESSAGES,
+            ..Default::default()
+        })
+        .await
+        .context("cannot read the ledger stream")?;
+    let mut messages = consumer.messages().await?;
+    for expected in sequences {
+        let position = i64::try_from(expected)? + offset;
+        let message = messages
+            .next()
+            .await
+            .context("the ledger stream ended early")??;
+        let sequence = message
+            .info()
+            .map_err(|error| anyhow::anyhow!("{error}"))?
+            .stream_sequence;
+        if sequence != expected {
+            return Ok(Some(Mismatch {
+                sequence: expected,
+                position,
+                difference: "the stream no longer holds it".to_owned(),
+            }));
+        }
+        let row = rows.try_next().await?;
+        let row = row.filter(|row| row.position == position);
+        if let Some(difference) = difference(
+            position,
+            message.headers.as_ref(),
+            &message.payload,
+            row.as_ref(),
+            &prev_hash,
+        ) {
+            return Ok(Some(Mismatch {
+                sequence,
+                position,
+                difference,
+            }));
+        }
+        let row = row.expect("a matching message has its row");
+        prev_hash = row.hash.as_slice().try_into().expect("32-byte hashes");
+        report.messages_checked += 1;
+    }
+    Ok(None)
 }
 
 #[cfg(test)]
