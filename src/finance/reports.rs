@@ -88,7 +88,7 @@ struct Parsed {
 /// Imports the report whose bytes `chunks` yields, refusing more than `max_bytes`.
 pub async fn import<S, E>(
     pool: &PgPool,
-    mut chunks: S,
+    chunks: S,
     max_bytes: u64,
     actor: &str,
 ) -> Result<Imported, ImportError>
@@ -96,8 +96,6 @@ where
     S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
     E: std::fmt::Display,
 {
-    use futures::StreamExt;
-
     let (chunk_sender, chunk_receiver) = mpsc::channel(CHANNEL_DEPTH);
     let (batch_sender, mut batches) = mpsc::channel::<Vec<ParsedLine>>(CHANNEL_DEPTH);
     let parser = tokio::task::spawn_blocking(move || parse(chunk_receiver, batch_sender));
@@ -107,35 +105,7 @@ where
     // Feeding the parser and inserting run side by side, not in turns: while Postgres
     // inserts one batch, the parser reads and checks the next lines, instead of stopping
     // once the few chunks in its channel are used up.
-    let feed = async {
-        // Dropped when the input ends, which ends the parser's input.
-        let sender = chunk_sender;
-        let mut read = 0u64;
-        loop {
-            let chunk = tokio::select! {
-                chunk = chunks.next() => chunk,
-                // The parser stopped: its error says why.
-                () = sender.closed() => return Ok::<bool, ImportError>(false),
-            };
-            match chunk {
-                Some(Ok(chunk)) => {
-                    read += chunk.len() as u64;
-                    if read > max_bytes {
-                        let _ = sender.send(Err("the report is too large".into())).await;
-                        return Ok(true);
-                    }
-                    if sender.send(Ok(chunk)).await.is_err() {
-                        return Ok(false);
-                    }
-                }
-                Some(Err(error)) => {
-                    let _ = sender.send(Err(error.to_string())).await;
-                    return Ok(false);
-                }
-                None => return Ok(false),
-            }
-        }
-    };
+    let feed = feed(chunks, chunk_sender, max_bytes);
     let store = async {
         while let Some(batch) = batches.recv().await {
             insert(&mut transaction, report_id, &batch).await?;
@@ -156,6 +126,59 @@ where
         transaction.rollback().await?;
         return Ok(Imported::Existing(existing));
     }
+    store_report(pool, transaction, report_id, &parsed, actor).await
+}
+
+/// Hands the input's chunks to the parser until the input ends, the parser stops or
+/// `max_bytes` is passed; `true` in the last case. Dropping `sender` at the end ends the
+/// parser's input.
+async fn feed<S, E>(
+    mut chunks: S,
+    sender: mpsc::Sender<Result<bytes::Bytes, String>>,
+    max_bytes: u64,
+) -> Result<bool, ImportError>
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    use futures::StreamExt;
+
+    let mut read = 0u64;
+    loop {
+        let chunk = tokio::select! {
+            chunk = chunks.next() => chunk,
+            // The parser stopped: its error says why.
+            () = sender.closed() => return Ok(false),
+        };
+        match chunk {
+            Some(Ok(chunk)) => {
+                read += chunk.len() as u64;
+                if read > max_bytes {
+                    let _ = sender.send(Err("the report is too large".into())).await;
+                    return Ok(true);
+                }
+                if sender.send(Ok(chunk)).await.is_err() {
+                    return Ok(false);
+                }
+            }
+            Some(Err(error)) => {
+                let _ = sender.send(Err(error.to_string())).await;
+                return Ok(false);
+            }
+            None => return Ok(false),
+        }
+    }
+}
+
+/// Stores the report's row beside its lines, inserted in `transaction`; when the same
+/// bytes were imported concurrently and committed first, that report instead.
+async fn store_report(
+    pool: &PgPool,
+    mut transaction: sqlx::Transaction<'_, sqlx::Postgres>,
+    report_id: Uuid,
+    parsed: &Parsed,
+    actor: &str,
+) -> Result<Imported, ImportError> {
     let stored = StoredReport {
         id: report_id,
         lines: parsed.lines,
