@@ -141,85 +141,108 @@ async fn handle_batch(
         backdate_max: settings.backdate_max,
     };
     // All appends are queued before any is awaited, so the batch shares group commits.
-    let verdicts = futures::future::join_all(messages.iter().map(|message| async move {
-        let kind = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Content-Type"))
-            .map(|v| BodyKind::from_content_type(v.as_str()));
-        let kind = match kind {
-            None => BodyKind::Native,
-            Some(Some(kind)) => kind,
-            Some(None) => {
-                return Verdict::DeadLetter {
-                    code: "unsupported_media_type",
-                    message: "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json".into(),
-                }
-            }
-        };
-        let mut events = match parse_body(kind, &message.payload, bounds, settings.batch_events_max) {
-            Ok(events) => events,
-            Err(error) => {
-                return Verdict::DeadLetter {
-                    code: error.code(),
-                    message: error.describe(),
-                }
-            }
-        };
-        match plans::unknown_reference(pool, &events).await {
-            Ok(None) => {}
-            Ok(Some((index, plan))) => {
-                return Verdict::DeadLetter {
-                    code: "unknown_plan",
-                    message: format!("event {index}: plan {plan:?} is not defined"),
-                }
-            }
-            Err(error) => return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))),
-        }
-        if let Err(error) = legacy_ids::adopt(pool, &mut events).await {
-            return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error)));
-        }
-        let count = events.len();
-        match appender.append(events).await {
-            Ok(_) => Verdict::Stored(count),
-            Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
-                code: "idempotency_conflict",
-                message: format!("event {index}: id {id} was stored before with different content"),
-            },
-            // Redelivered, it would fail the same way for ever.
-            Err(error) if !error.is_retryable() => Verdict::DeadLetter {
-                code: error.code(),
-                message: error.to_string(),
-            },
-            Err(error) => Verdict::Retry(error),
-        }
-    }))
+    let verdicts = futures::future::join_all(
+        messages
+            .iter()
+            .map(|message| verdict(message, pool, appender, settings, bounds)),
+    )
     .await;
-
     for (message, verdict) in messages.iter().zip(verdicts) {
-        match verdict {
-            Verdict::Stored(count) => {
-                message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
-                metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "stored")
-                    .increment(count as u64);
+        settle(context, names, message, verdict).await?;
+    }
+    Ok(())
+}
+
+/// What becomes of one message: its events parsed, checked and appended.
+async fn verdict(
+    message: &Message,
+    pool: &PgPool,
+    appender: &Appender,
+    settings: &IngestSettings,
+    bounds: TimeBounds,
+) -> Verdict {
+    let kind = message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get("Content-Type"))
+        .map(|v| BodyKind::from_content_type(v.as_str()));
+    let kind = match kind {
+        None => BodyKind::Native,
+        Some(Some(kind)) => kind,
+        Some(None) => {
+            return Verdict::DeadLetter {
+                code: "unsupported_media_type",
+                message: "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json".into(),
             }
-            Verdict::DeadLetter {
-                code,
-                message: text,
-            } => {
-                dead_letter(context, names, message, code, &text).await?;
-                message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
-                metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "dead_lettered")
-                    .increment(1);
-                tracing::info!(subject = %message.subject, code, error = text, "ingest message dead-lettered");
+        }
+    };
+    let mut events = match parse_body(kind, &message.payload, bounds, settings.batch_events_max) {
+        Ok(events) => events,
+        Err(error) => {
+            return Verdict::DeadLetter {
+                code: error.code(),
+                message: error.describe(),
             }
-            Verdict::Retry(error) => {
-                tracing::warn!(error = %error, "ingest message will be redelivered");
-                message
-                    .ack_with(AckKind::Nak(Some(Duration::from_millis(RETRY_DELAY_MS))))
-                    .await
-                    .map_err(|e| anyhow::anyhow!(e))?;
+        }
+    };
+    match plans::unknown_reference(pool, &events).await {
+        Ok(None) => {}
+        Ok(Some((index, plan))) => {
+            return Verdict::DeadLetter {
+                code: "unknown_plan",
+                message: format!("event {index}: plan {plan:?} is not defined"),
             }
+        }
+        Err(error) => return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))),
+    }
+    if let Err(error) = legacy_ids::adopt(pool, &mut events).await {
+        return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error)));
+    }
+    let count = events.len();
+    match appender.append(events).await {
+        Ok(_) => Verdict::Stored(count),
+        Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
+            code: "idempotency_conflict",
+            message: format!("event {index}: id {id} was stored before with different content"),
+        },
+        // Redelivered, it would fail the same way for ever.
+        Err(error) if !error.is_retryable() => Verdict::DeadLetter {
+            code: error.code(),
+            message: error.to_string(),
+        },
+        Err(error) => Verdict::Retry(error),
+    }
+}
+
+/// Acknowledges a message as its verdict says: stored, dead-lettered, or redelivered later.
+async fn settle(
+    context: &jetstream::Context,
+    names: &Names,
+    message: &Message,
+    verdict: Verdict,
+) -> anyhow::Result<()> {
+    match verdict {
+        Verdict::Stored(count) => {
+            message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+            metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "stored")
+                .increment(count as u64);
+        }
+        Verdict::DeadLetter {
+            code,
+            message: text,
+        } => {
+            dead_letter(context, names, message, code, &text).await?;
+            message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+            metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "dead_lettered")
+                .increment(1);
+            tracing::info!(subject = %message.subject, code, error = text, "ingest message dead-lettered");
+        }
+        Verdict::Retry(error) => {
+            tracing::warn!(error = %error, "ingest message will be redelivered");
+            message
+                .ack_with(AckKind::Nak(Some(Duration::from_millis(RETRY_DELAY_MS))))
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
         }
     }
     Ok(())
