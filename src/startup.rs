@@ -35,6 +35,10 @@ pub struct Service {
 }
 
 impl Service {
+    /// Prepares the database, binds the port, starts the appender, the workers and the
+    /// HTTP server, in that order.
+    // Long: the order in which components start is the order of this function, read top to
+    // bottom; split up, it would be spread over functions that each take half of it.
     pub async fn start(config: Config) -> anyhow::Result<Service> {
         let names = Names::new(&config.nats_namespace)?;
         let pool = db::prepare(&config)

@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::check::{self, Mismatch};
 use super::{Names, HASH_HEADER, POSITION_HEADER};
-use crate::ledger::{read, Committed};
+use crate::ledger::{read, Committed, LedgerRow};
 
 /// The session advisory lock that elects the one relaying instance.
 pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
@@ -246,24 +246,13 @@ async fn relay(
     metrics::gauge!("tally_relay_halted").set(0.0);
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
-        // This instance's own commits come from memory when they continue the stream;
-        // anything else (another instance's appends, a gap) from the ledger.
-        let handed = committed
-            .as_deref_mut()
-            .and_then(|committed| committed.take_after(published, settings.batch_max));
-        let rows = match handed {
-            Some(rows) => {
-                metrics::counter!("tally_relay_rows_total", "from" => "memory")
-                    .increment(rows.len() as u64);
-                rows
-            }
-            None => {
-                let rows = read::read_after(pool, published, settings.batch_max).await?;
-                metrics::counter!("tally_relay_rows_total", "from" => "ledger")
-                    .increment(rows.len() as u64);
-                rows
-            }
-        };
+        let rows = next_rows(
+            pool,
+            committed.as_deref_mut(),
+            published,
+            settings.batch_max,
+        )
+        .await?;
         if rows.is_empty() {
             metrics::gauge!("tally_relay_lag_events").set(0.0);
             tokio::select! {
@@ -275,51 +264,86 @@ async fn relay(
             }
             continue;
         }
-        let mut acks: Vec<(i64, PublishAckFuture)> = Vec::with_capacity(rows.len());
-        for row in &rows {
-            assert_eq!(
-                row.position,
-                published + acks.len() as i64 + 1,
-                "relay reads in order"
-            );
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
-            headers.insert(
-                "Nats-Expected-Last-Sequence",
-                (sequence + acks.len() as u64).to_string().as_str(),
-            );
-            headers.insert(POSITION_HEADER, row.position.to_string().as_str());
-            headers.insert(HASH_HEADER, hex::encode(&row.hash).as_str());
-            let payload = serde_json::to_vec(&row.to_message())?;
-            let subject = names.ledger_subject(&row.org_id, &row.event_type);
-            let ack = context
-                .publish_with_headers(subject, headers, payload.into())
-                .await?;
-            acks.push((row.position, ack));
-        }
-        for (position, ack) in acks {
-            let ack = ack
-                .await
-                .with_context(|| format!("publishing position {position}"))?;
-            anyhow::ensure!(
-                !ack.duplicate && ack.sequence == sequence + 1,
-                "position {position} landed at sequence {} (duplicate: {}), expected {}",
-                ack.sequence,
-                ack.duplicate,
-                sequence + 1
-            );
-            sequence = ack.sequence;
-            verified.sequence = sequence;
-            // Its own acknowledged publish fixes the numbering as well as a checked one.
-            verified
-                .offset
-                .get_or_insert(position - i64::try_from(sequence)?);
-            published = position;
-        }
+        (published, sequence) =
+            publish(context, names, &rows, published, sequence, verified).await?;
         metrics::counter!("tally_relay_published_total").increment(rows.len() as u64);
         metrics::gauge!("tally_relay_published_position").set(published as f64);
         // This instance's head; appends by other instances show up at the next round.
         let head_position = *head.borrow();
         metrics::gauge!("tally_relay_lag_events").set((head_position - published).max(0) as f64);
     }
+}
+
+/// The rows to publish after `published`: this instance's own commits from memory when
+/// they continue the stream; anything else (another instance's appends, a gap) from the
+/// ledger.
+async fn next_rows(
+    pool: &PgPool,
+    committed: Option<&mut Committed>,
+    published: i64,
+    batch_max: usize,
+) -> anyhow::Result<Vec<LedgerRow>> {
+    if let Some(rows) = committed.and_then(|committed| committed.take_after(published, batch_max)) {
+        metrics::counter!("tally_relay_rows_total", "from" => "memory")
+            .increment(rows.len() as u64);
+        return Ok(rows);
+    }
+    let rows = read::read_after(pool, published, batch_max).await?;
+    metrics::counter!("tally_relay_rows_total", "from" => "ledger").increment(rows.len() as u64);
+    Ok(rows)
+}
+
+/// Publishes `rows` (which continue `published`) after stream sequence `sequence`, each
+/// expecting the sequence before it, and awaits every acknowledgement; the position and
+/// sequence published last.
+async fn publish(
+    context: &jetstream::Context,
+    names: &Names,
+    rows: &[LedgerRow],
+    mut published: i64,
+    mut sequence: u64,
+    verified: &mut Verified,
+) -> anyhow::Result<(i64, u64)> {
+    let mut acks: Vec<(i64, PublishAckFuture)> = Vec::with_capacity(rows.len());
+    for row in rows {
+        assert_eq!(
+            row.position,
+            published + acks.len() as i64 + 1,
+            "relay reads in order"
+        );
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
+        headers.insert(
+            "Nats-Expected-Last-Sequence",
+            (sequence + acks.len() as u64).to_string().as_str(),
+        );
+        headers.insert(POSITION_HEADER, row.position.to_string().as_str());
+        headers.insert(HASH_HEADER, hex::encode(&row.hash).as_str());
+        let payload = serde_json::to_vec(&row.to_message())?;
+        let subject = names.ledger_subject(&row.org_id, &row.event_type);
+        let ack = context
+            .publish_with_headers(subject, headers, payload.into())
+            .await?;
+        acks.push((row.position, ack));
+    }
+    for (position, ack) in acks {
+        let ack = ack
+            .await
+            .with_context(|| format!("publishing position {position}"))?;
+        anyhow::ensure!(
+            !ack.duplicate && ack.sequence == sequence + 1,
+            "position {position} landed at sequence {} (duplicate: {}), expected {}",
+            ack.sequence,
+            ack.duplicate,
+            sequence + 1
+        );
+        sequence = ack.sequence;
+        verified.sequence = sequence;
+        // Its own acknowledged publish fixes the numbering as well as a checked one.
+        verified
+            .offset
+            .get_or_insert(position - i64::try_from(sequence)?);
+        published = position;
+    }
+    Ok((published, sequence))
 }
