@@ -388,27 +388,13 @@ async fn run(
     // connection is replaced.
     let mut connection: Option<PgConnection> = None;
     while let Some(first) = receiver.recv().await {
-        let mut events = first.events.len();
-        let mut group = vec![first];
-        // Everything that queued up during the last commit goes into this one. Nothing here
-        // waits for more: on this thread a yield would let no producer run, and the
-        // appender is already the bottleneck when the queue is long.
-        while events < limits.group_events_max {
-            match receiver.try_recv() {
-                Ok(request) => {
-                    events += request.events.len();
-                    group.push(request);
-                }
-                Err(_) => break,
-            }
-        }
+        let (group, events) = gather(first, &mut receiver, limits.group_events_max);
         let started = Instant::now();
         let result = match connection.as_mut() {
             Some(connection) => commit_group(connection, &group, &mut committed).await,
             None => match connect(options).await {
                 Ok(connected) => {
-                    let connection = connection.insert(connected);
-                    commit_group(connection, &group, &mut committed).await
+                    commit_group(connection.insert(connected), &group, &mut committed).await
                 }
                 Err(error) => Err(error),
             },
@@ -441,19 +427,35 @@ async fn run(
                     metrics::counter!("tally_append_failures_total").increment(1);
                     AppendError::Store(Arc::new(error))
                 });
-                let mut results = isolated.results.into_iter();
-                for request in group {
-                    let result = results.next().flatten().unwrap_or_else(|| {
-                        Err(failure
-                            .clone()
-                            .expect("a request is unanswered only after a failure"))
-                    });
-                    let _ = request.reply.send(result);
-                }
+                answer_isolated(group, isolated.results, failure);
             }
         }
     }
     tracing::info!("appender stopped");
+}
+
+/// The requests of one group commit, `first` and those queued behind it, up to
+/// `group_events_max` events; and how many events they hold. Everything that queued up
+/// during the last commit goes into this one. Nothing here waits for more: on this thread a
+/// yield would let no producer run, and the appender is already the bottleneck when the
+/// queue is long.
+fn gather(
+    first: Request,
+    receiver: &mut mpsc::Receiver<Request>,
+    group_events_max: usize,
+) -> (Vec<Request>, usize) {
+    let mut events = first.events.len();
+    let mut group = vec![first];
+    while events < group_events_max {
+        match receiver.try_recv() {
+            Ok(request) => {
+                events += request.events.len();
+                group.push(request);
+            }
+            Err(_) => break,
+        }
+    }
+    (group, events)
 }
 
 async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error> {
@@ -489,6 +491,24 @@ impl Outlets {
 }
 
 /// What isolating a group came to.
+/// Answers each request of a group that failed: with its result where the isolation
+/// reached one, else with `failure`.
+fn answer_isolated(
+    group: Vec<Request>,
+    results: Vec<Option<Result<Vec<AppendedEvent>, AppendError>>>,
+    failure: Option<AppendError>,
+) {
+    let mut results = results.into_iter();
+    for request in group {
+        let result = results.next().flatten().unwrap_or_else(|| {
+            Err(failure
+                .clone()
+                .expect("a request is unanswered only after a failure"))
+        });
+        let _ = request.reply.send(result);
+    }
+}
+
 struct Isolated {
     /// One per request of the group, in order; `None` for those left unanswered by
     /// `failure`.
@@ -536,22 +556,7 @@ async fn isolate(
                 let before = *committed;
                 match commit_group(connection, &group[start..end], committed).await {
                     Ok(outcome) => {
-                        if let Some(before) = before {
-                            // Unless another instance appended in between, the part follows
-                            // exactly what was committed before it.
-                            assert!(
-                                outcome.head.position
-                                    >= before.position + outcome.rows.len() as i64,
-                                "a part's rows follow the head"
-                            );
-                        }
-                        if let Some(first) = outcome.rows.position.first() {
-                            assert_eq!(
-                                *first + outcome.rows.len() as i64 - 1,
-                                outcome.head.position,
-                                "a part's positions are gap-free up to the head"
-                            );
-                        }
+                        assert_follows(before, &outcome);
                         outlets.publish(outcome.rows, outcome.head);
                         for (slot, result) in results[start..end].iter_mut().zip(outcome.results) {
                             *slot = Some(result);
@@ -569,16 +574,7 @@ async fn isolate(
             }
         };
         if end - start == 1 {
-            metrics::counter!("tally_append_unstorable_requests_total").increment(1);
-            let (sqlstate, reason) = match &error {
-                sqlx::Error::Database(error) => (
-                    error.code().unwrap_or_default().into_owned(),
-                    error.message().to_owned(),
-                ),
-                other => (String::new(), other.to_string()),
-            };
-            tracing::warn!(sqlstate, reason, "request refused for its content");
-            results[start] = Some(Err(AppendError::Unstorable { sqlstate, reason }));
+            results[start] = Some(Err(unstorable(&error)));
             continue;
         }
         let middle = start + (end - start) / 2;
@@ -593,6 +589,40 @@ async fn isolate(
         results,
         failure: None,
     }
+}
+
+/// A part committed during isolation follows the head committed before it, with
+/// gap-free positions.
+fn assert_follows(before: Option<Head>, outcome: &GroupOutcome) {
+    if let Some(before) = before {
+        // Unless another instance appended in between, the part follows exactly what was
+        // committed before it.
+        assert!(
+            outcome.head.position >= before.position + outcome.rows.len() as i64,
+            "a part's rows follow the head"
+        );
+    }
+    if let Some(first) = outcome.rows.position.first() {
+        assert_eq!(
+            *first + outcome.rows.len() as i64 - 1,
+            outcome.head.position,
+            "a part's positions are gap-free up to the head"
+        );
+    }
+}
+
+/// The answer to a request that Postgres refuses on its own.
+fn unstorable(error: &sqlx::Error) -> AppendError {
+    metrics::counter!("tally_append_unstorable_requests_total").increment(1);
+    let (sqlstate, reason) = match error {
+        sqlx::Error::Database(error) => (
+            error.code().unwrap_or_default().into_owned(),
+            error.message().to_owned(),
+        ),
+        other => (String::new(), other.to_string()),
+    };
+    tracing::warn!(sqlstate, reason, "request refused for its content");
+    AppendError::Unstorable { sqlstate, reason }
 }
 
 struct GroupOutcome {
