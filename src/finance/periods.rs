@@ -620,6 +620,46 @@ pub async fn closed_into(
     Ok(into)
 }
 
+/// The snapshot rows of `orgs` in closed period `affected`, by org.
+async fn frozen(
+    connection: &mut PgConnection,
+    affected: Period,
+    orgs: &[String],
+) -> sqlx::Result<HashMap<String, Figures>> {
+    Ok(sqlx::query_as::<_, SnapshotRow>(&format!(
+        "SELECT {SNAPSHOT_COLUMNS} FROM period_snapshot WHERE period = $1 AND org_id = ANY($2)"
+    ))
+    .bind(affected.to_string())
+    .bind(orgs)
+    .fetch_all(connection)
+    .await?
+    .into_iter()
+    .map(|row| (row.org_id.clone(), row.figures(affected)))
+    .collect())
+}
+
+/// The events of `org` recorded after the close at `position` that may have changed its
+/// figures in `affected`: dated in it, or voids; at most [`CAUSES_MAX`], in position order.
+async fn causes(
+    connection: &mut PgConnection,
+    org: &str,
+    affected: Period,
+    position: i64,
+) -> sqlx::Result<Vec<Uuid>> {
+    sqlx::query_scalar(
+        "SELECT id FROM ledger WHERE org_id = $1 AND position > $2 \
+           AND (occurred_at >= $3 AND occurred_at < $4 OR type = 'ledger.event_voided') \
+         ORDER BY position LIMIT $5",
+    )
+    .bind(org)
+    .bind(position)
+    .bind(affected.start())
+    .bind(affected.end())
+    .bind(CAUSES_MAX)
+    .fetch_all(connection)
+    .await
+}
+
 /// One batch of a closed period's adjustments (the period is the pricer's, closed at
 /// ledger `position`): the orgs after `after` that are in its snapshot or have usage in it
 /// now, at most `limit`, compared; with `only_org`, that org alone. Also the org to
@@ -659,16 +699,7 @@ pub async fn adjustments_after(
         _ => None,
     };
     let names: Vec<String> = orgs.iter().map(|(org, _)| org.clone()).collect();
-    let frozen: HashMap<String, Figures> = sqlx::query_as::<_, SnapshotRow>(&format!(
-        "SELECT {SNAPSHOT_COLUMNS} FROM period_snapshot WHERE period = $1 AND org_id = ANY($2)"
-    ))
-    .bind(affected.to_string())
-    .bind(&names)
-    .fetch_all(&mut *connection)
-    .await?
-    .into_iter()
-    .map(|row| (row.org_id.clone(), row.figures(affected)))
-    .collect();
+    let frozen = frozen(&mut *connection, affected, &names).await?;
     let active: Vec<String> = orgs
         .iter()
         .filter(|(_, active)| *active)
@@ -690,18 +721,7 @@ pub async fn adjustments_after(
         if delta.is_zero() {
             continue;
         }
-        let caused_by: Vec<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM ledger WHERE org_id = $1 AND position > $2 \
-               AND (occurred_at >= $3 AND occurred_at < $4 OR type = 'ledger.event_voided') \
-             ORDER BY position LIMIT $5",
-        )
-        .bind(org)
-        .bind(position)
-        .bind(affected.start())
-        .bind(affected.end())
-        .bind(CAUSES_MAX)
-        .fetch_all(&mut *connection)
-        .await?;
+        let caused_by = causes(&mut *connection, org, affected, position).await?;
         adjustments.push(Adjustment { delta, caused_by });
     }
     Ok((adjustments, next))
