@@ -23,7 +23,7 @@ use sqlx::PgPool;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
-use super::model::{Changes, ContainerKey};
+use super::model::{Changes, ContainerKey, ProjectedEvent};
 use super::{notice, store};
 use crate::ledger::Acknowledged;
 use crate::runtime::EntryKind;
@@ -252,19 +252,7 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         .filter_map(|event| Some((event.voids?, event.position)))
         .collect();
     let voided = store::record_voids(&mut transaction, store::LIVE, &voids).await?;
-    let keys: Vec<ContainerKey> = events
-        .iter()
-        .chain(&voided)
-        .filter_map(|event| {
-            let (container_id, _) = event.container.as_ref()?;
-            Some(ContainerKey {
-                org_id: event.org_id.clone(),
-                container_id: container_id.clone(),
-            })
-        })
-        .collect::<HashSet<_>>()
-        .into_iter()
-        .collect();
+    let keys = containers_of(events.iter().chain(&voided));
     let stored = store::load_lifecycles(&mut transaction, store::LIVE, &keys).await?;
     let mut changes = Changes::apply(&events, &voided, stored);
     let late: Vec<ContainerKey> = changes.late().cloned().collect();
@@ -278,19 +266,7 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
     store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
-    let starts: HashMap<(String, String), (uuid::Uuid, i64)> = events
-        .iter()
-        .filter_map(|event| {
-            let (container_id, entry) = event.container.as_ref()?;
-            matches!(entry.kind, EntryKind::Created | EntryKind::Resumed).then(|| {
-                (
-                    (event.org_id.clone(), container_id.clone()),
-                    (entry.event_id.as_uuid(), entry.position),
-                )
-            })
-        })
-        .collect();
-    let consumed = store::consume_reservations(&mut transaction, &starts).await?;
+    let consumed = store::consume_reservations(&mut transaction, &starts(&events)).await?;
     metrics::counter!("tally_reservations_consumed_total").increment(consumed);
     // Admission facts kept in memory by every instance drop what this round changed: its
     // orgs, or everything for a plan definition (an event of no container and no account).
@@ -314,6 +290,38 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Rou
         events: events.len(),
         position,
     })
+}
+
+/// The containers `events` are about, each once.
+fn containers_of<'a>(events: impl Iterator<Item = &'a ProjectedEvent>) -> Vec<ContainerKey> {
+    events
+        .filter_map(|event| {
+            let (container_id, _) = event.container.as_ref()?;
+            Some(ContainerKey {
+                org_id: event.org_id.clone(),
+                container_id: container_id.clone(),
+            })
+        })
+        .collect::<HashSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// The containers that a `created` or `resumed` of `events` starts: (org, container) to
+/// (event id, position).
+fn starts(events: &[ProjectedEvent]) -> HashMap<(String, String), (uuid::Uuid, i64)> {
+    events
+        .iter()
+        .filter_map(|event| {
+            let (container_id, entry) = event.container.as_ref()?;
+            matches!(entry.kind, EntryKind::Created | EntryKind::Resumed).then(|| {
+                (
+                    (event.org_id.clone(), container_id.clone()),
+                    (entry.event_id.as_uuid(), entry.position),
+                )
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
