@@ -6,19 +6,20 @@ use std::str::FromStr;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sqlx::{FromRow, PgPool};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::auth::Principal;
+use super::body::{present, RequestBody, StrictJson};
 use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 use super::exports::POSITION_HEADER;
@@ -40,6 +41,29 @@ pub fn router() -> Router<AppState> {
             "/v1/reconciliations/{reconciliation_id}/lines.csv",
             get(get_lines),
         )
+}
+
+/// The body of a reconciliation. Each field is checked by the route, with its own code.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReconciliationRequest {
+    /// The stored provider report to reconcile.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, format = Uuid, required = true)]
+    report_id: Option<Value>,
+    /// The smallest runtime difference that counts, 0 to a day; default 2000.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = u64, maximum = 86_400_000)]
+    tolerance_ms: Option<Value>,
+    /// The smallest runtime difference that counts as a share of the runtime, a decimal
+    /// from 0 to 1 as a string or a number; default 0.005.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, example = "0.005")]
+    tolerance_ratio: Option<Value>,
+}
+
+impl RequestBody for ReconciliationRequest {
+    const WHAT: &'static str = "a reconciliation";
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -65,7 +89,7 @@ pub struct ReconciliationResponse {
     post,
     path = "/v1/reconciliations",
     tag = "finance",
-    request_body(content = Object, description = "{\"report_id\", \"tolerance_ms\"? (default 2000), \"tolerance_ratio\"? (default 0.005)}"),
+    request_body(content = ReconciliationRequest),
     responses(
         (status = 201, body = ReconciliationResponse),
         (status = 400, body = ErrorBody),
@@ -81,22 +105,16 @@ pub struct ReconciliationResponse {
 pub async fn post_reconciliation(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    headers: HeaderMap,
-    body: Body,
+    StrictJson(body): StrictJson<ReconciliationRequest>,
 ) -> Result<(StatusCode, Json<ReconciliationResponse>), ApiError> {
-    let fields = super::body::json_object(&state, &headers, body).await?;
-    super::body::only_fields(
-        &fields,
-        &["report_id", "tolerance_ms", "tolerance_ratio"],
-        "a reconciliation",
-    )?;
-    let report_id = fields
-        .get("report_id")
+    let report_id = body
+        .report_id
+        .as_ref()
         .and_then(Value::as_str)
         .and_then(|id| Uuid::try_parse(id).ok())
         .ok_or_else(|| ApiError::invalid("invalid_report_id", "report_id: a UUID is required"))?;
     let mut tolerance = Tolerance::default();
-    if let Some(value) = fields.get("tolerance_ms") {
+    if let Some(value) = &body.tolerance_ms {
         tolerance.min_ms = value
             .as_u64()
             .filter(|ms| *ms <= TOLERANCE_MS_MAX)
@@ -108,7 +126,7 @@ pub async fn post_reconciliation(
                 )
             })?;
     }
-    if let Some(value) = fields.get("tolerance_ratio") {
+    if let Some(value) = &body.tolerance_ratio {
         // A ratio, not money: a JSON number is read by its decimal text, never as a float.
         let text = match value {
             Value::Number(number) => number.to_string(),
