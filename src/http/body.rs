@@ -113,7 +113,7 @@ pub fn present<'de, D: de::Deserializer<'de>>(deserializer: D) -> Result<Option<
 
 /// The field names of a struct with a derived `Deserialize`: the list it hands to
 /// `deserialize_struct`, caught by a deserializer that reads nothing else.
-fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+pub(super) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
     struct Names<'a>(&'a mut &'static [&'static str]);
 
     impl<'de> de::Deserializer<'de> for Names<'_> {

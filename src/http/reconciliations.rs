@@ -1,11 +1,10 @@
 //! Reconciliations (contract §5, §6): `POST /v1/reconciliations` runs one;
 //! `GET /v1/reconciliations/{id}/lines.csv` streams its lines (`?format=json` for JSON).
 
-use std::collections::HashMap;
 use std::str::FromStr;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -15,7 +14,7 @@ use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sqlx::{FromRow, PgPool};
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -23,6 +22,7 @@ use super::body::{present, RequestBody, StrictJson};
 use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 use super::exports::POSITION_HEADER;
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
@@ -166,6 +166,24 @@ pub async fn post_reconciliation(
     ))
 }
 
+/// The query of a reconciliation's lines, read as text and checked by the route.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct LinesParams {
+    /// csv (default) or json
+    format: Option<String>,
+}
+
+impl QueryParams for LinesParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            "unknown_parameter",
+            format!("{name}: is not a parameter of this export"),
+        )
+    }
+}
+
 #[derive(FromRow)]
 struct LineRow {
     seq: i64,
@@ -230,7 +248,7 @@ impl LineRow {
     tag = "finance",
     params(
         ("reconciliation_id" = String, Path, description = "the id a reconciliation returned"),
-        ("format" = Option<String>, Query, description = "csv (default) or json"),
+        LinesParams,
     ),
     responses(
         (status = 200, content_type = "text/csv", body = String,
@@ -247,15 +265,9 @@ pub async fn get_lines(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(reconciliation_id): Path<String>,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<LinesParams>,
 ) -> Result<Response, ApiError> {
-    if let Some(unknown) = params.keys().find(|name| name.as_str() != "format") {
-        return Err(ApiError::invalid(
-            "unknown_parameter",
-            format!("{unknown}: is not a parameter of this export"),
-        ));
-    }
-    let json_format = match params.get("format").map(String::as_str) {
+    let json_format = match params.format.as_deref() {
         None | Some("csv") => false,
         Some("json") => true,
         Some(other) => {
