@@ -1,9 +1,7 @@
 //! Admission (contract §4, §6): `POST /v1/admission/check`, `POST /v1/admission/reservations`,
 //! `DELETE /v1/admission/reservations/{id}`.
 
-use std::collections::HashMap;
-
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -18,6 +16,7 @@ use super::auth::Principal;
 use super::body::{present, RequestBody, StrictJson};
 use super::consistency::{Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
+use super::query::StrictQuery;
 use super::AppState;
 use crate::admission::{self, AdmissionError, Answer, Released, Request, Wait};
 use crate::billing::Action;
@@ -332,9 +331,8 @@ impl FromRequestParts<AppState> for AdmissionWait {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Response> {
-        let Query(params) = Query::<HashMap<String, String>>::from_request_parts(parts, state)
-            .await
-            .map_err(IntoResponse::into_response)?;
+        let StrictQuery(params) =
+            StrictQuery::<ConsistencyParams>::from_request_parts(parts, state).await?;
         wait(state, &params, &parts.headers)
             .map(AdmissionWait)
             .map_err(IntoResponse::into_response)
@@ -343,11 +341,14 @@ impl FromRequestParts<AppState> for AdmissionWait {
 
 fn wait(
     state: &AppState,
-    params: &HashMap<String, String>,
+    params: &ConsistencyParams,
     headers: &HeaderMap,
 ) -> Result<Wait, ApiError> {
-    super::usage::known_parameters(params, &[])?;
-    let min_position = match Consistency::parse(params, headers)? {
+    let min_position = match Consistency::parse(
+        params.min_position.as_deref(),
+        params.consistency.as_deref(),
+        headers,
+    )? {
         Consistency::AtLeast(position) => position,
         Consistency::Head | Consistency::Eventual => 0,
     };
