@@ -1,21 +1,22 @@
 //! Admission (contract §4, §6): `POST /v1/admission/check`, `POST /v1/admission/reservations`,
 //! `DELETE /v1/admission/reservations/{id}`.
 
-use std::collections::HashMap;
-
-use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
 use axum::{Json, Router};
-use serde::Serialize;
-use serde_json::{json, Map, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::auth::Principal;
+use super::body::{present, RequestBody, StrictJson};
 use super::consistency::{Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
+use super::query::StrictQuery;
 use super::AppState;
 use crate::admission::{self, AdmissionError, Answer, Released, Request, Wait};
 use crate::billing::Action;
@@ -31,6 +32,51 @@ pub fn router() -> Router<AppState> {
             "/v1/admission/reservations/{reservation_id}",
             delete(delete_reservation),
         )
+}
+
+/// The body of a check. Each field is checked by the route, with its own code.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckRequest {
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, required = true, example = "acme")]
+    org_id: Option<Value>,
+    /// `create`, `resume`, `run` or `publish_port`.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, required = true, example = "create")]
+    action: Option<Value>,
+    /// Required for `run` and `publish_port`.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    container_id: Option<Value>,
+}
+
+impl RequestBody for CheckRequest {
+    const WHAT: &'static str = "this request";
+}
+
+/// The body of a reservation: a check's, for a create or resume, and how long to hold.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationRequest {
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, required = true, example = "acme")]
+    org_id: Option<Value>,
+    /// `create` or `resume`.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, required = true, example = "create")]
+    action: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    container_id: Option<Value>,
+    /// 1–300, default 60.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = u64, minimum = 1, maximum = 300)]
+    ttl_seconds: Option<Value>,
+}
+
+impl RequestBody for ReservationRequest {
+    const WHAT: &'static str = "this request";
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -85,7 +131,7 @@ pub struct ReservationResponse {
     post,
     path = "/v1/admission/check",
     tag = "admission",
-    request_body(content = Object, description = "{\"org_id\", \"action\": \"create\"|\"resume\"|\"run\"|\"publish_port\", \"container_id\"?}"),
+    request_body(content = CheckRequest),
     params(
         ConsistencyParams,
         ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
@@ -103,13 +149,10 @@ pub struct ReservationResponse {
 pub async fn post_check(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    headers: HeaderMap,
-    Query(params): Query<HashMap<String, String>>,
-    body: Body,
+    AdmissionWait(wait): AdmissionWait,
+    StrictJson(body): StrictJson<CheckRequest>,
 ) -> Result<Json<CheckResponse>, ApiError> {
-    let wait = wait(&state, &params, &headers)?;
-    let fields = super::body::json_object(&state, &headers, body).await?;
-    let request = parse_request(&fields, &["org_id", "action", "container_id"])?;
+    let request = parse_request(&body.org_id, &body.action, &body.container_id)?;
     principal.check_org(request.org_id.as_str())?;
     let answer = state
         .checker
@@ -126,7 +169,7 @@ pub async fn post_check(
     post,
     path = "/v1/admission/reservations",
     tag = "admission",
-    request_body(content = Object, description = "{\"org_id\", \"action\": \"create\"|\"resume\", \"container_id\"?, \"ttl_seconds\"?}"),
+    request_body(content = ReservationRequest),
     params(
         ConsistencyParams,
         ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
@@ -145,16 +188,10 @@ pub async fn post_check(
 pub async fn post_reservation(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    headers: HeaderMap,
-    Query(params): Query<HashMap<String, String>>,
-    body: Body,
+    AdmissionWait(wait): AdmissionWait,
+    StrictJson(body): StrictJson<ReservationRequest>,
 ) -> Result<(StatusCode, Json<ReservationResponse>), ApiError> {
-    let wait = wait(&state, &params, &headers)?;
-    let fields = super::body::json_object(&state, &headers, body).await?;
-    let request = parse_request(
-        &fields,
-        &["org_id", "action", "container_id", "ttl_seconds"],
-    )?;
+    let request = parse_request(&body.org_id, &body.action, &body.container_id)?;
     principal.check_org(request.org_id.as_str())?;
     if !request.action.takes_slot() {
         return Err(ApiError::invalid(
@@ -162,7 +199,7 @@ pub async fn post_reservation(
             "reservations hold a running slot: action must be \"create\" or \"resume\"",
         ));
     }
-    let ttl_seconds = match fields.get("ttl_seconds") {
+    let ttl_seconds = match &body.ttl_seconds {
         None => admission::TTL_SECONDS_DEFAULT,
         Some(value) => value
             .as_u64()
@@ -286,13 +323,32 @@ const LAGGING: &str = "`projection_lagging` (with `Retry-After`): the projection
 /// the instance asked, and a caller that wrote elsewhere names its write's position.
 /// `consistency=eventual` is the same, as no admission answer leaves out the instance's own
 /// appends (see docs/decisions/read-consistency.md).
+/// The [`Wait`] of the query and headers, read before the body so that a bad query is
+/// answered first.
+pub struct AdmissionWait(Wait);
+
+impl FromRequestParts<AppState> for AdmissionWait {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Response> {
+        let StrictQuery(params) =
+            StrictQuery::<ConsistencyParams>::from_request_parts(parts, state).await?;
+        wait(state, &params, &parts.headers)
+            .map(AdmissionWait)
+            .map_err(IntoResponse::into_response)
+    }
+}
+
 fn wait(
     state: &AppState,
-    params: &HashMap<String, String>,
+    params: &ConsistencyParams,
     headers: &HeaderMap,
 ) -> Result<Wait, ApiError> {
-    super::usage::known_parameters(params, &[])?;
-    let min_position = match Consistency::parse(params, headers)? {
+    let min_position = match Consistency::parse(
+        params.min_position.as_deref(),
+        params.consistency.as_deref(),
+        headers,
+    )? {
         Consistency::AtLeast(position) => position,
         Consistency::Head | Consistency::Eventual => 0,
     };
@@ -302,22 +358,28 @@ fn wait(
     })
 }
 
-fn parse_request(fields: &Map<String, Value>, known: &[&str]) -> Result<Request, ApiError> {
-    super::body::only_fields(fields, known, "this request")?;
-    let text = |name: &str| fields.get(name).and_then(Value::as_str);
-    let org_id = text("org_id")
+fn parse_request(
+    org_id: &Option<Value>,
+    action: &Option<Value>,
+    container_id: &Option<Value>,
+) -> Result<Request, ApiError> {
+    let text = |field: &Option<Value>| field.as_ref().and_then(Value::as_str).map(str::to_owned);
+    let org_id = text(org_id)
         .ok_or_else(|| ApiError::invalid("invalid_org_id", "org_id: is required"))
         .and_then(|value| {
-            OrgId::parse(value)
+            OrgId::parse(&value)
                 .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))
         })?;
-    let action = text("action").and_then(Action::parse).ok_or_else(|| {
-        ApiError::invalid(
-            "invalid_action",
-            "action: must be \"create\", \"resume\", \"run\" or \"publish_port\"",
-        )
-    })?;
-    let container_id = match fields.get("container_id") {
+    let action = text(action)
+        .as_deref()
+        .and_then(Action::parse)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "invalid_action",
+                "action: must be \"create\", \"resume\", \"run\" or \"publish_port\"",
+            )
+        })?;
+    let container_id = match container_id {
         None | Some(Value::Null) => None,
         Some(Value::String(value)) => Some(ContainerId::parse(value).map_err(|error| {
             ApiError::invalid("invalid_container_id", format!("container_id: {error}"))

@@ -1,17 +1,16 @@
 //! Audit queries (contract §6): `GET /v1/events` and `GET /v1/containers/{id}/events`, pages
 //! of the ledger in position order with a `next_after` cursor.
 
-use std::collections::HashMap;
-
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::routing::get;
 use axum::{Json, Router};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::event::{ContainerId, EventType, OrgId};
 use crate::ledger::read::{self, Filter};
@@ -29,18 +28,27 @@ pub fn router() -> Router<AppState> {
     )
 }
 
-#[derive(Debug, IntoParams)]
+/// The filters of a page, read as text and checked by the route.
+#[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-#[allow(dead_code)]
+#[serde(deny_unknown_fields)]
 pub struct EventsParams {
     org_id: Option<String>,
     container_id: Option<String>,
     /// An event type, e.g. `container.stopped`.
     r#type: Option<String>,
     /// Return events after this position (the previous page's `next_after`); default 0.
-    after: Option<i64>,
+    #[param(value_type = Option<i64>)]
+    after: Option<String>,
     /// 1–1000, default 100.
-    limit: Option<usize>,
+    #[param(value_type = Option<usize>)]
+    limit: Option<String>,
+}
+
+impl QueryParams for EventsParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid("unknown_parameter", format!("{name}: is not a filter"))
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -70,7 +78,7 @@ pub struct EventsPage {
 pub async fn get_events(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<EventsParams>,
 ) -> Result<Json<EventsPage>, ApiError> {
     page(&state, &principal, &params, None).await
 }
@@ -93,9 +101,9 @@ pub async fn get_container_events(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(container_id): Path<String>,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<EventsParams>,
 ) -> Result<Json<EventsPage>, ApiError> {
-    if params.contains_key("container_id") {
+    if params.container_id.is_some() {
         return Err(ApiError::invalid(
             "unknown_parameter",
             "container_id: is already in the path",
@@ -107,18 +115,12 @@ pub async fn get_container_events(
 async fn page(
     state: &AppState,
     principal: &Principal,
-    params: &HashMap<String, String>,
+    params: &EventsParams,
     path_container: Option<String>,
 ) -> Result<Json<EventsPage>, ApiError> {
-    const KNOWN: [&str; 5] = ["org_id", "container_id", "type", "after", "limit"];
-    if let Some(unknown) = params.keys().find(|name| !KNOWN.contains(&name.as_str())) {
-        return Err(ApiError::invalid(
-            "unknown_parameter",
-            format!("{unknown}: is not a filter"),
-        ));
-    }
     let org_id = params
-        .get("org_id")
+        .org_id
+        .as_ref()
         .map(|value| {
             OrgId::parse(value)
                 .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))
@@ -137,7 +139,7 @@ async fn page(
     };
     let container_id = path_container
         .as_ref()
-        .or(params.get("container_id"))
+        .or(params.container_id.as_ref())
         .map(|value| {
             ContainerId::parse(value).map_err(|error| {
                 ApiError::invalid("invalid_container_id", format!("container_id: {error}"))
@@ -145,7 +147,8 @@ async fn page(
         })
         .transpose()?;
     let event_type = params
-        .get("type")
+        .r#type
+        .as_ref()
         .map(|value| {
             EventType::parse(value).ok_or_else(|| {
                 ApiError::invalid(
@@ -155,7 +158,7 @@ async fn page(
             })
         })
         .transpose()?;
-    let after = match params.get("after") {
+    let after = match &params.after {
         None => 0,
         Some(value) => value
             .parse::<i64>()
@@ -168,7 +171,7 @@ async fn page(
                 )
             })?,
     };
-    let limit = match params.get("limit") {
+    let limit = match &params.limit {
         None => PAGE_DEFAULT.min(state.page_events_max),
         Some(value) => value
             .parse::<usize>()

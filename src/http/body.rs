@@ -7,13 +7,20 @@
 //! object (serde_json keeps the last one, which made `{"scopes": ["audit"], "scopes":
 //! ["finance"]}` a finance token) and a NUL in any key or string, nested or not — happen in
 //! the one pass that parses the body.
+//!
+//! A route names its body as a type read with [`StrictJson`]: a `Deserialize` struct with
+//! `deny_unknown_fields` that is also the body's schema in the OpenAPI document. Fields
+//! whose wrong type must be answered with the field's own code (`invalid_org_id`, not a
+//! generic one) are read as they were sent, with [`present`], and checked by the route.
 
 use std::cell::RefCell;
 use std::fmt;
 
 use axum::body::Body;
+use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderMap, StatusCode};
-use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeOwned, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
@@ -47,19 +54,95 @@ pub async fn json_object(
     }
 }
 
-/// 422 `unknown_field` for the first field not in `known`.
-pub fn only_fields(
-    fields: &Map<String, Value>,
-    known: &[&str],
-    what: &str,
-) -> Result<(), ApiError> {
-    match fields.keys().find(|name| !known.contains(&name.as_str())) {
-        Some(unknown) => Err(ApiError::invalid(
+/// A request body of type `T`, read as [`json_object`] reads it; a field `T` does not
+/// have is refused by [`RequestBody::unknown_fields`].
+#[derive(Debug)]
+pub struct StrictJson<T>(pub T);
+
+/// A type a JSON request body is read into.
+pub trait RequestBody: DeserializeOwned {
+    /// The body in the message about a field it does not have: "a token".
+    const WHAT: &'static str;
+
+    /// The refusal of a body with the fields `unknown` (never empty, in the body's order):
+    /// 422 `unknown_field` naming the first.
+    fn unknown_fields(unknown: &[&str]) -> ApiError {
+        ApiError::invalid(
             "unknown_field",
-            format!("{unknown}: is not a field of {what}"),
-        )),
-        None => Ok(()),
+            format!("{}: is not a field of {}", unknown[0], Self::WHAT),
+        )
     }
+}
+
+impl<T: RequestBody> FromRequest<AppState> for StrictJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
+        let (parts, body) = request.into_parts();
+        let fields = json_object(state, &parts.headers, body).await?;
+        typed(fields).map(StrictJson)
+    }
+}
+
+/// The object as a `T`. The unknown fields are found before serde reads it, so that their
+/// refusal is the body type's own and names every one of them.
+fn typed<T: RequestBody>(fields: Map<String, Value>) -> Result<T, ApiError> {
+    let known = field_names::<T>();
+    let unknown: Vec<&str> = fields
+        .keys()
+        .map(String::as_str)
+        .filter(|name| !known.contains(name))
+        .collect();
+    if !unknown.is_empty() {
+        return Err(T::unknown_fields(&unknown));
+    }
+    serde_json::from_value(Value::Object(fields)).map_err(|error| {
+        ApiError::invalid(
+            "invalid_body",
+            format!("the body is not {}: {error}", T::WHAT),
+        )
+    })
+}
+
+/// A field as it was sent, `null` included: `Some` whenever the field is present. With
+/// `#[serde(default, deserialize_with = "present")]` on an `Option<Value>` field, absent
+/// and `null` stay apart, as routes that refuse a `null` need them to.
+pub fn present<'de, D: de::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(deserializer).map(Some)
+}
+
+/// The field names of a struct with a derived `Deserialize`: the list it hands to
+/// `deserialize_struct`, caught by a deserializer that reads nothing else.
+pub(super) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+    struct Names<'a>(&'a mut &'static [&'static str]);
+
+    impl<'de> de::Deserializer<'de> for Names<'_> {
+        type Error = de::value::Error;
+
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("not a struct"))
+        }
+
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(de::Error::custom("only the field names are read"))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Names(&mut fields));
+    fields
 }
 
 /// What the strict reader refused, and where: the path is collected as the error unwinds,
@@ -363,6 +446,59 @@ mod tests {
                 "{text}: {message}"
             );
         }
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Sample {
+        #[serde(default, deserialize_with = "present")]
+        given: Option<Value>,
+        #[serde(default)]
+        count: u64,
+    }
+
+    impl RequestBody for Sample {
+        const WHAT: &'static str = "a sample";
+    }
+
+    fn object(value: Value) -> Map<String, Value> {
+        value.as_object().expect("an object").clone()
+    }
+
+    #[test]
+    fn a_body_type_knows_its_field_names() {
+        assert_eq!(field_names::<Sample>(), ["given", "count"]);
+    }
+
+    #[test]
+    fn a_field_the_body_type_does_not_have_is_refused_by_name() {
+        let error = typed::<Sample>(object(json!({"given": 1, "b": 2, "a": 3}))).unwrap_err();
+        assert_eq!(
+            (error.status, error.code, error.message.as_str()),
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown_field",
+                "a: is not a field of a sample"
+            )
+        );
+    }
+
+    #[test]
+    fn a_present_field_keeps_null_apart_from_absence() {
+        let absent: Sample = typed(object(json!({}))).unwrap();
+        assert_eq!(absent.given, None);
+        let null: Sample = typed(object(json!({"given": null}))).unwrap();
+        assert_eq!(null.given, Some(Value::Null));
+        assert_eq!(null.count, 0);
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_for_serde_is_an_invalid_body() {
+        let error = typed::<Sample>(object(json!({"count": "many"}))).unwrap_err();
+        assert_eq!(
+            (error.status, error.code),
+            (StatusCode::UNPROCESSABLE_ENTITY, "invalid_body")
+        );
     }
 
     #[test]

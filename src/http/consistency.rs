@@ -3,13 +3,13 @@
 //! `Tally-Min-Position` header) for a given position; `consistency=eventual` for the
 //! projection as it stands. Every answer names the checkpoint its figures reflect.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use axum::http::HeaderMap;
+use serde::Deserialize;
 use utoipa::IntoParams;
 
 use super::error::ApiError;
@@ -21,24 +21,32 @@ use crate::projection::WaitError;
 /// The header a producer may send instead of `?min_position=`.
 pub const MIN_POSITION_HEADER: &str = "tally-min-position";
 
-/// The query parameters of this module, for the routes that list their known ones.
-pub const PARAMETERS: [&str; 2] = ["min_position", "consistency"];
-
-/// The query parameters, for the OpenAPI document only: handlers read them from the raw
-/// query so that an unknown parameter is refused.
-#[derive(Debug, IntoParams)]
+/// The query parameters of this module, read as text and checked by [`Consistency::parse`];
+/// the whole query of a route that has no others. A route with others has these two fields
+/// as well, left out of its own parameters in the document (`#[param(ignore)]`), which
+/// lists these.
+#[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-#[allow(dead_code)]
+#[serde(deny_unknown_fields)]
 pub struct ConsistencyParams {
     /// Wait only until the projection has reached this ledger position (the highest
     /// `position` an ingest answer gave), rather than the head. Also accepted as the header
     /// `Tally-Min-Position`.
-    #[param(minimum = 0)]
-    min_position: Option<i64>,
+    #[param(value_type = Option<i64>, minimum = 0)]
+    pub min_position: Option<String>,
     /// `eventual`: answer at once from the projection as it stands; its `position` says how
     /// fresh it is.
     #[param(pattern = "^eventual$")]
-    consistency: Option<String>,
+    pub consistency: Option<String>,
+}
+
+impl super::query::QueryParams for ConsistencyParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            "unknown_parameter",
+            format!("{name}: is not a parameter of this route"),
+        )
+    }
 }
 
 /// What a read waits for.
@@ -53,14 +61,15 @@ pub enum Consistency {
 }
 
 impl Consistency {
-    /// From the query parameters and headers. `min_position` given both ways must agree,
-    /// and does not go with `consistency=eventual` (which would not wait for it).
+    /// From the query parameters `min_position` and `consistency` and the headers.
+    /// `min_position` given both ways must agree, and does not go with
+    /// `consistency=eventual` (which would not wait for it).
     pub fn parse(
-        params: &HashMap<String, String>,
+        query_min_position: Option<&str>,
+        consistency: Option<&str>,
         headers: &HeaderMap,
     ) -> Result<Consistency, ApiError> {
-        let from_query = params
-            .get("min_position")
+        let from_query = query_min_position
             .map(|value| min_position("min_position", value))
             .transpose()?;
         let from_header = match headers.get(MIN_POSITION_HEADER) {
@@ -86,7 +95,7 @@ impl Consistency {
             }
             (query, header) => query.or(header),
         };
-        let eventual = match params.get("consistency").map(String::as_str) {
+        let eventual = match consistency {
             None => false,
             Some("eventual") => true,
             Some(other) => {
@@ -198,15 +207,18 @@ mod tests {
     use super::*;
 
     fn parse(query: &[(&str, &str)], header: Option<&str>) -> Result<Consistency, &'static str> {
-        let params = query
-            .iter()
-            .map(|(name, value)| (name.to_string(), value.to_string()))
-            .collect();
+        let param = |wanted: &str| {
+            query
+                .iter()
+                .find(|(name, _)| *name == wanted)
+                .map(|(_, value)| *value)
+        };
         let mut headers = HeaderMap::new();
         if let Some(header) = header {
             headers.insert(MIN_POSITION_HEADER, header.parse().unwrap());
         }
-        Consistency::parse(&params, &headers).map_err(|error| error.code)
+        Consistency::parse(param("min_position"), param("consistency"), &headers)
+            .map_err(|error| error.code)
     }
 
     #[test]

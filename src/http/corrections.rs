@@ -4,20 +4,20 @@
 //! changed in place: the projections take a voided event back as if it had never been
 //! stored, and both events stay in the ledger and its chain.
 
-use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use chrono::{SubsecRound, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::auth::Principal;
+use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
-use super::events::EventResult;
+use super::events::{EventInput, EventResult};
 use super::AppState;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
@@ -36,6 +36,24 @@ pub fn router() -> Router<AppState> {
         .route("/v1/corrections/events", post(post_events))
 }
 
+/// The body of a void. Each field is checked by the route, with its own code.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VoidRequest {
+    /// The event to void.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, format = Uuid, required = true)]
+    event_id: Option<Value>,
+    /// Why, 1 to 1024 characters.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, required = true)]
+    reason: Option<Value>,
+}
+
+impl RequestBody for VoidRequest {
+    const WHAT: &'static str = "a void";
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct VoidResponse {
     /// The void's own event id and position.
@@ -50,7 +68,7 @@ pub struct VoidResponse {
     post,
     path = "/v1/corrections/voids",
     tag = "corrections",
-    request_body(content = Object, description = "{\"event_id\", \"reason\"}"),
+    request_body(content = VoidRequest),
     responses(
         (status = 201, body = VoidResponse),
         (status = 400, body = ErrorBody),
@@ -67,13 +85,11 @@ pub struct VoidResponse {
 pub async fn post_void(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    headers: HeaderMap,
-    body: Body,
+    StrictJson(body): StrictJson<VoidRequest>,
 ) -> Result<(StatusCode, Json<VoidResponse>), ApiError> {
-    let fields = super::body::json_object(&state, &headers, body).await?;
-    super::body::only_fields(&fields, &["event_id", "reason"], "a void")?;
-    let event_id = fields
-        .get("event_id")
+    let event_id = body
+        .event_id
+        .as_ref()
         .and_then(Value::as_str)
         .and_then(|id| EventId::parse(id).ok())
         .ok_or_else(|| {
@@ -82,7 +98,7 @@ pub async fn post_void(
                 "event_id: a hyphenated UUID is required",
             )
         })?;
-    let reason = reason(&fields)?;
+    let reason = reason(&body.reason)?;
     let target: Option<(String, String)> =
         sqlx::query_as("SELECT type, org_id FROM ledger WHERE id = $1")
             .bind(event_id.as_uuid())
@@ -143,6 +159,25 @@ pub async fn post_void(
     ))
 }
 
+/// The body of added events. Each field is checked by the route, with its own code; the
+/// events as `POST /v1/events` checks native ones, beyond its backdate bound.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AddedRequest {
+    /// Native events, 1 to the batch limit.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Vec<EventInput>, required = true)]
+    events: Option<Value>,
+    /// Why, 1 to 1024 characters.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, required = true)]
+    reason: Option<Value>,
+}
+
+impl RequestBody for AddedRequest {
+    const WHAT: &'static str = "a correction";
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct AddedResponse {
     /// One per added event, in input order.
@@ -157,7 +192,7 @@ pub struct AddedResponse {
     post,
     path = "/v1/corrections/events",
     tag = "corrections",
-    request_body(content = Object, description = "{\"events\": [native events], \"reason\"}"),
+    request_body(content = AddedRequest),
     responses(
         (status = 201, body = AddedResponse),
         (status = 400, body = ErrorBody),
@@ -174,13 +209,10 @@ pub struct AddedResponse {
 pub async fn post_events(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    headers: HeaderMap,
-    body: Body,
+    StrictJson(body): StrictJson<AddedRequest>,
 ) -> Result<(StatusCode, Json<AddedResponse>), ApiError> {
-    let fields = super::body::json_object(&state, &headers, body).await?;
-    super::body::only_fields(&fields, &["events", "reason"], "a correction")?;
-    let reason = reason(&fields)?;
-    let batch = json!({"events": fields.get("events").cloned().unwrap_or(Value::Null)});
+    let reason = reason(&body.reason)?;
+    let batch = json!({"events": body.events.unwrap_or(Value::Null)});
     let bounds = TimeBounds {
         now: Utc::now(),
         backdate_max: chrono::Duration::days(ADDED_BACKDATE_DAYS),
@@ -224,9 +256,9 @@ pub async fn post_events(
     ))
 }
 
-fn reason(fields: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
-    fields
-        .get("reason")
+fn reason(reason: &Option<Value>) -> Result<String, ApiError> {
+    reason
+        .as_ref()
         .and_then(Value::as_str)
         .map(str::trim)
         .filter(|reason| !reason.is_empty() && reason.chars().count() <= REASON_MAX)

@@ -2,11 +2,9 @@
 //! (or `?format=json`); period close as a job (`POST /v1/periods/{p}/close`, its status at
 //! `GET /v1/periods/{p}/close`) and the closed period (`GET /v1/periods/{p}`).
 
-use std::collections::HashMap;
-
 use axum::body::{Body, Bytes};
 use axum::extract::Path;
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -15,8 +13,9 @@ use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
 
 use super::auth::Principal;
-use super::consistency::{self, Consistency};
+use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::finance::export::{self, Part};
 use crate::finance::periods::{CloseError, CloseJob, JobStatus, Start};
@@ -258,6 +257,33 @@ pub async fn get_period(
     }
 }
 
+/// The query of the usage export, read as text and checked by the route.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ExportParams {
+    /// YYYY-MM
+    #[param(value_type = String, required = true)]
+    period: Option<String>,
+    /// csv (default) or json
+    format: Option<String>,
+    /// wait only until the projection has reached this ledger position, rather than the head
+    #[param(value_type = Option<i64>, minimum = 0)]
+    min_position: Option<String>,
+    /// `eventual`: export at once from the projection as it stands
+    #[param(pattern = "^eventual$")]
+    consistency: Option<String>,
+}
+
+impl QueryParams for ExportParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            "unknown_parameter",
+            format!("{name}: is not a parameter of this export"),
+        )
+    }
+}
+
 /// Usage of every org in a period, priced: one row per org (a token bound to an org gets
 /// that org's row only). By default the export first waits until the projection has
 /// reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
@@ -269,12 +295,7 @@ pub async fn get_period(
     path = "/v1/exports/usage.csv",
     tag = "finance",
     params(
-        ("period" = String, Query, description = "YYYY-MM"),
-        ("format" = Option<String>, Query, description = "csv (default) or json"),
-        ("min_position" = Option<i64>, Query, minimum = 0,
-         description = "wait only until the projection has reached this ledger position, rather than the head"),
-        ("consistency" = Option<String>, Query, pattern = "^eventual$",
-         description = "`eventual`: export at once from the projection as it stands"),
+        ExportParams,
         ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
     ),
     responses(
@@ -291,25 +312,17 @@ pub async fn get_usage_export(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     headers: HeaderMap,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<ExportParams>,
 ) -> Result<Response, ApiError> {
-    if let Some(unknown) = params.keys().find(|name| {
-        !["period", "format"].contains(&name.as_str())
-            && !consistency::PARAMETERS.contains(&name.as_str())
-    }) {
-        return Err(ApiError::invalid(
-            "unknown_parameter",
-            format!("{unknown}: is not a parameter of this export"),
-        ));
-    }
     let period = params
-        .get("period")
+        .period
+        .as_ref()
         .ok_or_else(|| ApiError::invalid("invalid_period", "period is required: YYYY-MM"))
         .and_then(|period| {
             Period::parse(period)
                 .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))
         })?;
-    let json_format = match params.get("format").map(String::as_str) {
+    let json_format = match params.format.as_deref() {
         None | Some("csv") => false,
         Some("json") => true,
         Some(other) => {
@@ -319,9 +332,13 @@ pub async fn get_usage_export(
             ))
         }
     };
-    Consistency::parse(&params, &headers)?
-        .settle(&state)
-        .await?;
+    Consistency::parse(
+        params.min_position.as_deref(),
+        params.consistency.as_deref(),
+        &headers,
+    )?
+    .settle(&state)
+    .await?;
     let as_of = Utc::now().trunc_subsecs(3).min(period.end());
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.

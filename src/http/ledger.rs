@@ -8,16 +8,15 @@
 //! once with 503 `verify_in_progress` and `Retry-After`; see
 //! `docs/decisions/0014-org-bound-tokens.md`.
 
-use std::collections::HashMap;
-
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::{Json, Router};
-use serde::Serialize;
-use utoipa::ToSchema;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, ErrorBody};
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::ledger::verify::{self, VerifyReport};
 
@@ -33,16 +32,36 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/v1/ledger/verify", get(get_verify))
 }
 
+/// The query of a verify, read as text and checked by the route.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyParams {
+    /// verify from the first row (default false)
+    #[param(value_type = Option<bool>)]
+    full: Option<String>,
+    /// also compare every row with its TALLY_LEDGER message (default false)
+    #[param(value_type = Option<bool>)]
+    stream: Option<String>,
+}
+
+impl QueryParams for VerifyParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_parameter",
+            format!("{name}: is not a parameter of verify"),
+        )
+    }
+}
+
 /// Verify the hash chain: the rows after the last verified checkpoint, or every row with
 /// `full=true`.
 #[utoipa::path(
     get,
     path = "/v1/ledger/verify",
     tag = "audit",
-    params(
-        ("full" = Option<bool>, Query, description = "verify from the first row (default false)"),
-        ("stream" = Option<bool>, Query, description = "also compare every row with its TALLY_LEDGER message (default false)"),
-    ),
+    params(VerifyParams),
     responses(
         (status = 200, body = VerifyReportSchema),
         (status = 401, body = ErrorBody),
@@ -54,19 +73,9 @@ pub fn router() -> Router<AppState> {
 )]
 pub async fn get_verify(
     State(state): State<AppState>,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<VerifyParams>,
 ) -> Result<Json<VerifyReport>, ApiError> {
-    if let Some(unknown) = params
-        .keys()
-        .find(|name| !["full", "stream"].contains(&name.as_str()))
-    {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "unknown_parameter",
-            format!("{unknown}: is not a parameter of verify"),
-        ));
-    }
-    let full = match params.get("full").map(String::as_str) {
+    let full = match params.full.as_deref() {
         None | Some("false") => false,
         Some("true") => true,
         Some(other) => {
@@ -77,7 +86,7 @@ pub async fn get_verify(
             ))
         }
     };
-    let stream = match params.get("stream").map(String::as_str) {
+    let stream = match params.stream.as_deref() {
         None | Some("false") => false,
         Some("true") => true,
         Some(other) => {

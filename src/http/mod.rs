@@ -13,6 +13,7 @@ pub mod exports;
 pub mod ledger;
 pub mod ops;
 pub mod plans;
+pub mod query;
 pub mod reconciliations;
 pub mod reports;
 pub mod tokens;

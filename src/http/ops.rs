@@ -159,3 +159,51 @@ impl Modify for BearerAuth {
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The JSON request bodies whose schema is a bare object: nothing about their fields.
+    fn untyped_request_bodies(document: &serde_json::Value) -> Vec<String> {
+        let mut untyped = Vec::new();
+        let paths = document["paths"].as_object().expect("paths");
+        for (path, operations) in paths {
+            for (method, operation) in operations.as_object().expect("operations") {
+                let schema = &operation["requestBody"]["content"]["application/json"]["schema"];
+                if schema.is_null() {
+                    continue;
+                }
+                let described = schema.get("$ref").is_some()
+                    || schema.get("properties").is_some()
+                    || schema.get("type").is_some_and(|kind| kind != "object");
+                if !described {
+                    untyped.push(format!("{method} {path}"));
+                }
+            }
+        }
+        untyped
+    }
+
+    #[test]
+    fn every_json_request_body_in_the_openapi_document_names_its_fields() {
+        let document = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
+        assert_eq!(untyped_request_bodies(&document), Vec::<String>::new());
+        let schemas = &document["components"]["schemas"];
+        for name in [
+            "CheckRequest",
+            "ReservationRequest",
+            "PlanDefinition",
+            "TokenRequest",
+            "VoidRequest",
+            "AddedRequest",
+            "ReconciliationRequest",
+        ] {
+            assert!(
+                schemas[name]["properties"].is_object(),
+                "{name} is not in the document's schemas"
+            );
+            assert_eq!(schemas[name]["additionalProperties"], false, "{name}");
+        }
+    }
+}

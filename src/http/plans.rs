@@ -2,21 +2,23 @@
 //! `plan.defined` event (a new version, in effect from now); `GET /v1/plans` lists the
 //! current version of each.
 
-use axum::body::Body;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
 use chrono::{SubsecRound, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
+use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::billing::Plan;
 use crate::event::canonical;
-use crate::event::{Event, EventData, EventId, EventType, OrgId, PlanId};
+use crate::event::{Event, EventData, EventError, EventId, EventType, OrgId, PlanId};
 use crate::ledger::plans::{self, PlanVersion};
 use crate::ledger::read;
 
@@ -27,6 +29,125 @@ pub fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/plans", get(get_plans))
         .route("/v1/plans/{plan_id}", put(put_plan))
+}
+
+/// The body of a plan definition. The fields are checked together by [`Plan::parse`], which
+/// reports every problem at once, so each is read as it was sent.
+#[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlanDefinition {
+    /// The plan id of the path, when given.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String)]
+    id: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = bool, required = true)]
+    sandbox_runtime: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = true)]
+    included_runtime_seconds: Option<Value>,
+    /// `deny` or `bill`.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = true, example = "bill")]
+    overage: Option<Value>,
+    /// A decimal string with at most 6 places.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = true, example = "0.12")]
+    overage_price_per_hour: Option<Value>,
+    /// ISO 4217.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = true, example = "USD")]
+    currency: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = true)]
+    max_running_containers: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = true)]
+    max_published_ports: Option<Value>,
+}
+
+impl RequestBody for PlanDefinition {
+    const WHAT: &'static str = "a plan";
+
+    /// As [`Plan::parse`] reports them: problems of the plan, one per field.
+    fn unknown_fields(unknown: &[&str]) -> ApiError {
+        let problems: Vec<EventError> = unknown
+            .iter()
+            .map(|name| EventError::new("unknown_field", format!("{name}: is not a plan field")))
+            .collect();
+        invalid_plan(&problems)
+    }
+}
+
+/// The plan id of the path, read before the body so that a bad id is answered first.
+pub struct PlanIdPath(PlanId);
+
+impl FromRequestParts<AppState> for PlanIdPath {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Response> {
+        let Path(plan_id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        PlanId::parse(&plan_id).map(PlanIdPath).map_err(|error| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_plan_id",
+                error.to_string(),
+            )
+            .into_response()
+        })
+    }
+}
+
+/// 422 `invalid_plan`, with each problem in the details.
+fn invalid_plan(problems: &[EventError]) -> ApiError {
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_plan",
+        format!(
+            "{} problem(s) with the plan; nothing was stored",
+            problems.len()
+        ),
+    )
+    .with_details(
+        problems
+            .iter()
+            .map(|problem| json!({"code": problem.code, "message": problem.message}))
+            .collect(),
+    )
 }
 
 /// A plan version as the API shows it: the plan's fields, its version and since when it
@@ -131,7 +252,7 @@ pub async fn get_plans(State(state): State<AppState>) -> Result<Json<PlansRespon
     path = "/v1/plans/{plan_id}",
     tag = "plans",
     params(("plan_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]")),
-    request_body(content = Object, description = "sandbox_runtime, included_runtime_seconds, overage (deny|bill), overage_price_per_hour (decimal string), currency, max_running_containers, max_published_ports"),
+    request_body(content = PlanDefinition),
     responses(
         (status = 200, body = StoredPlanResponse, description = "unchanged"),
         (status = 201, body = StoredPlanResponse, description = "a new version"),
@@ -146,34 +267,12 @@ pub async fn get_plans(State(state): State<AppState>) -> Result<Json<PlansRespon
 )]
 pub async fn put_plan(
     State(state): State<AppState>,
-    Path(plan_id): Path<String>,
-    headers: HeaderMap,
-    body: Body,
+    PlanIdPath(id): PlanIdPath,
+    StrictJson(definition): StrictJson<PlanDefinition>,
 ) -> Result<(StatusCode, Json<StoredPlanResponse>), ApiError> {
-    let id = PlanId::parse(&plan_id).map_err(|error| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_plan_id",
-            error.to_string(),
-        )
-    })?;
-    let body = Value::Object(super::body::json_object(&state, &headers, body).await?);
-    let plan = Plan::parse(&id, &body).map_err(|errors| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_plan",
-            format!(
-                "{} problem(s) with the plan; nothing was stored",
-                errors.len()
-            ),
-        )
-        .with_details(
-            errors
-                .iter()
-                .map(|error| json!({"code": error.code, "message": error.message}))
-                .collect(),
-        )
-    })?;
+    // Back to the fields as sent: `Plan::parse` also reads stored `plan.defined` data.
+    let body = serde_json::to_value(&definition).map_err(|error| ApiError::internal(&error))?;
+    let plan = Plan::parse(&id, &body).map_err(|problems| invalid_plan(&problems))?;
     let versions = plans::versions(&state.pool, &id).await?;
     if let Some(current) = versions.last().filter(|current| current.plan == plan) {
         return Ok((StatusCode::OK, Json(StoredPlanResponse::from(current))));

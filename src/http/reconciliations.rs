@@ -1,27 +1,28 @@
 //! Reconciliations (contract §5, §6): `POST /v1/reconciliations` runs one;
 //! `GET /v1/reconciliations/{id}/lines.csv` streams its lines (`?format=json` for JSON).
 
-use std::collections::HashMap;
 use std::str::FromStr;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sqlx::{FromRow, PgPool};
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::auth::Principal;
+use super::body::{present, RequestBody, StrictJson};
 use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 use super::exports::POSITION_HEADER;
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
@@ -40,6 +41,29 @@ pub fn router() -> Router<AppState> {
             "/v1/reconciliations/{reconciliation_id}/lines.csv",
             get(get_lines),
         )
+}
+
+/// The body of a reconciliation. Each field is checked by the route, with its own code.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReconciliationRequest {
+    /// The stored provider report to reconcile.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, format = Uuid, required = true)]
+    report_id: Option<Value>,
+    /// The smallest runtime difference that counts, 0 to a day; default 2000.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = u64, maximum = 86_400_000)]
+    tolerance_ms: Option<Value>,
+    /// The smallest runtime difference that counts as a share of the runtime, a decimal
+    /// from 0 to 1 as a string or a number; default 0.005.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = String, example = "0.005")]
+    tolerance_ratio: Option<Value>,
+}
+
+impl RequestBody for ReconciliationRequest {
+    const WHAT: &'static str = "a reconciliation";
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -65,7 +89,7 @@ pub struct ReconciliationResponse {
     post,
     path = "/v1/reconciliations",
     tag = "finance",
-    request_body(content = Object, description = "{\"report_id\", \"tolerance_ms\"? (default 2000), \"tolerance_ratio\"? (default 0.005)}"),
+    request_body(content = ReconciliationRequest),
     responses(
         (status = 201, body = ReconciliationResponse),
         (status = 400, body = ErrorBody),
@@ -81,22 +105,16 @@ pub struct ReconciliationResponse {
 pub async fn post_reconciliation(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    headers: HeaderMap,
-    body: Body,
+    StrictJson(body): StrictJson<ReconciliationRequest>,
 ) -> Result<(StatusCode, Json<ReconciliationResponse>), ApiError> {
-    let fields = super::body::json_object(&state, &headers, body).await?;
-    super::body::only_fields(
-        &fields,
-        &["report_id", "tolerance_ms", "tolerance_ratio"],
-        "a reconciliation",
-    )?;
-    let report_id = fields
-        .get("report_id")
+    let report_id = body
+        .report_id
+        .as_ref()
         .and_then(Value::as_str)
         .and_then(|id| Uuid::try_parse(id).ok())
         .ok_or_else(|| ApiError::invalid("invalid_report_id", "report_id: a UUID is required"))?;
     let mut tolerance = Tolerance::default();
-    if let Some(value) = fields.get("tolerance_ms") {
+    if let Some(value) = &body.tolerance_ms {
         tolerance.min_ms = value
             .as_u64()
             .filter(|ms| *ms <= TOLERANCE_MS_MAX)
@@ -108,7 +126,7 @@ pub async fn post_reconciliation(
                 )
             })?;
     }
-    if let Some(value) = fields.get("tolerance_ratio") {
+    if let Some(value) = &body.tolerance_ratio {
         // A ratio, not money: a JSON number is read by its decimal text, never as a float.
         let text = match value {
             Value::Number(number) => number.to_string(),
@@ -146,6 +164,24 @@ pub async fn post_reconciliation(
             position: summary.position,
         }),
     ))
+}
+
+/// The query of a reconciliation's lines, read as text and checked by the route.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct LinesParams {
+    /// csv (default) or json
+    format: Option<String>,
+}
+
+impl QueryParams for LinesParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            "unknown_parameter",
+            format!("{name}: is not a parameter of this export"),
+        )
+    }
 }
 
 #[derive(FromRow)]
@@ -212,7 +248,7 @@ impl LineRow {
     tag = "finance",
     params(
         ("reconciliation_id" = String, Path, description = "the id a reconciliation returned"),
-        ("format" = Option<String>, Query, description = "csv (default) or json"),
+        LinesParams,
     ),
     responses(
         (status = 200, content_type = "text/csv", body = String,
@@ -229,15 +265,9 @@ pub async fn get_lines(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(reconciliation_id): Path<String>,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<LinesParams>,
 ) -> Result<Response, ApiError> {
-    if let Some(unknown) = params.keys().find(|name| name.as_str() != "format") {
-        return Err(ApiError::invalid(
-            "unknown_parameter",
-            format!("{unknown}: is not a parameter of this export"),
-        ));
-    }
-    let json_format = match params.get("format").map(String::as_str) {
+    let json_format = match params.format.as_deref() {
         None | Some("csv") => false,
         Some("json") => true,
         Some(other) => {

@@ -1,9 +1,7 @@
 //! The runtime read API (contract §6): `GET /v1/orgs/{org_id}/usage` and
 //! `GET /v1/containers/{container_id}`, served from the projection.
 
-use std::collections::HashMap;
-
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -12,8 +10,9 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Principal;
-use super::consistency::{self, Consistency, ConsistencyParams};
+use super::consistency::{Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::event::{canonical, storable};
 use crate::event::{ContainerId, OrgId};
@@ -29,15 +28,26 @@ pub fn router() -> Router<AppState> {
         .route("/v1/containers/{container_id}", get(get_container))
 }
 
-/// For the OpenAPI document only: the handler reads the raw query, refusing unknown names.
+/// The query of an org's usage, read as text and checked by the route.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-#[allow(dead_code)]
+#[serde(deny_unknown_fields)]
 pub struct UsageParams {
     /// The billing period, `YYYY-MM` (UTC calendar month).
     period: Option<String>,
     /// RFC 3339 with an offset; default now. Runtime is counted up to it.
     as_of: Option<String>,
+    /// As [`ConsistencyParams`], which the document lists.
+    #[param(ignore)]
+    min_position: Option<String>,
+    #[param(ignore)]
+    consistency: Option<String>,
+}
+
+impl QueryParams for UsageParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        unknown_parameter(name)
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -82,20 +92,23 @@ pub async fn get_usage(
     Extension(principal): Extension<Principal>,
     Path(org_id): Path<String>,
     headers: HeaderMap,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<UsageParams>,
 ) -> Result<Json<UsageResponse>, ApiError> {
-    known_parameters(&params, &["period", "as_of"])?;
     let org_id = OrgId::parse(&org_id).map_err(|error| invalid("invalid_org_id", error))?;
     principal.check_org(org_id.as_str())?;
-    let consistency = Consistency::parse(&params, &headers)?;
+    let consistency = Consistency::parse(
+        params.min_position.as_deref(),
+        params.consistency.as_deref(),
+        &headers,
+    )?;
     let period = params
-        .get("period")
-        .map(String::as_str)
+        .period
+        .as_deref()
         .ok_or_else(|| invalid("invalid_period", "period is required: YYYY-MM"))
         .and_then(|period| {
             Period::parse(period).map_err(|error| invalid("invalid_period", error))
         })?;
-    let as_of = as_of(params.get("as_of").map(String::as_str))?;
+    let as_of = as_of(params.as_of.as_deref())?;
     let AtPosition {
         position,
         figures: priced,
@@ -126,10 +139,10 @@ const ANOMALIES_PAGE_DEFAULT: usize = 100;
 /// The most `anomalies_limit` may ask for: a page stays around 100 KB of JSON.
 const ANOMALIES_PAGE_MAX: usize = 1_000;
 
-/// For the OpenAPI document only: the handler reads the raw query, refusing unknown names.
+/// The query of a container's usage, read as text and checked by the route.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
-#[allow(dead_code)]
+#[serde(deny_unknown_fields)]
 pub struct ContainerParams {
     /// Runtime is counted up to this instant (RFC 3339 with an offset); default now.
     as_of: Option<String>,
@@ -140,6 +153,17 @@ pub struct ContainerParams {
     anomalies_after: Option<String>,
     /// Anomalies in this answer, 1-1000; default 100.
     anomalies_limit: Option<String>,
+    /// As [`ConsistencyParams`], which the document lists.
+    #[param(ignore)]
+    min_position: Option<String>,
+    #[param(ignore)]
+    consistency: Option<String>,
+}
+
+impl QueryParams for ContainerParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        unknown_parameter(name)
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -206,17 +230,14 @@ pub async fn get_container(
     Extension(principal): Extension<Principal>,
     Path(container_id): Path<String>,
     headers: HeaderMap,
-    Query(params): Query<HashMap<String, String>>,
+    StrictQuery(params): StrictQuery<ContainerParams>,
 ) -> Result<Json<ContainerResponse>, ApiError> {
-    known_parameters(
-        &params,
-        &["as_of", "org_id", "anomalies_after", "anomalies_limit"],
-    )?;
     let container_id = ContainerId::parse(&container_id)
         .map_err(|error| invalid("invalid_container_id", error))?;
     let org_id = params
-        .get("org_id")
-        .map(|org_id| OrgId::parse(org_id))
+        .org_id
+        .as_deref()
+        .map(OrgId::parse)
         .transpose()
         .map_err(|error| invalid("invalid_org_id", error))?;
     // An org-bound token sees only its org's container of that id.
@@ -230,13 +251,18 @@ pub async fn get_container(
         }
         (None, None) => None,
     };
-    let consistency = Consistency::parse(&params, &headers)?;
-    let as_of = as_of(params.get("as_of").map(String::as_str))?;
+    let consistency = Consistency::parse(
+        params.min_position.as_deref(),
+        params.consistency.as_deref(),
+        &headers,
+    )?;
+    let as_of = as_of(params.as_of.as_deref())?;
     let after = params
-        .get("anomalies_after")
-        .map(|cursor| parse_cursor(cursor))
+        .anomalies_after
+        .as_deref()
+        .map(parse_cursor)
         .transpose()?;
-    let limit = anomalies_limit(params.get("anomalies_limit").map(String::as_str))?;
+    let limit = anomalies_limit(params.anomalies_limit.as_deref())?;
     // One more than the page, to know whether another follows.
     let AtPosition {
         position,
@@ -369,21 +395,12 @@ fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
         .map_err(|error| invalid(error.code_or("invalid_as_of"), format!("as_of: {error}")))
 }
 
-/// Refuses a query parameter that is neither one of `known` nor a consistency parameter.
-pub(super) fn known_parameters(
-    params: &HashMap<String, String>,
-    known: &[&str],
-) -> Result<(), ApiError> {
-    let unknown = params.keys().find(|name| {
-        !known.contains(&name.as_str()) && !consistency::PARAMETERS.contains(&name.as_str())
-    });
-    match unknown {
-        Some(name) => Err(ApiError::invalid(
-            "unknown_parameter",
-            format!("{name}: is not a parameter of this route"),
-        )),
-        None => Ok(()),
-    }
+/// The refusal of a query parameter the route does not know.
+fn unknown_parameter(name: &str) -> ApiError {
+    ApiError::invalid(
+        "unknown_parameter",
+        format!("{name}: is not a parameter of this route"),
+    )
 }
 
 fn invalid(code: &'static str, error: impl ToString) -> ApiError {

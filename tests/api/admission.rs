@@ -437,6 +437,12 @@ async fn bad_admission_requests_get_a_4xx_and_change_nothing() {
         ),
         (
             "/v1/admission/reservations",
+            json!({"org_id": "acme", "action": "create", "ttl_seconds": null}),
+            422,
+            "invalid_ttl",
+        ),
+        (
+            "/v1/admission/reservations",
             json!({"org_id": "acme", "action": "run", "container_id": "c"}),
             422,
             "invalid_action",

@@ -133,6 +133,17 @@ async fn bad_audit_parameters_are_refused_with_422() {
             "/v1/containers/c1/events?container_id=c2",
             "unknown_parameter",
         ),
+        ("/v1/containers/c1/events?color=red", "unknown_parameter"),
+        ("/v1/ledger/verify?color=red", "unknown_parameter"),
+        ("/v1/ledger/verify?full=yes", "invalid_full"),
+        (
+            "/v1/reconciliations/00000000-0000-4000-8000-000000000000/lines.csv?color=red",
+            "unknown_parameter",
+        ),
+        (
+            "/v1/reconciliations/00000000-0000-4000-8000-000000000000/lines.csv?format=xml",
+            "invalid_format",
+        ),
     ] {
         let (status, error) = app.get_json(query).await;
         assert_eq!(status, 422, "{query}: {error}");

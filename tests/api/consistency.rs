@@ -223,7 +223,8 @@ async fn bad_consistency_parameters_and_unknown_ones_are_refused_with_422() {
     let period = Period::containing(Utc::now());
     let usage = format!("/v1/orgs/org_c/usage?period={period}");
     let container = "/v1/containers/ctr_c?as_of=2026-11-01T00:00:00Z";
-    for base in [usage.as_str(), container] {
+    let export = format!("/v1/exports/usage.csv?period={period}");
+    for base in [usage.as_str(), container, export.as_str()] {
         for (query, header, code) in [
             ("&min_position=-1", None, "invalid_min_position"),
             ("&min_position=abc", None, "invalid_min_position"),

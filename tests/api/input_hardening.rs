@@ -397,6 +397,43 @@ async fn a_key_given_twice_is_refused_on_every_json_body_route() {
     app.stop().await;
 }
 
+/// On the routes with a query or a path to check as well as a body, those are answered
+/// first, whatever is wrong with the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_query_or_plan_id_is_answered_before_a_bad_body() {
+    let app = TestApp::spawn().await;
+    let bad_body = r#"{"org_id": "acme", "color": "red"}"#;
+    for path in ["/v1/admission/check", "/v1/admission/reservations"] {
+        let (status, answer) = send(
+            &app,
+            reqwest::Method::POST,
+            &format!("{path}?color=red"),
+            "application/json",
+            bad_body,
+        )
+        .await;
+        assert_eq!(
+            (status, answer["error"]["code"].as_str()),
+            (422, Some("unknown_parameter")),
+            "{path}: {answer}"
+        );
+    }
+    let (status, answer) = send(
+        &app,
+        reqwest::Method::PUT,
+        "/v1/plans/bad.id",
+        "application/json",
+        bad_body,
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (422, Some("invalid_plan_id")),
+        "{answer}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
     let app = TestApp::spawn().await;

@@ -1,0 +1,104 @@
+//! Query strings read into a type: a `Deserialize` struct with `deny_unknown_fields` that
+//! is also the route's parameters in the OpenAPI document. A name the type does not have
+//! is refused with the route's 422 `unknown_parameter`; a name given twice never gets
+//! here (the server refuses it first). Values are read as text and checked by the route,
+//! each with its own code.
+
+use std::collections::HashMap;
+
+use axum::extract::{FromRequestParts, Query};
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::body::field_names;
+use super::error::ApiError;
+
+/// The query parameters of a route, as a `T`.
+#[derive(Debug)]
+pub struct StrictQuery<T>(pub T);
+
+/// A type a query string is read into.
+pub trait QueryParams: DeserializeOwned {
+    /// The refusal of the parameter `name`, which the route does not know: 422
+    /// `unknown_parameter`, in the route's words.
+    fn unknown_parameter(name: &str) -> ApiError;
+}
+
+impl<T: QueryParams, S: Send + Sync> FromRequestParts<S> for StrictQuery<T> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Response> {
+        let Query(params) = Query::<HashMap<String, String>>::from_request_parts(parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        typed(params)
+            .map(StrictQuery)
+            .map_err(IntoResponse::into_response)
+    }
+}
+
+fn typed<T: QueryParams>(params: HashMap<String, String>) -> Result<T, ApiError> {
+    let known = field_names::<T>();
+    if let Some(unknown) = params.keys().find(|name| !known.contains(&name.as_str())) {
+        return Err(T::unknown_parameter(unknown));
+    }
+    let params = params
+        .into_iter()
+        .map(|(name, value)| (name, Value::String(value)))
+        .collect();
+    serde_json::from_value(Value::Object(params)).map_err(|error| {
+        ApiError::invalid(
+            "invalid_parameter",
+            format!("the query does not fit the route: {error}"),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use serde::Deserialize;
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Sample {
+        r#type: Option<String>,
+        after: Option<String>,
+    }
+
+    impl QueryParams for Sample {
+        fn unknown_parameter(name: &str) -> ApiError {
+            ApiError::invalid("unknown_parameter", format!("{name}: is not a filter"))
+        }
+    }
+
+    fn query(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn known_parameters_are_read_as_text() {
+        let sample: Sample = typed(query(&[("type", "container.created")])).unwrap();
+        assert_eq!(sample.r#type.as_deref(), Some("container.created"));
+        assert_eq!(sample.after, None);
+    }
+
+    #[test]
+    fn a_parameter_the_route_does_not_know_is_refused_in_its_words() {
+        let error = typed::<Sample>(query(&[("after", "1"), ("colour", "red")])).unwrap_err();
+        assert_eq!(
+            (error.status, error.code, error.message.as_str()),
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown_parameter",
+                "colour: is not a filter"
+            )
+        );
+    }
+}
