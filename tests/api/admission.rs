@@ -36,7 +36,7 @@ async fn reserve(app: &TestApp, body: &Value) -> (u16, Value) {
 }
 
 async fn event(app: &TestApp, body: Value) {
-    let (status, response) = app.post_json(&body).await;
+    let (status, response) = app.post_events(&body).await;
     assert_eq!(status, 200, "{response}");
 }
 

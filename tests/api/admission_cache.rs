@@ -178,7 +178,7 @@ async fn a_check_right_after_this_instances_own_reservation_release_or_event_cou
     warm(&app, &create("c9")).await;
     let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
                          "container_id": "c1", "occurred_at": ago(5)});
-    let (status, response) = app.post_json(&created).await;
+    let (status, response) = app.post_events(&created).await;
     assert_eq!(status, 200, "{response}");
     let answer = check_at(&app, &base, &create("c9")).await;
     assert_eq!(answer["running_containers"], 1, "{answer}");

@@ -59,7 +59,7 @@ async fn post(
 
 /// Appends `events` through `app`; the highest position acknowledged.
 async fn append(app: &TestApp, events: Vec<Value>) -> i64 {
-    let (status, answer) = app.post_json(&json!({ "events": events })).await;
+    let (status, answer) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{answer}");
     answer["results"]
         .as_array()

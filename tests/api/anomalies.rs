@@ -39,7 +39,7 @@ async fn post_commands(
         .map(|index| command(container, from + Duration::milliseconds(index as i64)))
         .collect();
     for chunk in events.chunks(1000) {
-        let (status, body) = app.post_json(&json!({ "events": chunk })).await;
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
         assert_eq!(status, 200, "{body}");
     }
     projected_to_head(&app.pool, "the commands are projected").await;
@@ -112,7 +112,7 @@ async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_no
     record_projection_writes(&app).await;
 
     let (status, body) = app
-        .post_json(&command("ctr_lost", start + Duration::minutes(30)))
+        .post_events(&command("ctr_lost", start + Duration::minutes(30)))
         .await;
     assert_eq!(status, 200, "{body}");
     projected_to_head(&app.pool, "the one more command is projected").await;
@@ -199,7 +199,7 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     let mut ids = post_commands(&app, "ctr_lost", start, kept_max + 50).await;
     // A late command that sorts before the last one kept takes its place.
     let late = command("ctr_lost", start - Duration::seconds(1));
-    let (status, body) = app.post_json(&late).await;
+    let (status, body) = app.post_events(&late).await;
     assert_eq!(status, 200, "{body}");
     projected_to_head(&app.pool, "the late command is projected").await;
     ids.insert(0, late["id"].as_str().unwrap().to_owned());

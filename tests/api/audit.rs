@@ -40,7 +40,7 @@ async fn paging_through_an_orgs_history_returns_every_event_exactly_once_in_orde
         })
         .collect();
     for chunk in events.chunks(100) {
-        let (status, response) = app.post_json(&json!({"events": chunk})).await;
+        let (status, response) = app.post_events(&json!({"events": chunk})).await;
         assert_eq!(status, 200, "{response}");
     }
     let sent: BTreeSet<String> = events
@@ -145,7 +145,7 @@ async fn bad_audit_parameters_are_refused_with_422() {
 async fn a_lowered_page_limit_caps_both_the_default_and_the_largest_page() {
     let app = TestApp::spawn_with(|config| config.page_events_max = 5).await;
     let events: Vec<Value> = (0..12).map(|n| valid_event("org_a", "c1", n)).collect();
-    assert_eq!(app.post_json(&json!({"events": events})).await.0, 200);
+    assert_eq!(app.post_events(&json!({"events": events})).await.0, 200);
     let (status, page) = app.get_json("/v1/events").await;
     assert_eq!(status, 200);
     assert_eq!(page["events"].as_array().unwrap().len(), 5);

@@ -128,7 +128,7 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
 }
 
 async fn post(app: &TestApp, event: Value) -> i64 {
-    let (status, answer) = app.post_json(&json!({ "events": [event] })).await;
+    let (status, answer) = app.post_events(&json!({ "events": [event] })).await;
     assert_eq!(status, 200, "{answer}");
     answer["results"][0]["position"].as_i64().unwrap()
 }

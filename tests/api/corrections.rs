@@ -125,7 +125,7 @@ async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chai
     let mut real = shared("real");
     real.extend(extra.clone());
     for (org, events) in [("twin", shared("twin")), ("real", real)] {
-        let (status, response) = app.post_json(&json!({"events": events})).await;
+        let (status, response) = app.post_events(&json!({"events": events})).await;
         assert_eq!(status, 200, "{org}: {response}");
     }
     projected_to_head(&app.pool, "the events are projected").await;
@@ -190,7 +190,7 @@ async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_ch
     let app = TestApp::spawn().await;
     let old = json!({"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme",
                      "container_id": "box", "occurred_at": at(40 * 24 * 60)});
-    let (status, refused) = app.post_json(&old).await;
+    let (status, refused) = app.post_events(&old).await;
     assert_eq!(status, 422, "producers are bound: {refused}");
     let (status, added) = post(
         &app,
@@ -209,7 +209,7 @@ async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_ch
     let before: i64 = app.ledger_count().await;
 
     let created = event("acme", "container.created", 5, json!({}));
-    assert_eq!(app.post_json(&created).await.0, 200);
+    assert_eq!(app.post_events(&created).await.0, 200);
     let before = before + 1;
     let void = |event_id: Value, reason: Value| json!({"event_id": event_id, "reason": reason});
     let (status, first) = post(

@@ -34,7 +34,7 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
          "data": {"command_id": "c", "exit_code": 0, "duration_ms": 5}},
         {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "thrifty", "container_id": "t1", "occurred_at": at(2)},
     ]});
-    let (status, response) = app.post_json(&events).await;
+    let (status, response) = app.post_events(&events).await;
     assert_eq!(status, 200, "{response}");
     projected_to_head(&app.pool, "the events are projected").await;
 

@@ -58,7 +58,7 @@ fn run(org: &str, container: &str, from: DateTime<Utc>, to: DateTime<Utc>) -> Ve
 async fn post_acknowledged(app: &TestApp, events: &[Value]) -> i64 {
     let mut acknowledged = 0;
     for pair in events.chunks(2) {
-        let (status, answer) = app.post_json(&json!({ "events": pair })).await;
+        let (status, answer) = app.post_events(&json!({ "events": pair })).await;
         assert_eq!(status, 200, "{answer}");
         for result in answer["results"].as_array().unwrap() {
             acknowledged = acknowledged.max(result["position"].as_i64().unwrap());

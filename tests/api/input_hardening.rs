@@ -74,7 +74,7 @@ async fn a_leap_second_is_refused_with_422_in_every_envelope_and_nothing_is_stor
     for at in [&leap, &leap_with_offset] {
         let mut native = valid_event("org_leap", "ctr_1", 0);
         native["occurred_at"] = json!(at);
-        let (status, body) = app.post_json(&native).await;
+        let (status, body) = app.post_events(&native).await;
         assert_eq!(status, 422, "{body}");
         assert_eq!(detail_code(&body), "leap_second", "{body}");
         assert!(
@@ -262,7 +262,7 @@ async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
         (0, 0, tokens_before)
     );
     // Nothing reached the appender, so nothing failed there: the service still appends.
-    let (status, body) = app.post_json(&valid_event("org_ok", "ctr_1", 0)).await;
+    let (status, body) = app.post_events(&valid_event("org_ok", "ctr_1", 0)).await;
     assert_eq!(status, 200, "{body}");
     app.stop().await;
 }
@@ -403,12 +403,12 @@ async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
     // Read by position, this array was a valid command before.
     let mut positional = valid_event("org_data", "ctr_1", 1);
     positional["data"] = json!(["cmd-1", 0, 12]);
-    let (status, body) = app.post_json(&positional).await;
+    let (status, body) = app.post_events(&positional).await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(detail_code(&body), "invalid_data", "{body}");
     let mut resumed = valid_event("org_data", "ctr_1", 3);
     resumed["data"] = json!([]);
-    let (status, body) = app.post_json(&resumed).await;
+    let (status, body) = app.post_events(&resumed).await;
     assert_eq!(
         (status, detail_code(&body)),
         (422, "invalid_data"),
@@ -418,7 +418,7 @@ async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
 
     // `null` means absent (docs/decisions/0002-event-data-null-is-absent.md).
     resumed["data"] = Value::Null;
-    let (status, body) = app.post_json(&resumed).await;
+    let (status, body) = app.post_events(&resumed).await;
     assert_eq!(status, 200, "{body}");
     let stored: Value = sqlx::query_scalar("SELECT data FROM ledger")
         .fetch_one(&app.pool)

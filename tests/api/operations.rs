@@ -21,7 +21,7 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     );
 
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(3)})).await.0,
+        app.post_events(&json!({"events": valid_events(3)})).await.0,
         200
     );
     let metrics = get("/metrics").await.text().await.unwrap();
@@ -61,7 +61,7 @@ async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_re
         }
     })
     .await;
-    let (status, body) = app.post_json(&json!({"events": valid_events(2)})).await;
+    let (status, body) = app.post_events(&json!({"events": valid_events(2)})).await;
     assert_eq!(status, 200, "{body}");
 
     // When NATS returns (same store), the relay catches up without being told.

@@ -373,7 +373,7 @@ async fn fixture(app: &TestApp) -> Fixture {
         created(ORG_B, "cb1"),
         created(ORG_B, "shared"),
     ];
-    let (status, response) = app.post_json(&json!({ "events": events })).await;
+    let (status, response) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{response}");
     projected_to_head(&app.pool, "the fixture is projected").await;
 
@@ -713,7 +713,7 @@ async fn verifies_waiting(app: &TestApp) -> i64 {
 /// checkpoint, holding its place until the transaction ends.
 async fn verify_held(app: &TestApp) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let events: Vec<Value> = crate::helpers::valid_events(5);
-    let (status, response) = app.post_json(&json!({ "events": events })).await;
+    let (status, response) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{response}");
     let (status, _, report) = send(app, Method::GET, "/v1/ledger/verify", TOKEN, None).await;
     assert_eq!(status, 200, "{report}");

@@ -68,7 +68,7 @@ async fn seed(app: &TestApp, last: Period, current: Period) {
         }
     }
     for chunk in events.chunks(1_000) {
-        let (status, body) = app.post_json(&json!({ "events": chunk })).await;
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
         assert_eq!(status, 200, "{body}");
     }
     projected_to_head(&app.pool, "the seed is projected").await;
@@ -210,7 +210,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
             ]
         })
         .collect();
-    assert_eq!(app.post_json(&json!({ "events": late })).await.0, 200);
+    assert_eq!(app.post_events(&json!({ "events": late })).await.0, 200);
     projected_to_head(&app.pool, "the late events are projected").await;
     let csv = app
         .client

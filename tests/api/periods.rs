@@ -21,7 +21,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
             {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme", "container_id": container, "occurred_at": at(to)},
         ]})
     };
-    assert_eq!(app.post_json(&run("c1", 5, 2)).await.0, 200);
+    assert_eq!(app.post_events(&run("c1", 5, 2)).await.0, 200);
     projected_to_head(&app.pool, "the events are projected").await;
 
     let post = |path: String| {
@@ -70,7 +70,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
 
     // Late: another two hours in the closed period.
     let late = run("c2", 3, 1);
-    assert_eq!(app.post_json(&late).await.0, 200);
+    assert_eq!(app.post_events(&late).await.0, 200);
     projected_to_head(&app.pool, "the events are projected").await;
 
     let stored: Value = get(format!("/v1/periods/{closed}"))

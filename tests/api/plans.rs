@@ -146,7 +146,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(response.status().as_u16(), 400);
 
     let (status, error) = app
-        .post_json(
+        .post_events(
             &json!({"id": uuid::Uuid::new_v4(), "type": "org.plan_changed", "org_id": "acme",
                            "occurred_at": ago(60), "data": {"plan": "enterprise"}}),
         )
@@ -155,7 +155,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(error["error"]["code"], "unknown_plan");
     assert_eq!(error["error"]["details"][0]["index"], 0);
     let (status, error) = app
-        .post_json(
+        .post_events(
             &json!({"id": uuid::Uuid::new_v4(), "type": "plan.defined", "org_id": "acme",
                            "occurred_at": ago(60), "data": pro_plan()}),
         )
@@ -165,7 +165,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(app.ledger_count().await, 0, "nothing was stored");
 
     let (status, _) = app
-        .post_json(
+        .post_events(
             &json!({"id": uuid::Uuid::new_v4(), "type": "org.plan_changed", "org_id": "acme",
                            "occurred_at": ago(60), "data": {"plan": "free"}}),
         )

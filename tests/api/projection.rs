@@ -103,7 +103,7 @@ pub(crate) async fn post_all(app: &TestApp, events: &[Generated]) -> HashMap<Uui
     let mut positions = HashMap::new();
     for chunk in events.chunks(1000) {
         let bodies: Vec<&Value> = chunk.iter().map(|event| &event.body).collect();
-        let (status, response) = app.post_json(&json!({"events": bodies})).await;
+        let (status, response) = app.post_events(&json!({"events": bodies})).await;
         assert_eq!(status, 200, "{response}");
         for result in response["results"].as_array().unwrap() {
             let id: Uuid = result["id"].as_str().unwrap().parse().unwrap();
@@ -614,14 +614,7 @@ async fn events_appended_while_no_projector_runs_are_projected_once_it_starts() 
     let mut config = tally::config::Config::new(&url, &nats_url);
     config.bootstrap_token = Some(TOKEN.to_string());
     let service = tally::startup::Service::start(config).await.unwrap();
-    let app = TestApp {
-        address: service.local_addr,
-        client: reqwest::Client::new(),
-        pool,
-        service: Some(service),
-        nats,
-        db,
-    };
+    let app = TestApp::of(service, pool, nats, db);
     wait_until_projected(&app).await;
     let as_of = at + Duration::hours(3);
     let usage = get_json(

@@ -24,7 +24,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     events.extend(lifecycle("beta", "c_under", 5, 3)); // 2 h
     events.extend(lifecycle("beta", "c_wrong", 5, 4)); // 1 h, billed to acme
     events.extend(lifecycle("acme", "c_silent", 5, 4)); // 1 h, not in the report
-    let (status, response) = app.post_json(&json!({"events": events})).await;
+    let (status, response) = app.post_events(&json!({"events": events})).await;
     assert_eq!(status, 200, "{response}");
     projected_to_head(&app.pool, "the events are projected").await;
 
@@ -233,7 +233,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
             "container_id": s.container, "occurred_at": stamp(s.start + Duration::seconds(s.seconds))}));
     }
     for chunk in events.chunks(1000) {
-        let (status, response) = app.post_json(&json!({"events": chunk})).await;
+        let (status, response) = app.post_events(&json!({"events": chunk})).await;
         assert_eq!(status, 200, "{response}");
     }
     projected_to_head(&app.pool, "the events are projected").await;

@@ -84,7 +84,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
     let tally_url = format!("nats://tally:{TALLY_PASSWORD}@127.0.0.1:{}", nats.port);
     let producer_url = format!("nats://127.0.0.1:{}", nats.port);
     let app = TestApp::spawn_on(nats, &tally_url).await;
-    let (status, body) = app.post_json(&json!({"events": valid_events(3)})).await;
+    let (status, body) = app.post_events(&json!({"events": valid_events(3)})).await;
     assert_eq!(status, 200, "{body}");
     // Read the stream as tally does (its user, its inbox prefix).
     let tally_js = tally::bus::jetstream(tally::bus::connect(&tally_url).await.unwrap());
@@ -139,7 +139,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
 
     // The copy is untouched and the relay carries on.
     let (status, body) = app
-        .post_json(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
+        .post_events(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
         .await;
     assert_eq!(status, 200, "{body}");
     wait_for_stream(&tally_js, 5).await;
@@ -162,7 +162,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
 async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz_names_it() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(5)})).await.0,
+        app.post_events(&json!({"events": valid_events(5)})).await.0,
         200
     );
     let js = app.nats.jetstream().await;
@@ -177,7 +177,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
     assert_eq!(forged.sequence, 6);
     // The relay finds it when it publishes position 6 and the stream refuses the sequence.
     let (status, body) = app
-        .post_json(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
+        .post_events(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
         .await;
     assert_eq!(status, 200, "{body}");
 
@@ -219,7 +219,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
 async fn a_forged_position_header_does_not_move_the_relay_which_halts_when_it_starts() {
     let mut app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(3)})).await.0,
+        app.post_events(&json!({"events": valid_events(3)})).await.0,
         200
     );
     let js = app.nats.jetstream().await;
@@ -307,7 +307,9 @@ async fn rewrite_with_recomputed_chain(pool: &sqlx::PgPool, position: i64) {
 async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names_its_position() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        app.post_events(&json!({"events": valid_events(10)}))
+            .await
+            .0,
         200
     );
     let js = app.nats.jetstream().await;

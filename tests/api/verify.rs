@@ -21,7 +21,9 @@ async fn tamper(pool: &sqlx::PgPool, statement: &str) {
 async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        app.post_events(&json!({"events": valid_events(10)}))
+            .await
+            .0,
         200
     );
 
@@ -62,7 +64,7 @@ async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
 async fn verify_detects_a_deleted_row_and_a_changed_timestamp() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(6)})).await.0,
+        app.post_events(&json!({"events": valid_events(6)})).await.0,
         200
     );
     tamper(
@@ -99,7 +101,9 @@ async fn verify_api(app: &TestApp, query: &str) -> Value {
 async fn incremental_verification_checks_only_new_rows_and_the_full_pass_finds_older_tampering() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        app.post_events(&json!({"events": valid_events(10)}))
+            .await
+            .0,
         200
     );
     let first = verify_api(&app, "").await;
@@ -108,7 +112,7 @@ async fn incremental_verification_checks_only_new_rows_and_the_full_pass_finds_o
         (json!(true), json!(10))
     );
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(5)})).await.0,
+        app.post_events(&json!({"events": valid_events(5)})).await.0,
         200
     );
     let second = verify_api(&app, "").await;
