@@ -3,6 +3,7 @@
 //! and the audit trail says who and why.
 
 use chrono::{Duration, DurationRound, Utc};
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -40,9 +41,7 @@ fn shared(org: &str) -> Vec<Value> {
 
 async fn post(app: &TestApp, path: &str, body: Value) -> (u16, Value) {
     let response = app
-        .client
-        .post(app.url(path))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, path)
         .json(&body)
         .send()
         .await
@@ -52,13 +51,7 @@ async fn post(app: &TestApp, path: &str, body: Value) -> (u16, Value) {
 }
 
 async fn get(app: &TestApp, path: &str) -> Value {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let response = app.request(Method::GET, path).send().await.unwrap();
     assert_eq!(response.status().as_u16(), 200, "{path}");
     response.json().await.unwrap()
 }

@@ -2,6 +2,7 @@
 //! half-up to the currency's minor unit; the CLI prints the same.
 
 use chrono::{Duration, DurationRound, Utc};
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -39,9 +40,10 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     projected_to_head(&app.pool, "the events are projected").await;
 
     let csv = app
-        .client
-        .get(app.url(&format!("/v1/exports/usage.csv?period={period}")))
-        .bearer_auth(TOKEN)
+        .request(
+            Method::GET,
+            &format!("/v1/exports/usage.csv?period={period}"),
+        )
         .send()
         .await
         .unwrap()
@@ -55,11 +57,10 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     );
     assert_eq!(csv, expected);
     let json_rows: Value = app
-        .client
-        .get(app.url(&format!(
-            "/v1/exports/usage.csv?period={period}&format=json"
-        )))
-        .bearer_auth(TOKEN)
+        .request(
+            Method::GET,
+            &format!("/v1/exports/usage.csv?period={period}&format=json"),
+        )
         .send()
         .await
         .unwrap()
@@ -83,9 +84,7 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     assert_eq!(String::from_utf8(output.stdout).unwrap(), expected);
 
     let bad = app
-        .client
-        .get(app.url("/v1/exports/usage.csv?period=2026-13"))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, "/v1/exports/usage.csv?period=2026-13")
         .send()
         .await
         .unwrap();

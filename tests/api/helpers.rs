@@ -464,6 +464,11 @@ impl Reply {
     pub fn status_json(&self) -> (u16, Value) {
         (self.status, self.json())
     }
+
+    /// Status, `Retry-After` and JSON body: what a read that may wait is judged by.
+    pub fn with_retry_after(&self) -> (u16, Option<String>, Value) {
+        (self.status, self.header("retry-after"), self.json())
+    }
 }
 
 impl Api {
@@ -503,6 +508,14 @@ impl Api {
         let mut api = self.clone();
         api.headers.push((name.to_string(), value.to_string()));
         api
+    }
+
+    /// Sends `Tally-Min-Position: position` when given.
+    pub fn with_min_position(&self, position: Option<&str>) -> Api {
+        match position {
+            Some(position) => self.with_header("Tally-Min-Position", position),
+            None => self.clone(),
+        }
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -23,9 +23,7 @@ const ORG_B: &str = "org_b";
 /// A token made through the API.
 async fn create_token(app: &TestApp, body: Value) -> String {
     let response = app
-        .client
-        .post(app.url("/v1/tokens"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/tokens")
         .json(&body)
         .send()
         .await

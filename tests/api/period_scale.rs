@@ -4,6 +4,7 @@
 //! The batch size is set tiny so that a few hundred orgs make many batches.
 
 use chrono::Utc;
+use reqwest::Method;
 use serde_json::{json, Value};
 use tally::runtime::Period;
 use uuid::Uuid;
@@ -76,9 +77,7 @@ async fn seed(app: &TestApp, last: Period, current: Period) {
 
 async fn post_close(app: &TestApp, period: Period) -> (u16, Option<String>, Value) {
     let response = app
-        .client
-        .post(app.url(&format!("/v1/periods/{period}/close")))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, &format!("/v1/periods/{period}/close"))
         .send()
         .await
         .unwrap();
@@ -213,9 +212,10 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
     assert_eq!(app.post_events(&json!({ "events": late })).await.0, 200);
     projected_to_head(&app.pool, "the late events are projected").await;
     let csv = app
-        .client
-        .get(app.url(&format!("/v1/exports/usage.csv?period={current}")))
-        .bearer_auth(TOKEN)
+        .request(
+            Method::GET,
+            &format!("/v1/exports/usage.csv?period={current}"),
+        )
         .send()
         .await
         .unwrap()
@@ -248,9 +248,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
     );
     // The closed period's own export: every org, as priced now, in many batches.
     let csv = app
-        .client
-        .get(app.url(&format!("/v1/exports/usage.csv?period={last}")))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, &format!("/v1/exports/usage.csv?period={last}"))
         .send()
         .await
         .unwrap()

@@ -2,6 +2,7 @@
 //! untouched and shows as an adjustment in the next open period's export.
 
 use chrono::Duration;
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -25,7 +26,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
     projected_to_head(&app.pool, "the events are projected").await;
 
     let post = |path: String| {
-        let request = app.client.post(app.url(&path)).bearer_auth(TOKEN);
+        let request = app.request(Method::POST, &path);
         async move {
             let response = request.send().await.unwrap();
             (
@@ -35,7 +36,7 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         }
     };
     let get = |path: String| {
-        let request = app.client.get(app.url(&path)).bearer_auth(TOKEN);
+        let request = app.request(Method::GET, &path);
         async move { request.send().await.unwrap() }
     };
     // A close is a job: accepted, then done with the closed period.

@@ -1,6 +1,7 @@
 //! Plans: definitions are ledger events with decimal-string money; an org can
 //! only move to a plan that exists.
 
+use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::helpers::{ago, TestApp, TOKEN};
@@ -15,9 +16,7 @@ pub fn pro_plan() -> Value {
 
 pub async fn put_plan(app: &TestApp, id: &str, body: &Value) -> (u16, Value) {
     let response = app
-        .client
-        .put(app.url(&format!("/v1/plans/{id}")))
-        .bearer_auth(TOKEN)
+        .request(Method::PUT, &format!("/v1/plans/{id}"))
         .json(body)
         .send()
         .await
@@ -27,9 +26,7 @@ pub async fn put_plan(app: &TestApp, id: &str, body: &Value) -> (u16, Value) {
 }
 
 async fn plans(app: &TestApp) -> Value {
-    app.client
-        .get(app.url("/v1/plans"))
-        .bearer_auth(TOKEN)
+    app.request(Method::GET, "/v1/plans")
         .send()
         .await
         .unwrap()
@@ -135,9 +132,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
         (422, Some("invalid_plan_id"))
     );
     let response = app
-        .client
-        .put(app.url("/v1/plans/pro"))
-        .bearer_auth(TOKEN)
+        .request(Method::PUT, "/v1/plans/pro")
         .header("content-type", "application/json")
         .body("{\"sandbox_runtime\": tru")
         .send()

@@ -1,6 +1,7 @@
 //! Runtime projections: the projected usage and timelines equal the pure rules
 //! over the same events, whatever their arrival order, and replay reproduces them exactly.
 
+use reqwest::Method;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use chrono::{DateTime, Datelike, Duration, DurationRound, TimeZone, Utc};
@@ -139,13 +140,7 @@ async fn wait_until_projected(app: &TestApp) {
 }
 
 async fn get(app: &TestApp, path: &str) -> (u16, String) {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let response = app.request(Method::GET, path).send().await.unwrap();
     (response.status().as_u16(), response.text().await.unwrap())
 }
 

@@ -2,6 +2,7 @@
 //! of every kind is reconciled to exactly those, with exact deltas and costs to the cent.
 
 use chrono::{Duration, DurationRound, Utc};
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -44,9 +45,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     ]
     .join("\n");
     let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/provider-reports")
         .header("content-type", "text/csv")
         .body(csv)
         .send()
@@ -56,11 +55,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     let report: Value = response.json().await.unwrap();
 
     let post = |body: Value| {
-        let request = app
-            .client
-            .post(app.url("/v1/reconciliations"))
-            .bearer_auth(TOKEN)
-            .json(&body);
+        let request = app.request(Method::POST, "/v1/reconciliations").json(&body);
         async move {
             let response = request.send().await.unwrap();
             (
@@ -83,9 +78,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
 
     let id = result["reconciliation_id"].as_str().unwrap();
     let csv = app
-        .client
-        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv")))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, &format!("/v1/reconciliations/{id}/lines.csv"))
         .send()
         .await
         .unwrap()
@@ -142,9 +135,10 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     );
 
     let json_lines: Value = app
-        .client
-        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv?format=json")))
-        .bearer_auth(TOKEN)
+        .request(
+            Method::GET,
+            &format!("/v1/reconciliations/{id}/lines.csv?format=json"),
+        )
         .send()
         .await
         .unwrap()
@@ -276,9 +270,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
     ));
     let report_lines = lines.len() - 1;
     let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/provider-reports")
         .header("content-type", "text/csv")
         .body(lines.join("\n"))
         .send()
@@ -287,9 +279,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
     assert_eq!(response.status().as_u16(), 201);
     let report: Value = response.json().await.unwrap();
     let response = app
-        .client
-        .post(app.url("/v1/reconciliations"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/reconciliations")
         .json(&json!({"report_id": report["report_id"]}))
         .send()
         .await
@@ -303,9 +293,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
     );
     let id = result["reconciliation_id"].as_str().unwrap();
     let csv = app
-        .client
-        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv")))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, &format!("/v1/reconciliations/{id}/lines.csv"))
         .send()
         .await
         .unwrap()

@@ -1,6 +1,7 @@
 //! Provider report import: FOCUS CSV, all-or-nothing, errors naming line and
 //! column, the same bytes again are the same report.
 
+use reqwest::Method;
 use serde_json::Value;
 
 use crate::helpers::{TestApp, TOKEN};
@@ -17,9 +18,7 @@ fn report(lines: &[&str]) -> String {
 
 async fn import(app: &TestApp, body: String) -> (u16, Value) {
     let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/provider-reports")
         .header("content-type", "text/csv")
         .body(body)
         .send()
@@ -145,9 +144,7 @@ async fn broken_reports_are_refused_naming_line_and_column_and_store_nothing() {
         );
     }
     let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/provider-reports")
         .header("content-type", "application/json")
         .body("{}")
         .send()

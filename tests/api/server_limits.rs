@@ -3,6 +3,7 @@
 //! or refuses, slow clients do not stop others, and what the router cannot answer in JSON
 //! (a repeated query parameter, an overlong target) is answered in JSON at the front door.
 
+use reqwest::Method;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -387,9 +388,10 @@ async fn a_client_that_reads_none_of_its_responses_is_disconnected_within_the_wr
 async fn a_repeated_query_parameter_is_a_json_422_naming_it() {
     let app = TestApp::spawn().await;
     let response = app
-        .client
-        .get(app.url("/v1/orgs/org_a/usage?period=2026-11&period=2026-12"))
-        .bearer_auth(TOKEN)
+        .request(
+            Method::GET,
+            "/v1/orgs/org_a/usage?period=2026-11&period=2026-12",
+        )
         .send()
         .await
         .unwrap();

@@ -10,9 +10,7 @@ use crate::plans::pro_plan;
 
 async fn create_token(app: &TestApp, body: Value) -> (String, String) {
     let response = app
-        .client
-        .post(app.url("/v1/tokens"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/tokens")
         .json(&body)
         .send()
         .await

@@ -1,5 +1,6 @@
 //! `tally verify` and `GET /v1/ledger/verify` find tampering and name the position.
 
+use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::helpers::*;
@@ -46,9 +47,7 @@ async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
 
     // Row 4 is behind the checkpoint the intact pass above stored: the full pass finds it.
     let http: Value = app
-        .client
-        .get(app.url("/v1/ledger/verify?full=true"))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, "/v1/ledger/verify?full=true")
         .send()
         .await
         .unwrap()
@@ -87,9 +86,7 @@ async fn verify_detects_a_deleted_row_and_a_changed_timestamp() {
 
 async fn verify_api(app: &TestApp, query: &str) -> Value {
     let response = app
-        .client
-        .get(app.url(&format!("/v1/ledger/verify{query}")))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, &format!("/v1/ledger/verify{query}"))
         .send()
         .await
         .unwrap();
@@ -145,9 +142,7 @@ async fn incremental_verification_checks_only_new_rows_and_the_full_pass_finds_o
     assert_eq!(incremental["first_bad_position"], 15, "{incremental}");
 
     let response = app
-        .client
-        .get(app.url("/v1/ledger/verify?full=yes"))
-        .bearer_auth(TOKEN)
+        .request(Method::GET, "/v1/ledger/verify?full=yes")
         .send()
         .await
         .unwrap();
