@@ -708,6 +708,19 @@ impl Api {
     }
 }
 
+/// The body of an answer that must have the `expected` status.
+#[track_caller]
+pub fn answered(expected: u16, (status, body): (u16, Value)) -> Value {
+    assert_eq!(status, expected, "{body}");
+    body
+}
+
+/// The body of an answer that must be 200.
+#[track_caller]
+pub fn ok(answer: (u16, Value)) -> Value {
+    answered(200, answer)
+}
+
 fn with_query(path: &str, query: &str) -> String {
     if query.is_empty() {
         return path.to_string();
