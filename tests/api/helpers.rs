@@ -573,6 +573,11 @@ impl Api {
         Self::reply(request).await
     }
 
+    /// GET `path`: the whole answer, headers included.
+    pub async fn get(&self, path: &str) -> Reply {
+        self.send(Method::GET, path, None).await
+    }
+
     /// GET `path`: the status and the JSON body (`null` when empty).
     pub async fn get_json(&self, path: &str) -> (u16, Value) {
         self.send(Method::GET, path, None).await.status_json()
