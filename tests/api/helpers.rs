@@ -564,7 +564,7 @@ impl Api {
         method: Method,
         path: &str,
         content_type: &str,
-        body: Vec<u8>,
+        body: impl Into<reqwest::Body>,
     ) -> Reply {
         let request = self
             .request(method, path)

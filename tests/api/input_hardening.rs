@@ -7,47 +7,12 @@ use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
-use reqwest::Method;
 use serde_json::{json, Value};
 use tally::event::canonical;
 use tally::event::parse::{cloudevent_ledger_id, legacy_cloudevent_ledger_id, BodyError, BodyKind};
 use tally::ledger::{read, AppendLimits, Appender};
 
 use crate::helpers::*;
-
-/// Sends `body` with `content_type`; the status and the JSON answer.
-async fn send(
-    app: &TestApp,
-    method: reqwest::Method,
-    path: &str,
-    content_type: &str,
-    body: impl Into<reqwest::Body>,
-) -> (u16, Value) {
-    let response = app
-        .client
-        .request(method, app.url(path))
-        .bearer_auth(TOKEN)
-        .header("content-type", content_type)
-        .body(body)
-        .send()
-        .await
-        .expect("the request reaches the service");
-    let status = response.status().as_u16();
-    let text = response.text().await.unwrap();
-    let json = serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"));
-    (status, json)
-}
-
-async fn get(app: &TestApp, path: &str) -> (u16, Value) {
-    let response = app
-        .request(Method::GET, path)
-        .send()
-        .await
-        .expect("the request reaches the service");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
 
 fn cloudevent(org: &str, id: &str, time: &str) -> Value {
     json!({"specversion": "1.0", "id": id, "source": "/provider/acme",
@@ -103,14 +68,15 @@ async fn a_leap_second_is_refused_with_422_in_every_envelope_and_nothing_is_stor
     // The correction flow takes native events too, with its own backdate bound.
     let mut added = valid_event("org_leap", "ctr_1", 3);
     added["occurred_at"] = json!(leap);
-    let (status, body) = send(
-        &app,
-        reqwest::Method::POST,
-        "/v1/corrections/events",
-        "application/json",
-        json!({"events": [added], "reason": "provider confirmed"}).to_string(),
-    )
-    .await;
+    let (status, body) = app
+        .send_bytes(
+            reqwest::Method::POST,
+            "/v1/corrections/events",
+            "application/json",
+            json!({"events": [added], "reason": "provider confirmed"}).to_string(),
+        )
+        .await
+        .status_json();
     assert_eq!((status, detail_code(&body)), (422, "leap_second"), "{body}");
     assert_eq!(app.ledger_count().await, 0);
     app.stop().await;
@@ -120,18 +86,16 @@ async fn a_leap_second_is_refused_with_422_in_every_envelope_and_nothing_is_stor
 async fn a_leap_second_as_of_is_refused_rather_than_echoed() {
     let app = TestApp::spawn().await;
     let period = tally::runtime::Period::containing(Utc::now()).to_string();
-    let (status, body) = get(
-        &app,
-        &format!("/v1/orgs/org_1/usage?period={period}&as_of=2026-12-01T07:00:60Z"),
-    )
-    .await;
+    let (status, body) = app
+        .get_json(&format!(
+            "/v1/orgs/org_1/usage?period={period}&as_of=2026-12-01T07:00:60Z"
+        ))
+        .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");
-    let (status, body) = get(
-        &app,
-        "/v1/containers/ctr_1?as_of=2026-12-01T06:59:60.500%2B00:00",
-    )
-    .await;
+    let (status, body) = app
+        .get_json("/v1/containers/ctr_1?as_of=2026-12-01T06:59:60.500%2B00:00")
+        .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");
     app.stop().await;
@@ -228,7 +192,10 @@ async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
         .await
         .unwrap();
     for (method, path, content_type, body, field) in cases {
-        let (status, answer) = send(&app, method, path, content_type, body).await;
+        let (status, answer) = app
+            .send_bytes(method, path, content_type, body)
+            .await
+            .status_json();
         assert_eq!(status, 422, "{path} {field}: {answer}");
         let error = &answer["error"];
         let (code, message) = match error["details"][0]["code"].as_str() {
@@ -377,7 +344,10 @@ async fn a_key_given_twice_is_refused_on_every_json_body_route() {
         ),
     ];
     for (method, path, body, field) in cases {
-        let (status, answer) = send(&app, method, path, "application/json", body).await;
+        let (status, answer) = app
+            .send_bytes(method, path, "application/json", body)
+            .await
+            .status_json();
         assert_eq!(status, 422, "{path}: {answer}");
         assert_eq!(
             answer["error"]["code"], "duplicate_field",
@@ -443,14 +413,15 @@ async fn a_report_with_year_zero_or_a_leap_second_is_a_422_naming_its_line() {
         ),
     ] {
         let report = format!("{header}\n{good}\n{good}\n{bad}\n");
-        let (status, body) = send(
-            &app,
-            reqwest::Method::POST,
-            "/v1/provider-reports",
-            "text/csv",
-            report,
-        )
-        .await;
+        let (status, body) = app
+            .send_bytes(
+                reqwest::Method::POST,
+                "/v1/provider-reports",
+                "text/csv",
+                report,
+            )
+            .await
+            .status_json();
         assert_eq!(status, 422, "{body}");
         assert_eq!(body["error"]["code"], code, "{body}");
         assert_eq!(body["error"]["details"][0]["line"], 4, "{body}");
