@@ -107,7 +107,7 @@ async fn a_close_right_after_late_events_holds_them_and_the_next_export_has_no_a
     // At once, on the other instance.
     let other = first.at(second.local_addr);
     let closed_name = closed.to_string();
-    let (status, job) = other.close_period(&closed_name).await;
+    let (status, _, job) = other.close_period(&closed_name).await;
     assert_eq!(status, 202, "{job}");
     let job = loop {
         let (status, job) = other.get_close(&closed_name).await;

@@ -691,9 +691,11 @@ impl Api {
             .await
     }
 
-    pub async fn close_period(&self, period: &str) -> (u16, Value) {
+    /// POST /v1/periods/{period}/close: status, `Location` (the job's status route), job.
+    pub async fn close_period(&self, period: &str) -> (u16, Option<String>, Value) {
         let path = format!("/v1/periods/{period}/close");
-        self.send(Method::POST, &path, None).await.status_json()
+        let reply = self.send(Method::POST, &path, None).await;
+        (reply.status, reply.header("location"), reply.json())
     }
 
     pub async fn get_close(&self, period: &str) -> (u16, Value) {
