@@ -2,11 +2,10 @@
 //! of every kind is reconciled to exactly those, with exact deltas and costs to the cent.
 
 use chrono::{Duration, DurationRound, Utc};
-use reqwest::Method;
-use serde_json::{json, Value};
+use serde_json::json;
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp, TOKEN};
+use crate::helpers::{answered, projected_to_head, TestApp};
 
 #[tokio::test]
 async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
@@ -44,27 +43,11 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
         line("c_wrong", "acme", "3600", "Seconds", "0.50"),
     ]
     .join("\n");
-    let response = app
-        .request(Method::POST, "/v1/provider-reports")
-        .header("content-type", "text/csv")
-        .body(csv)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let report: Value = response.json().await.unwrap();
+    let report = answered(201, app.post_report(csv).await);
 
-    let post = |body: Value| {
-        let request = app.request(Method::POST, "/v1/reconciliations").json(&body);
-        async move {
-            let response = request.send().await.unwrap();
-            (
-                response.status().as_u16(),
-                response.json::<Value>().await.unwrap(),
-            )
-        }
-    };
-    let (status, result) = post(json!({"report_id": report["report_id"]})).await;
+    let (status, result) = app
+        .post_reconciliation(&json!({"report_id": report["report_id"]}))
+        .await;
     assert_eq!(status, 201, "{result}");
     assert_eq!(
         result["counts"],
@@ -77,14 +60,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     );
 
     let id = result["reconciliation_id"].as_str().unwrap();
-    let csv = app
-        .request(Method::GET, &format!("/v1/reconciliations/{id}/lines.csv"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_lines(id).await;
     let mut lines = csv.lines();
     assert_eq!(
         lines.next().unwrap(),
@@ -134,17 +110,9 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
         ["3600000", "0", "-3600000", "missing_in_provider"]
     );
 
-    let json_lines: Value = app
-        .request(
-            Method::GET,
-            &format!("/v1/reconciliations/{id}/lines.csv?format=json"),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, json_lines) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
     assert_eq!(json_lines["lines"].as_array().unwrap().len(), 6);
 
     for (body, status, code) in [
@@ -165,7 +133,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "invalid_tolerance",
         ),
     ] {
-        let (actual, error) = post(body.clone()).await;
+        let (actual, error) = app.post_reconciliation(&body).await;
         assert_eq!(
             (actual, error["error"]["code"].as_str()),
             (status, Some(code)),
@@ -269,37 +237,19 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
         stamp(today - Duration::days(1))
     ));
     let report_lines = lines.len() - 1;
-    let response = app
-        .request(Method::POST, "/v1/provider-reports")
-        .header("content-type", "text/csv")
-        .body(lines.join("\n"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let report: Value = response.json().await.unwrap();
-    let response = app
-        .request(Method::POST, "/v1/reconciliations")
-        .json(&json!({"report_id": report["report_id"]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let result: Value = response.json().await.unwrap();
+    let report = answered(201, app.post_report(lines.join("\n")).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
     assert_eq!(
         result["counts"],
         json!({"matched": report_lines - 4, "provider_over": 1, "provider_under": 1,
                "missing_in_ledger": 1, "org_mismatch": 1, "missing_in_provider": 1})
     );
     let id = result["reconciliation_id"].as_str().unwrap();
-    let csv = app
-        .request(Method::GET, &format!("/v1/reconciliations/{id}/lines.csv"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_lines(id).await;
     let rows: Vec<Vec<String>> = csv
         .lines()
         .skip(1)
