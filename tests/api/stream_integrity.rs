@@ -60,12 +60,10 @@ async fn wait_for_stream(js: &async_nats::jetstream::Context, count: u64) {
 
 /// Polls `/readyz` at `base` (up to 20 s) until it is 503 with the relay halted; returns
 /// its body.
-async fn wait_for_halt(client: &reqwest::Client, base: &str) -> Value {
+async fn wait_for_halt(api: &Api) -> Value {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        let response = client.get(format!("{base}/readyz")).send().await.unwrap();
-        let status = response.status().as_u16();
-        let body: Value = response.json().await.unwrap();
+        let (status, body) = api.without_token().get_json("/readyz").await;
         if status == 503 && body["relay"].as_str().unwrap_or("").starts_with("halted") {
             return body;
         }
@@ -181,7 +179,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
         .await;
     assert_eq!(status, 200, "{body}");
 
-    let ready = wait_for_halt(&app.client, &format!("http://{}", app.address)).await;
+    let ready = wait_for_halt(&app).await;
     assert_eq!(ready["ready"], false);
     assert_eq!(
         ready["relay"],
@@ -239,21 +237,14 @@ async fn a_forged_position_header_does_not_move_the_relay_which_halts_when_it_st
     config.bootstrap_token = Some(TOKEN.to_string());
     config.relay_poll_ms = 50;
     let service = Service::start(config).await.unwrap();
-    let base = format!("http://{}", service.local_addr);
-    let ready = wait_for_halt(&app.client, &base).await;
+    let other = app.at(service.local_addr);
+    let ready = wait_for_halt(&other).await;
     assert_eq!(
         ready["relay"],
         "halted: stream message 4 does not match ledger position 4: the ledger has no position 4"
     );
-    let response = app
-        .client
-        .post(format!("{base}/v1/events"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"events": valid_events(2)}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    let (status, _) = other.post_events(&json!({"events": valid_events(2)})).await;
+    assert_eq!(status, 200);
     assert_eq!(stream_messages(&js, "TALLY_LEDGER").await, 4);
     service.stop().await;
     app.stop().await;
@@ -409,16 +400,9 @@ async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
     config.bootstrap_token = Some(TOKEN.to_string());
     config.relay_poll_ms = 50;
     let service = Service::start(config).await.unwrap();
-    let client = reqwest::Client::new();
-    let base = format!("http://{}", service.local_addr);
-    let response = client
-        .post(format!("{base}/v1/events"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"events": valid_events(3)}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    let api = Api::new(reqwest::Client::new(), service.local_addr);
+    let (status, _) = api.post_events(&json!({"events": valid_events(3)})).await;
+    assert_eq!(status, 200);
     wait_for_stream(&js, 4).await;
     let last = js
         .get_stream("TALLY_LEDGER")
@@ -428,17 +412,9 @@ async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
         .await
         .unwrap();
     assert_eq!(last.headers.get("Tally-Position").unwrap().as_str(), "8");
-    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
-    assert_eq!(ready.status().as_u16(), 200);
-    let report: Value = client
-        .get(format!("{base}/v1/ledger/verify?stream=true"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready = api.without_token().get("/readyz").await;
+    assert_eq!(ready.status, 200);
+    let (_, report) = api.get_json("/v1/ledger/verify?stream=true").await;
     assert_eq!(
         report["stream"],
         json!({"ok": true, "messages_checked": 4, "last_sequence": 4, "first_position": 5,
@@ -509,8 +485,8 @@ async fn a_message_forged_inside_a_burst_is_found_although_the_last_message_is_g
     config.bootstrap_token = Some(TOKEN.to_string());
     config.relay_poll_ms = 50;
     let service = Service::start(config).await.unwrap();
-    let client = reqwest::Client::new();
-    let ready = wait_for_halt(&client, &format!("http://{}", service.local_addr)).await;
+    let api = Api::new(reqwest::Client::new(), service.local_addr);
+    let ready = wait_for_halt(&api).await;
     assert_eq!(
         ready["relay"],
         "halted: stream message 6 does not match ledger position 6: it has no Tally-Position header"
