@@ -650,8 +650,9 @@ impl Api {
         self.get_json(&with_query("/v1/events", query)).await
     }
 
-    pub async fn verify(&self) -> (u16, Value) {
-        self.get_json("/v1/ledger/verify").await
+    /// GET /v1/ledger/verify, with `query` (without `?`) when not empty.
+    pub async fn verify(&self, query: &str) -> (u16, Value) {
+        self.get_json(&with_query("/v1/ledger/verify", query)).await
     }
 
     pub async fn post_token(&self, body: &Value) -> (u16, Value) {

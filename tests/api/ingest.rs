@@ -436,27 +436,11 @@ async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged
     }
 
     // No token, a wrong token, and a missing content type.
-    let no_token = app
-        .client
-        .post(app.url("/v1/events"))
-        .json(&seed[0])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(no_token.status(), 401);
-    assert_eq!(
-        no_token.json::<Value>().await.unwrap()["error"]["code"],
-        "unauthorized"
-    );
-    let wrong = app
-        .client
-        .post(app.url("/v1/events"))
-        .bearer_auth("nope")
-        .json(&seed[0])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(wrong.status(), 401);
+    let (status, no_token) = app.without_token().post_events(&seed[0]).await;
+    assert_eq!(status, 401);
+    assert_eq!(no_token["error"]["code"], "unauthorized");
+    let (status, _) = app.with_token("nope").post_events(&seed[0]).await;
+    assert_eq!(status, 401);
     let untyped = app
         .request(Method::POST, "/v1/events")
         .body(seed[0].to_string())
@@ -494,15 +478,14 @@ async fn past_the_append_queue_limit_a_request_gets_503_with_retry_after_and_not
     };
     let refused = async {
         tokio::time::sleep(std::time::Duration::from_millis(600)).await;
-        let response = app
-            .request(Method::POST, "/v1/events")
-            .json(&json!({ "events": valid_events(1) }))
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        let retry_after = response.headers().get("retry-after").cloned();
-        let body: Value = response.json().await.unwrap();
+        let reply = app
+            .send(
+                Method::POST,
+                "/v1/events",
+                Some(&json!({ "events": valid_events(1) })),
+            )
+            .await;
+        let (status, retry_after, body) = reply.with_retry_after();
         other.commit().await.unwrap();
         (status, retry_after, body)
     };

@@ -649,7 +649,7 @@ async fn verify_held(app: &TestApp) -> sqlx::Transaction<'static, sqlx::Postgres
     let events: Vec<Value> = crate::helpers::valid_events(5);
     let (status, response) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{response}");
-    let (status, report) = app.verify().await;
+    let (status, report) = app.verify("").await;
     assert_eq!(status, 200, "{report}");
     let mut holder = app.pool.begin().await.unwrap();
     sqlx::query("SELECT position FROM verify_checkpoint FOR UPDATE")
