@@ -333,7 +333,7 @@ async fn bad_min_positions_and_unknown_parameters_on_admission_are_refused_with_
 }
 
 async fn plans(app: &TestApp) -> Value {
-    let (status, listed) = app.get_json("/v1/plans").await;
+    let (status, listed) = app.get_plans().await;
     assert_eq!(status, 200, "{listed}");
     listed
 }

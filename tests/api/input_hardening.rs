@@ -87,14 +87,15 @@ async fn a_leap_second_as_of_is_refused_rather_than_echoed() {
     let app = TestApp::spawn().await;
     let period = tally::runtime::Period::containing(Utc::now()).to_string();
     let (status, body) = app
-        .get_json(&format!(
-            "/v1/orgs/org_1/usage?period={period}&as_of=2026-12-01T07:00:60Z"
-        ))
+        .get_usage(
+            "org_1",
+            &format!("period={period}&as_of=2026-12-01T07:00:60Z"),
+        )
         .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");
     let (status, body) = app
-        .get_json("/v1/containers/ctr_1?as_of=2026-12-01T06:59:60.500%2B00:00")
+        .get_container("ctr_1", "as_of=2026-12-01T06:59:60.500%2B00:00")
         .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");

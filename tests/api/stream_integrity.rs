@@ -147,9 +147,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
         (200, json!("up")),
         "{ready}"
     );
-    let (status, report) = app
-        .get_json("/v1/ledger/verify?full=true&stream=true")
-        .await;
+    let (status, report) = app.verify("full=true&stream=true").await;
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["ok"], true, "{report}");
     assert_eq!(report["stream"]["messages_checked"], 5, "{report}");
@@ -204,7 +202,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
         6,
         "nothing relayed past the forged message"
     );
-    let (_, report) = app.get_json("/v1/ledger/verify?stream=true").await;
+    let (_, report) = app.verify("stream=true").await;
     assert_eq!(
         (report["ok"].clone(), report["first_bad_position"].clone()),
         (json!(false), json!(6)),
@@ -320,7 +318,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         let (code, report, _) = run_tally_verify(&app, &nats_url, args);
         assert_eq!((code, report["ok"].clone()), (0, json!(true)), "{report}");
     }
-    let (status, report) = app.get_json("/v1/ledger/verify?full=true").await;
+    let (status, report) = app.verify("full=true").await;
     assert_eq!((status, report["ok"].clone()), (200, json!(true)));
 
     let (code, report, stderr) = run_tally_verify(&app, &nats_url, &["--stream"]);
@@ -336,9 +334,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         "{problem}"
     );
 
-    let (status, report) = app
-        .get_json("/v1/ledger/verify?full=true&stream=true")
-        .await;
+    let (status, report) = app.verify("full=true&stream=true").await;
     assert_eq!(status, 200);
     assert_eq!(
         (
@@ -349,7 +345,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         (json!(false), json!(4), json!(4)),
         "{report}"
     );
-    let (status, refused) = app.get_json("/v1/ledger/verify?stream=yes").await;
+    let (status, refused) = app.verify("stream=yes").await;
     assert_eq!(
         (status, refused["error"]["code"].clone()),
         (422, json!("invalid_stream"))
@@ -414,7 +410,7 @@ async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
     assert_eq!(last.headers.get("Tally-Position").unwrap().as_str(), "8");
     let ready = api.without_token().get("/readyz").await;
     assert_eq!(ready.status, 200);
-    let (_, report) = api.get_json("/v1/ledger/verify?stream=true").await;
+    let (_, report) = api.verify("stream=true").await;
     assert_eq!(
         report["stream"],
         json!({"ok": true, "messages_checked": 4, "last_sequence": 4, "first_position": 5,
