@@ -29,7 +29,7 @@ fn command(container: &str, at: DateTime<Utc>) -> Value {
 
 /// `count` commands of `container`, one millisecond apart from `from` on, posted in the
 /// largest batches the service takes; returns their ids in occurred_at order.
-async fn post_commands(
+async fn store_commands(
     app: &TestApp,
     container: &str,
     from: DateTime<Utc>,
@@ -108,7 +108,7 @@ async fn record_projection_writes(app: &TestApp) {
 async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_none_of_them() {
     let app = TestApp::spawn().await;
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(1);
-    post_commands(&app, "ctr_lost", start, 3_000).await;
+    store_commands(&app, "ctr_lost", start, 3_000).await;
     record_projection_writes(&app).await;
 
     let (status, body) = app
@@ -153,7 +153,7 @@ async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_no
 async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order() {
     let app = TestApp::spawn().await;
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(1);
-    let ids = post_commands(&app, "ctr_lost", start, 2_500).await;
+    let ids = store_commands(&app, "ctr_lost", start, 2_500).await;
 
     let (status, first) = app.get_container("ctr_lost", "").await;
     assert_eq!(status, 200, "{first}");
@@ -192,7 +192,7 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     let app = TestApp::spawn().await;
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(2);
     let kept_max = usize::try_from(ANOMALIES_KEPT_MAX).unwrap();
-    let mut ids = post_commands(&app, "ctr_lost", start, kept_max + 50).await;
+    let mut ids = store_commands(&app, "ctr_lost", start, kept_max + 50).await;
     // A late command that sorts before the last one kept takes its place.
     let late = command("ctr_lost", start - Duration::seconds(1));
     let (status, body) = app.post_events(&late).await;

@@ -55,7 +55,7 @@ fn run(org: &str, container: &str, from: DateTime<Utc>, to: DateTime<Utc>) -> Ve
 
 /// Posts `events` to `app`, a request per org's pair; returns the highest position
 /// acknowledged.
-async fn post_acknowledged(app: &TestApp, events: &[Value]) -> i64 {
+async fn append_acknowledged(app: &TestApp, events: &[Value]) -> i64 {
     let mut acknowledged = 0;
     for pair in events.chunks(2) {
         let (status, answer) = app.post_events(&json!({ "events": pair })).await;
@@ -102,7 +102,7 @@ async fn a_close_right_after_late_events_holds_them_and_the_next_export_has_no_a
     let current = Period::containing(Utc::now());
     let closed = Period::containing(current.start() - Duration::days(1));
     let (events, expected) = late_events(closed);
-    let acknowledged = post_acknowledged(&first, &events).await;
+    let acknowledged = append_acknowledged(&first, &events).await;
 
     // At once, on the other instance.
     let other = first.at(second.local_addr);
@@ -171,7 +171,7 @@ async fn a_reconciliation_right_after_its_containers_events_finds_them_matched()
         .iter()
         .flat_map(|(org, container)| run(org, container, at(5), at(3)))
         .collect();
-    let acknowledged = post_acknowledged(&first, &events).await;
+    let acknowledged = append_acknowledged(&first, &events).await;
 
     // At once, on the other instance.
     let (status, result) = first
@@ -230,7 +230,7 @@ async fn a_usage_export_right_after_events_lists_them_and_names_its_position() {
             )
         })
         .collect();
-    let acknowledged = post_acknowledged(&first, &events).await;
+    let acknowledged = append_acknowledged(&first, &events).await;
 
     // At once, on the other instance.
     let path = format!("/v1/exports/usage.csv?period={period}");

@@ -1,10 +1,10 @@
 //! HTTP ingest: once each, duplicates reported, conflicts refused, batches atomic, and
 //! every kind of bad input refused with the JSON error shape and nothing stored.
 
-use reqwest::Method;
 use std::collections::{HashMap, HashSet};
 
 use rand::seq::SliceRandom;
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 

@@ -183,15 +183,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
         ready["relay"],
         "halted: stream message 6 does not match ledger position 6: it has no Tally-Position header"
     );
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.without_token().get("/metrics").await.text;
     assert!(metrics.contains("tally_relay_halted 1"), "{metrics}");
     assert!(
         metrics.contains("tally_relay_halted_position 6"),
