@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
-use crate::helpers::{ago, eventually, projected_to_head, Api, TestApp, TestDb, TOKEN};
+use crate::helpers::{ago, answered, eventually, projected_to_head, Api, TestApp, TestDb, TOKEN};
 use crate::plans::pro_plan;
 use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
 use tally::admission::{self, Checker, Request};
@@ -18,26 +18,20 @@ use tally::event::OrgId;
 use tally::projection::Freshness;
 use tally::startup::Service;
 
-/// The body of an answer that must have the `expected` status.
-fn expect(expected: u16, what: &str, (status, answer): (u16, Value)) -> Value {
-    assert_eq!(status, expected, "{what}: {answer}");
-    answer
-}
-
 async fn check_at(api: &Api, body: &Value) -> Value {
-    expect(200, "check", api.check_admission(body).await)
+    answered(200, api.check_admission(body).await)
 }
 
 /// Reserves a slot of `org` for `ttl_seconds` through `api`'s instance: 201 expected.
 async fn reserve_at(api: &Api, org: &str, ttl_seconds: u64) -> Value {
     let body = json!({"org_id": org, "action": "create", "ttl_seconds": ttl_seconds});
-    expect(201, "reserve", api.reserve(&body).await)
+    answered(201, api.reserve(&body).await)
 }
 
 /// Releases a reservation `reserve_at` granted, through `api`'s instance.
 async fn release_at(api: &Api, granted: &Value) {
     let id = granted["reservation_id"].as_str().unwrap();
-    expect(200, "release", api.release(id).await);
+    answered(200, api.release(id).await);
 }
 
 /// A new version of plan `pro` with two running slots, through `api`'s instance:
@@ -45,7 +39,7 @@ async fn release_at(api: &Api, granted: &Value) {
 async fn roomier_plan(api: &Api) {
     let mut roomier = pro_plan();
     roomier["max_running_containers"] = json!(2);
-    expect(201, "put plan", api.put_plan("pro", &roomier).await);
+    answered(201, api.put_plan("pro", &roomier).await);
 }
 
 fn stats(app: &TestApp) -> CacheStats {
@@ -105,7 +99,7 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
     warm(&app, &create("c9")).await;
     let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
                          "container_id": "c1", "occurred_at": ago(5)});
-    expect(200, "post events", other.post_events(&created).await);
+    answered(200, other.post_events(&created).await);
     eventually(3, "the other instance's container runs here", || async {
         let answer = check_at(&first, &create("c9")).await;
         answer["running_containers"] == 1 && reasons(&answer) == ["concurrency_limit"]

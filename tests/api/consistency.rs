@@ -11,7 +11,6 @@ use chrono::{Duration, DurationRound, Utc};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use reqwest::Method;
 use serde_json::{json, Value};
 use tally::config::Config;
 use tally::event::canonical::timestamp;
@@ -69,7 +68,7 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
             let path = format!("/v1/orgs/{org}/usage?period={period}&as_of={}", encode(now));
             let (status, _, mut answer) = first
                 .at(second.local_addr)
-                .send(Method::GET, &path, None)
+                .get(&path)
                 .await
                 .with_retry_after();
             assert_eq!(status, 200, "{path}: {answer}");
@@ -92,7 +91,7 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
         let path = format!("/v1/containers/{container}?as_of={}", encode(now));
         let (status, _, mut answer) = first
             .at(second.local_addr)
-            .send(Method::GET, &path, None)
+            .get(&path)
             .await
             .with_retry_after();
         assert_eq!(status, 200, "{path}: {answer}");
@@ -156,7 +155,7 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
         let started = Instant::now();
         let (status, retry_after, answer) = app
             .with_min_position(header.as_deref())
-            .send(Method::GET, &path, None)
+            .get(&path)
             .await
             .with_retry_after();
         assert_eq!(status, 503, "{path} {header:?}: {answer}");
@@ -173,29 +172,25 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
         format!("{usage}&min_position={projected}"),
         format!("{usage}&consistency=eventual"),
     ] {
-        let (status, _, answer) = app.send(Method::GET, &path, None).await.with_retry_after();
+        let (status, _, answer) = app.get(&path).await.with_retry_after();
         assert_eq!(status, 200, "{path}: {answer}");
         assert_eq!(answer["position"], projected, "{path}");
         assert_eq!(answer["commands"], 0, "{path}");
     }
     let (status, _, answer) = app
-        .send(
-            Method::GET,
-            &format!("{container}?consistency=eventual"),
-            None,
-        )
+        .get(&format!("{container}?consistency=eventual"))
         .await
         .with_retry_after();
     assert_eq!((status, &answer["position"]), (200, &json!(projected)));
 
     hold.rollback().await.unwrap();
-    let (status, _, answer) = app.send(Method::GET, &usage, None).await.with_retry_after();
+    let (status, _, answer) = app.get(&usage).await.with_retry_after();
     assert_eq!(status, 200, "{answer}");
     assert!(answer["position"].as_i64().unwrap() >= acknowledged);
     assert_eq!(answer["commands"], 1);
     // Past the head nothing will come within the wait.
     let path = format!("{usage}&min_position={}", acknowledged + 1_000);
-    let (status, _, answer) = app.send(Method::GET, &path, None).await.with_retry_after();
+    let (status, _, answer) = app.get(&path).await.with_retry_after();
     assert_eq!(
         (status, &answer["error"]["code"]),
         (503, &json!("projection_lagging"))
@@ -227,7 +222,7 @@ async fn bad_consistency_parameters_and_unknown_ones_are_refused_with_422() {
             let path = format!("{base}{query}");
             let (status, _, answer) = app
                 .with_min_position(header)
-                .send(Method::GET, &path, None)
+                .get(&path)
                 .await
                 .with_retry_after();
             assert_eq!(
