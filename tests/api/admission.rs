@@ -6,44 +6,28 @@ use std::time::Duration;
 
 use chrono::Utc;
 use futures::future::join_all;
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::helpers::{ago, eventually, period_began_within, projected_to_head, TestApp, TOKEN};
-use crate::plans::{pro_plan, put_plan};
-
-async fn post(app: &TestApp, base: &str, path: &str, body: &Value) -> (u16, Value) {
-    let response = app
-        .client
-        .post(format!("{base}{path}"))
-        .bearer_auth(TOKEN)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
+use crate::plans::pro_plan;
 
 async fn check(app: &TestApp, body: Value) -> Value {
-    let (status, answer) = post(app, &app.url(""), "/v1/admission/check", &body).await;
+    let (status, answer) = app.check_admission(&body).await;
     assert_eq!(status, 200, "{answer}");
     answer
 }
 
-async fn reserve(app: &TestApp, body: &Value) -> (u16, Value) {
-    post(app, &app.url(""), "/v1/admission/reservations", body).await
-}
-
 async fn event(app: &TestApp, body: Value) {
-    let (status, response) = app.post_json(&body).await;
+    let (status, response) = app.post_events(&body).await;
     assert_eq!(status, 200, "{response}");
 }
 
 /// `org` on plan `pro` (one running slot, an hour included, overage denied), verified and
 /// billing eligible.
 pub async fn ready_org(app: &TestApp, org: &str) {
-    let (status, plan) = put_plan(app, "pro", &pro_plan()).await;
+    let (status, plan) = app.put_plan("pro", &pro_plan()).await;
     assert!(status == 201 || status == 200, "{plan}");
     for (event_type, data) in [
         ("org.plan_changed", json!({"plan": "pro"})),
@@ -148,16 +132,7 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
     // included, and by the time of the move it had used more than pro's hour: every
     // millisecond so far is overage, and the plan reported is pro.
     let period = Utc::now().format("%Y-%m").to_string();
-    let usage: Value = app
-        .client
-        .get(app.url(&format!("/v1/orgs/acme/usage?period={period}")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, usage) = app.get_usage("acme", &format!("period={period}")).await;
     assert_eq!(usage["plan"], "pro", "{usage}");
     assert_eq!(usage["overage_ms"], usage["runtime_ms"], "{usage}");
     app.stop().await;
@@ -259,7 +234,7 @@ async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_s
     ready_org(&app, "acme").await;
     let body =
         json!({"org_id": "acme", "action": "create", "container_id": "c1", "ttl_seconds": 2});
-    let answers = join_all((0..50).map(|_| reserve(&app, &body))).await;
+    let answers = join_all((0..50).map(|_| app.reserve(&body))).await;
     let granted: Vec<&Value> = answers
         .iter()
         .filter(|(status, _)| *status == 201)
@@ -278,11 +253,9 @@ async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_s
 
     // Expiry frees the slot without any sweeper.
     tokio::time::sleep(Duration::from_millis(2100)).await;
-    let (status, kept) = reserve(
-        &app,
-        &json!({"org_id": "acme", "action": "create", "container_id": "c1"}),
-    )
-    .await;
+    let (status, kept) = app
+        .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "c1"}))
+        .await;
     assert_eq!(status, 201, "{kept}");
 
     // Consumed by its container's `created`: the slot stays taken, now by the container.
@@ -298,48 +271,30 @@ async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_s
         consumed.is_some()
     })
     .await;
-    let (status, refused) = reserve(&app, &json!({"org_id": "acme", "action": "create"})).await;
+    let (status, refused) = app
+        .reserve(&json!({"org_id": "acme", "action": "create"}))
+        .await;
     assert_eq!(
         (status, refused["error"]["code"].as_str()),
         (409, Some("concurrency_limit"))
     );
-    let release = app
-        .client
-        .delete(app.url(&format!("/v1/admission/reservations/{reservation_id}")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(
-        release.status().as_u16(),
-        409,
-        "a consumed reservation cannot be released"
-    );
+    let (release, _) = app.release(&reservation_id).await;
+    assert_eq!(release, 409, "a consumed reservation cannot be released");
 
     // Stopped: free again. A released reservation frees its slot at once.
     event(&app, container_event("acme", "c1", "container.stopped", 1)).await;
-    let (status, held) = reserve(
-        &app,
-        &json!({"org_id": "acme", "action": "resume", "container_id": "c1"}),
-    )
-    .await;
+    let (status, held) = app
+        .reserve(&json!({"org_id": "acme", "action": "resume", "container_id": "c1"}))
+        .await;
     assert_eq!(status, 201, "{held}");
     let id = held["reservation_id"].as_str().unwrap();
     for _ in 0..2 {
-        let release = app
-            .client
-            .delete(app.url(&format!("/v1/admission/reservations/{id}")))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(
-            release.status().as_u16(),
-            200,
-            "released, and releasing again is harmless"
-        );
+        let (release, _) = app.release(id).await;
+        assert_eq!(release, 200, "released, and releasing again is harmless");
     }
-    let (status, again) = reserve(&app, &json!({"org_id": "acme", "action": "create"})).await;
+    let (status, again) = app
+        .reserve(&json!({"org_id": "acme", "action": "create"}))
+        .await;
     assert_eq!(status, 201, "{again}");
     app.stop().await;
 }
@@ -351,13 +306,12 @@ async fn two_instances_racing_for_the_last_slot_grant_exactly_one() {
     let mut config = tally::config::Config::new(&app.db.url, &app.nats.url);
     config.bootstrap_token = Some(TOKEN.to_string());
     let second = tally::startup::Service::start(config).await.unwrap();
-    let bases = [app.url(""), format!("http://{}", second.local_addr)];
+    let instances = [app.api.clone(), app.at(second.local_addr)];
     let body = json!({"org_id": "acme", "action": "create", "ttl_seconds": 60});
     let answers = join_all((0..40).map(|n| {
-        let base = bases[n % 2].clone();
-        let app = &app;
+        let instance = instances[n % 2].clone();
         let body = body.clone();
-        async move { post(app, &base, "/v1/admission/reservations", &body).await }
+        async move { instance.reserve(&body).await }
     }))
     .await;
     let granted = answers.iter().filter(|(status, _)| *status == 201).count();
@@ -449,36 +403,20 @@ async fn bad_admission_requests_get_a_4xx_and_change_nothing() {
         ),
     ];
     for (path, body, status, code) in cases {
-        let (actual, error) = post(&app, &app.url(""), path, &body).await;
+        let (actual, error) = app.post_json(path, &body).await;
         assert_eq!(actual, status, "{path} {body}: {error}");
         assert_eq!(error["error"]["code"], code, "{path} {body}");
     }
     let response = app
-        .client
-        .post(app.url("/v1/admission/check"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/admission/check")
         .header("content-type", "text/plain")
         .body("{}")
         .send()
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 415);
-    let response = app
-        .client
-        .delete(app.url("/v1/admission/reservations/not-a-uuid"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 422);
-    let response = app
-        .client
-        .delete(app.url(&format!("/v1/admission/reservations/{}", Uuid::new_v4())))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 404);
+    assert_eq!(app.release("not-a-uuid").await.0, 422);
+    assert_eq!(app.release(&Uuid::new_v4().to_string()).await.0, 404);
     assert_eq!(reservations_stored(&app).await, 0);
     app.stop().await;
 }
@@ -669,16 +607,14 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
     ready_org(&app, "acme").await;
     let mut two_slots = pro_plan();
     two_slots["max_running_containers"] = json!(2);
-    let (status, plan) = put_plan(&app, "pro", &two_slots).await;
+    let (status, plan) = app.put_plan("pro", &two_slots).await;
     assert_eq!(status, 201, "{plan}");
     // One slot held by a live reservation for c0, the other taken by c1 as it is created.
     let mut granted = Vec::new();
     for container in ["c0", "c1"] {
-        let (status, answer) = reserve(
-            &app,
-            &json!({"org_id": "acme", "action": "create", "container_id": container}),
-        )
-        .await;
+        let (status, answer) = app
+            .reserve(&json!({"org_id": "acme", "action": "create", "container_id": container}))
+            .await;
         assert_eq!(status, 201, "{answer}");
         granted.push(answer["reservation_id"].as_str().unwrap().to_owned());
     }

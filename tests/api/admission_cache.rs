@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
-use crate::helpers::{ago, eventually, projected_to_head, TestApp, TestDb, TOKEN};
+use crate::helpers::{ago, answered, eventually, projected_to_head, Api, TestApp, TestDb, TOKEN};
 use crate::plans::pro_plan;
 use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
 use tally::admission::{self, Checker, Request};
@@ -18,57 +18,28 @@ use tally::event::OrgId;
 use tally::projection::Freshness;
 use tally::startup::Service;
 
-/// `method path` on the instance at `base`, answered with `expected`; the answer's body.
-async fn send(
-    app: &TestApp,
-    method: reqwest::Method,
-    base: &str,
-    path: &str,
-    body: Option<&Value>,
-    expected: u16,
-) -> Value {
-    let mut request = app
-        .client
-        .request(method.clone(), format!("{base}{path}"))
-        .bearer_auth(TOKEN);
-    if let Some(body) = body {
-        request = request.json(body);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    let answer: Value = response.json().await.unwrap();
-    assert_eq!(status, expected, "{method} {path}: {answer}");
-    answer
+async fn check_at(api: &Api, body: &Value) -> Value {
+    answered(200, api.check_admission(body).await)
 }
 
-async fn check_at(app: &TestApp, base: &str, body: &Value) -> Value {
-    let path = "/v1/admission/check";
-    send(app, reqwest::Method::POST, base, path, Some(body), 200).await
-}
-
-/// Reserves a slot of `org` for `ttl_seconds` through the instance at `base`: 201 expected.
-async fn reserve_at(app: &TestApp, base: &str, org: &str, ttl_seconds: u64) -> Value {
+/// Reserves a slot of `org` for `ttl_seconds` through `api`'s instance: 201 expected.
+async fn reserve_at(api: &Api, org: &str, ttl_seconds: u64) -> Value {
     let body = json!({"org_id": org, "action": "create", "ttl_seconds": ttl_seconds});
-    let path = "/v1/admission/reservations";
-    send(app, reqwest::Method::POST, base, path, Some(&body), 201).await
+    answered(201, api.reserve(&body).await)
 }
 
-/// Releases a reservation `reserve_at` granted, through the instance at `base`.
-async fn release_at(app: &TestApp, base: &str, granted: &Value) {
-    let path = format!(
-        "/v1/admission/reservations/{}",
-        granted["reservation_id"].as_str().unwrap()
-    );
-    send(app, reqwest::Method::DELETE, base, &path, None, 200).await;
+/// Releases a reservation `reserve_at` granted, through `api`'s instance.
+async fn release_at(api: &Api, granted: &Value) {
+    let id = granted["reservation_id"].as_str().unwrap();
+    answered(200, api.release(id).await);
 }
 
-/// A new version of plan `pro` with two running slots, through the instance at `base`:
+/// A new version of plan `pro` with two running slots, through `api`'s instance:
 /// 201, a new version.
-async fn roomier_plan(app: &TestApp, base: &str) {
+async fn roomier_plan(api: &Api) {
     let mut roomier = pro_plan();
     roomier["max_running_containers"] = json!(2);
-    let path = "/v1/plans/pro";
-    send(app, reqwest::Method::PUT, base, path, Some(&roomier), 201).await;
+    answered(201, api.put_plan("pro", &roomier).await);
 }
 
 fn stats(app: &TestApp) -> CacheStats {
@@ -79,7 +50,7 @@ fn stats(app: &TestApp) -> CacheStats {
 async fn warm(app: &TestApp, body: &Value) {
     eventually(5, "a check is answered from memory", || async {
         let before = stats(app).hits;
-        check_at(app, &app.url(""), body).await;
+        check_at(app, body).await;
         stats(app).hits > before
     })
     .await;
@@ -104,23 +75,23 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
     let second = second_instance(&app).await;
-    let (first, other) = (app.url(""), format!("http://{}", second.local_addr));
+    let (first, other) = (app.api.clone(), app.at(second.local_addr));
     warm(&app, &create("c9")).await;
-    assert_eq!(check_at(&app, &first, &create("c9")).await["allowed"], true);
+    assert_eq!(check_at(&first, &create("c9")).await["allowed"], true);
 
     // A reservation granted by the other instance takes the only slot here too.
-    let granted = reserve_at(&app, &other, "acme", 300).await;
+    let granted = reserve_at(&other, "acme", 300).await;
     eventually(
         2,
         "the other instance's reservation counts here",
-        || async { reasons(&check_at(&app, &first, &create("c9")).await) == ["concurrency_limit"] },
+        || async { reasons(&check_at(&first, &create("c9")).await) == ["concurrency_limit"] },
     )
     .await;
 
     // Released there, free here.
-    release_at(&app, &other, &granted).await;
+    release_at(&other, &granted).await;
     eventually(2, "the release counts here", || async {
-        check_at(&app, &first, &create("c9")).await["allowed"] == true
+        check_at(&first, &create("c9")).await["allowed"] == true
     })
     .await;
 
@@ -128,29 +99,21 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
     warm(&app, &create("c9")).await;
     let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
                          "container_id": "c1", "occurred_at": ago(5)});
-    send(
-        &app,
-        reqwest::Method::POST,
-        &other,
-        "/v1/events",
-        Some(&created),
-        200,
-    )
-    .await;
+    answered(200, other.post_events(&created).await);
     eventually(3, "the other instance's container runs here", || async {
-        let answer = check_at(&app, &first, &create("c9")).await;
+        let answer = check_at(&first, &create("c9")).await;
         answer["running_containers"] == 1 && reasons(&answer) == ["concurrency_limit"]
     })
     .await;
 
     // A plan changed through the other instance applies here once projected.
     warm(&app, &create("c9")).await;
-    roomier_plan(&app, &other).await;
+    roomier_plan(&other).await;
     eventually(
         3,
         "the other instance's plan change applies here",
         || async {
-            let answer = check_at(&app, &first, &create("c9")).await;
+            let answer = check_at(&first, &create("c9")).await;
             answer["max_running_containers"] == 2 && answer["allowed"] == true
         },
     )
@@ -163,31 +126,31 @@ async fn another_instances_reservations_events_and_plans_reach_the_facts_this_on
 async fn a_check_right_after_this_instances_own_reservation_release_or_event_counts_it() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
-    let base = app.url("");
+    let base = app.api.clone();
     warm(&app, &create("c9")).await;
-    let granted = reserve_at(&app, &base, "acme", 300).await;
+    let granted = reserve_at(&base, "acme", 300).await;
     assert_eq!(
-        reasons(&check_at(&app, &base, &create("c9")).await),
+        reasons(&check_at(&base, &create("c9")).await),
         ["concurrency_limit"]
     );
 
     warm(&app, &create("c9")).await;
-    release_at(&app, &base, &granted).await;
-    assert_eq!(check_at(&app, &base, &create("c9")).await["allowed"], true);
+    release_at(&base, &granted).await;
+    assert_eq!(check_at(&base, &create("c9")).await["allowed"], true);
 
     warm(&app, &create("c9")).await;
     let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
                          "container_id": "c1", "occurred_at": ago(5)});
-    let (status, response) = app.post_json(&created).await;
+    let (status, response) = app.post_events(&created).await;
     assert_eq!(status, 200, "{response}");
-    let answer = check_at(&app, &base, &create("c9")).await;
+    let answer = check_at(&base, &create("c9")).await;
     assert_eq!(answer["running_containers"], 1, "{answer}");
     assert_eq!(reasons(&answer), ["concurrency_limit"]);
 
     // A plan definition is an event of no org: it counts for every org's next check.
     warm(&app, &create("c9")).await;
-    roomier_plan(&app, &base).await;
-    let answer = check_at(&app, &base, &create("c9")).await;
+    roomier_plan(&base).await;
+    let answer = check_at(&base, &create("c9")).await;
     assert_eq!(answer["max_running_containers"], 2, "{answer}");
     assert_eq!(answer["allowed"], true, "{answer}");
     app.stop().await;
@@ -196,13 +159,13 @@ async fn a_check_right_after_this_instances_own_reservation_release_or_event_cou
 #[tokio::test]
 async fn a_reservation_stops_counting_in_kept_facts_when_it_expires_though_no_notice_says_so() {
     let app = TestApp::spawn().await;
-    let base = app.url("");
+    let base = app.api.clone();
     ready_org(&app, "beta").await;
     let beta = json!({"org_id": "beta", "action": "create"});
-    let granted = reserve_at(&app, &base, "beta", 1).await;
+    let granted = reserve_at(&base, "beta", 1).await;
     warm(&app, &beta).await;
     assert_eq!(
-        reasons(&check_at(&app, &base, &beta).await),
+        reasons(&check_at(&base, &beta).await),
         ["concurrency_limit"]
     );
     let expires_at: chrono::DateTime<chrono::Utc> =
@@ -214,7 +177,7 @@ async fn a_reservation_stops_counting_in_kept_facts_when_it_expires_though_no_no
     )
     .await;
     let hits = stats(&app).hits;
-    assert_eq!(check_at(&app, &base, &beta).await["allowed"], true);
+    assert_eq!(check_at(&base, &beta).await["allowed"], true);
     assert_eq!(stats(&app).hits, hits + 1, "answered from memory");
     app.stop().await;
 }
@@ -224,7 +187,7 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
     let second = second_instance(&app).await;
-    let (first, other) = (app.url(""), format!("http://{}", second.local_addr));
+    let (first, other) = (app.api.clone(), app.at(second.local_addr));
     warm(&app, &create("c9")).await;
     let terminated: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
@@ -239,15 +202,15 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
     // Granted while nobody listens (the listeners connect again 200 ms later): its notice
     // is lost. (That the cache answers nothing in that gap is a unit test's; here, that
     // listening again starts from nothing.)
-    reserve_at(&app, &other, "acme", 300).await;
+    reserve_at(&other, "acme", 300).await;
     eventually(2, "the reservation counts here", || async {
-        reasons(&check_at(&app, &first, &create("c9")).await) == ["concurrency_limit"]
+        reasons(&check_at(&first, &create("c9")).await) == ["concurrency_limit"]
     })
     .await;
     // Listening again, checks are answered from memory again, still right.
     warm(&app, &create("c9")).await;
     assert_eq!(
-        reasons(&check_at(&app, &first, &create("c9")).await),
+        reasons(&check_at(&first, &create("c9")).await),
         ["concurrency_limit"]
     );
     second.stop().await;

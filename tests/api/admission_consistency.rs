@@ -4,16 +4,15 @@
 //! admission answer names the position its facts reflect, and so do plan answers. `tally
 //! audit` names the ledger head it read at.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use reqwest::Method;
 use serde_json::{json, Value};
 use tally::config::Config;
 use tally::startup::Service;
 use uuid::Uuid;
 
 use crate::helpers::{ago, eventually, projected_to_head, TestApp, TOKEN};
-use crate::plans::put_plan;
 
 /// Running slots of the plan the tests put their org on.
 const SLOTS: u64 = 3;
@@ -27,39 +26,9 @@ fn team_plan() -> Value {
     })
 }
 
-/// POST to any instance's address: status, `Retry-After`, JSON body.
-async fn post(
-    client: &reqwest::Client,
-    address: SocketAddr,
-    path: &str,
-    min_position_header: Option<&str>,
-    body: &Value,
-) -> (u16, Option<String>, Value) {
-    let mut request = client
-        .post(format!("http://{address}{path}"))
-        .bearer_auth(TOKEN)
-        .json(body);
-    if let Some(header) = min_position_header {
-        request = request.header("Tally-Min-Position", header);
-    }
-    let response = request
-        .send()
-        .await
-        .expect("the request reaches the service");
-    let status = response.status().as_u16();
-    let retry_after = response
-        .headers()
-        .get("retry-after")
-        .map(|value| value.to_str().unwrap().to_owned());
-    let text = response.text().await.unwrap();
-    let body = serde_json::from_str(&text)
-        .unwrap_or_else(|error| panic!("status {status}: not JSON ({error}): {text:?}"));
-    (status, retry_after, body)
-}
-
 /// Appends `events` through `app`; the highest position acknowledged.
 async fn append(app: &TestApp, events: Vec<Value>) -> i64 {
-    let (status, answer) = app.post_json(&json!({ "events": events })).await;
+    let (status, answer) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{answer}");
     answer["results"]
         .as_array()
@@ -73,7 +42,7 @@ async fn append(app: &TestApp, events: Vec<Value>) -> i64 {
 /// `org` on the team plan, verified and billing eligible, through `app`; the position of
 /// the last of those events.
 async fn ready_org(app: &TestApp, org: &str) -> i64 {
-    let (status, plan) = put_plan(app, "team", &team_plan()).await;
+    let (status, plan) = app.put_plan("team", &team_plan()).await;
     assert!(status == 201 || status == 200, "{plan}");
     let account = [
         ("org.plan_changed", json!({"plan": "team"})),
@@ -114,7 +83,6 @@ fn position_of(answer: &Value) -> i64 {
 async fn a_check_on_another_instance_with_min_position_counts_every_slot_taken_through_the_first() {
     let first = TestApp::spawn().await;
     let second = second_instance(&first).await;
-    let client = &first.client;
     let ready = ready_org(&first, "acme").await;
     let check = json!({"org_id": "acme", "action": "create"});
 
@@ -127,12 +95,20 @@ async fn a_check_on_another_instance_with_min_position_counts_every_slot_taken_t
     .await;
     let path = format!("/v1/admission/check?min_position={ready}");
     eventually(5, "the second instance keeps the facts it read", || async {
-        let (status, _, answer) = post(client, second.local_addr, &path, None, &check).await;
+        let (status, _, answer) = first
+            .at(second.local_addr)
+            .send(Method::POST, &path, Some(&check))
+            .await
+            .with_retry_after();
         assert_eq!(status, 200, "{answer}");
         !cache.is_empty()
     })
     .await;
-    let (status, _, before) = post(client, second.local_addr, &path, None, &check).await;
+    let (status, _, before) = first
+        .at(second.local_addr)
+        .send(Method::POST, &path, Some(&check))
+        .await
+        .with_retry_after();
     assert_eq!(status, 200, "{before}");
     assert_eq!(
         (&before["allowed"], &before["running_containers"]),
@@ -151,7 +127,11 @@ async fn a_check_on_another_instance_with_min_position_counts_every_slot_taken_t
     )
     .await;
     let path = format!("/v1/admission/check?min_position={acknowledged}");
-    let (status, _, mut after) = post(client, second.local_addr, &path, None, &check).await;
+    let (status, _, mut after) = first
+        .at(second.local_addr)
+        .send(Method::POST, &path, Some(&check))
+        .await
+        .with_retry_after();
     assert_eq!(status, 200, "{after}");
     let position = after.as_object_mut().unwrap().remove("position").unwrap();
     assert!(position.as_i64().unwrap() >= acknowledged, "{position}");
@@ -166,14 +146,11 @@ async fn a_check_on_another_instance_with_min_position_counts_every_slot_taken_t
 
     // A reservation through the second instance, told by header, is refused the same way,
     // and its refusal names the position too.
-    let (status, _, refused) = post(
-        client,
-        second.local_addr,
-        "/v1/admission/reservations",
-        Some(&acknowledged.to_string()),
-        &json!({"org_id": "acme", "action": "create", "container_id": "c9"}),
-    )
-    .await;
+    let (status, refused) = first
+        .at(second.local_addr)
+        .with_min_position(Some(&acknowledged.to_string()))
+        .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "c9"}))
+        .await;
     assert_eq!(status, 409, "{refused}");
     assert_eq!(refused["error"]["code"], "concurrency_limit");
     let detail = &refused["error"]["details"][0];
@@ -211,8 +188,11 @@ async fn a_check_for_a_position_the_projection_lacks_is_503_after_the_wait() {
         ),
     ] {
         let started = Instant::now();
-        let (status, retry_after, answer) =
-            post(&app.client, app.address, &path, header, body).await;
+        let (status, retry_after, answer) = app
+            .with_min_position(header)
+            .send(Method::POST, &path, Some(body))
+            .await
+            .with_retry_after();
         assert_eq!(
             (status, answer["error"]["code"].as_str()),
             (503, Some("projection_lagging")),
@@ -231,18 +211,21 @@ async fn a_check_for_a_position_the_projection_lacks_is_503_after_the_wait() {
         format!("/v1/admission/check?min_position={head}"),
         "/v1/admission/check?consistency=eventual".to_owned(),
     ] {
-        let (status, _, answer) = post(&app.client, app.address, &path, None, &check).await;
+        let (status, _, answer) = app
+            .send(Method::POST, &path, Some(&check))
+            .await
+            .with_retry_after();
         assert_eq!(status, 200, "{path}: {answer}");
         assert!(position_of(&answer) >= head, "{path}: {answer}");
     }
-    let (status, _, granted) = post(
-        &app.client,
-        app.address,
-        &format!("/v1/admission/reservations?min_position={head}"),
-        None,
-        &reservation,
-    )
-    .await;
+    let (status, _, granted) = app
+        .send(
+            Method::POST,
+            &format!("/v1/admission/reservations?min_position={head}"),
+            Some(&reservation),
+        )
+        .await
+        .with_retry_after();
     assert_eq!(status, 201, "{granted}");
     assert!(position_of(&granted) >= head, "{granted}");
     app.stop().await;
@@ -270,19 +253,20 @@ async fn a_check_naming_an_unprojected_write_of_another_instance_waits_for_it() 
         .unwrap();
     let acknowledged = append(&app, vec![created("acme", "c0")]).await;
 
-    let (status, _, answer) = post(
-        &app.client,
-        second.local_addr,
-        "/v1/admission/check",
-        None,
-        &check,
-    )
-    .await;
+    let (status, _, answer) = app
+        .at(second.local_addr)
+        .send(Method::POST, "/v1/admission/check", Some(&check))
+        .await
+        .with_retry_after();
     assert_eq!(status, 200, "{answer}");
     assert_eq!(position_of(&answer), projected, "{answer}");
     assert_eq!(answer["running_containers"], 0, "{answer}");
     let path = format!("/v1/admission/check?min_position={acknowledged}");
-    let (status, _, answer) = post(&app.client, second.local_addr, &path, None, &check).await;
+    let (status, _, answer) = app
+        .at(second.local_addr)
+        .send(Method::POST, &path, Some(&check))
+        .await
+        .with_retry_after();
     assert_eq!(
         (status, answer["error"]["code"].as_str()),
         (503, Some("projection_lagging")),
@@ -290,7 +274,11 @@ async fn a_check_naming_an_unprojected_write_of_another_instance_waits_for_it() 
     );
 
     hold.rollback().await.unwrap();
-    let (status, _, answer) = post(&app.client, second.local_addr, &path, None, &check).await;
+    let (status, _, answer) = app
+        .at(second.local_addr)
+        .send(Method::POST, &path, Some(&check))
+        .await
+        .with_retry_after();
     assert_eq!(status, 200, "{answer}");
     assert!(position_of(&answer) >= acknowledged, "{answer}");
     assert_eq!(answer["running_containers"], 1, "{answer}");
@@ -324,7 +312,11 @@ async fn bad_min_positions_and_unknown_parameters_on_admission_are_refused_with_
             ("?org_id=acme", None, "unknown_parameter"),
         ] {
             let path = format!("{route}{query}");
-            let (status, _, answer) = post(&app.client, app.address, &path, header, body).await;
+            let (status, _, answer) = app
+                .with_min_position(header)
+                .send(Method::POST, &path, Some(body))
+                .await
+                .with_retry_after();
             assert_eq!(
                 (status, answer["error"]["code"].as_str()),
                 (422, Some(code)),
@@ -341,7 +333,7 @@ async fn bad_min_positions_and_unknown_parameters_on_admission_are_refused_with_
 }
 
 async fn plans(app: &TestApp) -> Value {
-    let (status, listed) = app.get_json("/v1/plans").await;
+    let (status, listed) = app.get_plans().await;
     assert_eq!(status, 200, "{listed}");
     listed
 }
@@ -362,11 +354,11 @@ async fn plan_answers_name_the_ledger_position_of_the_definitions_they_show() {
     let listed = plans(&app).await;
     assert_eq!(listed["position"], 0, "an empty ledger: {listed}");
 
-    let (status, defined) = put_plan(&app, "team", &team_plan()).await;
+    let (status, defined) = app.put_plan("team", &team_plan()).await;
     assert_eq!(status, 201, "{defined}");
     let stored = stored_plan_position(&app, "team").await;
     assert_eq!(position_of(&defined), stored, "{defined}");
-    let (status, same) = put_plan(&app, "team", &team_plan()).await;
+    let (status, same) = app.put_plan("team", &team_plan()).await;
     assert_eq!(status, 200, "{same}");
     assert_eq!(position_of(&same), stored, "the version found: {same}");
 
@@ -377,16 +369,16 @@ async fn plan_answers_name_the_ledger_position_of_the_definitions_they_show() {
     let head = ready_org(&app, "acme").await;
     let listed = plans(&app).await;
     assert_eq!(position_of(&listed), head, "{listed}");
-    let (status, changed) = put_plan(
-        &app,
-        "team",
-        &json!({
-            "sandbox_runtime": true, "included_runtime_seconds": 60, "overage": "deny",
-            "overage_price_per_hour": "0.125", "currency": "USD",
-            "max_running_containers": 1, "max_published_ports": 2,
-        }),
-    )
-    .await;
+    let (status, changed) = app
+        .put_plan(
+            "team",
+            &json!({
+                "sandbox_runtime": true, "included_runtime_seconds": 60, "overage": "deny",
+                "overage_price_per_hour": "0.125", "currency": "USD",
+                "max_running_containers": 1, "max_published_ports": 2,
+            }),
+        )
+        .await;
     assert_eq!(status, 201, "{changed}");
     assert_eq!(
         position_of(&changed),

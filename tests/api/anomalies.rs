@@ -29,7 +29,7 @@ fn command(container: &str, at: DateTime<Utc>) -> Value {
 
 /// `count` commands of `container`, one millisecond apart from `from` on, posted in the
 /// largest batches the service takes; returns their ids in occurred_at order.
-async fn post_commands(
+async fn store_commands(
     app: &TestApp,
     container: &str,
     from: DateTime<Utc>,
@@ -39,7 +39,7 @@ async fn post_commands(
         .map(|index| command(container, from + Duration::milliseconds(index as i64)))
         .collect();
     for chunk in events.chunks(1000) {
-        let (status, body) = app.post_json(&json!({ "events": chunk })).await;
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
         assert_eq!(status, 200, "{body}");
     }
     projected_to_head(&app.pool, "the commands are projected").await;
@@ -108,11 +108,11 @@ async fn record_projection_writes(app: &TestApp) {
 async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_none_of_them() {
     let app = TestApp::spawn().await;
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(1);
-    post_commands(&app, "ctr_lost", start, 3_000).await;
+    store_commands(&app, "ctr_lost", start, 3_000).await;
     record_projection_writes(&app).await;
 
     let (status, body) = app
-        .post_json(&command("ctr_lost", start + Duration::minutes(30)))
+        .post_events(&command("ctr_lost", start + Duration::minutes(30)))
         .await;
     assert_eq!(status, 200, "{body}");
     projected_to_head(&app.pool, "the one more command is projected").await;
@@ -144,9 +144,7 @@ async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_no
         .map(|(_, rows, _)| *rows)
         .collect();
     assert_eq!(anomaly_rows, [1], "{written:?}");
-    let (_, container) = app
-        .get_json("/v1/containers/ctr_lost?anomalies_limit=1")
-        .await;
+    let (_, container) = app.get_container("ctr_lost", "anomalies_limit=1").await;
     assert_eq!(container["anomalies_total"], 3_001, "{container}");
     app.stop().await;
 }
@@ -155,9 +153,9 @@ async fn one_more_command_of_a_container_with_thousands_of_anomalies_rewrites_no
 async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order() {
     let app = TestApp::spawn().await;
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(1);
-    let ids = post_commands(&app, "ctr_lost", start, 2_500).await;
+    let ids = store_commands(&app, "ctr_lost", start, 2_500).await;
 
-    let (status, first) = app.get_json("/v1/containers/ctr_lost").await;
+    let (status, first) = app.get_container("ctr_lost", "").await;
     assert_eq!(status, 200, "{first}");
     assert_eq!(
         first["anomalies"].as_array().unwrap().len(),
@@ -181,9 +179,7 @@ async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order
         ("anomalies_after=yesterday", "invalid_anomalies_after"),
         ("anomalies_after=1_x", "invalid_anomalies_after"),
     ] {
-        let (status, body) = app
-            .get_json(&format!("/v1/containers/ctr_lost?{query}"))
-            .await;
+        let (status, body) = app.get_container("ctr_lost", query).await;
         assert_eq!(status, 422, "{query}: {body}");
         assert_eq!(body["error"]["code"], code, "{query}: {body}");
     }
@@ -196,18 +192,16 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     let app = TestApp::spawn().await;
     let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(2);
     let kept_max = usize::try_from(ANOMALIES_KEPT_MAX).unwrap();
-    let mut ids = post_commands(&app, "ctr_lost", start, kept_max + 50).await;
+    let mut ids = store_commands(&app, "ctr_lost", start, kept_max + 50).await;
     // A late command that sorts before the last one kept takes its place.
     let late = command("ctr_lost", start - Duration::seconds(1));
-    let (status, body) = app.post_json(&late).await;
+    let (status, body) = app.post_events(&late).await;
     assert_eq!(status, 200, "{body}");
     projected_to_head(&app.pool, "the late command is projected").await;
     ids.insert(0, late["id"].as_str().unwrap().to_owned());
     ids.truncate(kept_max);
 
-    let (_, container) = app
-        .get_json("/v1/containers/ctr_lost?anomalies_limit=1")
-        .await;
+    let (_, container) = app.get_container("ctr_lost", "anomalies_limit=1").await;
     assert_eq!(container["anomalies_total"], kept_max + 51);
     assert_eq!(container["anomalies_kept"], kept_max);
     let (paged, _) = every_page(&app, "ctr_lost", 1_000).await;
@@ -215,9 +209,7 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
 
     let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
     tally::projection::replay(&mut connection).await.unwrap();
-    let (_, replayed) = app
-        .get_json("/v1/containers/ctr_lost?anomalies_limit=1")
-        .await;
+    let (_, replayed) = app.get_container("ctr_lost", "anomalies_limit=1").await;
     assert_eq!(replayed, container);
     let (replayed_pages, _) = every_page(&app, "ctr_lost", 1_000).await;
     assert_eq!(replayed_pages, ids, "replay keeps the same anomalies");

@@ -187,21 +187,11 @@ async fn content_the_database_refuses_is_a_422_for_its_caller_while_another_orgs
     bodies.insert(GOOD / 2, refused.clone());
 
     let lock = hold_ledger_lock(&app.db.url).await;
-    let client = app.client.clone();
-    let url = app.url("/v1/events");
     let requests: Vec<_> = bodies
         .iter()
         .map(|body| {
-            let request = client
-                .post(&url)
-                .bearer_auth(TOKEN)
-                .header("content-type", "application/json")
-                .body(body.to_string());
-            tokio::spawn(async move {
-                let response = request.send().await.unwrap();
-                let status = response.status().as_u16();
-                (status, response.json::<serde_json::Value>().await.unwrap())
-            })
+            let (api, body) = (app.api.clone(), body.to_string().into_bytes());
+            tokio::spawn(async move { api.post_raw("application/json", body).await })
         })
         .collect();
     let_requests_queue().await;

@@ -12,7 +12,7 @@ async fn page_through(app: &TestApp, query: &str, limit: usize) -> Vec<Value> {
     let mut events = Vec::new();
     loop {
         let (status, page) = app
-            .get_json(&format!("/v1/events?{query}&after={after}&limit={limit}"))
+            .get_events(&format!("{query}&after={after}&limit={limit}"))
             .await;
         assert_eq!(status, 200, "{page}");
         let batch = page["events"].as_array().unwrap().clone();
@@ -40,7 +40,7 @@ async fn paging_through_an_orgs_history_returns_every_event_exactly_once_in_orde
         })
         .collect();
     for chunk in events.chunks(100) {
-        let (status, response) = app.post_json(&json!({"events": chunk})).await;
+        let (status, response) = app.post_events(&json!({"events": chunk})).await;
         assert_eq!(status, 200, "{response}");
     }
     let sent: BTreeSet<String> = events
@@ -88,7 +88,7 @@ async fn paging_through_an_orgs_history_returns_every_event_exactly_once_in_orde
         .filter(|event| event["org_id"] == "org_b" && event["type"] == "container.stopped")
         .count();
     assert_eq!(stops.len(), expected);
-    let (status, page) = app.get_json("/v1/containers/c3/events?limit=1000").await;
+    let (status, page) = app.get_container_events("c3", "limit=1000").await;
     assert_eq!(status, 200);
     let in_container = events
         .iter()
@@ -156,11 +156,11 @@ async fn bad_audit_parameters_are_refused_with_422() {
 async fn a_lowered_page_limit_caps_both_the_default_and_the_largest_page() {
     let app = TestApp::spawn_with(|config| config.page_events_max = 5).await;
     let events: Vec<Value> = (0..12).map(|n| valid_event("org_a", "c1", n)).collect();
-    assert_eq!(app.post_json(&json!({"events": events})).await.0, 200);
-    let (status, page) = app.get_json("/v1/events").await;
+    assert_eq!(app.post_events(&json!({"events": events})).await.0, 200);
+    let (status, page) = app.get_events("").await;
     assert_eq!(status, 200);
     assert_eq!(page["events"].as_array().unwrap().len(), 5);
-    let (status, error) = app.get_json("/v1/events?limit=6").await;
+    let (status, error) = app.get_events("limit=6").await;
     assert_eq!(
         (status, error["error"]["code"].as_str()),
         (422, Some("invalid_limit"))

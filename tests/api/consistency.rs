@@ -22,34 +22,6 @@ use crate::projection::{
     encode, expected_container, expected_timelines, month_of_events, post_all,
 };
 
-/// GET from any instance's address: status, `Retry-After`, JSON body.
-async fn get(
-    client: &reqwest::Client,
-    address: std::net::SocketAddr,
-    path: &str,
-    min_position_header: Option<&str>,
-) -> (u16, Option<String>, Value) {
-    let mut request = client
-        .get(format!("http://{address}{path}"))
-        .bearer_auth(TOKEN);
-    if let Some(header) = min_position_header {
-        request = request.header("Tally-Min-Position", header);
-    }
-    let response = request
-        .send()
-        .await
-        .expect("the request reaches the service");
-    let status = response.status().as_u16();
-    let retry_after = response
-        .headers()
-        .get("retry-after")
-        .map(|value| value.to_str().unwrap().to_owned());
-    let text = response.text().await.unwrap();
-    let body = serde_json::from_str(&text)
-        .unwrap_or_else(|error| panic!("status {status}: not JSON ({error}): {text:?}"));
-    (status, retry_after, body)
-}
-
 /// The answer's `position`, taken out so that the rest compares with the pure figures.
 fn take_position(answer: &mut Value) -> i64 {
     answer
@@ -94,7 +66,11 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
             .collect();
         for period in periods {
             let path = format!("/v1/orgs/{org}/usage?period={period}&as_of={}", encode(now));
-            let (status, _, mut answer) = get(&first.client, second.local_addr, &path, None).await;
+            let (status, _, mut answer) = first
+                .at(second.local_addr)
+                .get(&path)
+                .await
+                .with_retry_after();
             assert_eq!(status, 200, "{path}: {answer}");
             assert!(take_position(&mut answer) >= acknowledged, "{path}");
             let expected = usage(org_timelines.iter().copied(), period, now);
@@ -113,7 +89,11 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
     }
     for ((org, container), timeline) in timelines.iter().step_by(5) {
         let path = format!("/v1/containers/{container}?as_of={}", encode(now));
-        let (status, _, mut answer) = get(&first.client, second.local_addr, &path, None).await;
+        let (status, _, mut answer) = first
+            .at(second.local_addr)
+            .get(&path)
+            .await
+            .with_retry_after();
         assert_eq!(status, 200, "{path}: {answer}");
         assert!(take_position(&mut answer) >= acknowledged, "{path}");
         assert_eq!(
@@ -127,8 +107,9 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
     first.stop().await;
 }
 
-async fn post(app: &TestApp, event: Value) -> i64 {
-    let (status, answer) = app.post_json(&json!({ "events": [event] })).await;
+/// Appends `event` through `app`: its position.
+async fn append_one(app: &TestApp, event: Value) -> i64 {
+    let (status, answer) = app.post_events(&json!({ "events": [event] })).await;
     assert_eq!(status, 200, "{answer}");
     answer["results"][0]["position"].as_i64().unwrap()
 }
@@ -150,7 +131,7 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
     let period = Period::containing(Utc::now() - Duration::seconds(30));
     let usage = format!("/v1/orgs/org_c/usage?period={period}");
     let container = "/v1/containers/ctr_c";
-    post(
+    append_one(
         &app,
         json!({"id": uuid::Uuid::new_v4(), "type": "container.created", "org_id": "org_c",
                "container_id": "ctr_c", "occurred_at": ago(60), "data": {"name": "job"}}),
@@ -163,7 +144,7 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
         .execute(&mut *hold)
         .await
         .unwrap();
-    let acknowledged = post(&app, command("org_c", "ctr_c")).await;
+    let acknowledged = append_one(&app, command("org_c", "ctr_c")).await;
 
     for (path, header) in [
         (usage.clone(), None),
@@ -172,8 +153,11 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
         (container.to_owned(), None),
     ] {
         let started = Instant::now();
-        let (status, retry_after, answer) =
-            get(&app.client, app.address, &path, header.as_deref()).await;
+        let (status, retry_after, answer) = app
+            .with_min_position(header.as_deref())
+            .get(&path)
+            .await
+            .with_retry_after();
         assert_eq!(status, 503, "{path} {header:?}: {answer}");
         assert_eq!(answer["error"]["code"], "projection_lagging", "{answer}");
         assert!(retry_after.is_some(), "{path}: a 503 says when to retry");
@@ -188,28 +172,25 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
         format!("{usage}&min_position={projected}"),
         format!("{usage}&consistency=eventual"),
     ] {
-        let (status, _, answer) = get(&app.client, app.address, &path, None).await;
+        let (status, _, answer) = app.get(&path).await.with_retry_after();
         assert_eq!(status, 200, "{path}: {answer}");
         assert_eq!(answer["position"], projected, "{path}");
         assert_eq!(answer["commands"], 0, "{path}");
     }
-    let (status, _, answer) = get(
-        &app.client,
-        app.address,
-        &format!("{container}?consistency=eventual"),
-        None,
-    )
-    .await;
+    let (status, _, answer) = app
+        .get(&format!("{container}?consistency=eventual"))
+        .await
+        .with_retry_after();
     assert_eq!((status, &answer["position"]), (200, &json!(projected)));
 
     hold.rollback().await.unwrap();
-    let (status, _, answer) = get(&app.client, app.address, &usage, None).await;
+    let (status, _, answer) = app.get(&usage).await.with_retry_after();
     assert_eq!(status, 200, "{answer}");
     assert!(answer["position"].as_i64().unwrap() >= acknowledged);
     assert_eq!(answer["commands"], 1);
     // Past the head nothing will come within the wait.
     let path = format!("{usage}&min_position={}", acknowledged + 1_000);
-    let (status, _, answer) = get(&app.client, app.address, &path, None).await;
+    let (status, _, answer) = app.get(&path).await.with_retry_after();
     assert_eq!(
         (status, &answer["error"]["code"]),
         (503, &json!("projection_lagging"))
@@ -240,7 +221,11 @@ async fn bad_consistency_parameters_and_unknown_ones_are_refused_with_422() {
             ("&color=red", None, "unknown_parameter"),
         ] {
             let path = format!("{base}{query}");
-            let (status, _, answer) = get(&app.client, app.address, &path, header).await;
+            let (status, _, answer) = app
+                .with_min_position(header)
+                .get(&path)
+                .await
+                .with_retry_after();
             assert_eq!(
                 (status, answer["error"]["code"].as_str()),
                 (422, Some(code)),

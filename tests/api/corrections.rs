@@ -6,7 +6,7 @@ use chrono::{Duration, DurationRound, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{period_began_within, projected_to_head, run_verify, TestApp, TOKEN};
+use crate::helpers::{ok, period_began_within, projected_to_head, run_verify, TestApp};
 
 fn at(minutes_ago: i64) -> String {
     let now = Utc::now().duration_trunc(Duration::seconds(1)).unwrap();
@@ -38,55 +38,23 @@ fn shared(org: &str) -> Vec<Value> {
     ]
 }
 
-async fn post(app: &TestApp, path: &str, body: Value) -> (u16, Value) {
-    let response = app
-        .client
-        .post(app.url(path))
-        .bearer_auth(TOKEN)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
-
-async fn get(app: &TestApp, path: &str) -> Value {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200, "{path}");
-    response.json().await.unwrap()
-}
-
 /// What an org's figures look like from outside as of one instant fixed for the whole
 /// test (so that two reads compare the same window), with the org's name taken out.
 async fn figures(app: &TestApp, org: &str) -> Value {
     static AS_OF: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let period = Utc::now().format("%Y-%m");
     let as_of = AS_OF.get_or_init(|| at(0)).replace(':', "%3A");
-    let mut usage = get(
-        app,
-        &format!("/v1/orgs/{org}/usage?period={period}&as_of={as_of}"),
-    )
-    .await;
+    let mut usage = ok(app
+        .get_usage(org, &format!("period={period}&as_of={as_of}"))
+        .await);
     usage["org_id"] = json!(null);
-    let mut container = get(
-        app,
-        &format!("/v1/containers/box?org_id={org}&as_of={as_of}"),
-    )
-    .await;
+    let mut container = ok(app
+        .get_container("box", &format!("org_id={org}&as_of={as_of}"))
+        .await);
     container["org_id"] = json!(null);
-    let (status, mut check) = post(
-        app,
-        "/v1/admission/check",
-        json!({"org_id": org, "action": "create"}),
-    )
-    .await;
+    let (status, mut check) = app
+        .check_admission(&json!({"org_id": org, "action": "create"}))
+        .await;
     assert_eq!(status, 200);
     check["runtime_used_ms"] = json!(null);
     json!({"usage": usage, "container": container, "check": check})
@@ -125,7 +93,7 @@ async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chai
     let mut real = shared("real");
     real.extend(extra.clone());
     for (org, events) in [("twin", shared("twin")), ("real", real)] {
-        let (status, response) = app.post_json(&json!({"events": events})).await;
+        let (status, response) = app.post_events(&json!({"events": events})).await;
         assert_eq!(status, 200, "{org}: {response}");
     }
     projected_to_head(&app.pool, "the events are projected").await;
@@ -136,12 +104,9 @@ async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chai
     );
 
     for voided in &extra {
-        let (status, response) = post(
-            &app,
-            "/v1/corrections/voids",
-            json!({"event_id": voided["id"], "reason": "sent by a faulty agent"}),
-        )
-        .await;
+        let (status, response) = app
+            .post_void(&json!({"event_id": voided["id"], "reason": "sent by a faulty agent"}))
+            .await;
         assert_eq!(status, 201, "{response}");
     }
     projected_to_head(&app.pool, "the events are projected").await;
@@ -175,7 +140,7 @@ async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chai
     assert_eq!(figures(&app, "real").await, after_voids);
 
     // Audit shows the void, why and by whom.
-    let page = get(&app, "/v1/events?org_id=real&type=ledger.event_voided").await;
+    let page = ok(app.get_events("org_id=real&type=ledger.event_voided").await);
     assert_eq!(page["events"].as_array().unwrap().len(), 5);
     assert_eq!(
         page["events"][0]["data"]["reason"],
@@ -190,17 +155,14 @@ async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_ch
     let app = TestApp::spawn().await;
     let old = json!({"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme",
                      "container_id": "box", "occurred_at": at(40 * 24 * 60)});
-    let (status, refused) = app.post_json(&old).await;
+    let (status, refused) = app.post_events(&old).await;
     assert_eq!(status, 422, "producers are bound: {refused}");
-    let (status, added) = post(
-        &app,
-        "/v1/corrections/events",
-        json!({"events": [old.clone()], "reason": "provider confirms the stop"}),
-    )
-    .await;
+    let (status, added) = app
+        .post_corrections(&json!({"events": [old.clone()], "reason": "provider confirms the stop"}))
+        .await;
     assert_eq!(status, 201, "{added}");
     assert_eq!(added["results"][0]["id"], old["id"]);
-    let record = get(&app, "/v1/events?type=ledger.events_added").await;
+    let record = ok(app.get_events("type=ledger.events_added").await);
     assert_eq!(record["events"][0]["data"]["event_ids"], json!([old["id"]]));
     assert_eq!(
         record["events"][0]["data"]["reason"],
@@ -209,15 +171,12 @@ async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_ch
     let before: i64 = app.ledger_count().await;
 
     let created = event("acme", "container.created", 5, json!({}));
-    assert_eq!(app.post_json(&created).await.0, 200);
+    assert_eq!(app.post_events(&created).await.0, 200);
     let before = before + 1;
     let void = |event_id: Value, reason: Value| json!({"event_id": event_id, "reason": reason});
-    let (status, first) = post(
-        &app,
-        "/v1/corrections/voids",
-        void(created["id"].clone(), json!("dup")),
-    )
-    .await;
+    let (status, first) = app
+        .post_void(&void(created["id"].clone(), json!("dup")))
+        .await;
     assert_eq!(status, 201, "{first}");
     let before = before + 1;
     let cases = [
@@ -249,19 +208,16 @@ async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_ch
         ),
     ];
     for (body, status, code) in cases {
-        let (actual, error) = post(&app, "/v1/corrections/voids", body.clone()).await;
+        let (actual, error) = app.post_void(&body.clone()).await;
         assert_eq!(
             (actual, error["error"]["code"].as_str()),
             (status, Some(code)),
             "{body}: {error}"
         );
     }
-    let (status, _) = post(
-        &app,
-        "/v1/corrections/events",
-        json!({"events": [old], "reason": ""}),
-    )
-    .await;
+    let (status, _) = app
+        .post_corrections(&json!({"events": [old], "reason": ""}))
+        .await;
     assert_eq!(status, 422);
     assert_eq!(
         app.ledger_count().await,

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use reqwest::Method;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
@@ -25,8 +26,7 @@ struct Served {
     db: TestDb,
     nats: TestNats,
     listen: String,
-    base: String,
-    client: reqwest::Client,
+    api: Api,
     child: Child,
 }
 
@@ -42,8 +42,7 @@ impl Served {
         let listen = format!("127.0.0.1:{port}");
         let child = spawn_tally(&db.url, &nats.url, &listen);
         let served = Served {
-            base: format!("http://{listen}"),
-            client: reqwest::Client::new(),
+            api: Api::new(reqwest::Client::new(), listen.parse().unwrap()),
             db,
             nats,
             listen,
@@ -59,9 +58,12 @@ impl Served {
     }
 
     async fn wait_ready(&self) {
-        let url = format!("{}/readyz", self.base);
         eventually(60, "tally serve is ready", || {
-            let request = self.client.get(&url).send();
+            let request = self
+                .api
+                .without_token()
+                .request(Method::GET, "/readyz")
+                .send();
             async move { request.await.is_ok_and(|r| r.status() == 200) }
         })
         .await;
@@ -96,14 +98,13 @@ impl Load {
         let running = Arc::new(AtomicBool::new(true));
         let clients = (0..CLIENTS)
             .map(|_| {
-                let (client, base) = (served.client.clone(), served.base.clone());
+                let api = served.api.clone();
                 let (acked, running) = (acked.clone(), running.clone());
                 tokio::spawn(async move {
                     while running.load(Ordering::SeqCst) {
                         let events = valid_events(EVENTS_PER_REQUEST);
-                        let response = client
-                            .post(format!("{base}/v1/events"))
-                            .bearer_auth(TOKEN)
+                        let response = api
+                            .request(Method::POST, "/v1/events")
                             .json(&json!({ "events": events }))
                             .timeout(Duration::from_secs(5))
                             .send()

@@ -5,8 +5,7 @@ use chrono::{Duration, DurationRound, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp, TOKEN};
-use crate::plans::put_plan;
+use crate::helpers::{projected_to_head, TestApp};
 
 #[tokio::test]
 async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
@@ -22,7 +21,7 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
         "overage_price_per_hour": "0.125", "currency": "USD",
         "max_running_containers": 5, "max_published_ports": 5,
     });
-    assert_eq!(put_plan(&app, "pro", &plan).await.0, 201);
+    assert_eq!(app.put_plan("pro", &plan).await.0, 201);
     let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
     let before_period = tally::event::canonical::timestamp(period.start() - Duration::days(1));
     let events = json!({"events": [
@@ -34,38 +33,21 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
          "data": {"command_id": "c", "exit_code": 0, "duration_ms": 5}},
         {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "thrifty", "container_id": "t1", "occurred_at": at(2)},
     ]});
-    let (status, response) = app.post_json(&events).await;
+    let (status, response) = app.post_events(&events).await;
     assert_eq!(status, 200, "{response}");
     projected_to_head(&app.pool, "the events are projected").await;
 
-    let csv = app
-        .client
-        .get(app.url(&format!("/v1/exports/usage.csv?period={period}")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_usage_export(&format!("period={period}")).await;
     let expected = format!(
         "org_id,plan,period,runtime_ms,included_ms,overage_ms,overage_amount,currency,commands,ports_published\n\
          paid,pro,{period},10800000,3600000,7200000,0.25,USD,0,0\n\
          thrifty,free,{period},3600000,0,3600000,0.00,USD,1,0\n"
     );
     assert_eq!(csv, expected);
-    let json_rows: Value = app
-        .client
-        .get(app.url(&format!(
-            "/v1/exports/usage.csv?period={period}&format=json"
-        )))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, json_rows) = app
+        .get_usage_export(&format!("period={period}&format=json"))
+        .await;
+    let json_rows: Value = serde_json::from_str(&json_rows).unwrap();
     assert_eq!(json_rows["rows"][0]["overage_amount"], "0.25");
     assert_eq!(json_rows["rows"].as_array().unwrap().len(), 2);
 
@@ -82,13 +64,7 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     );
     assert_eq!(String::from_utf8(output.stdout).unwrap(), expected);
 
-    let bad = app
-        .client
-        .get(app.url("/v1/exports/usage.csv?period=2026-13"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(bad.status().as_u16(), 422);
+    let (bad, _) = app.get_usage_export("period=2026-13").await;
+    assert_eq!(bad, 422);
     app.stop().await;
 }

@@ -8,10 +8,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use reqwest::Method;
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::helpers::{ago, eventually, TestNats, TOKEN};
+use crate::helpers::{ago, eventually, Api, TestNats, TOKEN};
 
 const BIN: &str = "/usr/lib/postgresql/15/bin";
 
@@ -147,41 +148,18 @@ async fn with_postgres_stopped_requests_fail_fast_with_503_and_the_service_recov
     config.bootstrap_token = Some(TOKEN.to_string());
     config.db_acquire_timeout_ms = 500;
     let service = tally::startup::Service::start(config).await.unwrap();
-    let base = format!("http://{}", service.local_addr);
-    let client = reqwest::Client::new();
+    let api = Api::new(reqwest::Client::new(), service.local_addr);
     let post = |body: serde_json::Value| {
-        let client = client.clone();
-        let base = base.clone();
+        let api = api.clone();
         async move {
-            let response = client
-                .post(format!("{base}/v1/events"))
-                .bearer_auth(TOKEN)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            let status = response.status().as_u16();
-            let retry_after = response.headers().get("retry-after").is_some();
-            (
-                status,
-                retry_after,
-                response.json::<serde_json::Value>().await.unwrap(),
-            )
+            let reply = api.send(Method::POST, "/v1/events", Some(&body)).await;
+            let retry_after = reply.header("retry-after").is_some();
+            (reply.status, retry_after, reply.json())
         }
     };
     let get = |path: &'static str| {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            client
-                .get(format!("{base}{path}"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
+        let api = api.clone();
+        async move { api.get(path).await.status }
     };
     let (status, _, _) = post(event()).await;
     assert_eq!(status, 200);

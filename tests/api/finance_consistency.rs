@@ -18,7 +18,7 @@ use tally::runtime::Period;
 use tally::startup::Service;
 use uuid::Uuid;
 
-use crate::helpers::{parse_events, period_began_within, TestApp, TestDb, TOKEN};
+use crate::helpers::{parse_events, period_began_within, Reply, TestApp, TestDb, TOKEN};
 
 /// The projector linger and poll of both instances: far longer than a request takes.
 const SLOW_PROJECTOR_MS: u64 = 1_500;
@@ -55,10 +55,10 @@ fn run(org: &str, container: &str, from: DateTime<Utc>, to: DateTime<Utc>) -> Ve
 
 /// Posts `events` to `app`, a request per org's pair; returns the highest position
 /// acknowledged.
-async fn post_acknowledged(app: &TestApp, events: &[Value]) -> i64 {
+async fn append_acknowledged(app: &TestApp, events: &[Value]) -> i64 {
     let mut acknowledged = 0;
     for pair in events.chunks(2) {
-        let (status, answer) = app.post_json(&json!({ "events": pair })).await;
+        let (status, answer) = app.post_events(&json!({ "events": pair })).await;
         assert_eq!(status, 200, "{answer}");
         for result in answer["results"].as_array().unwrap() {
             acknowledged = acknowledged.max(result["position"].as_i64().unwrap());
@@ -67,34 +67,11 @@ async fn post_acknowledged(app: &TestApp, events: &[Value]) -> i64 {
     acknowledged
 }
 
-/// A request to instance `address` with the admin token.
-fn request(
-    client: &reqwest::Client,
-    method: reqwest::Method,
-    address: std::net::SocketAddr,
-    path: &str,
-) -> reqwest::RequestBuilder {
-    client
-        .request(method, format!("http://{address}{path}"))
-        .bearer_auth(TOKEN)
-}
-
-async fn json_of(response: reqwest::Response) -> (u16, Value) {
-    let status = response.status().as_u16();
-    let text = response.text().await.unwrap();
-    let body = serde_json::from_str(&text)
-        .unwrap_or_else(|error| panic!("status {status}: not JSON ({error}): {text:?}"));
-    (status, body)
-}
-
 /// The `Tally-Position` header of an answer.
-fn position_header(response: &reqwest::Response) -> i64 {
+fn position_header(response: &Reply) -> i64 {
     response
-        .headers()
-        .get("tally-position")
-        .unwrap_or_else(|| panic!("no Tally-Position in {:?}", response.headers()))
-        .to_str()
-        .unwrap()
+        .header("tally-position")
+        .unwrap_or_else(|| panic!("no Tally-Position in {:?}", response.headers))
         .parse()
         .unwrap()
 }
@@ -125,23 +102,15 @@ async fn a_close_right_after_late_events_holds_them_and_the_next_export_has_no_a
     let current = Period::containing(Utc::now());
     let closed = Period::containing(current.start() - Duration::days(1));
     let (events, expected) = late_events(closed);
-    let acknowledged = post_acknowledged(&first, &events).await;
+    let acknowledged = append_acknowledged(&first, &events).await;
 
     // At once, on the other instance.
-    let client = &first.client;
-    let close = format!("/v1/periods/{closed}/close");
-    let response = request(client, reqwest::Method::POST, second.local_addr, &close)
-        .send()
-        .await
-        .unwrap();
-    let (status, job) = json_of(response).await;
+    let other = first.at(second.local_addr);
+    let closed_name = closed.to_string();
+    let (status, _, job) = other.close_period(&closed_name).await;
     assert_eq!(status, 202, "{job}");
     let job = loop {
-        let response = request(client, reqwest::Method::GET, second.local_addr, &close)
-            .send()
-            .await
-            .unwrap();
-        let (status, job) = json_of(response).await;
+        let (status, job) = other.get_close(&closed_name).await;
         assert_eq!(status, 200, "{job}");
         if job["status"] != "running" {
             break job;
@@ -161,28 +130,12 @@ async fn a_close_right_after_late_events_holds_them_and_the_next_export_has_no_a
     .await
     .unwrap();
     assert_eq!(frozen, expected, "the snapshot holds every late event");
-    let response = request(
-        client,
-        reqwest::Method::GET,
-        second.local_addr,
-        &format!("/v1/periods/{closed}"),
-    )
-    .send()
-    .await
-    .unwrap();
-    let (status, period) = json_of(response).await;
+    let (status, period) = other.get_period(&closed_name).await;
     assert_eq!((status, &period["position"]), (200, &json!(position)));
 
-    let response = request(
-        client,
-        reqwest::Method::GET,
-        second.local_addr,
-        &format!("/v1/exports/usage.csv?period={current}&format=json"),
-    )
-    .send()
-    .await
-    .unwrap();
-    let (status, export) = json_of(response).await;
+    let query = format!("period={current}&format=json");
+    let (status, export) = other.get_usage_export(&query).await;
+    let export: Value = serde_json::from_str(&export).unwrap();
     assert_eq!(status, 200, "{export}");
     assert_eq!(
         export["adjustments"],
@@ -212,37 +165,19 @@ async fn a_reconciliation_right_after_its_containers_events_finds_them_matched()
             r#"{start},{end},{container},7200,Seconds,1.44,USD,"{{""org_id"":""{org}""}}""#
         ));
     }
-    let response = request(
-        &first.client,
-        reqwest::Method::POST,
-        first.address,
-        "/v1/provider-reports",
-    )
-    .header("content-type", "text/csv")
-    .body(report.join("\n"))
-    .send()
-    .await
-    .unwrap();
-    let (status, report) = json_of(response).await;
+    let (status, report) = first.post_report(report.join("\n")).await;
     assert_eq!(status, 201, "{report}");
     let events: Vec<Value> = containers
         .iter()
         .flat_map(|(org, container)| run(org, container, at(5), at(3)))
         .collect();
-    let acknowledged = post_acknowledged(&first, &events).await;
+    let acknowledged = append_acknowledged(&first, &events).await;
 
     // At once, on the other instance.
-    let response = request(
-        &first.client,
-        reqwest::Method::POST,
-        second.local_addr,
-        "/v1/reconciliations",
-    )
-    .json(&json!({"report_id": report["report_id"]}))
-    .send()
-    .await
-    .unwrap();
-    let (status, result) = json_of(response).await;
+    let (status, result) = first
+        .at(second.local_addr)
+        .post_reconciliation(&json!({"report_id": report["report_id"]}))
+        .await;
     assert_eq!(status, 201, "{result}");
     assert_eq!(
         result["counts"],
@@ -258,29 +193,18 @@ async fn a_reconciliation_right_after_its_containers_events_finds_them_matched()
 
     let id = result["reconciliation_id"].as_str().unwrap();
     let lines = format!("/v1/reconciliations/{id}/lines.csv");
-    let response = request(&first.client, reqwest::Method::GET, first.address, &lines)
-        .send()
-        .await
-        .unwrap();
+    let response = first.get(&lines).await;
     assert_eq!(position_header(&response), position);
-    let csv = response.text().await.unwrap();
+    let csv = response.text.clone();
     let statuses: Vec<&str> = csv
         .lines()
         .skip(1)
         .map(|line| line.split(',').nth(7).unwrap())
         .collect();
     assert_eq!(statuses, ["matched"; 4], "{csv}");
-    let response = request(
-        &first.client,
-        reqwest::Method::GET,
-        first.address,
-        &format!("{lines}?format=json"),
-    )
-    .send()
-    .await
-    .unwrap();
+    let response = first.get(&format!("{lines}?format=json")).await;
     assert_eq!(position_header(&response), position);
-    let (_, lines) = json_of(response).await;
+    let (_, lines) = response.status_json();
     assert_eq!(lines["position"], position, "{lines}");
     assert_eq!(lines["lines"].as_array().unwrap().len(), 4);
 
@@ -306,26 +230,18 @@ async fn a_usage_export_right_after_events_lists_them_and_names_its_position() {
             )
         })
         .collect();
-    let acknowledged = post_acknowledged(&first, &events).await;
+    let acknowledged = append_acknowledged(&first, &events).await;
 
     // At once, on the other instance.
     let path = format!("/v1/exports/usage.csv?period={period}");
-    let response = request(
-        &first.client,
-        reqwest::Method::GET,
-        second.local_addr,
-        &path,
-    )
-    .send()
-    .await
-    .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    let response = first.at(second.local_addr).get(&path).await;
+    assert_eq!(response.status, 200);
     let position = position_header(&response);
     assert!(
         position >= acknowledged,
         "{position} short of {acknowledged}"
     );
-    let csv = response.text().await.unwrap();
+    let csv = response.text.clone();
     let runtimes: Vec<(&str, &str)> = csv
         .lines()
         .skip(1)
@@ -346,17 +262,12 @@ async fn a_usage_export_right_after_events_lists_them_and_names_its_position() {
         "{csv}"
     );
 
-    let response = request(
-        &first.client,
-        reqwest::Method::GET,
-        second.local_addr,
-        &format!("{path}&format=json"),
-    )
-    .send()
-    .await
-    .unwrap();
+    let response = first
+        .at(second.local_addr)
+        .get(&format!("{path}&format=json"))
+        .await;
     let header = position_header(&response);
-    let (status, export) = json_of(response).await;
+    let (status, export) = response.status_json();
     assert_eq!(status, 200, "{export}");
     assert_eq!(export["position"], header, "{export}");
     assert!(header >= acknowledged);
@@ -379,13 +290,7 @@ async fn the_usage_export_takes_the_consistency_parameters_and_refuses_unknown_o
         ("&color=red", 422, Some("unknown_parameter")),
     ] {
         let path = format!("{export}{query}");
-        let (actual, answer) = json_of(
-            request(&app.client, reqwest::Method::GET, app.address, &path)
-                .send()
-                .await
-                .unwrap(),
-        )
-        .await;
+        let (actual, answer) = app.get_json(&path).await;
         assert_eq!(
             (actual, answer["error"]["code"].as_str()),
             (status, code),

@@ -3,10 +3,13 @@
 //! starts is stopped and dropped when it ends, so tests run in parallel and leave nothing.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Deref;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use reqwest::header::HeaderMap;
+use reqwest::Method;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use tally::config::Config;
@@ -164,6 +167,9 @@ impl Drop for TestNats {
 pub struct TestApp {
     pub address: SocketAddr,
     pub client: reqwest::Client,
+    /// This instance's API with the admin token; `TestApp` derefs to it, so a test calls
+    /// `app.get_plans()` and `app.with_token(t).get_plans()` alike.
+    pub api: Api,
     pub pool: PgPool,
     pub service: Option<Service>,
     pub nats: TestNats,
@@ -184,59 +190,21 @@ impl TestApp {
         adjust(&mut config);
         let service = Service::start(config).await.expect("starting the service");
         let pool = db.pool().await;
+        TestApp::of(service, pool, nats, db)
+    }
+
+    /// A `TestApp` around a service a test started itself.
+    pub fn of(service: Service, pool: PgPool, nats: TestNats, db: TestDb) -> TestApp {
+        let client = reqwest::Client::new();
         TestApp {
             address: service.local_addr,
-            client: reqwest::Client::new(),
+            api: Api::new(client.clone(), service.local_addr),
+            client,
             pool,
             service: Some(service),
             nats,
             db,
         }
-    }
-
-    pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.address)
-    }
-
-    /// GET `path` with the admin token: the status and the JSON body (`null` when empty).
-    pub async fn get_json(&self, path: &str) -> (u16, Value) {
-        let response = self
-            .client
-            .get(self.url(path))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .expect("the request reaches the service");
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        if text.is_empty() {
-            return (status, Value::Null);
-        }
-        let json = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"));
-        (status, json)
-    }
-
-    pub async fn post_json(&self, body: &Value) -> (u16, Value) {
-        self.post_raw("application/json", body.to_string().into_bytes())
-            .await
-    }
-
-    pub async fn post_raw(&self, content_type: &str, body: Vec<u8>) -> (u16, Value) {
-        let response = self
-            .client
-            .post(self.url("/v1/events"))
-            .bearer_auth(TOKEN)
-            .header("content-type", content_type)
-            .body(body)
-            .send()
-            .await
-            .expect("the request reaches the service");
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let json = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"));
-        (status, json)
     }
 
     pub async fn ledger_count(&self) -> i64 {
@@ -444,13 +412,326 @@ impl TestApp {
         config.relay_poll_ms = 50;
         let service = Service::start(config).await.expect("starting the service");
         let pool = db.pool().await;
-        TestApp {
-            address: service.local_addr,
-            client: reqwest::Client::new(),
-            pool,
-            service: Some(service),
-            nats,
-            db,
+        TestApp::of(service, pool, nats, db)
+    }
+}
+
+impl Deref for TestApp {
+    type Target = Api;
+
+    fn deref(&self) -> &Api {
+        &self.api
+    }
+}
+
+/// One instance's HTTP API as one caller sees it: its address, the bearer token sent (the
+/// admin token unless `with_token`/`without_token` says otherwise) and any extra headers.
+/// Each endpoint has a method; the generic ones (`send`, `get_json`, `post_json`,
+/// `request`) are for requests no endpoint method sends, such as deliberately bad ones.
+#[derive(Clone)]
+pub struct Api {
+    client: reqwest::Client,
+    base: String,
+    token: Option<String>,
+    headers: Vec<(String, String)>,
+}
+
+/// An answer: its status, headers and body as text.
+pub struct Reply {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub text: String,
+}
+
+impl Reply {
+    /// The body as JSON, `null` when empty; a body that is not JSON fails the test.
+    pub fn json(&self) -> Value {
+        if self.text.is_empty() {
+            return Value::Null;
+        }
+        let status = self.status;
+        let text = &self.text;
+        serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"))
+    }
+
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .map(|value| value.to_str().unwrap().to_owned())
+    }
+
+    pub fn status_json(&self) -> (u16, Value) {
+        (self.status, self.json())
+    }
+
+    /// Status, `Retry-After` and JSON body: what a read that may wait is judged by.
+    pub fn with_retry_after(&self) -> (u16, Option<String>, Value) {
+        (self.status, self.header("retry-after"), self.json())
+    }
+}
+
+impl Api {
+    pub fn new(client: reqwest::Client, address: SocketAddr) -> Api {
+        Api {
+            client,
+            base: format!("http://{address}"),
+            token: Some(TOKEN.to_string()),
+            headers: Vec::new(),
         }
     }
+
+    /// The same caller talking to another instance (on the same database).
+    pub fn at(&self, address: SocketAddr) -> Api {
+        Api {
+            base: format!("http://{address}"),
+            ..self.clone()
+        }
+    }
+
+    pub fn with_token(&self, token: &str) -> Api {
+        Api {
+            token: Some(token.to_string()),
+            ..self.clone()
+        }
+    }
+
+    pub fn without_token(&self) -> Api {
+        Api {
+            token: None,
+            ..self.clone()
+        }
+    }
+
+    /// Sends `name: value` with every request, e.g. `Tally-Min-Position`.
+    pub fn with_header(&self, name: &str, value: &str) -> Api {
+        let mut api = self.clone();
+        api.headers.push((name.to_string(), value.to_string()));
+        api
+    }
+
+    /// Sends `Tally-Min-Position: position` when given.
+    pub fn with_min_position(&self, position: Option<&str>) -> Api {
+        match position {
+            Some(position) => self.with_header("Tally-Min-Position", position),
+            None => self.clone(),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// A request with this caller's token and headers, to finish and send by hand.
+    pub fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        let mut request = self.client.request(method, self.url(path));
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        for (name, value) in &self.headers {
+            request = request.header(name, value);
+        }
+        request
+    }
+
+    pub async fn reply(request: reqwest::RequestBuilder) -> Reply {
+        let response = request
+            .send()
+            .await
+            .expect("the request reaches the service");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let text = response.text().await.unwrap();
+        Reply {
+            status,
+            headers,
+            text,
+        }
+    }
+
+    /// `method path`, with `body` as JSON when given.
+    pub async fn send(&self, method: Method, path: &str, body: Option<&Value>) -> Reply {
+        let mut request = self.request(method, path);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        Self::reply(request).await
+    }
+
+    /// `method path` with `body` as bytes of `content_type`.
+    pub async fn send_bytes(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: &str,
+        body: impl Into<reqwest::Body>,
+    ) -> Reply {
+        let request = self
+            .request(method, path)
+            .header("content-type", content_type)
+            .body(body);
+        Self::reply(request).await
+    }
+
+    /// GET `path`: the whole answer, headers included.
+    pub async fn get(&self, path: &str) -> Reply {
+        self.send(Method::GET, path, None).await
+    }
+
+    /// GET `path`: the status and the JSON body (`null` when empty).
+    pub async fn get_json(&self, path: &str) -> (u16, Value) {
+        self.send(Method::GET, path, None).await.status_json()
+    }
+
+    /// GET `path`: the status and the body as text.
+    pub async fn get_text(&self, path: &str) -> (u16, String) {
+        let reply = self.send(Method::GET, path, None).await;
+        (reply.status, reply.text)
+    }
+
+    pub async fn post_json(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.send(Method::POST, path, Some(body))
+            .await
+            .status_json()
+    }
+
+    /// POST /v1/events with a body of any type and bytes.
+    pub async fn post_raw(&self, content_type: &str, body: Vec<u8>) -> (u16, Value) {
+        self.send_bytes(Method::POST, "/v1/events", content_type, body)
+            .await
+            .status_json()
+    }
+
+    pub async fn post_events(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/events", body).await
+    }
+
+    /// GET /v1/orgs/{org}/usage, with `query` (without `?`) when not empty.
+    pub async fn get_usage(&self, org: &str, query: &str) -> (u16, Value) {
+        self.get_json(&with_query(&format!("/v1/orgs/{org}/usage"), query))
+            .await
+    }
+
+    pub async fn get_container(&self, container: &str, query: &str) -> (u16, Value) {
+        self.get_json(&with_query(&format!("/v1/containers/{container}"), query))
+            .await
+    }
+
+    pub async fn get_container_events(&self, container: &str, query: &str) -> (u16, Value) {
+        let path = format!("/v1/containers/{container}/events");
+        self.get_json(&with_query(&path, query)).await
+    }
+
+    pub async fn get_plans(&self) -> (u16, Value) {
+        self.get_json("/v1/plans").await
+    }
+
+    pub async fn put_plan(&self, id: &str, plan: &Value) -> (u16, Value) {
+        self.send(Method::PUT, &format!("/v1/plans/{id}"), Some(plan))
+            .await
+            .status_json()
+    }
+
+    pub async fn check_admission(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/admission/check", body).await
+    }
+
+    pub async fn reserve(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/admission/reservations", body).await
+    }
+
+    pub async fn release(&self, reservation: &str) -> (u16, Value) {
+        let path = format!("/v1/admission/reservations/{reservation}");
+        self.send(Method::DELETE, &path, None).await.status_json()
+    }
+
+    /// GET /v1/events (the audit read), with `query` (without `?`) when not empty.
+    pub async fn get_events(&self, query: &str) -> (u16, Value) {
+        self.get_json(&with_query("/v1/events", query)).await
+    }
+
+    /// GET /v1/ledger/verify, with `query` (without `?`) when not empty.
+    pub async fn verify(&self, query: &str) -> (u16, Value) {
+        self.get_json(&with_query("/v1/ledger/verify", query)).await
+    }
+
+    pub async fn post_token(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/tokens", body).await
+    }
+
+    pub async fn delete_token(&self, id: &str) -> (u16, Value) {
+        let path = format!("/v1/tokens/{id}");
+        self.send(Method::DELETE, &path, None).await.status_json()
+    }
+
+    /// POST /v1/provider-reports with a CSV body.
+    pub async fn post_report(&self, csv: String) -> (u16, Value) {
+        self.send_bytes(
+            Method::POST,
+            "/v1/provider-reports",
+            "text/csv",
+            csv.into_bytes(),
+        )
+        .await
+        .status_json()
+    }
+
+    pub async fn post_reconciliation(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/reconciliations", body).await
+    }
+
+    /// GET a reconciliation's lines.csv: status and text.
+    pub async fn get_lines(&self, reconciliation: &str) -> (u16, String) {
+        let path = format!("/v1/reconciliations/{reconciliation}/lines.csv");
+        self.get_text(&path).await
+    }
+
+    /// GET /v1/exports/usage.csv, with `query` (without `?`) when not empty: status and text.
+    pub async fn get_usage_export(&self, query: &str) -> (u16, String) {
+        self.get_text(&with_query("/v1/exports/usage.csv", query))
+            .await
+    }
+
+    /// POST /v1/periods/{period}/close: status, `Location` (the job's status route), job.
+    pub async fn close_period(&self, period: &str) -> (u16, Option<String>, Value) {
+        let path = format!("/v1/periods/{period}/close");
+        let reply = self.send(Method::POST, &path, None).await;
+        (reply.status, reply.header("location"), reply.json())
+    }
+
+    pub async fn get_close(&self, period: &str) -> (u16, Value) {
+        self.get_json(&format!("/v1/periods/{period}/close")).await
+    }
+
+    pub async fn get_period(&self, period: &str) -> (u16, Value) {
+        self.get_json(&format!("/v1/periods/{period}")).await
+    }
+
+    pub async fn post_void(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/corrections/voids", body).await
+    }
+
+    pub async fn post_corrections(&self, body: &Value) -> (u16, Value) {
+        self.post_json("/v1/corrections/events", body).await
+    }
+}
+
+/// The body of an answer that must have the `expected` status.
+#[track_caller]
+pub fn answered(expected: u16, (status, body): (u16, Value)) -> Value {
+    assert_eq!(status, expected, "{body}");
+    body
+}
+
+/// The body of an answer that must be 200.
+#[track_caller]
+pub fn ok(answer: (u16, Value)) -> Value {
+    answered(200, answer)
+}
+
+fn with_query(path: &str, query: &str) -> String {
+    if query.is_empty() {
+        return path.to_string();
+    }
+    format!("{path}?{query}")
 }

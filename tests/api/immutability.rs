@@ -8,7 +8,7 @@ use crate::helpers::*;
 async fn update_delete_and_truncate_are_refused_by_the_database_even_for_a_superuser() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(5)})).await.0,
+        app.post_events(&json!({"events": valid_events(5)})).await.0,
         200
     );
 

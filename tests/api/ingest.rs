@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use rand::seq::SliceRandom;
+use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -19,7 +20,8 @@ async fn a_shuffled_batch_is_stored_once_each_with_unique_gap_free_positions() {
         .chunks(100)
         .map(|chunk| json!({ "events": chunk }))
         .collect();
-    let responses = futures::future::join_all(bodies.iter().map(|body| app.post_json(body))).await;
+    let responses =
+        futures::future::join_all(bodies.iter().map(|body| app.post_events(body))).await;
 
     let mut position_of: HashMap<Uuid, i64> = HashMap::new();
     for ((status, body), chunk) in responses.iter().zip(events.chunks(100)) {
@@ -53,7 +55,7 @@ async fn a_shuffled_batch_is_stored_once_each_with_unique_gap_free_positions() {
 async fn resending_returns_duplicates_at_their_original_positions_and_stores_nothing() {
     let app = TestApp::spawn().await;
     let events = valid_events(50);
-    let (status, first) = app.post_json(&json!({ "events": events })).await;
+    let (status, first) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200);
     let original: HashMap<String, i64> = first["results"]
         .as_array()
@@ -69,7 +71,7 @@ async fn resending_returns_duplicates_at_their_original_positions_and_stores_not
 
     let mut subset: Vec<Value> = events.iter().step_by(3).cloned().collect();
     subset.shuffle(&mut rand::rng());
-    let (status, again) = app.post_json(&json!({ "events": subset })).await;
+    let (status, again) = app.post_events(&json!({ "events": subset })).await;
     assert_eq!(status, 200, "{again}");
     for result in again["results"].as_array().unwrap() {
         assert_eq!(result["duplicate"], true);
@@ -79,14 +81,14 @@ async fn resending_returns_duplicates_at_their_original_positions_and_stores_not
         );
     }
     // A single event resent alone, and a batch mixing old and new events.
-    let (status, single) = app.post_json(&events[4]).await;
+    let (status, single) = app.post_events(&events[4]).await;
     assert_eq!(
         (status, single["results"][0]["duplicate"].clone()),
         (200, json!(true))
     );
     let fresh = valid_events(2);
     let (status, mixed) = app
-        .post_json(&json!({"events": [events[0].clone(), fresh[0].clone(), fresh[0].clone(), fresh[1].clone()]}))
+        .post_events(&json!({"events": [events[0].clone(), fresh[0].clone(), fresh[0].clone(), fresh[1].clone()]}))
         .await;
     assert_eq!(status, 200);
     let flags: Vec<_> = mixed["results"]
@@ -111,13 +113,13 @@ async fn resending_returns_duplicates_at_their_original_positions_and_stores_not
 async fn the_same_id_with_other_content_is_a_conflict_and_nothing_of_its_batch_is_stored() {
     let app = TestApp::spawn().await;
     let events = valid_events(5);
-    assert_eq!(app.post_json(&json!({ "events": events })).await.0, 200);
+    assert_eq!(app.post_events(&json!({ "events": events })).await.0, 200);
 
     let mut changed = events[2].clone();
     changed["occurred_at"] = json!(ago(10));
     let fresh = valid_events(3);
     let batch = json!({"events": [fresh[0], changed, fresh[1]]});
-    let (status, body) = app.post_json(&batch).await;
+    let (status, body) = app.post_events(&batch).await;
     assert_eq!(status, 409, "{body}");
     assert_eq!(body["error"]["code"], "idempotency_conflict");
     assert_eq!(body["error"]["details"][0]["index"], 1);
@@ -130,7 +132,7 @@ async fn the_same_id_with_other_content_is_a_conflict_and_nothing_of_its_batch_i
     // Two events with one id and different content inside one batch conflict too.
     let mut twin = fresh[2].clone();
     twin["org_id"] = json!("org_other");
-    let (status, body) = app.post_json(&json!({"events": [fresh[2], twin]})).await;
+    let (status, body) = app.post_events(&json!({"events": [fresh[2], twin]})).await;
     assert_eq!(
         (status, body["error"]["details"][0]["index"].clone()),
         (409, json!(1))
@@ -145,7 +147,7 @@ async fn a_batch_with_one_invalid_event_is_refused_whole_naming_its_index() {
     let mut events = valid_events(20);
     events[7]["type"] = json!("container.exploded");
     events[13]["org_id"] = json!("org.with.dots");
-    let (status, body) = app.post_json(&json!({ "events": events })).await;
+    let (status, body) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 422, "{body}");
     let details: Vec<(i64, String)> = body["error"]["details"]
         .as_array()
@@ -230,7 +232,7 @@ fn event_with(overrides: Value) -> Value {
 async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged() {
     let app = TestApp::spawn().await;
     let seed = valid_events(3);
-    assert_eq!(app.post_json(&json!({ "events": seed })).await.0, 200);
+    assert_eq!(app.post_events(&json!({ "events": seed })).await.0, 200);
     let before: Vec<(i64, Vec<u8>)> =
         sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position")
             .fetch_all(&app.pool)
@@ -434,31 +436,13 @@ async fn every_kind_of_bad_input_gets_a_json_4xx_and_leaves_the_ledger_unchanged
     }
 
     // No token, a wrong token, and a missing content type.
-    let no_token = app
-        .client
-        .post(app.url("/v1/events"))
-        .json(&seed[0])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(no_token.status(), 401);
-    assert_eq!(
-        no_token.json::<Value>().await.unwrap()["error"]["code"],
-        "unauthorized"
-    );
-    let wrong = app
-        .client
-        .post(app.url("/v1/events"))
-        .bearer_auth("nope")
-        .json(&seed[0])
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(wrong.status(), 401);
+    let (status, no_token) = app.without_token().post_events(&seed[0]).await;
+    assert_eq!(status, 401);
+    assert_eq!(no_token["error"]["code"], "unauthorized");
+    let (status, _) = app.with_token("nope").post_events(&seed[0]).await;
+    assert_eq!(status, 401);
     let untyped = app
-        .client
-        .post(app.url("/v1/events"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/events")
         .body(seed[0].to_string())
         .send()
         .await
@@ -487,24 +471,21 @@ async fn past_the_append_queue_limit_a_request_gets_503_with_retry_after_and_not
 
     let first = json!({ "events": valid_events(3) });
     let second = json!({ "events": valid_events(2) });
-    let stalled = app.post_json(&first);
+    let stalled = app.post_events(&first);
     let queued = async {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        app.post_json(&second).await
+        app.post_events(&second).await
     };
     let refused = async {
         tokio::time::sleep(std::time::Duration::from_millis(600)).await;
-        let response = app
-            .client
-            .post(app.url("/v1/events"))
-            .bearer_auth(TOKEN)
-            .json(&json!({ "events": valid_events(1) }))
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        let retry_after = response.headers().get("retry-after").cloned();
-        let body: Value = response.json().await.unwrap();
+        let reply = app
+            .send(
+                Method::POST,
+                "/v1/events",
+                Some(&json!({ "events": valid_events(1) })),
+            )
+            .await;
+        let (status, retry_after, body) = reply.with_retry_after();
         other.commit().await.unwrap();
         (status, retry_after, body)
     };

@@ -14,42 +14,6 @@ use tally::ledger::{read, AppendLimits, Appender};
 
 use crate::helpers::*;
 
-/// Sends `body` with `content_type`; the status and the JSON answer.
-async fn send(
-    app: &TestApp,
-    method: reqwest::Method,
-    path: &str,
-    content_type: &str,
-    body: impl Into<reqwest::Body>,
-) -> (u16, Value) {
-    let response = app
-        .client
-        .request(method, app.url(path))
-        .bearer_auth(TOKEN)
-        .header("content-type", content_type)
-        .body(body)
-        .send()
-        .await
-        .expect("the request reaches the service");
-    let status = response.status().as_u16();
-    let text = response.text().await.unwrap();
-    let json = serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("status {status}: body is not JSON ({e}): {text:?}"));
-    (status, json)
-}
-
-async fn get(app: &TestApp, path: &str) -> (u16, Value) {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .expect("the request reaches the service");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
-
 fn cloudevent(org: &str, id: &str, time: &str) -> Value {
     json!({"specversion": "1.0", "id": id, "source": "/provider/acme",
         "type": "container.created", "time": time, "subject": "ctr_1", "orgid": org,
@@ -74,7 +38,7 @@ async fn a_leap_second_is_refused_with_422_in_every_envelope_and_nothing_is_stor
     for at in [&leap, &leap_with_offset] {
         let mut native = valid_event("org_leap", "ctr_1", 0);
         native["occurred_at"] = json!(at);
-        let (status, body) = app.post_json(&native).await;
+        let (status, body) = app.post_events(&native).await;
         assert_eq!(status, 422, "{body}");
         assert_eq!(detail_code(&body), "leap_second", "{body}");
         assert!(
@@ -104,14 +68,15 @@ async fn a_leap_second_is_refused_with_422_in_every_envelope_and_nothing_is_stor
     // The correction flow takes native events too, with its own backdate bound.
     let mut added = valid_event("org_leap", "ctr_1", 3);
     added["occurred_at"] = json!(leap);
-    let (status, body) = send(
-        &app,
-        reqwest::Method::POST,
-        "/v1/corrections/events",
-        "application/json",
-        json!({"events": [added], "reason": "provider confirmed"}).to_string(),
-    )
-    .await;
+    let (status, body) = app
+        .send_bytes(
+            reqwest::Method::POST,
+            "/v1/corrections/events",
+            "application/json",
+            json!({"events": [added], "reason": "provider confirmed"}).to_string(),
+        )
+        .await
+        .status_json();
     assert_eq!((status, detail_code(&body)), (422, "leap_second"), "{body}");
     assert_eq!(app.ledger_count().await, 0);
     app.stop().await;
@@ -121,18 +86,17 @@ async fn a_leap_second_is_refused_with_422_in_every_envelope_and_nothing_is_stor
 async fn a_leap_second_as_of_is_refused_rather_than_echoed() {
     let app = TestApp::spawn().await;
     let period = tally::runtime::Period::containing(Utc::now()).to_string();
-    let (status, body) = get(
-        &app,
-        &format!("/v1/orgs/org_1/usage?period={period}&as_of=2026-12-01T07:00:60Z"),
-    )
-    .await;
+    let (status, body) = app
+        .get_usage(
+            "org_1",
+            &format!("period={period}&as_of=2026-12-01T07:00:60Z"),
+        )
+        .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");
-    let (status, body) = get(
-        &app,
-        "/v1/containers/ctr_1?as_of=2026-12-01T06:59:60.500%2B00:00",
-    )
-    .await;
+    let (status, body) = app
+        .get_container("ctr_1", "as_of=2026-12-01T06:59:60.500%2B00:00")
+        .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");
     app.stop().await;
@@ -229,7 +193,10 @@ async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
         .await
         .unwrap();
     for (method, path, content_type, body, field) in cases {
-        let (status, answer) = send(&app, method, path, content_type, body).await;
+        let (status, answer) = app
+            .send_bytes(method, path, content_type, body)
+            .await
+            .status_json();
         assert_eq!(status, 422, "{path} {field}: {answer}");
         let error = &answer["error"];
         let (code, message) = match error["details"][0]["code"].as_str() {
@@ -262,7 +229,7 @@ async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
         (0, 0, tokens_before)
     );
     // Nothing reached the appender, so nothing failed there: the service still appends.
-    let (status, body) = app.post_json(&valid_event("org_ok", "ctr_1", 0)).await;
+    let (status, body) = app.post_events(&valid_event("org_ok", "ctr_1", 0)).await;
     assert_eq!(status, 200, "{body}");
     app.stop().await;
 }
@@ -378,7 +345,10 @@ async fn a_key_given_twice_is_refused_on_every_json_body_route() {
         ),
     ];
     for (method, path, body, field) in cases {
-        let (status, answer) = send(&app, method, path, "application/json", body).await;
+        let (status, answer) = app
+            .send_bytes(method, path, "application/json", body)
+            .await
+            .status_json();
         assert_eq!(status, 422, "{path}: {answer}");
         assert_eq!(
             answer["error"]["code"], "duplicate_field",
@@ -440,12 +410,12 @@ async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
     // Read by position, this array was a valid command before.
     let mut positional = valid_event("org_data", "ctr_1", 1);
     positional["data"] = json!(["cmd-1", 0, 12]);
-    let (status, body) = app.post_json(&positional).await;
+    let (status, body) = app.post_events(&positional).await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(detail_code(&body), "invalid_data", "{body}");
     let mut resumed = valid_event("org_data", "ctr_1", 3);
     resumed["data"] = json!([]);
-    let (status, body) = app.post_json(&resumed).await;
+    let (status, body) = app.post_events(&resumed).await;
     assert_eq!(
         (status, detail_code(&body)),
         (422, "invalid_data"),
@@ -455,7 +425,7 @@ async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
 
     // `null` means absent (docs/decisions/0002-event-data-null-is-absent.md).
     resumed["data"] = Value::Null;
-    let (status, body) = app.post_json(&resumed).await;
+    let (status, body) = app.post_events(&resumed).await;
     assert_eq!(status, 200, "{body}");
     let stored: Value = sqlx::query_scalar("SELECT data FROM ledger")
         .fetch_one(&app.pool)
@@ -481,14 +451,15 @@ async fn a_report_with_year_zero_or_a_leap_second_is_a_422_naming_its_line() {
         ),
     ] {
         let report = format!("{header}\n{good}\n{good}\n{bad}\n");
-        let (status, body) = send(
-            &app,
-            reqwest::Method::POST,
-            "/v1/provider-reports",
-            "text/csv",
-            report,
-        )
-        .await;
+        let (status, body) = app
+            .send_bytes(
+                reqwest::Method::POST,
+                "/v1/provider-reports",
+                "text/csv",
+                report,
+            )
+            .await
+            .status_json();
         assert_eq!(status, 422, "{body}");
         assert_eq!(body["error"]["code"], code, "{body}");
         assert_eq!(body["error"]["details"][0]["line"], 4, "{body}");

@@ -1,30 +1,28 @@
 //! The operating interface: health, readiness, metrics and the OpenAPI document need no
 //! token; errors on unknown routes keep the JSON shape.
 
-use serde_json::{json, Value};
+use reqwest::Method;
+use serde_json::json;
 
 use crate::helpers::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     let app = TestApp::spawn().await;
-    let get = |path: &'static str| {
-        let request = app.client.get(app.url(path));
-        async move { request.send().await.unwrap() }
-    };
-    assert_eq!(get("/healthz").await.status(), 200);
-    let ready = get("/readyz").await;
-    assert_eq!(ready.status(), 200);
+    let anyone = app.without_token();
+    assert_eq!(anyone.get("/healthz").await.status, 200);
+    let ready = anyone.get("/readyz").await;
+    assert_eq!(ready.status, 200);
     assert_eq!(
-        ready.json::<Value>().await.unwrap(),
+        ready.json(),
         json!({"ready": true, "postgres": "up", "nats": "up", "relay": "up"})
     );
 
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(3)})).await.0,
+        app.post_events(&json!({"events": valid_events(3)})).await.0,
         200
     );
-    let metrics = get("/metrics").await.text().await.unwrap();
+    let metrics = anyone.get("/metrics").await.text;
     for name in [
         "tally_ingest_events_total",
         "tally_append_batch_events",
@@ -32,7 +30,7 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     ] {
         assert!(metrics.contains(name), "/metrics lacks {name}");
     }
-    let openapi: Value = get("/openapi.json").await.json().await.unwrap();
+    let openapi = anyone.get("/openapi.json").await.json();
     for path in [
         "/v1/events",
         "/v1/ledger/verify",
@@ -50,18 +48,13 @@ async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_re
 ) {
     let mut app = TestApp::spawn().await;
     app.nats.stop();
-    let client = app.client.clone();
-    let url = app.url("/readyz");
-    eventually(10, "readyz reports NATS down", || {
-        let client = client.clone();
-        let url = url.clone();
-        async move {
-            let response = client.get(url).send().await.unwrap();
-            response.status() == 503 && response.json::<Value>().await.unwrap()["nats"] == "down"
-        }
+    let anyone = app.without_token();
+    eventually(10, "readyz reports NATS down", || async {
+        let (status, ready) = anyone.get_json("/readyz").await;
+        status == 503 && ready["nats"] == "down"
     })
     .await;
-    let (status, body) = app.post_json(&json!({"events": valid_events(2)})).await;
+    let (status, body) = app.post_events(&json!({"events": valid_events(2)})).await;
     assert_eq!(status, 200, "{body}");
 
     // When NATS returns (same store), the relay catches up without being told.
@@ -77,24 +70,15 @@ async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_routes_and_methods_get_json_errors() {
     let app = TestApp::spawn().await;
-    let response = app.client.get(app.url("/v1/nothing")).send().await.unwrap();
-    assert_eq!(response.status(), 404);
-    assert_eq!(
-        response.json::<Value>().await.unwrap()["error"]["code"],
-        "not_found"
-    );
-    let response = app
-        .client
-        .delete(app.url("/v1/events"))
-        .bearer_auth(TOKEN)
-        .send()
+    let (status, error) = app.without_token().get_json("/v1/nothing").await;
+    assert_eq!(status, 404);
+    assert_eq!(error["error"]["code"], "not_found");
+    let (status, error) = app
+        .send(Method::DELETE, "/v1/events", None)
         .await
-        .unwrap();
-    assert_eq!(response.status(), 405);
-    assert_eq!(
-        response.json::<Value>().await.unwrap()["error"]["code"],
-        "method_not_allowed"
-    );
+        .status_json();
+    assert_eq!(status, 405);
+    assert_eq!(error["error"]["code"], "method_not_allowed");
     app.stop().await;
 }
 
@@ -116,29 +100,20 @@ async fn past_the_concurrency_limit_requests_are_shed_with_503_and_retry_after_n
         .unwrap();
         held.push(stream);
     }
+    let anyone = app.without_token();
     eventually(5, "a third request is shed", || async {
-        let response = app.client.get(app.url("/healthz")).send().await.unwrap();
-        response.status().as_u16() == 503 && response.headers().contains_key("retry-after")
+        let health = anyone.get("/healthz").await;
+        health.status == 503 && health.header("retry-after").is_some()
     })
     .await;
-    let response = app.client.get(app.url("/healthz")).send().await.unwrap();
-    let body: serde_json::Value = response.json().await.unwrap();
+    let body = anyone.get("/healthz").await.json();
     assert_eq!(body["error"]["code"], "overloaded");
 
     drop(held);
     eventually(
         5,
         "slots are free again once the held requests end",
-        || async {
-            app.client
-                .get(app.url("/healthz"))
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-                == 200
-        },
+        || async { anyone.get("/healthz").await.status == 200 },
     )
     .await;
     app.stop().await;

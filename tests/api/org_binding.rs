@@ -15,23 +15,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
-use crate::helpers::{ago, eventually, period_began_within, projected_to_head, TestApp, TOKEN};
+use crate::helpers::{
+    ago, answered, eventually, period_began_within, projected_to_head, TestApp, TOKEN,
+};
 
 const ORG_A: &str = "org_a";
 const ORG_B: &str = "org_b";
 
 /// A token made through the API.
 async fn create_token(app: &TestApp, body: Value) -> String {
-    let response = app
-        .client
-        .post(app.url("/v1/tokens"))
-        .bearer_auth(TOKEN)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    response.json::<Value>().await.unwrap()["token"]
+    answered(201, app.post_token(&body).await)["token"]
         .as_str()
         .unwrap()
         .to_owned()
@@ -62,26 +55,6 @@ async fn bound_token_with_every_scope(app: &TestApp, org: &str) -> String {
     .await
     .unwrap();
     secret
-}
-
-async fn send(
-    app: &TestApp,
-    method: Method,
-    path: &str,
-    token: &str,
-    body: Option<(&str, Vec<u8>)>,
-) -> (u16, Option<String>, String) {
-    let mut request = app.client.request(method, app.url(path)).bearer_auth(token);
-    if let Some((content_type, bytes)) = body {
-        request = request.header("content-type", content_type).body(bytes);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    let retry_after = response
-        .headers()
-        .get("retry-after")
-        .map(|value| value.to_str().unwrap().to_owned());
-    (status, retry_after, response.text().await.unwrap())
 }
 
 fn json_body(value: Value) -> Option<(&'static str, Vec<u8>)> {
@@ -347,16 +320,10 @@ fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
 async fn fixture(app: &TestApp) -> Fixture {
     let period = Period::containing(Utc::now());
     ready_org(app, ORG_B).await;
-    let (status, _, reservation) = send(
-        app,
-        Method::POST,
-        "/v1/admission/reservations",
-        TOKEN,
-        json_body(json!({"org_id": ORG_B, "action": "create", "container_id": "cb_later"})),
-    )
-    .await;
+    let (status, reservation) = app
+        .reserve(&json!({"org_id": ORG_B, "action": "create", "container_id": "cb_later"}))
+        .await;
     assert_eq!(status, 201, "{reservation}");
-    let reservation: Value = serde_json::from_str(&reservation).unwrap();
     let reservation_b = reservation["reservation_id"]
         .as_str()
         .unwrap()
@@ -373,7 +340,7 @@ async fn fixture(app: &TestApp) -> Fixture {
         created(ORG_B, "cb1"),
         created(ORG_B, "shared"),
     ];
-    let (status, response) = app.post_json(&json!({ "events": events })).await;
+    let (status, response) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{response}");
     projected_to_head(&app.pool, "the fixture is projected").await;
 
@@ -388,37 +355,15 @@ async fn fixture(app: &TestApp) -> Fixture {
         line("shared", ORG_B),
     ]
     .join("\n");
-    let (status, _, report) = send(
-        app,
-        Method::POST,
-        "/v1/provider-reports",
-        TOKEN,
-        Some(("text/csv", report_csv.clone().into_bytes())),
-    )
-    .await;
+    let (status, report) = app.post_report(report_csv.clone()).await;
     assert_eq!(status, 201, "{report}");
-    let report: Value = serde_json::from_str(&report).unwrap();
-    let (status, _, reconciliation) = send(
-        app,
-        Method::POST,
-        "/v1/reconciliations",
-        TOKEN,
-        json_body(json!({"report_id": report["report_id"]})),
-    )
-    .await;
+    let (status, reconciliation) = app
+        .post_reconciliation(&json!({"report_id": report["report_id"]}))
+        .await;
     assert_eq!(status, 201, "{reconciliation}");
-    let reconciliation: Value = serde_json::from_str(&reconciliation).unwrap();
 
-    let (status, _, token) = send(
-        app,
-        Method::POST,
-        "/v1/tokens",
-        TOKEN,
-        json_body(json!({"scopes": ["audit"]})),
-    )
-    .await;
+    let (status, token) = app.post_token(&json!({"scopes": ["audit"]})).await;
     assert_eq!(status, 201, "{token}");
-    let token: Value = serde_json::from_str(&token).unwrap();
     Fixture {
         period,
         reservation_b,
@@ -463,9 +408,8 @@ async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route(
 
     // Every /v1 path the OpenAPI document shows is in the table, and the other way round:
     // a new route without an org rule fails here.
-    let (status, _, document) = send(&app, Method::GET, "/openapi.json", TOKEN, None).await;
+    let (status, document) = app.get_json("/openapi.json").await;
     assert_eq!(status, 200);
-    let document: Value = serde_json::from_str(&document).unwrap();
     let documented: BTreeSet<(String, String)> = document["paths"]
         .as_object()
         .unwrap()
@@ -509,14 +453,16 @@ async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route(
                     probe.method, probe.path, rule.org
                 );
                 let before = stored(&app).await;
-                let (status, _, body) = send(
-                    &app,
-                    probe.method.clone(),
-                    &probe.path,
-                    token,
-                    probe.body.clone(),
-                )
-                .await;
+                let api = app.with_token(token);
+                let reply = match probe.body.clone() {
+                    Some((content_type, bytes)) => {
+                        let method = probe.method.clone();
+                        api.send_bytes(method, &probe.path, content_type, bytes)
+                            .await
+                    }
+                    None => api.send(probe.method.clone(), &probe.path, None).await,
+                };
+                let (status, body) = (reply.status, reply.text);
                 let failure = match &probe.expect {
                     Expect::Refused(code) => {
                         let error: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
@@ -561,24 +507,12 @@ async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route(
         failures.join("\n")
     );
     // The same requests with an unbound token see org_b: the fixture is not empty of it.
-    let (status, _, lines) = send(
-        &app,
-        Method::GET,
-        &format!("/v1/reconciliations/{}/lines.csv", fixture.reconciliation),
-        TOKEN,
-        None,
-    )
-    .await;
+    let (status, lines) = app.get_lines(&fixture.reconciliation.to_string()).await;
     assert_eq!(status, 200);
     assert!(csv_orgs(&lines).contains(&ORG_B.to_owned()), "{lines}");
-    let (status, _, usage) = send(
-        &app,
-        Method::GET,
-        &format!("/v1/exports/usage.csv?period={}", fixture.period),
-        TOKEN,
-        None,
-    )
-    .await;
+    let (status, usage) = app
+        .get_usage_export(&format!("period={}", fixture.period))
+        .await;
     assert_eq!(status, 200);
     assert!(csv_orgs(&usage).contains(&ORG_B.to_owned()), "{usage}");
     app.stop().await;
@@ -660,10 +594,11 @@ async fn one_token_past_its_limit_gets_429_while_another_tokens_requests_succeed
     // Meanwhile the other token's requests, as many as its limit, all succeed.
     let theirs = futures::future::join_all((0..LIMIT).map(|n| {
         let event = crate::helpers::valid_event(ORG_A, &format!("c{n}"), n);
-        send(&app, Method::POST, "/v1/events", &other, json_body(event))
+        let api = app.with_token(&other);
+        async move { api.post_events(&event).await }
     }))
     .await;
-    for (status, _, body) in &theirs {
+    for (status, body) in &theirs {
         assert_eq!(*status, 200, "the other token is served: {body}");
     }
 
@@ -690,8 +625,7 @@ async fn one_token_past_its_limit_gets_429_while_another_tokens_requests_succeed
         task.abort();
     }
     eventually(10, "the greedy token is served again", || async {
-        let (status, _, _) = send(&app, Method::GET, "/v1/plans", &greedy, None).await;
-        status == 200
+        app.with_token(&greedy).get_plans().await.0 == 200
     })
     .await;
     app.stop().await;
@@ -713,9 +647,9 @@ async fn verifies_waiting(app: &TestApp) -> i64 {
 /// checkpoint, holding its place until the transaction ends.
 async fn verify_held(app: &TestApp) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let events: Vec<Value> = crate::helpers::valid_events(5);
-    let (status, response) = app.post_json(&json!({ "events": events })).await;
+    let (status, response) = app.post_events(&json!({ "events": events })).await;
     assert_eq!(status, 200, "{response}");
-    let (status, _, report) = send(app, Method::GET, "/v1/ledger/verify", TOKEN, None).await;
+    let (status, report) = app.verify("").await;
     assert_eq!(status, 200, "{report}");
     let mut holder = app.pool.begin().await.unwrap();
     sqlx::query("SELECT position FROM verify_checkpoint FOR UPDATE")
@@ -729,18 +663,11 @@ fn spawn_full_verify(
     app: &TestApp,
     token: &str,
 ) -> tokio::task::JoinHandle<(u16, Option<String>, String)> {
-    let request = app
-        .client
-        .get(app.url("/v1/ledger/verify?full=true"))
-        .bearer_auth(token);
+    let api = app.with_token(token);
     tokio::spawn(async move {
-        let response = request.send().await.unwrap();
-        let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get("retry-after")
-            .map(|value| value.to_str().unwrap().to_owned());
-        (status, retry_after, response.text().await.unwrap())
+        let reply = api.get("/v1/ledger/verify?full=true").await;
+        let retry_after = reply.header("retry-after");
+        (reply.status, retry_after, reply.text)
     })
 }
 
@@ -794,17 +721,13 @@ async fn reads_and_writes_succeed_while_twenty_full_verifies_are_asked_at_once()
     .await;
 
     let event = crate::helpers::valid_event(ORG_A, "c1", 0);
-    let (status, _, body) = send(&app, Method::POST, "/v1/events", &writer, json_body(event)).await;
+    let (status, body) = app.with_token(&writer).post_events(&event).await;
     assert_eq!(status, 200, "a write during the verifies: {body}");
     let period = Period::containing(Utc::now());
-    let (status, _, body) = send(
-        &app,
-        Method::GET,
-        &format!("/v1/orgs/{ORG_A}/usage?period={period}"),
-        &writer,
-        None,
-    )
-    .await;
+    let (status, body) = app
+        .with_token(&writer)
+        .get_usage(ORG_A, &format!("period={period}"))
+        .await;
     assert_eq!(status, 200, "a read during the verifies: {body}");
 
     holder.rollback().await.unwrap();

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use tally::runtime::Period;
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp, TOKEN};
+use crate::helpers::{projected_to_head, TestApp};
 
 /// Orgs in each test: many batches of [`BATCH_ORGS`].
 const ORGS: usize = 230;
@@ -68,26 +68,10 @@ async fn seed(app: &TestApp, last: Period, current: Period) {
         }
     }
     for chunk in events.chunks(1_000) {
-        let (status, body) = app.post_json(&json!({ "events": chunk })).await;
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
         assert_eq!(status, 200, "{body}");
     }
     projected_to_head(&app.pool, "the seed is projected").await;
-}
-
-async fn post_close(app: &TestApp, period: Period) -> (u16, Option<String>, Value) {
-    let response = app
-        .client
-        .post(app.url(&format!("/v1/periods/{period}/close")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let location = response
-        .headers()
-        .get("location")
-        .map(|value| value.to_str().unwrap().to_owned());
-    (status, location, response.json().await.unwrap())
 }
 
 /// Waits until the status route says the job is no longer running, and returns it.
@@ -162,7 +146,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
     let (last, current) = last_period();
     seed(&app, last, current).await;
 
-    let (status, location, job) = post_close(&app, last).await;
+    let (status, location, job) = app.close_period(&last.to_string()).await;
     assert_eq!(status, 202, "{job}");
     let location = location.expect("a Location for the job's status");
     assert_eq!(location, format!("/v1/periods/{last}/close"));
@@ -180,7 +164,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
     // orgs whose events reach past the period's end.
     let expected = expected_rows(&app, last).await;
     assert_eq!(snapshot_rows(&app, last).await, expected);
-    let (status, period) = app.get_json(&format!("/v1/periods/{last}")).await;
+    let (status, period) = app.get_period(&last.to_string()).await;
     assert_eq!(
         (status, &period["sha256"]),
         (200, &done["closed"]["sha256"])
@@ -193,7 +177,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
     assert_eq!(position, crate::helpers::ledger_count(&app.pool).await);
 
     // Closing again is the same close.
-    let (status, _, again) = post_close(&app, last).await;
+    let (status, _, again) = app.close_period(&last.to_string()).await;
     assert_eq!((status, &again["id"]), (200, &job["id"]), "{again}");
     assert_eq!(again["closed"]["sha256"], done["closed"]["sha256"]);
 
@@ -210,18 +194,9 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
             ]
         })
         .collect();
-    assert_eq!(app.post_json(&json!({ "events": late })).await.0, 200);
+    assert_eq!(app.post_events(&json!({ "events": late })).await.0, 200);
     projected_to_head(&app.pool, "the late events are projected").await;
-    let csv = app
-        .client
-        .get(app.url(&format!("/v1/exports/usage.csv?period={current}")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_usage_export(&format!("period={current}")).await;
     let adjustments: Vec<&str> = csv
         .lines()
         .filter(|line| line.contains(&format!(",{last},")))
@@ -247,16 +222,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
         "the orgs with usage in the current period"
     );
     // The closed period's own export: every org, as priced now, in many batches.
-    let csv = app
-        .client
-        .get(app.url(&format!("/v1/exports/usage.csv?period={last}")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_usage_export(&format!("period={last}")).await;
     let exported: Vec<String> = csv
         .lines()
         .skip(1)
@@ -297,7 +263,7 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
     .await
     .unwrap();
 
-    let (status, location, job) = post_close(&app, last).await;
+    let (status, location, job) = app.close_period(&last.to_string()).await;
     assert_eq!(
         (status, job["id"].as_str()),
         (202, Some(id.to_string().as_str())),
@@ -333,11 +299,11 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
         (Some("failed"), Some("close_abandoned")),
         "{abandoned}"
     );
-    let (status, _) = app.get_json(&format!("/v1/periods/{last}")).await;
+    let (status, _) = app.get_period(&last.to_string()).await;
     assert_eq!(status, 404, "nothing of the close is visible");
 
     sqlx::Connection::close(other).await.unwrap();
-    let (status, _, retried) = post_close(&app, last).await;
+    let (status, _, retried) = app.close_period(&last.to_string()).await;
     assert_eq!(status, 202, "{retried}");
     assert_ne!(retried["id"], job["id"]);
     let done = finished(&app, &location).await;
@@ -364,7 +330,7 @@ async fn a_close_that_fails_in_a_late_batch_stores_nothing_and_can_be_retried() 
     .await
     .unwrap();
 
-    let (status, location, _) = post_close(&app, last).await;
+    let (status, location, _) = app.close_period(&last.to_string()).await;
     assert_eq!(status, 202);
     let location = location.unwrap();
     let failed = finished(&app, &location).await;
@@ -383,7 +349,7 @@ async fn a_close_that_fails_in_a_late_batch_stores_nothing_and_can_be_retried() 
         .execute(&app.pool)
         .await
         .unwrap();
-    let (status, _, _) = post_close(&app, last).await;
+    let (status, _, _) = app.close_period(&last.to_string()).await;
     assert_eq!(status, 202);
     let done = finished(&app, &location).await;
     assert_eq!(done["status"], "done", "{done}");
@@ -426,7 +392,7 @@ async fn the_cli_closes_a_period_of_many_batches_and_prints_it_and_then_prints_i
     assert!(again.status.success());
     let again: Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(again["sha256"], closed["sha256"]);
-    let (status, job) = app.get_json(&format!("/v1/periods/{last}/close")).await;
+    let (status, job) = app.get_close(&last.to_string()).await;
     assert_eq!((status, job["requested_by"].as_str()), (200, Some("cli")));
 
     let running = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))

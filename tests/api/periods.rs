@@ -5,7 +5,7 @@ use chrono::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp, TOKEN};
+use crate::helpers::{projected_to_head, TestApp};
 
 #[tokio::test]
 async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_next_period() {
@@ -21,32 +21,15 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
             {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme", "container_id": container, "occurred_at": at(to)},
         ]})
     };
-    assert_eq!(app.post_json(&run("c1", 5, 2)).await.0, 200);
+    assert_eq!(app.post_events(&run("c1", 5, 2)).await.0, 200);
     projected_to_head(&app.pool, "the events are projected").await;
 
-    let post = |path: String| {
-        let request = app.client.post(app.url(&path)).bearer_auth(TOKEN);
-        async move {
-            let response = request.send().await.unwrap();
-            (
-                response.status().as_u16(),
-                response.json::<Value>().await.unwrap(),
-            )
-        }
-    };
-    let get = |path: String| {
-        let request = app.client.get(app.url(&path)).bearer_auth(TOKEN);
-        async move { request.send().await.unwrap() }
-    };
+    let closed_name = closed.to_string();
     // A close is a job: accepted, then done with the closed period.
-    let (status, job) = post(format!("/v1/periods/{closed}/close")).await;
+    let (status, _, job) = app.close_period(&closed_name).await;
     assert_eq!(status, 202, "{job}");
     let snapshot = loop {
-        let job: Value = get(format!("/v1/periods/{closed}/close"))
-            .await
-            .json()
-            .await
-            .unwrap();
+        let (_, job) = app.get_close(&closed_name).await;
         if job["status"] != "running" {
             assert_eq!(job["status"], "done", "{job}");
             break job["closed"].clone();
@@ -57,12 +40,12 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         (snapshot["orgs"].clone(), snapshot["verified"].clone()),
         (json!(1), json!(true))
     );
-    let (status, again) = post(format!("/v1/periods/{closed}/close")).await;
+    let (status, _, again) = app.close_period(&closed_name).await;
     assert_eq!(
         (status, again["status"].as_str(), &again["closed"]["sha256"]),
         (200, Some("done"), &snapshot["sha256"])
     );
-    let (status, running) = post(format!("/v1/periods/{current}/close")).await;
+    let (status, _, running) = app.close_period(&current.to_string()).await;
     assert_eq!(
         (status, running["error"]["code"].as_str()),
         (409, Some("period_running"))
@@ -70,14 +53,10 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
 
     // Late: another two hours in the closed period.
     let late = run("c2", 3, 1);
-    assert_eq!(app.post_json(&late).await.0, 200);
+    assert_eq!(app.post_events(&late).await.0, 200);
     projected_to_head(&app.pool, "the events are projected").await;
 
-    let stored: Value = get(format!("/v1/periods/{closed}"))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let (_, stored) = app.get_period(&closed_name).await;
     assert_eq!(
         stored["sha256"], snapshot["sha256"],
         "the snapshot is untouched"
@@ -94,20 +73,13 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         .await
         .is_err());
 
-    let csv = get(format!("/v1/exports/usage.csv?period={current}"))
-        .await
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_usage_export(&format!("period={current}")).await;
     let adjustment = format!("acme,free,{closed},7200000,0,7200000,0.00,USD,0,0");
     assert!(csv.lines().any(|line| line == adjustment), "{csv}");
-    let exported: Value = get(format!(
-        "/v1/exports/usage.csv?period={current}&format=json"
-    ))
-    .await
-    .json()
-    .await
-    .unwrap();
+    let (_, exported) = app
+        .get_usage_export(&format!("period={current}&format=json"))
+        .await;
+    let exported: Value = serde_json::from_str(&exported).unwrap();
     let caused_by = exported["adjustments"][0]["caused_by"].as_array().unwrap();
     let late_ids: Vec<&Value> = late["events"]
         .as_array()
@@ -117,25 +89,12 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         .collect();
     assert_eq!(caused_by.iter().collect::<Vec<_>>(), late_ids);
     // The closed period's own export still shows the figures as they are now, not frozen.
-    let closed_csv = get(format!("/v1/exports/usage.csv?period={closed}"))
-        .await
-        .text()
-        .await
-        .unwrap();
+    let (_, closed_csv) = app.get_usage_export(&format!("period={closed}")).await;
     assert!(
         closed_csv.contains(&format!("acme,free,{closed},18000000,")),
         "{closed_csv}"
     );
-    assert_eq!(
-        get("/v1/periods/2026-13".into()).await.status().as_u16(),
-        422
-    );
-    assert_eq!(
-        get(format!("/v1/periods/{current}"))
-            .await
-            .status()
-            .as_u16(),
-        404
-    );
+    assert_eq!(app.get_period("2026-13").await.0, 422);
+    assert_eq!(app.get_period(&current.to_string()).await.0, 404);
     app.stop().await;
 }

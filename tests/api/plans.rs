@@ -1,9 +1,10 @@
 //! Plans: definitions are ledger events with decimal-string money; an org can
 //! only move to a plan that exists.
 
+use reqwest::Method;
 use serde_json::{json, Value};
 
-use crate::helpers::{ago, TestApp, TOKEN};
+use crate::helpers::{ago, TestApp};
 
 pub fn pro_plan() -> Value {
     json!({
@@ -13,29 +14,8 @@ pub fn pro_plan() -> Value {
     })
 }
 
-pub async fn put_plan(app: &TestApp, id: &str, body: &Value) -> (u16, Value) {
-    let response = app
-        .client
-        .put(app.url(&format!("/v1/plans/{id}")))
-        .bearer_auth(TOKEN)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
-
 async fn plans(app: &TestApp) -> Value {
-    app.client
-        .get(app.url("/v1/plans"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    app.get_plans().await.1
 }
 
 #[tokio::test]
@@ -47,16 +27,16 @@ async fn a_plan_is_defined_versioned_and_listed_with_its_price_as_a_decimal_stri
     assert_eq!(listed["plans"][0]["sandbox_runtime"], false);
     assert_eq!(listed["plans"][0]["version"], 0);
 
-    let (status, created) = put_plan(&app, "pro", &pro_plan()).await;
+    let (status, created) = app.put_plan("pro", &pro_plan()).await;
     assert_eq!(status, 201, "{created}");
     assert_eq!(created["version"], 1);
     assert_eq!(created["overage_price_per_hour"], "0.125");
-    let (status, same) = put_plan(&app, "pro", &pro_plan()).await;
+    let (status, same) = app.put_plan("pro", &pro_plan()).await;
     assert_eq!(status, 200, "the same definition is not a new version");
     assert_eq!(same["version"], 1);
     let mut cheaper = pro_plan();
     cheaper["overage_price_per_hour"] = json!("0.1");
-    let (status, changed) = put_plan(&app, "pro", &cheaper).await;
+    let (status, changed) = app.put_plan("pro", &cheaper).await;
     assert_eq!(status, 201);
     assert_eq!(changed["version"], 2);
 
@@ -124,20 +104,18 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
         ("pro", with("discount", json!("10%")), "unknown_field"),
     ];
     for (id, body, code) in cases {
-        let (status, error) = put_plan(&app, id, &body).await;
+        let (status, error) = app.put_plan(id, &body).await;
         assert_eq!(status, 422, "{body}: {error}");
         assert_eq!(error["error"]["code"], "invalid_plan");
         assert_eq!(error["error"]["details"][0]["code"], code, "{body}");
     }
-    let (status, error) = put_plan(&app, "bad.id", &pro_plan()).await;
+    let (status, error) = app.put_plan("bad.id", &pro_plan()).await;
     assert_eq!(
         (status, error["error"]["code"].as_str()),
         (422, Some("invalid_plan_id"))
     );
     let response = app
-        .client
-        .put(app.url("/v1/plans/pro"))
-        .bearer_auth(TOKEN)
+        .request(Method::PUT, "/v1/plans/pro")
         .header("content-type", "application/json")
         .body("{\"sandbox_runtime\": tru")
         .send()
@@ -146,7 +124,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(response.status().as_u16(), 400);
 
     let (status, error) = app
-        .post_json(
+        .post_events(
             &json!({"id": uuid::Uuid::new_v4(), "type": "org.plan_changed", "org_id": "acme",
                            "occurred_at": ago(60), "data": {"plan": "enterprise"}}),
         )
@@ -155,7 +133,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(error["error"]["code"], "unknown_plan");
     assert_eq!(error["error"]["details"][0]["index"], 0);
     let (status, error) = app
-        .post_json(
+        .post_events(
             &json!({"id": uuid::Uuid::new_v4(), "type": "plan.defined", "org_id": "acme",
                            "occurred_at": ago(60), "data": pro_plan()}),
         )
@@ -165,7 +143,7 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(app.ledger_count().await, 0, "nothing was stored");
 
     let (status, _) = app
-        .post_json(
+        .post_events(
             &json!({"id": uuid::Uuid::new_v4(), "type": "org.plan_changed", "org_id": "acme",
                            "occurred_at": ago(60), "data": {"plan": "free"}}),
         )

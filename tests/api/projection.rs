@@ -103,7 +103,7 @@ pub(crate) async fn post_all(app: &TestApp, events: &[Generated]) -> HashMap<Uui
     let mut positions = HashMap::new();
     for chunk in events.chunks(1000) {
         let bodies: Vec<&Value> = chunk.iter().map(|event| &event.body).collect();
-        let (status, response) = app.post_json(&json!({"events": bodies})).await;
+        let (status, response) = app.post_events(&json!({"events": bodies})).await;
         assert_eq!(status, 200, "{response}");
         for result in response["results"].as_array().unwrap() {
             let id: Uuid = result["id"].as_str().unwrap().parse().unwrap();
@@ -138,20 +138,9 @@ async fn wait_until_projected(app: &TestApp) {
     .await;
 }
 
-async fn get(app: &TestApp, path: &str) -> (u16, String) {
-    let response = app
-        .client
-        .get(app.url(path))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    (response.status().as_u16(), response.text().await.unwrap())
-}
-
 /// The answer without its `position` (which names the checkpoint, not a figure).
-async fn get_json(app: &TestApp, path: &str) -> Value {
-    let (status, text) = get(app, path).await;
+async fn without_position(app: &TestApp, path: &str) -> Value {
+    let (status, text) = app.get_text(path).await;
     assert_eq!(status, 200, "{path}: {text}");
     let mut answer: Value = serde_json::from_str(&text).unwrap();
     let position = answer.as_object_mut().unwrap().remove("position");
@@ -236,7 +225,7 @@ pub(crate) fn periods_around(events: &[Generated]) -> Vec<Period> {
 async fn every_response(app: &TestApp, paths: &[String]) -> BTreeMap<String, String> {
     let mut responses = BTreeMap::new();
     for path in paths {
-        let (status, text) = get(app, path).await;
+        let (status, text) = app.get_text(path).await;
         assert_eq!(status, 200, "{path}: {text}");
         responses.insert(path.clone(), text);
     }
@@ -313,7 +302,7 @@ async fn a_shuffled_month_with_duplicates_projects_to_the_pure_figures_and_repla
                     encode(as_of)
                 );
                 let expected = usage(org_timelines.iter().copied(), period, as_of);
-                let actual = get_json(&app, &path).await;
+                let actual = without_position(&app, &path).await;
                 assert_eq!(
                     actual,
                     json!({
@@ -333,7 +322,7 @@ async fn a_shuffled_month_with_duplicates_projects_to_the_pure_figures_and_repla
     for ((org, container), timeline) in &timelines {
         let path = format!("/v1/containers/{container}?as_of={}", encode(now));
         assert_eq!(
-            get_json(&app, &path).await,
+            without_position(&app, &path).await,
             expected_container(org, container, timeline, now),
             "{path}"
         );
@@ -358,7 +347,7 @@ async fn a_shuffled_month_with_duplicates_projects_to_the_pure_figures_and_repla
     );
     post_all(&app, std::slice::from_ref(&later)).await;
     wait_until_projected(&app).await;
-    let container = get_json(&app, "/v1/containers/ctr_after_replay").await;
+    let container = without_position(&app, "/v1/containers/ctr_after_replay").await;
     assert_eq!(container["state"], "running");
     app.stop().await;
 }
@@ -423,7 +412,7 @@ async fn a_late_stop_moves_runtime_between_periods_exactly_as_if_it_had_arrived_
             encode(as_of)
         )
     };
-    let without_stop = get_json(&app, &usage_of("org_late", after)).await;
+    let without_stop = without_position(&app, &usage_of("org_late", after)).await;
     assert_eq!(
         without_stop["runtime_ms"],
         6 * 3_600_000,
@@ -433,21 +422,21 @@ async fn a_late_stop_moves_runtime_between_periods_exactly_as_if_it_had_arrived_
     wait_until_projected(&app).await;
 
     for period in [before, after] {
-        let mut in_order_usage = get_json(&app, &usage_of("org_in_order", period)).await;
-        let mut late_usage = get_json(&app, &usage_of("org_late", period)).await;
+        let mut in_order_usage = without_position(&app, &usage_of("org_in_order", period)).await;
+        let mut late_usage = without_position(&app, &usage_of("org_late", period)).await;
         in_order_usage["org_id"] = json!(null);
         late_usage["org_id"] = json!(null);
         assert_eq!(late_usage, in_order_usage, "{period}");
     }
-    let after_usage = get_json(&app, &usage_of("org_late", after)).await;
+    let after_usage = without_position(&app, &usage_of("org_late", after)).await;
     assert_eq!(after_usage["runtime_ms"], 3_600_000 + 3 * 3_600_000);
     assert_eq!(after_usage["commands"], 1);
-    let before_usage = get_json(&app, &usage_of("org_late", before)).await;
+    let before_usage = without_position(&app, &usage_of("org_late", before)).await;
     assert_eq!(before_usage["runtime_ms"], 2 * 3_600_000);
 
     let path = |org: &str| format!("/v1/containers/ctr?org_id={org}&as_of={}", encode(as_of));
-    let late_container = get_json(&app, &path("org_late")).await;
-    let in_order_container = get_json(&app, &path("org_in_order")).await;
+    let late_container = without_position(&app, &path("org_late")).await;
+    let in_order_container = without_position(&app, &path("org_in_order")).await;
     assert_eq!(late_container["intervals"], in_order_container["intervals"]);
     assert_eq!(
         late_container["runtime_ms"],
@@ -472,7 +461,7 @@ async fn a_late_stop_moves_runtime_between_periods_exactly_as_if_it_had_arrived_
 #[tokio::test]
 async fn usage_of_an_unknown_org_is_zero_and_bad_parameters_are_refused_with_422() {
     let app = TestApp::spawn().await;
-    let zero = get_json(
+    let zero = without_position(
         &app,
         "/v1/orgs/nobody/usage?period=2026-11&as_of=2026-11-15T00:00:00Z",
     )
@@ -507,18 +496,16 @@ async fn usage_of_an_unknown_org_is_zero_and_bad_parameters_are_refused_with_422
         ),
     ];
     for (path, status, code) in cases {
-        let (actual, text) = get(&app, path).await;
+        let (actual, text) = app.get_text(path).await;
         assert_eq!(actual, status, "{path}: {text}");
         let body: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(body["error"]["code"], code, "{path}");
     }
     let unauthorized = app
-        .client
-        .get(app.url("/v1/orgs/acme/usage?period=2026-11"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(unauthorized.status().as_u16(), 401);
+        .without_token()
+        .get_usage("acme", "period=2026-11")
+        .await;
+    assert_eq!(unauthorized.0, 401);
     app.stop().await;
 }
 
@@ -540,13 +527,13 @@ async fn a_container_id_used_by_two_orgs_is_two_containers_and_needs_an_org_to_b
     )
     .await;
     wait_until_projected(&app).await;
-    let (status, text) = get(&app, "/v1/containers/shared").await;
+    let (status, text) = app.get_text("/v1/containers/shared").await;
     assert_eq!(status, 409, "{text}");
     assert!(text.contains("ambiguous_container"), "{text}");
-    let a = get_json(&app, "/v1/containers/shared?org_id=org_a").await;
+    let a = without_position(&app, "/v1/containers/shared?org_id=org_a").await;
     assert_eq!(a["state"], "running");
     assert_eq!(a["anomalies"], json!([]));
-    let b = get_json(&app, "/v1/containers/shared?org_id=org_b").await;
+    let b = without_position(&app, "/v1/containers/shared?org_id=org_b").await;
     assert_eq!(b["intervals"], json!([]));
     assert_eq!(b["anomalies"][0]["kind"], "stop_while_not_running");
     app.stop().await;
@@ -614,17 +601,10 @@ async fn events_appended_while_no_projector_runs_are_projected_once_it_starts() 
     let mut config = tally::config::Config::new(&url, &nats_url);
     config.bootstrap_token = Some(TOKEN.to_string());
     let service = tally::startup::Service::start(config).await.unwrap();
-    let app = TestApp {
-        address: service.local_addr,
-        client: reqwest::Client::new(),
-        pool,
-        service: Some(service),
-        nats,
-        db,
-    };
+    let app = TestApp::of(service, pool, nats, db);
     wait_until_projected(&app).await;
     let as_of = at + Duration::hours(3);
-    let usage = get_json(
+    let usage = without_position(
         &app,
         &format!(
             "/v1/orgs/org_offline/usage?period={}&as_of={}",

@@ -2,10 +2,10 @@
 //! of every kind is reconciled to exactly those, with exact deltas and costs to the cent.
 
 use chrono::{Duration, DurationRound, Utc};
-use serde_json::{json, Value};
+use serde_json::json;
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp, TOKEN};
+use crate::helpers::{answered, projected_to_head, TestApp};
 
 #[tokio::test]
 async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
@@ -24,7 +24,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     events.extend(lifecycle("beta", "c_under", 5, 3)); // 2 h
     events.extend(lifecycle("beta", "c_wrong", 5, 4)); // 1 h, billed to acme
     events.extend(lifecycle("acme", "c_silent", 5, 4)); // 1 h, not in the report
-    let (status, response) = app.post_json(&json!({"events": events})).await;
+    let (status, response) = app.post_events(&json!({"events": events})).await;
     assert_eq!(status, 200, "{response}");
     projected_to_head(&app.pool, "the events are projected").await;
 
@@ -43,33 +43,11 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
         line("c_wrong", "acme", "3600", "Seconds", "0.50"),
     ]
     .join("\n");
-    let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
-        .header("content-type", "text/csv")
-        .body(csv)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let report: Value = response.json().await.unwrap();
+    let report = answered(201, app.post_report(csv).await);
 
-    let post = |body: Value| {
-        let request = app
-            .client
-            .post(app.url("/v1/reconciliations"))
-            .bearer_auth(TOKEN)
-            .json(&body);
-        async move {
-            let response = request.send().await.unwrap();
-            (
-                response.status().as_u16(),
-                response.json::<Value>().await.unwrap(),
-            )
-        }
-    };
-    let (status, result) = post(json!({"report_id": report["report_id"]})).await;
+    let (status, result) = app
+        .post_reconciliation(&json!({"report_id": report["report_id"]}))
+        .await;
     assert_eq!(status, 201, "{result}");
     assert_eq!(
         result["counts"],
@@ -82,16 +60,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     );
 
     let id = result["reconciliation_id"].as_str().unwrap();
-    let csv = app
-        .client
-        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_lines(id).await;
     let mut lines = csv.lines();
     assert_eq!(
         lines.next().unwrap(),
@@ -141,16 +110,9 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
         ["3600000", "0", "-3600000", "missing_in_provider"]
     );
 
-    let json_lines: Value = app
-        .client
-        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv?format=json")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, json_lines) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
     assert_eq!(json_lines["lines"].as_array().unwrap().len(), 6);
 
     for (body, status, code) in [
@@ -171,7 +133,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "invalid_tolerance",
         ),
     ] {
-        let (actual, error) = post(body.clone()).await;
+        let (actual, error) = app.post_reconciliation(&body).await;
         assert_eq!(
             (actual, error["error"]["code"].as_str()),
             (status, Some(code)),
@@ -233,7 +195,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
             "container_id": s.container, "occurred_at": stamp(s.start + Duration::seconds(s.seconds))}));
     }
     for chunk in events.chunks(1000) {
-        let (status, response) = app.post_json(&json!({"events": chunk})).await;
+        let (status, response) = app.post_events(&json!({"events": chunk})).await;
         assert_eq!(status, 200, "{response}");
     }
     projected_to_head(&app.pool, "the events are projected").await;
@@ -275,43 +237,19 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
         stamp(today - Duration::days(1))
     ));
     let report_lines = lines.len() - 1;
-    let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
-        .header("content-type", "text/csv")
-        .body(lines.join("\n"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let report: Value = response.json().await.unwrap();
-    let response = app
-        .client
-        .post(app.url("/v1/reconciliations"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"report_id": report["report_id"]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let result: Value = response.json().await.unwrap();
+    let report = answered(201, app.post_report(lines.join("\n")).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
     assert_eq!(
         result["counts"],
         json!({"matched": report_lines - 4, "provider_over": 1, "provider_under": 1,
                "missing_in_ledger": 1, "org_mismatch": 1, "missing_in_provider": 1})
     );
     let id = result["reconciliation_id"].as_str().unwrap();
-    let csv = app
-        .client
-        .get(app.url(&format!("/v1/reconciliations/{id}/lines.csv")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, csv) = app.get_lines(id).await;
     let rows: Vec<Vec<String>> = csv
         .lines()
         .skip(1)

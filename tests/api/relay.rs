@@ -173,22 +173,15 @@ async fn with_two_instances_appending_the_stream_holds_exactly_the_ledger_in_ord
 
     let writers: Vec<_> = (0..16)
         .map(|writer| {
-            let client = first.client.clone();
-            let address = addresses[writer % 2];
+            let api = first.at(addresses[writer % 2]);
             tokio::spawn(async move {
                 for request in 0..15 {
                     let size = 1 + (writer + request) % 3;
                     let events: Vec<Value> = (0..size)
                         .map(|n| valid_event(&format!("org_{writer}"), "ctr_r", request * 3 + n))
                         .collect();
-                    let response = client
-                        .post(format!("http://{address}/v1/events"))
-                        .bearer_auth(TOKEN)
-                        .json(&json!({ "events": events }))
-                        .send()
-                        .await
-                        .unwrap();
-                    assert_eq!(response.status().as_u16(), 200);
+                    let (status, _) = api.post_events(&json!({ "events": events })).await;
+                    assert_eq!(status, 200);
                 }
             })
         })

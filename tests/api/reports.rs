@@ -1,9 +1,10 @@
 //! Provider report import: FOCUS CSV, all-or-nothing, errors naming line and
 //! column, the same bytes again are the same report.
 
+use reqwest::Method;
 use serde_json::Value;
 
-use crate::helpers::{TestApp, TOKEN};
+use crate::helpers::TestApp;
 
 const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ProviderName";
 
@@ -13,20 +14,6 @@ fn report(lines: &[&str]) -> String {
         .collect::<Vec<_>>()
         .join("\n")
         + "\n"
-}
-
-async fn import(app: &TestApp, body: String) -> (u16, Value) {
-    let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
-        .header("content-type", "text/csv")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
 }
 
 async fn stored(app: &TestApp) -> (i64, i64) {
@@ -57,7 +44,7 @@ async fn a_report_is_stored_once_by_its_bytes_with_exact_decimals() {
         .collect();
     let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
     let body = report(&refs);
-    let (status, first) = import(&app, body.clone()).await;
+    let (status, first) = app.post_report(body.clone()).await;
     assert_eq!(status, 201, "{first}");
     assert_eq!(first["lines"], 12_000);
     assert_eq!(first["window_start"], "2026-11-01T00:00:00.000Z");
@@ -67,7 +54,7 @@ async fn a_report_is_stored_once_by_its_bytes_with_exact_decimals() {
         hex::encode(sha2::Sha256::digest(body.as_bytes()))
     };
     assert_eq!(first["sha256"], expected_sha);
-    let (status, again) = import(&app, body).await;
+    let (status, again) = app.post_report(body).await;
     assert_eq!(status, 200, "the same bytes: the same report");
     assert_eq!(again["report_id"], first["report_id"]);
     assert_eq!(stored(&app).await, (1, 12_000));
@@ -134,7 +121,7 @@ async fn broken_reports_are_refused_naming_line_and_column_and_store_nothing() {
         (report(&[]), 2, None, "empty_report"),
     ];
     for (body, line, column, code) in cases {
-        let (status, error) = import(&app, body.clone()).await;
+        let (status, error) = app.post_report(body.clone()).await;
         assert_eq!(status, 422, "{body:?}: {error}");
         assert_eq!(error["error"]["code"], code, "{body:?}");
         assert_eq!(error["error"]["details"][0]["line"], line, "{body:?}");
@@ -145,9 +132,7 @@ async fn broken_reports_are_refused_naming_line_and_column_and_store_nothing() {
         );
     }
     let response = app
-        .client
-        .post(app.url("/v1/provider-reports"))
-        .bearer_auth(TOKEN)
+        .request(Method::POST, "/v1/provider-reports")
         .header("content-type", "application/json")
         .body("{}")
         .send()
@@ -165,7 +150,7 @@ async fn a_report_past_the_size_limit_is_413_and_stores_nothing() {
         .map(|n| format!("2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c{n},3600,Seconds,0.5,USD,,"))
         .collect();
     let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
-    let (status, error) = import(&app, report(&refs)).await;
+    let (status, error) = app.post_report(report(&refs)).await;
     assert_eq!(status, 413, "{error}");
     assert_eq!(stored(&app).await, (0, 0));
     app.stop().await;

@@ -386,15 +386,11 @@ async fn a_client_that_reads_none_of_its_responses_is_disconnected_within_the_wr
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_query_parameter_is_a_json_422_naming_it() {
     let app = TestApp::spawn().await;
-    let response = app
-        .client
-        .get(app.url("/v1/orgs/org_a/usage?period=2026-11&period=2026-12"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 422);
-    let body = response.text().await.unwrap();
+    let reply = app
+        .get("/v1/orgs/org_a/usage?period=2026-11&period=2026-12")
+        .await;
+    assert_eq!(reply.status, 422);
+    let body = reply.text;
     assert_eq!(error_code(&body), "duplicate_query_parameter");
     assert!(body.contains("period"), "{body}");
     app.stop().await;

@@ -60,12 +60,10 @@ async fn wait_for_stream(js: &async_nats::jetstream::Context, count: u64) {
 
 /// Polls `/readyz` at `base` (up to 20 s) until it is 503 with the relay halted; returns
 /// its body.
-async fn wait_for_halt(client: &reqwest::Client, base: &str) -> Value {
+async fn wait_for_halt(api: &Api) -> Value {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        let response = client.get(format!("{base}/readyz")).send().await.unwrap();
-        let status = response.status().as_u16();
-        let body: Value = response.json().await.unwrap();
+        let (status, body) = api.without_token().get_json("/readyz").await;
         if status == 503 && body["relay"].as_str().unwrap_or("").starts_with("halted") {
             return body;
         }
@@ -84,7 +82,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
     let tally_url = format!("nats://tally:{TALLY_PASSWORD}@127.0.0.1:{}", nats.port);
     let producer_url = format!("nats://127.0.0.1:{}", nats.port);
     let app = TestApp::spawn_on(nats, &tally_url).await;
-    let (status, body) = app.post_json(&json!({"events": valid_events(3)})).await;
+    let (status, body) = app.post_events(&json!({"events": valid_events(3)})).await;
     assert_eq!(status, 200, "{body}");
     // Read the stream as tally does (its user, its inbox prefix).
     let tally_js = tally::bus::jetstream(tally::bus::connect(&tally_url).await.unwrap());
@@ -139,7 +137,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
 
     // The copy is untouched and the relay carries on.
     let (status, body) = app
-        .post_json(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
+        .post_events(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
         .await;
     assert_eq!(status, 200, "{body}");
     wait_for_stream(&tally_js, 5).await;
@@ -149,9 +147,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
         (200, json!("up")),
         "{ready}"
     );
-    let (status, report) = app
-        .get_json("/v1/ledger/verify?full=true&stream=true")
-        .await;
+    let (status, report) = app.verify("full=true&stream=true").await;
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["ok"], true, "{report}");
     assert_eq!(report["stream"]["messages_checked"], 5, "{report}");
@@ -162,7 +158,7 @@ async fn under_the_shipped_nats_permissions_tally_relays_and_ingests_and_a_produ
 async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz_names_it() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(5)})).await.0,
+        app.post_events(&json!({"events": valid_events(5)})).await.0,
         200
     );
     let js = app.nats.jetstream().await;
@@ -177,25 +173,17 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
     assert_eq!(forged.sequence, 6);
     // The relay finds it when it publishes position 6 and the stream refuses the sequence.
     let (status, body) = app
-        .post_json(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
+        .post_events(&json!({"events": [valid_event("org_a", "ctr_a", 1)]}))
         .await;
     assert_eq!(status, 200, "{body}");
 
-    let ready = wait_for_halt(&app.client, &format!("http://{}", app.address)).await;
+    let ready = wait_for_halt(&app).await;
     assert_eq!(ready["ready"], false);
     assert_eq!(
         ready["relay"],
         "halted: stream message 6 does not match ledger position 6: it has no Tally-Position header"
     );
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.without_token().get("/metrics").await.text;
     assert!(metrics.contains("tally_relay_halted 1"), "{metrics}");
     assert!(
         metrics.contains("tally_relay_halted_position 6"),
@@ -206,7 +194,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
         6,
         "nothing relayed past the forged message"
     );
-    let (_, report) = app.get_json("/v1/ledger/verify?stream=true").await;
+    let (_, report) = app.verify("stream=true").await;
     assert_eq!(
         (report["ok"].clone(), report["first_bad_position"].clone()),
         (json!(false), json!(6)),
@@ -219,7 +207,7 @@ async fn with_permissions_off_a_forged_ledger_message_halts_the_relay_and_readyz
 async fn a_forged_position_header_does_not_move_the_relay_which_halts_when_it_starts() {
     let mut app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(3)})).await.0,
+        app.post_events(&json!({"events": valid_events(3)})).await.0,
         200
     );
     let js = app.nats.jetstream().await;
@@ -239,21 +227,14 @@ async fn a_forged_position_header_does_not_move_the_relay_which_halts_when_it_st
     config.bootstrap_token = Some(TOKEN.to_string());
     config.relay_poll_ms = 50;
     let service = Service::start(config).await.unwrap();
-    let base = format!("http://{}", service.local_addr);
-    let ready = wait_for_halt(&app.client, &base).await;
+    let other = app.at(service.local_addr);
+    let ready = wait_for_halt(&other).await;
     assert_eq!(
         ready["relay"],
         "halted: stream message 4 does not match ledger position 4: the ledger has no position 4"
     );
-    let response = app
-        .client
-        .post(format!("{base}/v1/events"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"events": valid_events(2)}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    let (status, _) = other.post_events(&json!({"events": valid_events(2)})).await;
+    assert_eq!(status, 200);
     assert_eq!(stream_messages(&js, "TALLY_LEDGER").await, 4);
     service.stop().await;
     app.stop().await;
@@ -307,7 +288,9 @@ async fn rewrite_with_recomputed_chain(pool: &sqlx::PgPool, position: i64) {
 async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names_its_position() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        app.post_events(&json!({"events": valid_events(10)}))
+            .await
+            .0,
         200
     );
     let js = app.nats.jetstream().await;
@@ -327,7 +310,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         let (code, report, _) = run_tally_verify(&app, &nats_url, args);
         assert_eq!((code, report["ok"].clone()), (0, json!(true)), "{report}");
     }
-    let (status, report) = app.get_json("/v1/ledger/verify?full=true").await;
+    let (status, report) = app.verify("full=true").await;
     assert_eq!((status, report["ok"].clone()), (200, json!(true)));
 
     let (code, report, stderr) = run_tally_verify(&app, &nats_url, &["--stream"]);
@@ -343,9 +326,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         "{problem}"
     );
 
-    let (status, report) = app
-        .get_json("/v1/ledger/verify?full=true&stream=true")
-        .await;
+    let (status, report) = app.verify("full=true&stream=true").await;
     assert_eq!(status, 200);
     assert_eq!(
         (
@@ -356,7 +337,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
         (json!(false), json!(4), json!(4)),
         "{report}"
     );
-    let (status, refused) = app.get_json("/v1/ledger/verify?stream=yes").await;
+    let (status, refused) = app.verify("stream=yes").await;
     assert_eq!(
         (status, refused["error"]["code"].clone()),
         (422, json!("invalid_stream"))
@@ -407,16 +388,9 @@ async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
     config.bootstrap_token = Some(TOKEN.to_string());
     config.relay_poll_ms = 50;
     let service = Service::start(config).await.unwrap();
-    let client = reqwest::Client::new();
-    let base = format!("http://{}", service.local_addr);
-    let response = client
-        .post(format!("{base}/v1/events"))
-        .bearer_auth(TOKEN)
-        .json(&json!({"events": valid_events(3)}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    let api = Api::new(reqwest::Client::new(), service.local_addr);
+    let (status, _) = api.post_events(&json!({"events": valid_events(3)})).await;
+    assert_eq!(status, 200);
     wait_for_stream(&js, 4).await;
     let last = js
         .get_stream("TALLY_LEDGER")
@@ -426,17 +400,9 @@ async fn a_stream_seeded_with_the_ledgers_head_row_is_continued_not_halted() {
         .await
         .unwrap();
     assert_eq!(last.headers.get("Tally-Position").unwrap().as_str(), "8");
-    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
-    assert_eq!(ready.status().as_u16(), 200);
-    let report: Value = client
-        .get(format!("{base}/v1/ledger/verify?stream=true"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready = api.without_token().get("/readyz").await;
+    assert_eq!(ready.status, 200);
+    let (_, report) = api.verify("stream=true").await;
     assert_eq!(
         report["stream"],
         json!({"ok": true, "messages_checked": 4, "last_sequence": 4, "first_position": 5,
@@ -507,8 +473,8 @@ async fn a_message_forged_inside_a_burst_is_found_although_the_last_message_is_g
     config.bootstrap_token = Some(TOKEN.to_string());
     config.relay_poll_ms = 50;
     let service = Service::start(config).await.unwrap();
-    let client = reqwest::Client::new();
-    let ready = wait_for_halt(&client, &format!("http://{}", service.local_addr)).await;
+    let api = Api::new(reqwest::Client::new(), service.local_addr);
+    let ready = wait_for_halt(&api).await;
     assert_eq!(
         ready["relay"],
         "halted: stream message 6 does not match ledger position 6: it has no Tally-Position header"

@@ -5,43 +5,15 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{ago, TestApp, TOKEN};
+use crate::helpers::{ago, answered, Api, TestApp, TOKEN};
 use crate::plans::pro_plan;
 
 async fn create_token(app: &TestApp, body: Value) -> (String, String) {
-    let response = app
-        .client
-        .post(app.url("/v1/tokens"))
-        .bearer_auth(TOKEN)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 201);
-    let created: Value = response.json().await.unwrap();
+    let created = answered(201, app.post_token(&body).await);
     (
         created["id"].as_str().unwrap().to_owned(),
         created["token"].as_str().unwrap().to_owned(),
     )
-}
-
-async fn call(
-    app: &TestApp,
-    method: &Method,
-    path: &str,
-    body: &Option<Value>,
-    token: Option<&str>,
-) -> (u16, Value) {
-    let mut request = app.client.request(method.clone(), app.url(path));
-    if let Some(token) = token {
-        request = request.bearer_auth(token);
-    }
-    if let Some(body) = body {
-        request = request.json(body);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
 }
 
 struct Route {
@@ -51,6 +23,18 @@ struct Route {
     scope: &'static str,
     /// Acts on org `acme`: an org-bound token of another org is refused.
     org_scoped: bool,
+}
+
+impl Route {
+    /// This route's request by `api`'s caller: the status and the body as JSON, `null`
+    /// when it is not JSON (a CSV export's answer, for one).
+    async fn send(&self, api: &Api) -> (u16, Value) {
+        let reply = api
+            .send(self.method.clone(), &self.path, self.body.as_ref())
+            .await;
+        let body = serde_json::from_str(&reply.text).unwrap_or(Value::Null);
+        (reply.status, body)
+    }
 }
 
 fn routes() -> Vec<Route> {
@@ -170,26 +154,12 @@ async fn every_route_needs_a_token_and_its_scope_and_org_bound_tokens_stay_in_th
     }
     for route in routes() {
         let what = format!("{} {}", route.method, route.path);
-        let (status, body) = call(&app, &route.method, &route.path, &route.body, None).await;
+        let (status, body) = route.send(&app.without_token()).await;
         assert_eq!(status, 401, "{what} without a token: {body}");
-        let (status, _) = call(
-            &app,
-            &route.method,
-            &route.path,
-            &route.body,
-            Some("tly_not-a-token"),
-        )
-        .await;
+        let (status, _) = route.send(&app.with_token("tly_not-a-token")).await;
         assert_eq!(status, 401, "{what} with a bad token");
         for scope in scopes {
-            let (status, body) = call(
-                &app,
-                &route.method,
-                &route.path,
-                &route.body,
-                Some(&tokens[scope]),
-            )
-            .await;
+            let (status, body) = route.send(&app.with_token(&tokens[scope])).await;
             if scope == route.scope || scope == "admin" {
                 assert!(
                     status != 401 && status != 403,
@@ -201,27 +171,13 @@ async fn every_route_needs_a_token_and_its_scope_and_org_bound_tokens_stay_in_th
             }
         }
         if route.org_scoped {
-            let (status, body) = call(
-                &app,
-                &route.method,
-                &route.path,
-                &route.body,
-                Some(&bound[route.scope]),
-            )
-            .await;
+            let (status, body) = route.send(&app.with_token(&bound[route.scope])).await;
             assert_eq!(status, 403, "{what} with a token of another org: {body}");
             assert_eq!(body["error"]["code"], "org_not_allowed");
         }
     }
     // An org-bound audit token asking for no org sees its own org only.
-    let (status, page) = call(
-        &app,
-        &Method::GET,
-        "/v1/events",
-        &None,
-        Some(&bound["audit"]),
-    )
-    .await;
+    let (status, page) = app.with_token(&bound["audit"]).get_events("").await;
     assert_eq!(status, 200);
     assert_eq!(
         page["events"],
@@ -240,19 +196,12 @@ async fn a_revoked_token_stops_working_at_once_and_no_secret_is_stored() {
         secret.starts_with("tly_") && secret.len() >= 4 + 32,
         "at least 128 bits"
     );
-    let path = "/v1/orgs/acme/usage?period=2026-11";
-    let (status, _) = call(&app, &Method::GET, path, &None, Some(&secret)).await;
+    let holder = app.with_token(&secret);
+    let (status, _) = holder.get_usage("acme", "period=2026-11").await;
     assert_eq!(status, 200);
-    let (status, _) = call(
-        &app,
-        &Method::DELETE,
-        &format!("/v1/tokens/{id}"),
-        &None,
-        Some(TOKEN),
-    )
-    .await;
+    let (status, _) = app.delete_token(&id).await;
     assert_eq!(status, 200);
-    let (status, _) = call(&app, &Method::GET, path, &None, Some(&secret)).await;
+    let (status, _) = holder.get_usage("acme", "period=2026-11").await;
     assert_eq!(status, 401, "revoked at once");
 
     let bad = [
@@ -263,14 +212,7 @@ async fn a_revoked_token_stops_working_at_once_and_no_secret_is_stored() {
         json!({"scopes": ["audit"], "color": "red"}),
     ];
     for body in bad {
-        let (status, error) = call(
-            &app,
-            &Method::POST,
-            "/v1/tokens",
-            &Some(body.clone()),
-            Some(TOKEN),
-        )
-        .await;
+        let (status, error) = app.post_token(&body).await;
         assert_eq!(status, 422, "{body}: {error}");
     }
 

@@ -1,6 +1,6 @@
 //! `tally verify` and `GET /v1/ledger/verify` find tampering and name the position.
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::helpers::*;
 
@@ -21,7 +21,9 @@ async fn tamper(pool: &sqlx::PgPool, statement: &str) {
 async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        app.post_events(&json!({"events": valid_events(10)}))
+            .await
+            .0,
         200
     );
 
@@ -43,16 +45,7 @@ async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
     assert!(stderr.contains("position 4"), "{stderr}");
 
     // Row 4 is behind the checkpoint the intact pass above stored: the full pass finds it.
-    let http: Value = app
-        .client
-        .get(app.url("/v1/ledger/verify?full=true"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, http) = app.verify("full=true").await;
     assert_eq!(http["first_bad_position"], 4);
     assert_eq!(http["ok"], false);
     app.stop().await;
@@ -62,7 +55,7 @@ async fn verify_exits_one_and_names_the_position_of_an_altered_row() {
 async fn verify_detects_a_deleted_row_and_a_changed_timestamp() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(6)})).await.0,
+        app.post_events(&json!({"events": valid_events(6)})).await.0,
         200
     );
     tamper(
@@ -83,35 +76,25 @@ async fn verify_detects_a_deleted_row_and_a_changed_timestamp() {
     app.stop().await;
 }
 
-async fn verify_api(app: &TestApp, query: &str) -> Value {
-    let response = app
-        .client
-        .get(app.url(&format!("/v1/ledger/verify{query}")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    response.json().await.unwrap()
-}
-
 #[tokio::test]
 async fn incremental_verification_checks_only_new_rows_and_the_full_pass_finds_older_tampering() {
     let app = TestApp::spawn().await;
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(10)})).await.0,
+        app.post_events(&json!({"events": valid_events(10)}))
+            .await
+            .0,
         200
     );
-    let first = verify_api(&app, "").await;
+    let first = ok(app.verify("").await);
     assert_eq!(
         (first["ok"].clone(), first["events_checked"].clone()),
         (json!(true), json!(10))
     );
     assert_eq!(
-        app.post_json(&json!({"events": valid_events(5)})).await.0,
+        app.post_events(&json!({"events": valid_events(5)})).await.0,
         200
     );
-    let second = verify_api(&app, "").await;
+    let second = ok(app.verify("").await);
     assert_eq!(second["from_position"], 10, "{second}");
     assert_eq!(
         second["events_checked"], 5,
@@ -126,8 +109,8 @@ async fn incremental_verification_checks_only_new_rows_and_the_full_pass_finds_o
         "UPDATE ledger SET data = '{\"name\": \"forged\"}' WHERE position = 3",
     )
     .await;
-    assert_eq!(verify_api(&app, "").await["ok"], true);
-    let full = verify_api(&app, "?full=true").await;
+    assert_eq!(ok(app.verify("").await)["ok"], true);
+    let full = ok(app.verify("full=true").await);
     assert_eq!(
         (full["ok"].clone(), full["first_bad_position"].clone()),
         (json!(false), json!(3))
@@ -137,16 +120,9 @@ async fn incremental_verification_checks_only_new_rows_and_the_full_pass_finds_o
         "UPDATE ledger SET hash = decode(repeat('ab', 32), 'hex') WHERE position = 15",
     )
     .await;
-    let incremental = verify_api(&app, "").await;
+    let incremental = ok(app.verify("").await);
     assert_eq!(incremental["first_bad_position"], 15, "{incremental}");
 
-    let response = app
-        .client
-        .get(app.url("/v1/ledger/verify?full=yes"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 422);
+    assert_eq!(app.verify("full=yes").await.0, 422);
     app.stop().await;
 }
