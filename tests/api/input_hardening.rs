@@ -374,28 +374,30 @@ async fn a_bad_query_or_plan_id_is_answered_before_a_bad_body() {
     let app = TestApp::spawn().await;
     let bad_body = r#"{"org_id": "acme", "color": "red"}"#;
     for path in ["/v1/admission/check", "/v1/admission/reservations"] {
-        let (status, answer) = send(
-            &app,
-            reqwest::Method::POST,
-            &format!("{path}?color=red"),
-            "application/json",
-            bad_body,
-        )
-        .await;
+        let (status, answer) = app
+            .send_bytes(
+                reqwest::Method::POST,
+                &format!("{path}?color=red"),
+                "application/json",
+                bad_body,
+            )
+            .await
+            .status_json();
         assert_eq!(
             (status, answer["error"]["code"].as_str()),
             (422, Some("unknown_parameter")),
             "{path}: {answer}"
         );
     }
-    let (status, answer) = send(
-        &app,
-        reqwest::Method::PUT,
-        "/v1/plans/bad.id",
-        "application/json",
-        bad_body,
-    )
-    .await;
+    let (status, answer) = app
+        .send_bytes(
+            reqwest::Method::PUT,
+            "/v1/plans/bad.id",
+            "application/json",
+            bad_body,
+        )
+        .await
+        .status_json();
     assert_eq!(
         (status, answer["error"]["code"].as_str()),
         (422, Some("invalid_plan_id")),
