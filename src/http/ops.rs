@@ -79,10 +79,21 @@ pub async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
     )
 }
 
+/// The document, built and serialized once: it never changes while the process runs, and
+/// building it takes far longer than sending it.
+static OPENAPI_JSON: std::sync::LazyLock<bytes::Bytes> = std::sync::LazyLock::new(|| {
+    serde_json::to_vec(&ApiDoc::openapi())
+        .expect("the OpenAPI document serializes")
+        .into()
+});
+
 /// This document.
 #[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, body = Object)))]
 pub async fn openapi_json() -> impl IntoResponse {
-    Json(ApiDoc::openapi())
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        OPENAPI_JSON.clone(),
+    )
 }
 
 struct BearerAuth;
