@@ -1,4 +1,4 @@
-//! `tally bench`, third part: how many admission checks the service answers, how fast at
+//! `tally-bench`, third part: how many admission checks the service answers, how fast at
 //! half that load, and what the floor of the same HTTP path is.
 //!
 //! It runs after the projection part, in a scratch database and NATS namespace of its own,
@@ -30,22 +30,22 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use super::{
+use crate::{
     load_average, max_ms, measured_then_cleaned, percentile_ms, print_lines, verdict,
     wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
     IMAGES, PORTS, STOP_REASONS,
 };
-use crate::admission::cache::CacheStats;
-use crate::admission::{Checker, Request};
-use crate::billing::Action;
-use crate::config::Config;
-use crate::event::canonical;
-use crate::event::{ContainerId, OrgId, PlanId};
-use crate::ledger::append::Acknowledged;
-use crate::ledger::plans;
-use crate::projection::store::{self, LIVE};
-use crate::projection::Freshness;
-use crate::startup::Service;
+use tally::admission::cache::CacheStats;
+use tally::admission::{Checker, Request};
+use tally::billing::Action;
+use tally::config::Config;
+use tally::event::canonical;
+use tally::event::{ContainerId, OrgId, PlanId};
+use tally::ledger::append::Acknowledged;
+use tally::ledger::plans;
+use tally::projection::store::{self, LIVE};
+use tally::projection::Freshness;
+use tally::startup::Service;
 
 /// Checks in the throughput phase: ten seconds at the target rate.
 const CHECKS: usize = 100_000;
@@ -96,7 +96,7 @@ const RUN_MAX_MS: i64 = 30 * 60 * 1_000;
 /// Commands per container.
 const COMMANDS_PER_CONTAINER: usize = 3;
 /// Events per population batch: the service's batch limit.
-const POPULATION_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
+const POPULATION_BATCH_EVENTS: usize = tally::config::BATCH_EVENTS_MAX;
 /// Connections the population is posted on.
 const POPULATION_CLIENTS: usize = 4;
 /// Linux reports CPU time in clock ticks of `USER_HZ`, which is 100 on every architecture
@@ -1438,7 +1438,7 @@ impl Report {
     fn print(&self, args: &AdmissionArgs, database_url: &str, scratch: &Scratch) {
         println!();
         println!(
-            "tally bench, admission: Postgres {database_url} (scratch database {}); {} orgs, \
+            "tally-bench, admission: Postgres {database_url} (scratch database {}); {} orgs, \
              {CONTAINERS_PER_ORG} containers each; one org in {FULL_ONE_IN} at its {MAX_RUNNING} \
              running slots, one in {TRIAL_ONE_IN} past its allowance; random create, resume, run \
              and publish_port",

@@ -1,4 +1,4 @@
-//! `tally bench` itself, on small sizes: the parts that measure the service run end to end
+//! `tally-bench` itself, on small sizes: the parts that measure the service run end to end
 //! against real Postgres and NATS, every correctness check they make passes (the run fails
 //! otherwise), and they remove the scratch databases they create. The figures are not
 //! looked at: speed is the bench's to report, not a test's to assert.
@@ -7,10 +7,12 @@ use std::collections::HashSet;
 
 use clap::Parser;
 use sqlx::PgPool;
-use tally::bench::BenchArgs;
 use tally::config::Config;
+use tally_bench::BenchArgs;
 
-use crate::helpers::{server_url, TestNats};
+use servers::{server_url, TestNats};
+
+mod servers;
 
 #[derive(Parser)]
 struct Cli {
@@ -66,7 +68,7 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         "200",
     ])
     .args;
-    tally::bench::run(Config::new(&server, &nats.url), args)
+    tally_bench::run(Config::new(&server, &nats.url), args)
         .await
         .expect("the bench runs and every check it makes passes");
 
@@ -107,7 +109,7 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
         "2",
     ])
     .args;
-    tally::bench::run(Config::new(&server, &nats.url), args)
+    tally_bench::run(Config::new(&server, &nats.url), args)
         .await
         .expect("the bench runs and every check it makes passes");
 

@@ -1,5 +1,6 @@
-//! `tally bench`: how fast the whole service ingests, next to what Postgres and JetStream
-//! do raw with the same rows and messages, measured in one run on the same machine.
+//! `tally-bench`: how fast the whole service ingests, next to what Postgres and JetStream
+//! do raw with the same rows and messages, measured in one run on the same machine. A crate
+//! of its own, so that none of the load generator is compiled into the `tally` binary.
 //!
 //! It starts no server of its own: it uses the configured Postgres and NATS, in a scratch
 //! database (`tally_bench_<hex>`) and a NATS namespace (`bench<hex>`) of its own, and runs
@@ -40,21 +41,21 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use crate::bus::{self, Names};
-use crate::config::Config;
-use crate::event::canonical;
-use crate::event::parse::{parse_body, BodyKind};
-use crate::event::{Event, TimeBounds};
-use crate::ledger::rows::{self, Rows};
-use crate::ledger::{db, verify};
-use crate::projection::store::{self, LIVE};
-use crate::startup::Service;
+use tally::bus::{self, Names};
+use tally::config::Config;
+use tally::event::canonical;
+use tally::event::parse::{parse_body, BodyKind};
+use tally::event::{Event, TimeBounds};
+use tally::ledger::rows::{self, Rows};
+use tally::ledger::{db, verify};
+use tally::projection::store::{self, LIVE};
+use tally::startup::Service;
 
 /// Events posted in batches over HTTP: 200 full batches, enough for a stable p99 and a few
 /// seconds of sustained load, yet the whole run stays within about two minutes.
 const HTTP_EVENTS: usize = 200_000;
 /// Events per HTTP batch: the service's maximum, a producer's best case.
-const HTTP_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
+const HTTP_BATCH_EVENTS: usize = tally::config::BATCH_EVENTS_MAX;
 /// Concurrent batch producers: enough to keep a group commit waiting behind every commit.
 const HTTP_BATCH_CLIENTS: usize = 4;
 /// Events posted one per request: a thousand per client at the default client count.
@@ -726,7 +727,7 @@ async fn seed_ledger_stream(
 ) -> anyhow::Result<()> {
     let names = &scratch.names;
     bus::apply_streams(nats, names, &["TALLY_LEDGER"]).await?;
-    let rows = crate::ledger::read::read_after(&mut *connection, head - 1, 1).await?;
+    let rows = tally::ledger::read::read_after(&mut *connection, head - 1, 1).await?;
     let row = rows.first().context("the ledger has no head row")?;
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
@@ -1208,7 +1209,7 @@ async fn baseline_publish(
         .context("the ingest stream has no definition")?;
     config.name = scratch.baseline_stream();
     config.subjects = vec![scratch.names.subject("baseline.>")];
-    config.description = Some("tally bench: raw publish baseline".to_owned());
+    config.description = Some("tally-bench: raw publish baseline".to_owned());
     nats.create_stream(config)
         .await
         .context("cannot create the baseline stream")?;
@@ -1466,7 +1467,7 @@ struct GroupCommits {
 
 impl GroupCommits {
     fn now() -> GroupCommits {
-        let text = crate::telemetry::metrics_handle().render();
+        let text = tally::telemetry::metrics_handle().render();
         let value = |name: &str| {
             text.lines()
                 .find_map(|line| {
@@ -1768,7 +1769,7 @@ impl Report {
         let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!();
         println!(
-            "tally bench: {cpus} CPUs; Postgres {database_url} (scratch database {}); NATS {} \
+            "tally-bench: {cpus} CPUs; Postgres {database_url} (scratch database {}); NATS {} \
              (namespace {})",
             scratch.database_name,
             without_password(&config.nats_url),
