@@ -588,8 +588,6 @@ async fn send_all(service: &Service, token: &str, load: Load<'_>) -> anyhow::Res
     let elapsed = started.elapsed();
     drop(pacer);
     assert_eq!(latencies.len(), count, "every request is sent once");
-    latencies.sort_unstable();
-    latencies_from_due.sort_unstable();
     indexed.sort_unstable_by_key(|(index, _)| *index);
     Ok(Answered {
         elapsed,
@@ -1292,14 +1290,7 @@ async fn measure_checker(
         plans::versions(&service.pool, &plan).await?;
         versions_latencies.push(sent.elapsed());
     }
-    for latencies in [
-        &mut check_latencies,
-        &mut fresh_latencies,
-        &mut versions_latencies,
-    ] {
-        latencies.sort_unstable();
-    }
-    let p50 = |sorted: &[Duration]| percentile_ms(sorted, 0.50);
+    let p50 = |latencies: &[Duration]| percentile_ms(latencies, 0.50);
     let sequential = Line {
         figure: Figure::new(
             format!("admission::check, {facts}, one at a time (no HTTP)"),
@@ -1374,7 +1365,7 @@ async fn measure_waits(
         stream_commands(service, token, population, &stop)
     );
     let elapsed = started.elapsed();
-    let (mut waited, mut not_waited) = timed?;
+    let (waited, not_waited) = timed?;
     let streamed = streamed?;
     checks.push(Check {
         description: format!(
@@ -1382,8 +1373,6 @@ async fn measure_waits(
         ),
         passed: *service.appender.head().borrow() - head_before == i64::try_from(streamed)?,
     });
-    waited.sort_unstable();
-    not_waited.sort_unstable();
     let ratio = |fraction: f64| {
         percentile_ms(&waited, fraction) / percentile_ms(&not_waited, fraction).max(f64::EPSILON)
     };

@@ -637,9 +637,6 @@ async fn measure_pages(
         passed: problems.count == 0,
     });
 
-    org_latencies.sort_unstable();
-    big_latencies.sort_unstable();
-    container_latencies.sort_unstable();
     let total = |latencies: &[Duration]| latencies.iter().sum::<Duration>();
     let mean_events = |asked: &[Asked]| {
         asked.iter().map(|asked| asked.events).sum::<usize>() as f64 / asked.len() as f64
@@ -735,7 +732,6 @@ async fn measure_direct(
                 page.events
             );
         }
-        latencies.sort_unstable();
         // The plan of the page at the median cursor, as a custom plan with its values.
         let median = &asked[asked.len() / 2];
         let plan = explain(service, ledger, median).await?;

@@ -33,6 +33,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use bytes::Bytes;
 use chrono::{DateTime, SubsecRound, Utc};
+use hdrhistogram::Histogram;
 use rand::seq::IndexedRandom;
 use rand::Rng;
 use serde_json::json;
@@ -1118,7 +1119,6 @@ async fn baseline_unnest(
         assert_eq!(inserted, batch.len() as u64, "UNNEST inserts every row");
     }
     let elapsed = started.elapsed();
-    latencies.sort_unstable();
     let label = format!("INSERT UNNEST x{}, one connection", rows.batches[0].len());
     Ok(Figure::new(label, rows.count, elapsed).with_latencies(&latencies))
 }
@@ -1186,7 +1186,6 @@ async fn baseline_single_rows(
     let wal = WalPosition::now(connection)
         .await?
         .since(wal_before, "INSERT one row per transaction");
-    latencies.sort_unstable();
     anyhow::ensure!(latencies.len() == rows.len(), "every row is inserted once");
     let label = format!("INSERT 1 row per transaction, {SINGLE_BASELINE_CONNECTIONS} connections");
     Ok(Figure::new(label, rows.len(), elapsed)
@@ -1312,7 +1311,6 @@ impl Endpoint {
             retries += client_retries;
         }
         let elapsed = started.elapsed();
-        latencies.sort_unstable();
         assert_eq!(latencies.len(), bodies.len(), "every body is posted once");
         Ok(Posted {
             elapsed,
@@ -1449,11 +1447,12 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
-/// The largest of `sorted` latencies, in ms.
-fn max_ms(sorted: &[Duration]) -> f64 {
-    sorted
-        .last()
-        .map_or(0.0, |last| last.as_secs_f64() * 1000.0)
+/// The longest of the latencies, in ms (0 when there are none).
+fn max_ms(durations: &[Duration]) -> f64 {
+    durations
+        .iter()
+        .max()
+        .map_or(0.0, |longest| longest.as_secs_f64() * 1000.0)
 }
 
 /// The appender's group-commit histograms, read from the process-wide metrics recorder
@@ -1585,8 +1584,9 @@ impl Figure {
         ]
     }
 
-    fn with_latencies(mut self, sorted: &[Duration]) -> Figure {
-        self.latency_ms = Some((percentile_ms(sorted, 0.50), percentile_ms(sorted, 0.99)));
+    fn with_latencies(mut self, durations: &[Duration]) -> Figure {
+        let latencies = Latencies::of(durations);
+        self.latency_ms = Some((latencies.percentile_ms(0.50), latencies.percentile_ms(0.99)));
         self
     }
 
@@ -1618,11 +1618,37 @@ impl Figure {
     }
 }
 
-/// The nearest-rank percentile of sorted durations.
-fn percentile_ms(sorted: &[Duration], fraction: f64) -> f64 {
-    assert!(!sorted.is_empty(), "a percentile of nothing");
-    let rank = (fraction * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1000.0
+/// Significant decimal digits the latency histograms keep: every percentile is within
+/// 0.1 % of the recorded value it stands for, from nanoseconds to hours.
+const LATENCY_SIGNIFICANT_DIGITS: u8 = 3;
+
+/// Durations in an HDR histogram of nanoseconds, for their percentiles.
+struct Latencies(Histogram<u64>);
+
+impl Latencies {
+    fn of(durations: &[Duration]) -> Latencies {
+        let mut histogram = Histogram::new(LATENCY_SIGNIFICANT_DIGITS)
+            .expect("3 significant digits is within hdrhistogram's range");
+        for duration in durations {
+            // Saturates only after 584 years; the histogram grows to fit the largest value.
+            let nanoseconds = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+            histogram
+                .record(nanoseconds)
+                .expect("an auto-resizing histogram records any value");
+        }
+        Latencies(histogram)
+    }
+
+    /// The duration below which `fraction` of them lie, in milliseconds.
+    fn percentile_ms(&self, fraction: f64) -> f64 {
+        assert!(!self.0.is_empty(), "a percentile of nothing");
+        self.0.value_at_quantile(fraction) as f64 / 1e6
+    }
+}
+
+/// One percentile of durations, in milliseconds (see [`Latencies`]).
+fn percentile_ms(durations: &[Duration], fraction: f64) -> f64 {
+    Latencies::of(durations).percentile_ms(fraction)
 }
 
 /// The end-of-run checks, each a sentence and whether it held.
@@ -1885,5 +1911,41 @@ fn print_table(header: &[&str], rows: &[Vec<String>]) {
     line(header.to_vec());
     for row in rows {
         line(row.iter().map(String::as_str).collect());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Within the histogram's 3 significant digits of `expected` (ms).
+    fn close_to(actual: f64, expected: f64) -> bool {
+        (actual - expected).abs() <= expected / 1000.0
+    }
+
+    #[test]
+    fn percentiles_of_shuffled_latencies_are_their_nearest_ranks_to_three_significant_digits() {
+        // 1 ms … 1000 ms in an order that is not sorted: the histogram needs no sorting.
+        let mut durations: Vec<Duration> = (1..=1000).map(Duration::from_millis).collect();
+        durations.reverse();
+        durations.swap(0, 500);
+        let latencies = Latencies::of(&durations);
+        assert!(close_to(latencies.percentile_ms(0.50), 500.0));
+        assert!(close_to(latencies.percentile_ms(0.99), 990.0));
+        assert!(close_to(latencies.percentile_ms(1.0), 1000.0));
+        assert!(close_to(percentile_ms(&durations, 0.50), 500.0));
+    }
+
+    #[test]
+    fn sub_millisecond_latencies_keep_their_microseconds() {
+        let durations = [Duration::from_micros(37); 10];
+        assert!(close_to(percentile_ms(&durations, 0.99), 0.037));
+    }
+
+    #[test]
+    fn the_longest_latency_needs_no_sorting() {
+        let durations = [3, 9, 1].map(Duration::from_millis);
+        assert_eq!(max_ms(&durations), 9.0);
+        assert_eq!(max_ms(&[]), 0.0);
     }
 }

@@ -871,9 +871,6 @@ async fn measure_usage(
             && first.running_containers > 0,
     });
     let elapsed = |latencies: &[Duration]| latencies.iter().sum::<Duration>();
-    usage_latencies.sort_unstable();
-    eventual_latencies.sort_unstable();
-    healthz_latencies.sort_unstable();
     let usage = Figure::new(
         format!("usage of {BIG_ORG}, {period}"),
         USAGE_REQUESTS,
@@ -939,7 +936,6 @@ async fn measure_usage(
             plan.big.running
         );
     }
-    query_latencies.sort_unstable();
     let query = Line {
         figure: Figure::new(
             "usage query alone (no HTTP)",
@@ -1184,9 +1180,7 @@ async fn measure_lag(
         // A round can commit before the answer reaches the client; that lag is zero.
         lags.push(visible.saturating_duration_since(batch.acked));
     }
-    lags.sort_unstable();
-    let mut latencies: Vec<Duration> = acked.iter().map(|batch| batch.latency).collect();
-    latencies.sort_unstable();
+    let latencies: Vec<Duration> = acked.iter().map(|batch| batch.latency).collect();
     let with_readers = if readers {
         format!(", with usage reads every {LAG_READ_INTERVAL_MS} ms")
     } else {
@@ -1237,7 +1231,7 @@ async fn measure_lag(
 /// The usage reads of one paced reader during the lag load.
 struct LagReads {
     mode: ReadMode,
-    /// From the send to the whole answer, 503s included, sorted.
+    /// From the send to the whole answer, 503s included.
     latencies: Vec<Duration>,
     /// Answered 503 `projection_lagging`.
     lagging: usize,
@@ -1389,7 +1383,6 @@ async fn read_during_lag(
             _ => anyhow::bail!("GET {uri} answered {status}: {}", crate::excerpt(&answer)),
         }
     }
-    reads.latencies.sort_unstable();
     Ok(reads)
 }
 

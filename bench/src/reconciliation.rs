@@ -557,30 +557,14 @@ impl Memory {
 }
 
 /// Starts a new peak: the kernel sets VmHWM back to the current RSS (`clear_refs` 5,
-/// Linux 4.0+). Before that, memory the allocator still holds from building the ledger
-/// and the replay is given back, so that the peak that follows is what the measured
-/// step holds, not what earlier steps left in the allocator's free lists.
+/// Linux 4.0+). No call gives free memory back first: the allocator is mimalloc (see
+/// `main.rs`), which purges pages that become wholly free by itself, 10 ms after (its
+/// `purge_delay` default), so what building the ledger and the replay freed is not held.
 fn reset_peak() -> anyhow::Result<Memory> {
-    release_free_memory();
     std::fs::write("/proc/self/clear_refs", "5")
         .context("cannot reset the peak RSS through /proc/self/clear_refs")?;
     Memory::now()
 }
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn release_free_memory() {
-    extern "C" {
-        fn malloc_trim(pad: usize) -> std::ffi::c_int;
-    }
-    // SAFETY: glibc's malloc_trim only returns free pages of its own arenas to the kernel;
-    // it takes no pointers and is safe to call from any thread at any time.
-    unsafe {
-        malloc_trim(0);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn release_free_memory() {}
 
 /// Builds the ledger, replays it and writes the report (not timed), then measures.
 async fn prepare_and_measure(
