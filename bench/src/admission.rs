@@ -745,7 +745,7 @@ async fn measure(
         .post_all(&population.bodies, POPULATION_CLIENTS)
         .await?;
     let head = *service.appender.head().borrow();
-    wait_for_projection(service, head).await?;
+    wait_for_projection(&service.pool, head).await?;
     // A live database's autovacuum has analyzed its tables; freshly filled ones have no
     // statistics, and the planner would guess.
     sqlx::query("ANALYZE").execute(&service.pool).await?;

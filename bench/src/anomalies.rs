@@ -307,7 +307,7 @@ async fn measure(
         let warmup = bodies(kind, warmup_events);
         endpoint.post_all(&Arc::new(warmup), CLIENTS).await?;
         head += i64::try_from(warmup_events)?;
-        wait_for_projection(service, head).await?;
+        wait_for_projection(&service.pool, head).await?;
     }
     for round in 0..ROUNDS {
         for (kind, label) in [(0, "running"), (1, "stray")] {
@@ -326,7 +326,7 @@ async fn measure(
                 appended == head,
                 "the ledger head is {appended} after posting, expected {head}"
             );
-            wait_for_projection(service, head).await?;
+            wait_for_projection(&service.pool, head).await?;
             let elapsed = started.elapsed();
             totals[kind].0 += events;
             totals[kind].1 += elapsed;

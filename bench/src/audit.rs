@@ -896,7 +896,7 @@ async fn measure_verify(
         target: format!("checks only the new rows: {}", verdict(only_new)),
     };
     // So that the projector is idle when the service stops.
-    wait_for_projection(service, expected_head).await?;
+    wait_for_projection(&service.pool, expected_head).await?;
     Ok([full_line, append_line, incremental_line])
 }
 

@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use tally::config::Config;
 use tally_bench::BenchArgs;
 
-use servers::{server_url, TestNats};
+use servers::{server_url, tally_binary, TestNats};
 
 mod servers;
 
@@ -44,8 +44,12 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         .expect("connecting to the test server");
     let before = scratch_databases(&admin).await;
 
+    // The ingest part starts this workspace's tally binary as `tally serve`.
+    let serve_binary = tally_binary();
     let args = Cli::parse_from([
         "bench",
+        "--serve-binary",
+        serve_binary.to_str().expect("a UTF-8 path"),
         "--only",
         "ingest,admission,anomalies",
         "--http-events",
@@ -116,4 +120,27 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
     let left = scratch_databases(&admin).await;
     let created: Vec<&String> = left.difference(&before).collect();
     assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ingest_part_refuses_to_start_without_a_tally_binary_to_serve() {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let args = Cli::parse_from([
+        "bench",
+        "--serve-binary",
+        "/nonexistent/tally",
+        "--only",
+        "ingest",
+    ])
+    .args;
+    let error = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect_err("the ingest part needs tally serve as a child process");
+    assert!(
+        error
+            .to_string()
+            .contains("no tally binary at /nonexistent/tally"),
+        "{error:#}"
+    );
 }

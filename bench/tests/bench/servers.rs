@@ -85,3 +85,21 @@ fn nats_server_binary() -> PathBuf {
     }
     PathBuf::from("nats-server")
 }
+
+/// The `tally` binary of this workspace, built if needed (`cargo build -p tally --bin
+/// tally`), for the parts that start `tally serve` as a child process.
+pub fn tally_binary() -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let output = Command::new(cargo)
+        .args(["build", "--quiet", "-p", "tally", "--bin", "tally"])
+        .args(["--message-format", "json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running cargo build");
+    assert!(output.status.success(), "cargo build -p tally failed");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find_map(|message| Some(PathBuf::from(message["executable"].as_str()?)))
+        .expect("cargo build names the tally executable")
+}
