@@ -506,9 +506,9 @@ impl<'a> Load<'a> {
 /// What a phase's clients saw.
 struct Answered {
     elapsed: Duration,
-    /// Sorted, from each request's send.
+    /// From each request's send.
     latencies: Vec<Duration>,
-    /// Sorted, from each request's due instant (paced phases only).
+    /// From each request's due instant (paced phases only).
     latencies_from_due: Vec<Duration>,
     /// By request index, when kept.
     answers: Vec<Bytes>,

@@ -1310,7 +1310,7 @@ struct Endpoint {
 
 struct Posted {
     elapsed: Duration,
-    /// Sorted.
+    /// One per body.
     latencies: Vec<Duration>,
     retries: u64,
 }
