@@ -1,5 +1,5 @@
 //! The command line: `tally serve | migrate | verify | replay | audit | export | reports |
-//! bench | periods`.
+//! periods`.
 
 use std::process::ExitCode;
 
@@ -54,8 +54,6 @@ pub enum Command {
         #[command(subcommand)]
         command: ReportsCommand,
     },
-    /// Measure ingest against raw Postgres and JetStream baselines (uses a scratch database).
-    Bench(crate::bench::BenchArgs),
     /// Finance periods.
     Periods {
         #[command(subcommand)]
@@ -246,10 +244,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "new": new,
                 })
             );
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Bench(args) => {
-            crate::bench::run(cli.config, args).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Periods {

@@ -85,7 +85,7 @@ pub const HTTP_WRITE_TIMEOUT_MS: u64 = 30_000;
 /// Requests in progress at once from one token; past it that token's requests get 429
 /// `too_many_requests` with `Retry-After` while other tokens are served. A quarter of
 /// [`HTTP_CONCURRENCY_MAX`], so that it takes four tokens to fill every slot; well above
-/// the 64 clients `tally bench` runs with one token.
+/// the 64 clients `tally-bench` runs with one token.
 pub const TOKEN_CONCURRENCY_MAX: usize = 256;
 
 /// Orgs a period close or usage export reads, prices and writes per batch: a batch is a few

@@ -5,8 +5,6 @@
 pub mod admission;
 /// `tally audit`: the ledger as a readable timeline.
 pub mod audit;
-/// `tally bench`: throughput and latency against raw baselines, in one run.
-pub mod bench;
 /// Plans with decimal money and the admission decision (pure).
 pub mod billing;
 /// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.

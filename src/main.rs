@@ -6,7 +6,7 @@ use clap::Parser;
 
 /// mimalloc rather than glibc's malloc: the service allocates and frees small buffers for
 /// every request and row on several threads at once, where glibc's arenas spent a tenth
-/// of the process's CPU in `tally bench`'s single-event phase (malloc, free, consolidation
+/// of the process's CPU in `tally-bench`'s single-event phase (malloc, free, consolidation
 /// and arena locks).
 ///
 /// Built with `no_thp`: by default mimalloc asks for transparent huge pages on the memory

@@ -14,7 +14,7 @@
 //! flight, or the first waiting when the read before ends), not by a worker task: a check
 //! that finds Postgres idle goes at once, with no hand-off to another task and back, and a
 //! waiting one is woken once, with its facts or with the next group to read. A worker task
-//! cost two wake-ups a check; in six `tally bench` runs taking turns in one (noisy) hour
+//! cost two wake-ups a check; in six `tally-bench` runs taking turns in one (noisy) hour
 //! it answered 10 100–10 900 checks a second, and this way 10 600–13 000. Two groups in
 //! flight at once measured no better than one.
 

@@ -5,7 +5,7 @@
 //! every publish carries `Nats-Expected-Last-Sequence`, so the two numbers move together
 //! for as long as nothing else writes to the stream: sequence `s` holds position
 //! `s + offset`. The offset is 0 when the relay filled the stream from position 1; a stream
-//! seeded with a later position (as `tally bench` seeds its scratch stream) has the offset
+//! seeded with a later position (as `tally-bench` seeds its scratch stream) has the offset
 //! of its first message, which must itself be its ledger row. Beyond that first message
 //! the check never takes a position from a message: it compares the message at sequence
 //! `s` with ledger row `s + offset`: the `Tally-Position` header, the event id

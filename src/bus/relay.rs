@@ -42,7 +42,7 @@ pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
 /// After being woken by a commit, the relay waits this long before reading, so that one
 /// round (a query, a burst of publishes, their acks) carries several group commits rather
 /// than one each. At 5 ms a round carries a commit or two of single events; at 20 ms a
-/// dozen, which makes `tally bench` single-event ingest about 8 % faster for 15 ms more
+/// dozen, which makes `tally-bench` single-event ingest about 8 % faster for 15 ms more
 /// relay lag.
 const LINGER_MS: u64 = 20;
 /// Pause after an error before re-synchronizing with the stream.

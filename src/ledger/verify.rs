@@ -43,7 +43,7 @@ pub struct StreamReport {
     /// The stream's last sequence when the pass began.
     pub last_sequence: u64,
     /// The ledger position of the stream's first message: 1, unless the stream was seeded
-    /// with a later one (as `tally bench` does); 0 for an empty stream.
+    /// with a later one (as `tally-bench` does); 0 for an empty stream.
     pub first_position: i64,
     /// Rows after `last_sequence`, not relayed yet when the pass began.
     pub rows_not_in_stream: u64,

@@ -8,7 +8,6 @@ mod admission_consistency;
 mod anomalies;
 mod append_isolation;
 mod audit;
-mod bench;
 mod checker;
 mod concurrency;
 mod consistency;

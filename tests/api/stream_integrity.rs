@@ -345,7 +345,7 @@ async fn a_rewrite_with_a_recomputed_chain_passes_verify_but_verify_stream_names
     app.stop().await;
 }
 
-/// `tally bench` seeds its scratch stream with the ledger's head row instead of relaying a
+/// `tally-bench` seeds its scratch stream with the ledger's head row instead of relaying a
 /// `COPY`-built history: a first message that is its ledger row fixes where the stream
 /// starts, and the relay continues from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,10 +1,13 @@
-//! `tally bench`: how fast the whole service ingests, next to what Postgres and JetStream
-//! do raw with the same rows and messages, measured in one run on the same machine.
+//! `tally-bench`: how fast the whole service ingests, next to what Postgres and JetStream
+//! do raw with the same rows and messages, measured in one run on the same machine. A crate
+//! of its own, so that none of the load generator is compiled into the `tally` binary.
 //!
-//! It starts no server of its own: it uses the configured Postgres and NATS, in a scratch
-//! database (`tally_bench_<hex>`) and a NATS namespace (`bench<hex>`) of its own, and runs
-//! the real service in-process (HTTP, group-commit appender, relay, ingest consumer). Both
-//! are removed at the end, also when a step fails or the run is interrupted.
+//! It uses the configured Postgres and NATS, in a scratch database (`tally_bench_<hex>`)
+//! and a NATS namespace (`bench<hex>`) of its own. The ingest part starts the real `tally
+//! serve` binary as a child process (see `child`) and reads its CPU time and peak memory
+//! from `/proc`; the other parts run the service in-process (HTTP, group-commit appender,
+//! relay, ingest consumer). Both are removed at the end, also when a step fails or the run
+//! is interrupted.
 //!
 //! Flow: generate every event and check it with the service's own parser, serialize every
 //! body and build the baseline rows (nothing of that is timed) → baselines while the
@@ -19,6 +22,7 @@
 mod admission;
 mod anomalies;
 mod audit;
+mod child;
 mod projection;
 mod reconciliation;
 
@@ -32,6 +36,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use bytes::Bytes;
 use chrono::{DateTime, SubsecRound, Utc};
+use hdrhistogram::Histogram;
 use rand::seq::IndexedRandom;
 use rand::Rng;
 use serde_json::json;
@@ -40,21 +45,20 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use crate::bus::{self, Names};
-use crate::config::Config;
-use crate::event::canonical;
-use crate::event::parse::{parse_body, BodyKind};
-use crate::event::{Event, TimeBounds};
-use crate::ledger::rows::{self, Rows};
-use crate::ledger::{db, verify};
-use crate::projection::store::{self, LIVE};
-use crate::startup::Service;
+use tally::bus::{self, Names};
+use tally::config::Config;
+use tally::event::canonical;
+use tally::event::parse::{parse_body, BodyKind};
+use tally::event::{Event, TimeBounds};
+use tally::ledger::rows::{self, Rows};
+use tally::ledger::{db, verify};
+use tally::projection::store::{self, LIVE};
 
 /// Events posted in batches over HTTP: 200 full batches, enough for a stable p99 and a few
 /// seconds of sustained load, yet the whole run stays within about two minutes.
 const HTTP_EVENTS: usize = 200_000;
 /// Events per HTTP batch: the service's maximum, a producer's best case.
-const HTTP_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
+const HTTP_BATCH_EVENTS: usize = tally::config::BATCH_EVENTS_MAX;
 /// Concurrent batch producers: enough to keep a group commit waiting behind every commit.
 const HTTP_BATCH_CLIENTS: usize = 4;
 /// Events posted one per request: a thousand per client at the default client count.
@@ -124,6 +128,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = ORGS)]
     pub orgs: usize,
 
+    /// The `tally` binary the ingest part starts as `tally serve` (default: the one next to
+    /// this binary).
+    #[arg(long, env = "TALLY_BENCH_SERVE_BINARY")]
+    pub serve_binary: Option<std::path::PathBuf>,
+
     /// Measure only these parts (comma-separated); every part when not given.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub only: Vec<Part>,
@@ -192,11 +201,11 @@ async fn ingest(
     args: &BenchArgs,
     nats: &jetstream::Context,
 ) -> anyhow::Result<()> {
+    let binary = child::serve_binary(args.serve_binary.as_deref())?;
     let scratch = Scratch::new(&config.database_url)?;
     let shown_database_url = without_password(&config.database_url);
     config.database_url = scratch.database_url.clone();
     config.nats_namespace = scratch.namespace.clone();
-    config.listen = "127.0.0.1:0".parse().expect("a literal address");
     config.bootstrap_token = Some(scratch.token.clone());
 
     // Everything is generated and checked before anything is created, so that a workload
@@ -210,7 +219,7 @@ async fn ingest(
     let report = measured_then_cleaned(
         &scratch,
         nats,
-        start_and_measure(config.clone(), args, &scratch, &workload, nats),
+        start_and_measure(&binary, &config, args, &scratch, &workload, nats),
     )
     .await?;
     report.print(&config, args, &shown_database_url, &scratch);
@@ -726,7 +735,7 @@ async fn seed_ledger_stream(
 ) -> anyhow::Result<()> {
     let names = &scratch.names;
     bus::apply_streams(nats, names, &["TALLY_LEDGER"]).await?;
-    let rows = crate::ledger::read::read_after(&mut *connection, head - 1, 1).await?;
+    let rows = tally::ledger::read::read_after(&mut *connection, head - 1, 1).await?;
     let row = rows.first().context("the ledger has no head row")?;
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", row.id.hyphenated().to_string().as_str());
@@ -745,27 +754,30 @@ async fn seed_ledger_stream(
     Ok(())
 }
 
-/// Starts the service, measures, and stops the service whatever happened, so that no relay
-/// or consumer outlives the run and recreates a stream after clean-up.
+/// Starts `tally serve` as a child process, measures, and stops it whatever happened, so
+/// that no relay or consumer outlives the run and recreates a stream after clean-up.
 async fn start_and_measure(
-    config: Config,
+    binary: &std::path::Path,
+    config: &Config,
     args: &BenchArgs,
     scratch: &Scratch,
     workload: &Workload,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
-    let service = Service::start(config).await?;
+    let served = child::Served::start(binary, config).await?;
     let outcome = tokio::select! {
-        outcome = measure(&service, args, scratch, workload, nats) => outcome,
+        outcome = measure(&served, args, scratch, workload, nats) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
     eprintln!("bench: stopping the service");
-    service.stop().await;
-    outcome
+    let usage = served.stop().await;
+    let mut report = outcome?;
+    report.service = Some(usage?);
+    Ok(report)
 }
 
 async fn measure(
-    service: &Service,
+    service: &child::Served,
     args: &BenchArgs,
     scratch: &Scratch,
     workload: &Workload,
@@ -793,7 +805,7 @@ async fn measure(
         names: &scratch.names,
         connection,
         endpoint: Endpoint {
-            address: service.local_addr,
+            address: service.address,
             url: "/v1/events".to_string(),
             token: scratch.token.clone(),
         },
@@ -823,7 +835,7 @@ async fn measure(
     let nats_ingest = phases.nats(&workload.nats_payloads).await?;
 
     eprintln!("bench: checking the ledger");
-    let checks = check_ledger(service, nats, &scratch.names, workload).await?;
+    let checks = check_ledger(&service.pool, nats, &scratch.names, workload).await?;
     phases.connection.close().await?;
     Ok(Report {
         baselines,
@@ -832,12 +844,13 @@ async fn measure(
         single,
         nats_ingest,
         checks,
+        service: None,
     })
 }
 
 /// What the timed phases against the running service share.
 struct Phases<'a> {
-    service: &'a Service,
+    service: &'a child::Served,
     nats: &'a jetstream::Context,
     names: &'a Names,
     /// For `CHECKPOINT`s between phases.
@@ -860,16 +873,18 @@ impl Phases<'_> {
         checkpoint(&mut self.connection).await;
         eprintln!("bench: {label}: {events} events from {clients} clients");
         let wal_before = WalPosition::now(&mut self.connection).await?;
-        let commits_before = GroupCommits::now();
+        let commits_before = GroupCommits::of(self.service).await?;
+        let cpu_before = self.service.usage()?.cpu;
         let started = Instant::now();
         let posted = self.endpoint.post_all(bodies, clients).await?;
-        let group_commits = GroupCommits::now().since(commits_before);
+        let cpu = self.service.usage()?.cpu - cpu_before;
+        let group_commits = GroupCommits::of(self.service).await?.since(commits_before);
         let wal = WalPosition::now(&mut self.connection)
             .await?
             .since(wal_before, label);
         self.head += i64::try_from(events)?;
         // Every answer came after its commit, so the head is already there.
-        let head = *self.service.appender.head().borrow();
+        let head = ledger_head(&self.service.pool).await?;
         anyhow::ensure!(
             head == self.head,
             "the ledger head is {head} after {label}, expected {}",
@@ -877,12 +892,13 @@ impl Phases<'_> {
         );
         wait_for_relay(self.nats, self.names, self.head).await?;
         let relayed = started.elapsed();
-        let projected = wait_for_projection(self.service, self.head).await?;
+        let projected = wait_for_projection(&self.service.pool, self.head).await?;
         let figure = Figure::new(label, events, posted.elapsed)
             .with_latencies(&posted.latencies)
             .with_group_commits(group_commits)
             .with_retries(posted.retries)
             .with_wal(wal)
+            .with_note(service_cpu_note(cpu, posted.elapsed))
             .with_note(projected_note(started.elapsed(), projected));
         Ok((figure, relayed))
     }
@@ -893,7 +909,8 @@ impl Phases<'_> {
         checkpoint(&mut self.connection).await;
         eprintln!("bench: NATS ingest: {} messages", payloads.len());
         let wal_before = WalPosition::now(&mut self.connection).await?;
-        let commits_before = GroupCommits::now();
+        let commits_before = GroupCommits::of(self.service).await?;
+        let cpu_before = self.service.usage()?.cpu;
         let started = Instant::now();
         // Aborted on any early return, so that no publish outlives the run.
         let mut publisher = AbortOnDrop(tokio::spawn(publish_all(
@@ -902,17 +919,18 @@ impl Phases<'_> {
             payloads.clone(),
         )));
         self.head += i64::try_from(payloads.len())?;
-        wait_for_head(self.service, self.head).await?;
+        wait_for_head(&self.service.pool, self.head).await?;
         let ingested = started.elapsed();
+        let cpu = self.service.usage()?.cpu - cpu_before;
         let published = (&mut publisher.0)
             .await
             .context("the publishing task failed")??;
-        let group_commits = GroupCommits::now().since(commits_before);
+        let group_commits = GroupCommits::of(self.service).await?.since(commits_before);
         let wal = WalPosition::now(&mut self.connection)
             .await?
             .since(wal_before, "NATS ingest");
         wait_for_relay(self.nats, self.names, self.head).await?;
-        let projected = wait_for_projection(self.service, self.head).await?;
+        let projected = wait_for_projection(&self.service.pool, self.head).await?;
         Ok(Figure::new(
             "NATS ingest, publish to committed",
             payloads.len(),
@@ -920,9 +938,28 @@ impl Phases<'_> {
         )
         .with_group_commits(group_commits)
         .with_wal(wal)
+        .with_note(service_cpu_note(cpu, ingested))
         .with_note(format!("all acks after {:.2} s", published.as_secs_f64()))
         .with_note(projected_note(started.elapsed(), projected)))
     }
+}
+
+/// The CPU time `tally serve` spent during a phase, and as a share of one core.
+fn service_cpu_note(cpu: Duration, elapsed: Duration) -> String {
+    format!(
+        "tally serve CPU {:.2} s ({:.0} % of a core)",
+        cpu.as_secs_f64(),
+        100.0 * cpu.as_secs_f64() / elapsed.as_secs_f64()
+    )
+}
+
+/// The last position of the ledger (0 when empty).
+async fn ledger_head(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT coalesce(max(position), 0)::bigint FROM ledger")
+            .fetch_one(pool)
+            .await?,
+    )
 }
 
 /// How far the projector was behind when a phase's load ended.
@@ -977,21 +1014,22 @@ async fn checkpoint(connection: &mut PgConnection) {
     }
 }
 
-async fn wait_for_head(service: &Service, expected: i64) -> anyhow::Result<()> {
-    let mut head = service.appender.head();
-    tokio::time::timeout(
-        Duration::from_millis(SETTLE_TIMEOUT_MS),
-        head.wait_for(|position| *position >= expected),
-    )
-    .await
-    .with_context(|| {
-        format!(
-            "the ledger head did not reach {expected} within {SETTLE_TIMEOUT_MS} ms (it is at {})",
-            *service.appender.head().borrow()
-        )
-    })?
-    .context("the appender stopped")?;
-    Ok(())
+/// Waits until the ledger holds `expected` events, read from the database the child
+/// commits to.
+async fn wait_for_head(pool: &sqlx::PgPool, expected: i64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_millis(SETTLE_TIMEOUT_MS);
+    loop {
+        let head = ledger_head(pool).await?;
+        if head >= expected {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the ledger head did not reach {expected} within {SETTLE_TIMEOUT_MS} ms (it is at \
+             {head})"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
 }
 
 /// Waits until the relay has published everything up to `position`. On a fresh stream the
@@ -1020,10 +1058,13 @@ async fn wait_for_relay(
 /// Waits until the projector has taken every event up to `head`; returns how long that took.
 /// A phase waits for this before it ends, so that the next phase neither shares the
 /// machine with this one's projection backlog nor is charged for it.
-pub(crate) async fn wait_for_projection(service: &Service, head: i64) -> anyhow::Result<Duration> {
+pub(crate) async fn wait_for_projection(
+    pool: &sqlx::PgPool,
+    head: i64,
+) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let deadline = started + Duration::from_millis(SETTLE_TIMEOUT_MS);
-    let mut connection = service.pool.acquire().await?;
+    let mut connection = pool.acquire().await?;
     loop {
         let projected = store::checkpoint(&mut connection, LIVE).await?;
         if projected >= head {
@@ -1117,7 +1158,6 @@ async fn baseline_unnest(
         assert_eq!(inserted, batch.len() as u64, "UNNEST inserts every row");
     }
     let elapsed = started.elapsed();
-    latencies.sort_unstable();
     let label = format!("INSERT UNNEST x{}, one connection", rows.batches[0].len());
     Ok(Figure::new(label, rows.count, elapsed).with_latencies(&latencies))
 }
@@ -1185,7 +1225,6 @@ async fn baseline_single_rows(
     let wal = WalPosition::now(connection)
         .await?
         .since(wal_before, "INSERT one row per transaction");
-    latencies.sort_unstable();
     anyhow::ensure!(latencies.len() == rows.len(), "every row is inserted once");
     let label = format!("INSERT 1 row per transaction, {SINGLE_BASELINE_CONNECTIONS} connections");
     Ok(Figure::new(label, rows.len(), elapsed)
@@ -1208,7 +1247,7 @@ async fn baseline_publish(
         .context("the ingest stream has no definition")?;
     config.name = scratch.baseline_stream();
     config.subjects = vec![scratch.names.subject("baseline.>")];
-    config.description = Some("tally bench: raw publish baseline".to_owned());
+    config.description = Some("tally-bench: raw publish baseline".to_owned());
     nats.create_stream(config)
         .await
         .context("cannot create the baseline stream")?;
@@ -1271,7 +1310,7 @@ struct Endpoint {
 
 struct Posted {
     elapsed: Duration,
-    /// Sorted.
+    /// One per body.
     latencies: Vec<Duration>,
     retries: u64,
 }
@@ -1311,7 +1350,6 @@ impl Endpoint {
             retries += client_retries;
         }
         let elapsed = started.elapsed();
-        latencies.sort_unstable();
         assert_eq!(latencies.len(), bodies.len(), "every body is posted once");
         Ok(Posted {
             elapsed,
@@ -1448,15 +1486,15 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
-/// The largest of `sorted` latencies, in ms.
-fn max_ms(sorted: &[Duration]) -> f64 {
-    sorted
-        .last()
-        .map_or(0.0, |last| last.as_secs_f64() * 1000.0)
+/// The longest of the latencies, in ms (0 when there are none).
+fn max_ms(durations: &[Duration]) -> f64 {
+    durations
+        .iter()
+        .max()
+        .map_or(0.0, |longest| longest.as_secs_f64() * 1000.0)
 }
 
-/// The appender's group-commit histograms, read from the process-wide metrics recorder
-/// the in-process service writes to.
+/// The appender's group-commit histograms, read from the child's `/metrics`.
 #[derive(Debug, Clone, Copy, Default)]
 struct GroupCommits {
     commits: f64,
@@ -1465,8 +1503,11 @@ struct GroupCommits {
 }
 
 impl GroupCommits {
-    fn now() -> GroupCommits {
-        let text = crate::telemetry::metrics_handle().render();
+    async fn of(service: &child::Served) -> anyhow::Result<GroupCommits> {
+        Ok(GroupCommits::from_text(&service.metrics().await?))
+    }
+
+    fn from_text(text: &str) -> GroupCommits {
         let value = |name: &str| {
             text.lines()
                 .find_map(|line| {
@@ -1584,8 +1625,9 @@ impl Figure {
         ]
     }
 
-    fn with_latencies(mut self, sorted: &[Duration]) -> Figure {
-        self.latency_ms = Some((percentile_ms(sorted, 0.50), percentile_ms(sorted, 0.99)));
+    fn with_latencies(mut self, durations: &[Duration]) -> Figure {
+        let latencies = Latencies::of(durations);
+        self.latency_ms = Some((latencies.percentile_ms(0.50), latencies.percentile_ms(0.99)));
         self
     }
 
@@ -1617,11 +1659,37 @@ impl Figure {
     }
 }
 
-/// The nearest-rank percentile of sorted durations.
-fn percentile_ms(sorted: &[Duration], fraction: f64) -> f64 {
-    assert!(!sorted.is_empty(), "a percentile of nothing");
-    let rank = (fraction * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1000.0
+/// Significant decimal digits the latency histograms keep: every percentile is within
+/// 0.1 % of the recorded value it stands for, from nanoseconds to hours.
+const LATENCY_SIGNIFICANT_DIGITS: u8 = 3;
+
+/// Durations in an HDR histogram of nanoseconds, for their percentiles.
+struct Latencies(Histogram<u64>);
+
+impl Latencies {
+    fn of(durations: &[Duration]) -> Latencies {
+        let mut histogram = Histogram::new(LATENCY_SIGNIFICANT_DIGITS)
+            .expect("3 significant digits is within hdrhistogram's range");
+        for duration in durations {
+            // Saturates only after 584 years; the histogram grows to fit the largest value.
+            let nanoseconds = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+            histogram
+                .record(nanoseconds)
+                .expect("an auto-resizing histogram records any value");
+        }
+        Latencies(histogram)
+    }
+
+    /// The duration below which `fraction` of them lie, in milliseconds.
+    fn percentile_ms(&self, fraction: f64) -> f64 {
+        assert!(!self.0.is_empty(), "a percentile of nothing");
+        self.0.value_at_quantile(fraction) as f64 / 1e6
+    }
+}
+
+/// One percentile of durations, in milliseconds (see [`Latencies`]).
+fn percentile_ms(durations: &[Duration], fraction: f64) -> f64 {
+    Latencies::of(durations).percentile_ms(fraction)
 }
 
 /// The end-of-run checks, each a sentence and whether it held.
@@ -1668,7 +1736,7 @@ fn print_lines<'a>(lines: impl IntoIterator<Item = &'a Line>, checks: &[Check]) 
 }
 
 async fn check_ledger(
-    service: &Service,
+    pool: &sqlx::PgPool,
     nats: &jetstream::Context,
     names: &Names,
     workload: &Workload,
@@ -1676,7 +1744,7 @@ async fn check_ledger(
     let expected = workload.expected_events();
     let (count, first, last): (i64, Option<i64>, Option<i64>) =
         sqlx::query_as("SELECT count(*), min(position), max(position) FROM ledger")
-            .fetch_one(&service.pool)
+            .fetch_one(pool)
             .await?;
     let mut checks = vec![Check {
         description: format!(
@@ -1691,7 +1759,7 @@ async fn check_ledger(
         passed: count == expected && first == Some(1) && last == Some(expected),
     }];
     let started = Instant::now();
-    let report = verify::verify(&service.pool).await?;
+    let report = verify::verify(pool).await?;
     checks.push(Check {
         description: format!(
             "hash chain recomputed over {} events in {:.1} s: {}",
@@ -1708,7 +1776,7 @@ async fn check_ledger(
         ("baseline", workload.baseline.count),
         (SINGLE_BASELINE_TABLE, workload.single_baseline.len()),
     ] {
-        let matching = same_content_as_ledger(&service.pool, table).await?;
+        let matching = same_content_as_ledger(pool, table).await?;
         checks.push(Check {
             description: format!(
                 "{matching} of the {expected} rows of {table} have the content of their \
@@ -1757,6 +1825,8 @@ struct Report {
     single: Figure,
     nats_ingest: Figure,
     checks: Vec<Check>,
+    /// The child's CPU time and peak memory over the whole part, read as it stopped.
+    service: Option<child::ProcessUsage>,
 }
 
 impl Report {
@@ -1768,7 +1838,7 @@ impl Report {
         let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!();
         println!(
-            "tally bench: {cpus} CPUs; Postgres {database_url} (scratch database {}); NATS {} \
+            "tally-bench: {cpus} CPUs; Postgres {database_url} (scratch database {}); NATS {} \
              (namespace {})",
             scratch.database_name,
             without_password(&config.nats_url),
@@ -1849,6 +1919,14 @@ impl Report {
             .collect();
         print_table(&header, &cells);
         println!();
+        if let Some(usage) = self.service {
+            println!(
+                "tally serve (a child process): CPU {:.1} s over the part, peak RSS {:.0} MiB",
+                usage.cpu.as_secs_f64(),
+                usage.peak_mb
+            );
+            println!();
+        }
         print_checks(&self.checks);
     }
 }
@@ -1884,5 +1962,41 @@ fn print_table(header: &[&str], rows: &[Vec<String>]) {
     line(header.to_vec());
     for row in rows {
         line(row.iter().map(String::as_str).collect());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Within the histogram's 3 significant digits of `expected` (ms).
+    fn close_to(actual: f64, expected: f64) -> bool {
+        (actual - expected).abs() <= expected / 1000.0
+    }
+
+    #[test]
+    fn percentiles_of_shuffled_latencies_are_their_nearest_ranks_to_three_significant_digits() {
+        // 1 ms … 1000 ms in an order that is not sorted: the histogram needs no sorting.
+        let mut durations: Vec<Duration> = (1..=1000).map(Duration::from_millis).collect();
+        durations.reverse();
+        durations.swap(0, 500);
+        let latencies = Latencies::of(&durations);
+        assert!(close_to(latencies.percentile_ms(0.50), 500.0));
+        assert!(close_to(latencies.percentile_ms(0.99), 990.0));
+        assert!(close_to(latencies.percentile_ms(1.0), 1000.0));
+        assert!(close_to(percentile_ms(&durations, 0.50), 500.0));
+    }
+
+    #[test]
+    fn sub_millisecond_latencies_keep_their_microseconds() {
+        let durations = [Duration::from_micros(37); 10];
+        assert!(close_to(percentile_ms(&durations, 0.99), 0.037));
+    }
+
+    #[test]
+    fn the_longest_latency_needs_no_sorting() {
+        let durations = [3, 9, 1].map(Duration::from_millis);
+        assert_eq!(max_ms(&durations), 9.0);
+        assert_eq!(max_ms(&[]), 0.0);
     }
 }

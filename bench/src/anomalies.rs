@@ -1,4 +1,4 @@
-//! `tally bench`, anomalies part: what commands of containers that were never created cost
+//! `tally-bench`, anomalies part: what commands of containers that were never created cost
 //! the projection once each of those containers has a thousand anomalies, next to commands
 //! of running containers, in the same run.
 //!
@@ -25,13 +25,13 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
-use super::{
+use crate::{
     checkpoint, copy_into_ledger, envelope, load_average, measured_then_cleaned, print_lines,
     seed_ledger_stream, verdict, wait_for_projection, without_password, Check, Endpoint, Figure,
     HttpConnection, Line, Scratch,
 };
-use crate::config::Config;
-use crate::startup::Service;
+use tally::config::Config;
+use tally::startup::Service;
 
 /// Containers that were never created, each with the seeded anomalies; as many are
 /// running, so that both kinds of phase spread their events over the same number of rows.
@@ -106,7 +106,7 @@ pub(super) async fn run(
     .await?;
     println!();
     println!(
-        "tally bench, anomalies: Postgres {shown_database_url} (scratch database {}); {} stray \
+        "tally-bench, anomalies: Postgres {shown_database_url} (scratch database {}); {} stray \
          containers with {} anomalies each at the start, {} running containers; {ROUNDS} \
          rounds of {} single events per kind from {CLIENTS} connections",
         scratch.database_name,
@@ -174,7 +174,7 @@ async fn prepare_and_measure(
     scratch: &Scratch,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
-    crate::ledger::db::prepare(config).await?.close().await;
+    tally::ledger::db::prepare(config).await?.close().await;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -184,7 +184,7 @@ async fn prepare_and_measure(
         .execute(&mut connection)
         .await?;
     seed_ledger_stream(&mut connection, nats, scratch, head).await?;
-    let replayed = crate::projection::replay(&mut connection).await?;
+    let replayed = tally::projection::replay(&mut connection).await?;
     checkpoint(&mut connection).await;
     connection.close().await?;
     eprintln!(
@@ -307,7 +307,7 @@ async fn measure(
         let warmup = bodies(kind, warmup_events);
         endpoint.post_all(&Arc::new(warmup), CLIENTS).await?;
         head += i64::try_from(warmup_events)?;
-        wait_for_projection(service, head).await?;
+        wait_for_projection(&service.pool, head).await?;
     }
     for round in 0..ROUNDS {
         for (kind, label) in [(0, "running"), (1, "stray")] {
@@ -326,7 +326,7 @@ async fn measure(
                 appended == head,
                 "the ledger head is {appended} after posting, expected {head}"
             );
-            wait_for_projection(service, head).await?;
+            wait_for_projection(&service.pool, head).await?;
             let elapsed = started.elapsed();
             totals[kind].0 += events;
             totals[kind].1 += elapsed;

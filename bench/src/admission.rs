@@ -1,4 +1,4 @@
-//! `tally bench`, third part: how many admission checks the service answers, how fast at
+//! `tally-bench`, third part: how many admission checks the service answers, how fast at
 //! half that load, and what the floor of the same HTTP path is.
 //!
 //! It runs after the projection part, in a scratch database and NATS namespace of its own,
@@ -30,22 +30,22 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use super::{
+use crate::{
     load_average, max_ms, measured_then_cleaned, percentile_ms, print_lines, verdict,
     wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
     IMAGES, PORTS, STOP_REASONS,
 };
-use crate::admission::cache::CacheStats;
-use crate::admission::{Checker, Request};
-use crate::billing::Action;
-use crate::config::Config;
-use crate::event::canonical;
-use crate::event::{ContainerId, OrgId, PlanId};
-use crate::ledger::append::Acknowledged;
-use crate::ledger::plans;
-use crate::projection::store::{self, LIVE};
-use crate::projection::Freshness;
-use crate::startup::Service;
+use tally::admission::cache::CacheStats;
+use tally::admission::{Checker, Request};
+use tally::billing::Action;
+use tally::config::Config;
+use tally::event::canonical;
+use tally::event::{ContainerId, OrgId, PlanId};
+use tally::ledger::append::Acknowledged;
+use tally::ledger::plans;
+use tally::projection::store::{self, LIVE};
+use tally::projection::Freshness;
+use tally::startup::Service;
 
 /// Checks in the throughput phase: ten seconds at the target rate.
 const CHECKS: usize = 100_000;
@@ -96,7 +96,7 @@ const RUN_MAX_MS: i64 = 30 * 60 * 1_000;
 /// Commands per container.
 const COMMANDS_PER_CONTAINER: usize = 3;
 /// Events per population batch: the service's batch limit.
-const POPULATION_BATCH_EVENTS: usize = crate::config::BATCH_EVENTS_MAX;
+const POPULATION_BATCH_EVENTS: usize = tally::config::BATCH_EVENTS_MAX;
 /// Connections the population is posted on.
 const POPULATION_CLIENTS: usize = 4;
 /// Linux reports CPU time in clock ticks of `USER_HZ`, which is 100 on every architecture
@@ -506,9 +506,9 @@ impl<'a> Load<'a> {
 /// What a phase's clients saw.
 struct Answered {
     elapsed: Duration,
-    /// Sorted, from each request's send.
+    /// From each request's send.
     latencies: Vec<Duration>,
-    /// Sorted, from each request's due instant (paced phases only).
+    /// From each request's due instant (paced phases only).
     latencies_from_due: Vec<Duration>,
     /// By request index, when kept.
     answers: Vec<Bytes>,
@@ -588,8 +588,6 @@ async fn send_all(service: &Service, token: &str, load: Load<'_>) -> anyhow::Res
     let elapsed = started.elapsed();
     drop(pacer);
     assert_eq!(latencies.len(), count, "every request is sent once");
-    latencies.sort_unstable();
-    latencies_from_due.sort_unstable();
     indexed.sort_unstable_by_key(|(index, _)| *index);
     Ok(Answered {
         elapsed,
@@ -747,7 +745,7 @@ async fn measure(
         .post_all(&population.bodies, POPULATION_CLIENTS)
         .await?;
     let head = *service.appender.head().borrow();
-    wait_for_projection(service, head).await?;
+    wait_for_projection(&service.pool, head).await?;
     // A live database's autovacuum has analyzed its tables; freshly filled ones have no
     // statistics, and the planner would guess.
     sqlx::query("ANALYZE").execute(&service.pool).await?;
@@ -1292,14 +1290,7 @@ async fn measure_checker(
         plans::versions(&service.pool, &plan).await?;
         versions_latencies.push(sent.elapsed());
     }
-    for latencies in [
-        &mut check_latencies,
-        &mut fresh_latencies,
-        &mut versions_latencies,
-    ] {
-        latencies.sort_unstable();
-    }
-    let p50 = |sorted: &[Duration]| percentile_ms(sorted, 0.50);
+    let p50 = |latencies: &[Duration]| percentile_ms(latencies, 0.50);
     let sequential = Line {
         figure: Figure::new(
             format!("admission::check, {facts}, one at a time (no HTTP)"),
@@ -1374,7 +1365,7 @@ async fn measure_waits(
         stream_commands(service, token, population, &stop)
     );
     let elapsed = started.elapsed();
-    let (mut waited, mut not_waited) = timed?;
+    let (waited, not_waited) = timed?;
     let streamed = streamed?;
     checks.push(Check {
         description: format!(
@@ -1382,8 +1373,6 @@ async fn measure_waits(
         ),
         passed: *service.appender.head().borrow() - head_before == i64::try_from(streamed)?,
     });
-    waited.sort_unstable();
-    not_waited.sort_unstable();
     let ratio = |fraction: f64| {
         percentile_ms(&waited, fraction) / percentile_ms(&not_waited, fraction).max(f64::EPSILON)
     };
@@ -1438,7 +1427,7 @@ impl Report {
     fn print(&self, args: &AdmissionArgs, database_url: &str, scratch: &Scratch) {
         println!();
         println!(
-            "tally bench, admission: Postgres {database_url} (scratch database {}); {} orgs, \
+            "tally-bench, admission: Postgres {database_url} (scratch database {}); {} orgs, \
              {CONTAINERS_PER_ORG} containers each; one org in {FULL_ONE_IN} at its {MAX_RUNNING} \
              running slots, one in {TRIAL_ONE_IN} past its allowance; random create, resume, run \
              and publish_port",

@@ -1,4 +1,4 @@
-//! `tally bench`, second part: how fast the projection is rebuilt, read and kept current.
+//! `tally-bench`, second part: how fast the projection is rebuilt, read and kept current.
 //!
 //! It runs after the ingest table has printed, in a scratch database and NATS namespace of
 //! its own (the ingest part's are gone by then), which it removes at the end, also when a
@@ -33,19 +33,19 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{
+use crate::{
     checkpoint, copy_into_ledger, load_average, max_ms, measured_then_cleaned, percentile_ms,
     print_lines, seed_ledger_stream, verdict, without_password, AbortOnDrop, Check, Figure,
     HttpConnection, Line, Scratch, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
-use crate::config::Config;
-use crate::event::canonical;
-use crate::ledger::verify;
-use crate::projection::model::{Changes, ContainerKey};
-use crate::projection::query;
-use crate::projection::store::{self, EventRow, EVENT_COLUMNS, LIVE};
-use crate::runtime::{ContainerEntry, Period};
-use crate::startup::Service;
+use tally::config::Config;
+use tally::event::canonical;
+use tally::ledger::verify;
+use tally::projection::model::{Changes, ContainerKey};
+use tally::projection::query;
+use tally::projection::store::{self, EventRow, EVENT_COLUMNS, LIVE};
+use tally::runtime::{ContainerEntry, Period};
+use tally::startup::Service;
 
 /// Events in the replayed ledger: a million, a few months of a busy platform.
 const REPLAY_EVENTS: usize = 1_000_000;
@@ -230,7 +230,7 @@ async fn prepare(
         started.elapsed().as_secs_f64()
     );
     // Migrates the scratch database; the service later finds it migrated.
-    crate::ledger::db::prepare(config).await?.close().await;
+    tally::ledger::db::prepare(config).await?.close().await;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -249,7 +249,7 @@ async fn prepare(
     checkpoint(&mut connection).await;
 
     eprintln!("bench: projections: replay of {head} events");
-    let report = crate::projection::replay(&mut connection).await?;
+    let report = tally::projection::replay(&mut connection).await?;
     let projected = store::checkpoint(&mut connection, LIVE).await?;
     let expected_events = u64::try_from(plan.events.len())?;
     let mut checks = vec![Check {
@@ -871,9 +871,6 @@ async fn measure_usage(
             && first.running_containers > 0,
     });
     let elapsed = |latencies: &[Duration]| latencies.iter().sum::<Duration>();
-    usage_latencies.sort_unstable();
-    eventual_latencies.sort_unstable();
-    healthz_latencies.sort_unstable();
     let usage = Figure::new(
         format!("usage of {BIG_ORG}, {period}"),
         USAGE_REQUESTS,
@@ -939,7 +936,6 @@ async fn measure_usage(
             plan.big.running
         );
     }
-    query_latencies.sort_unstable();
     let query = Line {
         figure: Figure::new(
             "usage query alone (no HTTP)",
@@ -1184,9 +1180,7 @@ async fn measure_lag(
         // A round can commit before the answer reaches the client; that lag is zero.
         lags.push(visible.saturating_duration_since(batch.acked));
     }
-    lags.sort_unstable();
-    let mut latencies: Vec<Duration> = acked.iter().map(|batch| batch.latency).collect();
-    latencies.sort_unstable();
+    let latencies: Vec<Duration> = acked.iter().map(|batch| batch.latency).collect();
     let with_readers = if readers {
         format!(", with usage reads every {LAG_READ_INTERVAL_MS} ms")
     } else {
@@ -1237,7 +1231,7 @@ async fn measure_lag(
 /// The usage reads of one paced reader during the lag load.
 struct LagReads {
     mode: ReadMode,
-    /// From the send to the whole answer, 503s included, sorted.
+    /// From the send to the whole answer, 503s included.
     latencies: Vec<Duration>,
     /// Answered 503 `projection_lagging`.
     lagging: usize,
@@ -1386,10 +1380,9 @@ async fn read_during_lag(
                 );
                 reads.lagging += 1;
             }
-            _ => anyhow::bail!("GET {uri} answered {status}: {}", super::excerpt(&answer)),
+            _ => anyhow::bail!("GET {uri} answered {status}: {}", crate::excerpt(&answer)),
         }
     }
-    reads.latencies.sort_unstable();
     Ok(reads)
 }
 
@@ -1457,7 +1450,7 @@ struct ProjectorRounds {
 
 impl ProjectorRounds {
     fn now() -> ProjectorRounds {
-        let text = crate::telemetry::metrics_handle().render();
+        let text = tally::telemetry::metrics_handle().render();
         let value = |name: &str| -> Option<&str> {
             text.lines()
                 .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
@@ -1514,7 +1507,7 @@ impl Report {
     fn print(&self, args: &ProjectionArgs, database_url: &str, scratch: &Scratch) {
         println!();
         println!(
-            "tally bench, projections: Postgres {database_url} (scratch database {}); ledger of \
+            "tally-bench, projections: Postgres {database_url} (scratch database {}); ledger of \
              {} events over {HISTORY_DAYS} days, {BIG_ORG} with {} containers; lag load \
              {} events/s for {} s",
             scratch.database_name,

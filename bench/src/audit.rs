@@ -1,4 +1,4 @@
-//! `tally bench`, fourth part: audit pages and verification on a ledger of millions of
+//! `tally-bench`, fourth part: audit pages and verification on a ledger of millions of
 //! events.
 //!
 //! It runs after the admission part, in a scratch database and NATS namespace of its own,
@@ -23,16 +23,16 @@ use rand::Rng;
 use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 
-use super::{
+use crate::{
     checkpoint, container_data, copy_into_ledger, envelope, load_average, max_ms,
     measured_then_cleaned, percentile_ms, print_lines, seed_ledger_stream, verdict,
     wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
 };
-use crate::config::Config;
-use crate::ledger::read::{self, Filter};
-use crate::ledger::verify;
-use crate::projection::store::LIVE;
-use crate::startup::Service;
+use tally::config::Config;
+use tally::ledger::read::{self, Filter};
+use tally::ledger::verify;
+use tally::projection::store::LIVE;
+use tally::startup::Service;
 
 /// Events in the audited ledger: ten million, a year or more of a busy platform, where a
 /// page that scanned an org's history instead of seeking it would show.
@@ -239,7 +239,7 @@ async fn prepare(
     nats: &jetstream::Context,
 ) -> anyhow::Result<(Ledger, Build)> {
     // Migrates the scratch database; the service later finds it migrated.
-    crate::ledger::db::prepare(config).await?.close().await;
+    tally::ledger::db::prepare(config).await?.close().await;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -637,9 +637,6 @@ async fn measure_pages(
         passed: problems.count == 0,
     });
 
-    org_latencies.sort_unstable();
-    big_latencies.sort_unstable();
-    container_latencies.sort_unstable();
     let total = |latencies: &[Duration]| latencies.iter().sum::<Duration>();
     let mean_events = |asked: &[Asked]| {
         asked.iter().map(|asked| asked.events).sum::<usize>() as f64 / asked.len() as f64
@@ -735,7 +732,6 @@ async fn measure_direct(
                 page.events
             );
         }
-        latencies.sort_unstable();
         // The plan of the page at the median cursor, as a custom plan with its values.
         let median = &asked[asked.len() / 2];
         let plan = explain(service, ledger, median).await?;
@@ -857,7 +853,7 @@ async fn measure_verify(
         figure: Figure::new(
             format!(
                 "HTTP append, batches of {}, {APPEND_CLIENTS} clients",
-                crate::config::BATCH_EVENTS_MAX
+                tally::config::BATCH_EVENTS_MAX
             ),
             APPENDED_EVENTS,
             posted.elapsed,
@@ -900,7 +896,7 @@ async fn measure_verify(
         target: format!("checks only the new rows: {}", verdict(only_new)),
     };
     // So that the projector is idle when the service stops.
-    wait_for_projection(service, expected_head).await?;
+    wait_for_projection(&service.pool, expected_head).await?;
     Ok([full_line, append_line, incremental_line])
 }
 
@@ -916,7 +912,7 @@ fn appended_bodies(ledger: &Ledger) -> Vec<Bytes> {
         })
         .collect();
     events
-        .chunks(crate::config::BATCH_EVENTS_MAX)
+        .chunks(tally::config::BATCH_EVENTS_MAX)
         .map(|chunk| Bytes::from(format!("{{\"events\":[{}]}}", chunk.join(","))))
         .collect()
 }
@@ -935,7 +931,7 @@ impl Report {
     fn print(&self, args: &AuditArgs, database_url: &str, scratch: &Scratch) {
         println!();
         println!(
-            "tally bench, audit and verification: Postgres {database_url} (scratch database {}); \
+            "tally-bench, audit and verification: Postgres {database_url} (scratch database {}); \
              ledger of {} events over {HISTORY_DAYS} days, {} orgs of {CONTAINERS_PER_ORG} \
              containers and {BIG_ORG} of {BIG_CONTAINERS} with 1 in {BIG_ONE_IN} events",
             scratch.database_name, args.audit_events, args.audit_orgs,

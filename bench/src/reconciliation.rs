@@ -1,4 +1,4 @@
-//! `tally bench`, fifth part: importing and reconciling a provider report of a million
+//! `tally-bench`, fifth part: importing and reconciling a provider report of a million
 //! lines against a ledger of ten million events.
 //!
 //! It runs after the audit part, in a scratch database and NATS namespace of its own, which
@@ -30,15 +30,15 @@ use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
-use super::{
+use crate::{
     checkpoint, copy_into_ledger, measured_then_cleaned, print_checks, print_table, verdict,
     without_password, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
 };
-use crate::billing::reconcile::Tolerance;
-use crate::billing::report;
-use crate::config::Config;
-use crate::event::canonical;
-use crate::finance::reports::Imported;
+use tally::billing::reconcile::Tolerance;
+use tally::billing::report;
+use tally::config::Config;
+use tally::event::canonical;
+use tally::finance::reports::Imported;
 
 /// Events in the ledger: ten million, a month of a busy platform.
 const EVENTS: usize = 10_000_000;
@@ -557,30 +557,14 @@ impl Memory {
 }
 
 /// Starts a new peak: the kernel sets VmHWM back to the current RSS (`clear_refs` 5,
-/// Linux 4.0+). Before that, memory the allocator still holds from building the ledger
-/// and the replay is given back, so that the peak that follows is what the measured
-/// step holds, not what earlier steps left in the allocator's free lists.
+/// Linux 4.0+). No call gives free memory back first: the allocator is mimalloc (see
+/// `main.rs`), which purges pages that become wholly free by itself, 10 ms after (its
+/// `purge_delay` default), so what building the ledger and the replay freed is not held.
 fn reset_peak() -> anyhow::Result<Memory> {
-    release_free_memory();
     std::fs::write("/proc/self/clear_refs", "5")
         .context("cannot reset the peak RSS through /proc/self/clear_refs")?;
     Memory::now()
 }
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn release_free_memory() {
-    extern "C" {
-        fn malloc_trim(pad: usize) -> std::ffi::c_int;
-    }
-    // SAFETY: glibc's malloc_trim only returns free pages of its own arenas to the kernel;
-    // it takes no pointers and is safe to call from any thread at any time.
-    unsafe {
-        malloc_trim(0);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn release_free_memory() {}
 
 /// Builds the ledger, replays it and writes the report (not timed), then measures.
 async fn prepare_and_measure(
@@ -599,7 +583,7 @@ async fn prepare_and_measure(
         plan.events_base,
         started.elapsed().as_secs_f64()
     );
-    let pool = crate::ledger::db::prepare(config).await?;
+    let pool = tally::ledger::db::prepare(config).await?;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -652,7 +636,7 @@ async fn prepare_and_measure(
         copy.as_secs_f64(),
         vacuum.as_secs_f64()
     );
-    let replayed = crate::projection::replay(&mut connection).await?;
+    let replayed = tally::projection::replay(&mut connection).await?;
     checkpoint(&mut connection).await;
     connection.close().await?;
     let mut checks = vec![Check {
@@ -735,7 +719,7 @@ async fn prepare_and_measure(
     let started = Instant::now();
     let file = tokio::fs::File::open(&report_file.0).await?;
     let chunks = tokio_util::io::ReaderStream::with_capacity(file, READ_CHUNK_BYTES);
-    let imported = crate::finance::reports::import(&pool, chunks, u64::MAX, "bench").await?;
+    let imported = tally::finance::reports::import(&pool, chunks, u64::MAX, "bench").await?;
     let import_elapsed = started.elapsed();
     let after_import = Memory::now()?;
     let stored = match imported {
@@ -762,7 +746,7 @@ async fn prepare_and_measure(
             "{} KiB chunks; parse and sha256 on a blocking thread, batches of {} inserted in \
              one transaction",
             READ_CHUNK_BYTES / 1024,
-            crate::finance::reports::IMPORT_BATCH_LINES
+            tally::finance::reports::IMPORT_BATCH_LINES
         )),
         target: format!(
             "≥ {TARGET_IMPORT_ROWS_PER_SECOND:.0} rows/s: {}",
@@ -781,7 +765,7 @@ async fn prepare_and_measure(
     );
     let started = Instant::now();
     let summary =
-        crate::finance::reconciliation::run(&pool, stored.id, Tolerance::default(), "bench")
+        tally::finance::reconciliation::run(&pool, stored.id, Tolerance::default(), "bench")
             .await?;
     let reconcile_elapsed = started.elapsed();
     let after_reconcile = Memory::now()?;
@@ -925,7 +909,7 @@ impl Report {
     fn print(&self, args: &ReconciliationArgs, database_url: &str, scratch: &Scratch) {
         println!();
         println!(
-            "tally bench, reconciliation: Postgres {database_url} (scratch database {}); ledger \
+            "tally-bench, reconciliation: Postgres {database_url} (scratch database {}); ledger \
              of {} events over {HISTORY_DAYS} days, provider report of {} lines",
             scratch.database_name, args.reconcile_events, args.report_lines,
         );

@@ -1,4 +1,4 @@
-//! `tally bench` itself, on small sizes: the parts that measure the service run end to end
+//! `tally-bench` itself, on small sizes: the parts that measure the service run end to end
 //! against real Postgres and NATS, every correctness check they make passes (the run fails
 //! otherwise), and they remove the scratch databases they create. The figures are not
 //! looked at: speed is the bench's to report, not a test's to assert.
@@ -7,10 +7,12 @@ use std::collections::HashSet;
 
 use clap::Parser;
 use sqlx::PgPool;
-use tally::bench::BenchArgs;
 use tally::config::Config;
+use tally_bench::BenchArgs;
 
-use crate::helpers::{server_url, TestNats};
+use servers::{server_url, tally_binary, TestNats};
+
+mod servers;
 
 #[derive(Parser)]
 struct Cli {
@@ -42,8 +44,12 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         .expect("connecting to the test server");
     let before = scratch_databases(&admin).await;
 
+    // The ingest part starts this workspace's tally binary as `tally serve`.
+    let serve_binary = tally_binary();
     let args = Cli::parse_from([
         "bench",
+        "--serve-binary",
+        serve_binary.to_str().expect("a UTF-8 path"),
         "--only",
         "ingest,admission,anomalies",
         "--http-events",
@@ -66,7 +72,7 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         "200",
     ])
     .args;
-    tally::bench::run(Config::new(&server, &nats.url), args)
+    tally_bench::run(Config::new(&server, &nats.url), args)
         .await
         .expect("the bench runs and every check it makes passes");
 
@@ -107,11 +113,34 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
         "2",
     ])
     .args;
-    tally::bench::run(Config::new(&server, &nats.url), args)
+    tally_bench::run(Config::new(&server, &nats.url), args)
         .await
         .expect("the bench runs and every check it makes passes");
 
     let left = scratch_databases(&admin).await;
     let created: Vec<&String> = left.difference(&before).collect();
     assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ingest_part_refuses_to_start_without_a_tally_binary_to_serve() {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let args = Cli::parse_from([
+        "bench",
+        "--serve-binary",
+        "/nonexistent/tally",
+        "--only",
+        "ingest",
+    ])
+    .args;
+    let error = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect_err("the ingest part needs tally serve as a child process");
+    assert!(
+        error
+            .to_string()
+            .contains("no tally binary at /nonexistent/tally"),
+        "{error:#}"
+    );
 }

@@ -1,0 +1,208 @@
+//! `tally serve` as a child process: the ingest part measures the binary that is deployed,
+//! in a process of its own (its own runtime, allocator and metrics recorder), and reads the
+//! child's CPU time and peak memory from `/proc/<pid>`.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use sqlx::PgPool;
+use tally::config::Config;
+
+use crate::{HttpConnection, POLL_MS, STARTUP_TIMEOUT_MS};
+
+/// How long the child may take to stop after SIGTERM (it drains its append queue first).
+const STOP_TIMEOUT_MS: u64 = 30_000;
+/// Connections the bench's own pool opens on the child's database, for its checks.
+const CHECK_POOL_MAX: u32 = 4;
+/// The child's log level when `RUST_LOG` is not set: its info lines would bury the table.
+const CHILD_LOG_LEVEL: &str = "warn";
+
+/// The `tally` binary to run: the one given, or the one built next to this binary (both
+/// land in `target/<profile>/` after `cargo build --workspace`).
+pub(crate) fn serve_binary(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let binary = match given {
+        Some(path) => path.to_path_buf(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("this binary has no directory")?
+            .join("tally"),
+    };
+    anyhow::ensure!(
+        binary.is_file(),
+        "no tally binary at {} (build it with `cargo build --release --workspace`, or \
+         give --serve-binary)",
+        binary.display()
+    );
+    Ok(binary)
+}
+
+/// A running `tally serve`, killed if dropped before [`Served::stop`].
+pub(crate) struct Served {
+    child: tokio::process::Child,
+    pid: u32,
+    pub(crate) address: SocketAddr,
+    token: String,
+    /// The bench's own connections to the child's database.
+    pub(crate) pool: PgPool,
+}
+
+/// CPU time and memory of a process, from `/proc`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProcessUsage {
+    /// User and system time since the process started.
+    pub(crate) cpu: Duration,
+    /// The peak resident set (`VmHWM`), in MiB.
+    pub(crate) peak_mb: f64,
+}
+
+impl Served {
+    /// Starts `binary serve` with `config`'s database, NATS, namespace and token (the rest
+    /// of its settings from this process's environment, as `tally` reads them) and waits
+    /// until `/readyz` answers 200.
+    pub(crate) async fn start(binary: &Path, config: &Config) -> anyhow::Result<Served> {
+        let address = free_address()?;
+        let token = config
+            .bootstrap_token
+            .as_deref()
+            .context("the bench gives the service a token")?;
+        let log_level = std::env::var("RUST_LOG").unwrap_or_else(|_| CHILD_LOG_LEVEL.into());
+        let child = tokio::process::Command::new(binary)
+            .arg("serve")
+            .env("DATABASE_URL", &config.database_url)
+            .env("NATS_URL", &config.nats_url)
+            .env("TALLY_NATS_NAMESPACE", &config.nats_namespace)
+            .env("TALLY_LISTEN", address.to_string())
+            .env("TALLY_BOOTSTRAP_TOKEN", token)
+            .env("RUST_LOG", log_level)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot start {}", binary.display()))?;
+        let pid = child.id().context("the child has no pid")?;
+        let mut served = Served {
+            child,
+            pid,
+            address,
+            token: token.to_owned(),
+            pool: sqlx::postgres::PgPoolOptions::new()
+                .max_connections(CHECK_POOL_MAX)
+                .connect_lazy(&config.database_url)?,
+        };
+        served.wait_until_ready().await?;
+        Ok(served)
+    }
+
+    async fn wait_until_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+        let readyz: hyper::Uri = "/readyz".parse()?;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                anyhow::bail!("tally serve exited during start-up ({status})");
+            }
+            if let Ok(mut connection) = HttpConnection::open(self.address, "/", &self.token).await {
+                if connection.get(&readyz).await.is_ok() {
+                    return Ok(());
+                }
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "tally serve was not ready within {STARTUP_TIMEOUT_MS} ms"
+            );
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    }
+
+    /// The child's `/metrics` text.
+    pub(crate) async fn metrics(&self) -> anyhow::Result<String> {
+        let mut connection = HttpConnection::open(self.address, "/", &self.token).await?;
+        let text = connection.get(&"/metrics".parse()?).await?;
+        Ok(String::from_utf8(text.to_vec())?)
+    }
+
+    /// The child's CPU time so far and its peak memory.
+    pub(crate) fn usage(&self) -> anyhow::Result<ProcessUsage> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
+        Ok(ProcessUsage {
+            cpu: cpu_time(&stat)?,
+            peak_mb: peak_mb(&status)?,
+        })
+    }
+
+    /// SIGTERM, then waits for the graceful stop; returns the usage read just before.
+    pub(crate) async fn stop(mut self) -> anyhow::Result<ProcessUsage> {
+        let usage = self.usage()?;
+        let pid = libc::pid_t::try_from(self.pid)?;
+        // SAFETY: kill takes no pointers; the pid is our own child, not yet waited for.
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            anyhow::bail!(
+                "cannot signal tally serve: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let stopped =
+            tokio::time::timeout(Duration::from_millis(STOP_TIMEOUT_MS), self.child.wait()).await;
+        self.pool.close().await;
+        match stopped {
+            Ok(status) => anyhow::ensure!(status?.success(), "tally serve stopped with an error"),
+            Err(_) => anyhow::bail!("tally serve did not stop within {STOP_TIMEOUT_MS} ms"),
+        }
+        Ok(usage)
+    }
+}
+
+/// A port no one listens on right now, for the child to bind.
+fn free_address() -> anyhow::Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// utime + stime of `/proc/<pid>/stat` (fields 14 and 15, after the command name, which
+/// may itself hold spaces and parentheses).
+fn cpu_time(stat: &str) -> anyhow::Result<Duration> {
+    let after_name = &stat[stat.rfind(')').context("no command name in stat")? + 1..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks = |index: usize| -> anyhow::Result<u64> {
+        Ok(fields.get(index).context("stat is too short")?.parse()?)
+    };
+    // Fields 14 and 15 of the whole line; after the name, field 3 is index 0.
+    let (user, system) = (ticks(11)?, ticks(12)?);
+    // SAFETY: sysconf takes no pointers.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    anyhow::ensure!(per_second > 0, "no clock tick rate");
+    Ok(Duration::from_secs_f64(
+        (user + system) as f64 / per_second as f64,
+    ))
+}
+
+/// `VmHWM` of `/proc/<pid>/status`, in MiB.
+fn peak_mb(status: &str) -> anyhow::Result<f64> {
+    let line = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .context("no VmHWM in status")?;
+    let kilobytes: f64 = line.trim().trim_end_matches("kB").trim().parse()?;
+    Ok(kilobytes / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_reads_utime_and_stime_after_a_name_with_spaces_and_parentheses() {
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let stat = "42 (tally (x) y) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0";
+        let expected = Duration::from_secs_f64(300.0 / ticks);
+        assert_eq!(cpu_time(stat).unwrap(), expected);
+    }
+
+    #[test]
+    fn peak_memory_is_vmhwm_in_mebibytes() {
+        let status = "Name:\ttally\nVmPeak:\t 9999 kB\nVmHWM:\t    2048 kB\nVmRSS:\t 1024 kB\n";
+        assert_eq!(peak_mb(status).unwrap(), 2.0);
+    }
+}

@@ -1,0 +1,105 @@
+//! The servers the bench tests run against: the Postgres server of the service's tests
+//! (`TALLY_TEST_DATABASE_URL`) and a private nats-server with JetStream
+//! (`TALLY_TEST_NATS_SERVER`), as in the service's `tests/api/helpers.rs`.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long nats-server may take to listen before the test fails.
+const NATS_START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The Postgres server the bench creates its scratch databases on.
+pub fn server_url() -> String {
+    std::env::var("TALLY_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_string())
+}
+
+/// A private nats-server with JetStream on a free port, killed when the test ends.
+pub struct TestNats {
+    child: Child,
+    pub url: String,
+    _store: tempfile::TempDir,
+}
+
+impl TestNats {
+    pub fn start() -> TestNats {
+        let store = tempfile::tempdir().expect("a temporary directory");
+        let port = free_port();
+        let child = Command::new(nats_server_binary())
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(store.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting nats-server (set TALLY_TEST_NATS_SERVER to its path)");
+        wait_until_listening(port);
+        TestNats {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            _store: store,
+        }
+    }
+}
+
+impl Drop for TestNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_until_listening(port: u16) {
+    let deadline = Instant::now() + NATS_START_TIMEOUT;
+    let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nats-server did not start on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("binding an ephemeral port")
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn nats_server_binary() -> PathBuf {
+    if let Ok(path) = std::env::var("TALLY_TEST_NATS_SERVER") {
+        return PathBuf::from(path);
+    }
+    for candidate in [
+        "/usr/sbin/nats-server",
+        "/usr/bin/nats-server",
+        "/usr/local/bin/nats-server",
+    ] {
+        if std::path::Path::new(candidate).exists() {
+            return PathBuf::from(candidate);
+        }
+    }
+    PathBuf::from("nats-server")
+}
+
+/// The `tally` binary of this workspace, built if needed (`cargo build -p tally --bin
+/// tally`), for the parts that start `tally serve` as a child process.
+pub fn tally_binary() -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let output = Command::new(cargo)
+        .args(["build", "--quiet", "-p", "tally", "--bin", "tally"])
+        .args(["--message-format", "json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running cargo build");
+    assert!(output.status.success(), "cargo build -p tally failed");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find_map(|message| Some(PathBuf::from(message["executable"].as_str()?)))
+        .expect("cargo build names the tally executable")
+}
