@@ -95,13 +95,14 @@ pub enum ReportsCommand {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let config = &cli.config;
     match cli.command {
         Command::Serve => {
             Service::start(cli.config).await?.run_until_signal().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Migrate => {
-            let pool = db::prepare(&cli.config).await?;
+            let pool = db::prepare(config).await?;
             pool.close().await;
             println!("migrated");
             Ok(ExitCode::SUCCESS)
@@ -109,54 +110,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Verify {
             incremental,
             stream,
-        } => {
-            let pool = db::prepare(&cli.config).await?;
-            let mut report = if incremental {
-                verify::verify_incremental(&pool).await?
-            } else {
-                verify::verify(&pool).await?
-            };
-            if stream {
-                let names = crate::bus::Names::new(&cli.config.nats_namespace)?;
-                let client = crate::bus::connect(&cli.config.nats_url).await?;
-                let context = crate::bus::jetstream(client);
-                let compared = crate::bus::check::verify_stream(&pool, &context, &names).await?;
-                report = report.with_stream(compared);
-            }
-            pool.close().await;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            match report.first_bad_position {
-                None => {
-                    eprintln!("ledger intact: {} events checked", report.events_checked);
-                    Ok(ExitCode::SUCCESS)
-                }
-                Some(position) => {
-                    eprintln!(
-                        "ledger broken at position {position}: {}",
-                        report.problem.as_deref().unwrap_or("")
-                    );
-                    Ok(ExitCode::from(1))
-                }
-            }
-        }
-        Command::Replay => {
-            let pool = db::prepare(&cli.config).await?;
-            let mut connection = pool.acquire().await?;
-            let report = crate::projection::replay(&mut connection).await?;
-            drop(connection);
-            pool.close().await;
-            println!(
-                "replayed {} events ({} containers) up to position {} in {:.2} s: {:.0} events/s",
-                report.events,
-                report.containers,
-                report.position,
-                report.elapsed.as_secs_f64(),
-                report.events_per_second()
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        } => verify_ledger(config, incremental, stream).await,
+        Command::Replay => replay(config).await,
         Command::Audit(args) => {
-            let pool = db::prepare(&cli.config).await?;
+            let pool = db::prepare(config).await?;
             let (mut out, mut notes) = (std::io::stdout(), std::io::stderr());
             let printed = crate::audit::print_timeline(&pool, &args, &mut out, &mut notes).await;
             pool.close().await;
@@ -165,91 +122,150 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Export {
             command: ExportCommand::Usage { period, format },
-        } => {
-            use futures::StreamExt;
-            use std::io::Write;
-            let period = crate::runtime::Period::parse(&period)?;
-            let json = match format.as_str() {
-                "csv" => false,
-                "json" => true,
-                other => anyhow::bail!("--format {other:?}: csv or json"),
-            };
-            let pool = db::prepare(&cli.config).await?;
-            // No projector runs here: every event acknowledged before now is projected first.
-            to_head(&pool, &cli.config).await?;
-            let as_of = chrono::Utc::now().min(period.end());
-            let batch_orgs = i64::from(cli.config.finance_batch_orgs);
-            let export =
-                crate::finance::export::usage_export(&pool, period, as_of, batch_orgs, None)
-                    .await?;
-            eprintln!("position {}", export.position);
-            let mut parts = std::pin::pin!(export.parts);
-            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            if !json {
-                writeln!(out, "{}", crate::finance::pricing::USAGE_CSV_HEADER)?;
-            }
-            while let Some(part) = parts.next().await {
-                match part? {
-                    crate::finance::export::Part::Rows(rows) => {
-                        for row in rows {
-                            if json {
-                                writeln!(out, "{}", row.json())?;
-                            } else {
-                                write!(out, "{}", row.csv())?;
-                            }
-                        }
-                    }
-                    crate::finance::export::Part::Adjustments(adjustments) => {
-                        for adjustment in adjustments {
-                            if json {
-                                writeln!(out, "{}", adjustment.json())?;
-                            } else {
-                                write!(out, "{}", adjustment.delta.csv())?;
-                            }
-                        }
-                    }
-                }
-            }
-            out.flush()?;
-            drop(out);
-            pool.close().await;
-            Ok(ExitCode::SUCCESS)
-        }
+        } => export_usage(config, &period, &format).await,
         Command::Reports {
             command: ReportsCommand::Import { file },
-        } => {
-            let pool = db::prepare(&cli.config).await?;
-            let reader: Box<dyn tokio::io::AsyncRead + Unpin + Send> = if file.as_os_str() == "-" {
-                Box::new(tokio::io::stdin())
-            } else {
-                Box::new(tokio::fs::File::open(&file).await?)
-            };
-            let chunks = tokio_util::io::ReaderStream::new(reader);
-            let imported = crate::finance::reports::import(&pool, chunks, u64::MAX, "cli").await;
-            pool.close().await;
-            let (report, new) = match imported {
-                Ok(crate::finance::reports::Imported::Created(report)) => (report, true),
-                Ok(crate::finance::reports::Imported::Existing(report)) => (report, false),
-                Err(error) => {
-                    eprintln!("import refused, nothing stored: {error}");
-                    return Ok(ExitCode::from(1));
-                }
-            };
-            println!(
-                "{}",
-                serde_json::json!({
-                    "report_id": report.id, "lines": report.lines, "sha256": report.sha256,
-                    "window_start": crate::event::canonical::timestamp(report.window_start),
-                    "window_end": crate::event::canonical::timestamp(report.window_end),
-                    "new": new,
-                })
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        } => import_report(config, &file).await,
         Command::Periods {
             command: PeriodsCommand::Close { period },
-        } => close_period(&cli.config, &period).await,
+        } => close_period(config, &period).await,
     }
+}
+
+/// `tally verify [--incremental] [--stream]`: exit 0 when intact, 1 when broken.
+async fn verify_ledger(
+    config: &Config,
+    incremental: bool,
+    stream: bool,
+) -> anyhow::Result<ExitCode> {
+    let pool = db::prepare(config).await?;
+    let mut report = if incremental {
+        verify::verify_incremental(&pool).await?
+    } else {
+        verify::verify(&pool).await?
+    };
+    if stream {
+        let names = crate::bus::Names::new(&config.nats_namespace)?;
+        let client = crate::bus::connect(&config.nats_url).await?;
+        let context = crate::bus::jetstream(client);
+        let compared = crate::bus::check::verify_stream(&pool, &context, &names).await?;
+        report = report.with_stream(compared);
+    }
+    pool.close().await;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    match report.first_bad_position {
+        None => {
+            eprintln!("ledger intact: {} events checked", report.events_checked);
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(position) => {
+            eprintln!(
+                "ledger broken at position {position}: {}",
+                report.problem.as_deref().unwrap_or("")
+            );
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+/// `tally replay`.
+async fn replay(config: &Config) -> anyhow::Result<ExitCode> {
+    let pool = db::prepare(config).await?;
+    let mut connection = pool.acquire().await?;
+    let report = crate::projection::replay(&mut connection).await?;
+    drop(connection);
+    pool.close().await;
+    println!(
+        "replayed {} events ({} containers) up to position {} in {:.2} s: {:.0} events/s",
+        report.events,
+        report.containers,
+        report.position,
+        report.elapsed.as_secs_f64(),
+        report.events_per_second()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally export usage --period YYYY-MM [--format csv|json]`, to standard output.
+async fn export_usage(config: &Config, period: &str, format: &str) -> anyhow::Result<ExitCode> {
+    use futures::StreamExt;
+    use std::io::Write;
+    let period = crate::runtime::Period::parse(period)?;
+    let json = match format {
+        "csv" => false,
+        "json" => true,
+        other => anyhow::bail!("--format {other:?}: csv or json"),
+    };
+    let pool = db::prepare(config).await?;
+    // No projector runs here: every event acknowledged before now is projected first.
+    to_head(&pool, config).await?;
+    let as_of = chrono::Utc::now().min(period.end());
+    let batch_orgs = i64::from(config.finance_batch_orgs);
+    let export =
+        crate::finance::export::usage_export(&pool, period, as_of, batch_orgs, None).await?;
+    eprintln!("position {}", export.position);
+    let mut parts = std::pin::pin!(export.parts);
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    if !json {
+        writeln!(out, "{}", crate::finance::pricing::USAGE_CSV_HEADER)?;
+    }
+    while let Some(part) = parts.next().await {
+        match part? {
+            crate::finance::export::Part::Rows(rows) => {
+                for row in rows {
+                    if json {
+                        writeln!(out, "{}", row.json())?;
+                    } else {
+                        write!(out, "{}", row.csv())?;
+                    }
+                }
+            }
+            crate::finance::export::Part::Adjustments(adjustments) => {
+                for adjustment in adjustments {
+                    if json {
+                        writeln!(out, "{}", adjustment.json())?;
+                    } else {
+                        write!(out, "{}", adjustment.delta.csv())?;
+                    }
+                }
+            }
+        }
+    }
+    out.flush()?;
+    drop(out);
+    pool.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally reports import FILE|-`: exit 1 when the report is refused.
+async fn import_report(config: &Config, file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let pool = db::prepare(config).await?;
+    let reader: Box<dyn tokio::io::AsyncRead + Unpin + Send> = if file.as_os_str() == "-" {
+        Box::new(tokio::io::stdin())
+    } else {
+        Box::new(tokio::fs::File::open(&file).await?)
+    };
+    let chunks = tokio_util::io::ReaderStream::new(reader);
+    let imported = crate::finance::reports::import(&pool, chunks, u64::MAX, "cli").await;
+    pool.close().await;
+    let (report, new) = match imported {
+        Ok(crate::finance::reports::Imported::Created(report)) => (report, true),
+        Ok(crate::finance::reports::Imported::Existing(report)) => (report, false),
+        Err(error) => {
+            eprintln!("import refused, nothing stored: {error}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "report_id": report.id, "lines": report.lines, "sha256": report.sha256,
+            "window_start": crate::event::canonical::timestamp(report.window_start),
+            "window_end": crate::event::canonical::timestamp(report.window_end),
+            "new": new,
+        })
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Brings the projection to the ledger head taken now (see src/projection/catch_up.rs),
