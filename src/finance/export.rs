@@ -46,10 +46,7 @@ pub async fn usage_export(
     only_org: Option<String>,
 ) -> anyhow::Result<UsageExport<impl Stream<Item = anyhow::Result<Part>> + Send>> {
     assert!(batch_orgs > 0, "a batch holds at least one org");
-    let mut transaction = pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *transaction)
-        .await?;
+    let mut transaction = crate::ledger::db::read_snapshot(pool).await?;
     // The first read takes the snapshot: the checkpoint and every row come from it.
     let position = store::checkpoint(&mut transaction, LIVE).await?;
     let (sender, receiver) = tokio::sync::mpsc::channel(QUEUED_BATCHES_MAX);

@@ -133,10 +133,10 @@ impl Consistency {
         wait(state, wanted, state.read_wait).await
     }
 
-    /// Reads figures once the projection has reached what this asks. `read` returns them
-    /// with the checkpoint of the snapshot they come from, which is the answer's `position`;
-    /// should that snapshot be behind the position waited for (a replay swapped in its
-    /// tables meanwhile), the read waits and reads again, all within `TALLY_READ_WAIT_MS`.
+    /// Reads figures that reflect what this asks. `read` returns them with the checkpoint of
+    /// the snapshot they come from, which is the answer's `position`; while that snapshot is
+    /// behind the position wanted, this waits for the projection and reads again, all
+    /// within `TALLY_READ_WAIT_MS`.
     pub async fn read<T, Read>(
         self,
         state: &AppState,
@@ -148,12 +148,8 @@ impl Consistency {
         let deadline = Instant::now() + state.read_wait;
         let wanted = self.wanted(state).await?;
         loop {
-            wait(
-                state,
-                wanted,
-                deadline.saturating_duration_since(Instant::now()),
-            )
-            .await?;
+            // Read first: a caught-up projection, the usual case, answers from this one
+            // snapshot, with no separate look at the checkpoint.
             let found = read().await?;
             if found.position >= wanted {
                 return Ok(found);
@@ -161,6 +157,12 @@ impl Consistency {
             if Instant::now() >= deadline {
                 return Err(lagging(state, wanted, found.position));
             }
+            wait(
+                state,
+                wanted,
+                deadline.saturating_duration_since(Instant::now()),
+            )
+            .await?;
         }
     }
 }

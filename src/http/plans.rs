@@ -232,10 +232,7 @@ pub async fn get_plans(State(state): State<AppState>) -> Result<Json<PlansRespon
     // The head and the plans from one snapshot, so that the head names exactly the
     // definitions listed. Positions commit in order: the snapshot holds every event up to
     // its head.
-    let mut snapshot = state.pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *snapshot)
-        .await?;
+    let mut snapshot = crate::ledger::db::read_snapshot(&state.pool).await?;
     let position = read::head(&mut *snapshot).await?.position;
     let current = plans::current(&mut *snapshot).await?;
     snapshot.commit().await?;

@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgPool, Postgres, Transaction};
 
 use crate::config::Config;
 
@@ -84,4 +84,11 @@ pub async fn prepare(config: &Config) -> anyhow::Result<PgPool> {
 
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     sqlx::migrate!("./migrations").run(pool).await
+}
+
+/// A read-only transaction whose statements all see one snapshot: figures that agree with
+/// each other and with the position (checkpoint or head) read in it.
+pub async fn read_snapshot(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+    pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .await
 }

@@ -8,7 +8,7 @@
 //! ledger up to the projection's checkpoint, all in one snapshot.
 
 use chrono::{DateTime, Utc};
-use sqlx::{FromRow, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{FromRow, PgConnection, PgPool};
 
 use std::collections::HashMap;
 
@@ -18,6 +18,7 @@ use super::store::{self, LIVE};
 use crate::billing::overage::{self, Overage, PlanVersion};
 use crate::billing::Plan;
 use crate::event::PlanId;
+use crate::ledger::db::read_snapshot;
 use crate::ledger::plans;
 use crate::runtime::{
     self, AccountTimeline, Anomaly, Interval, OpenRuns, Period, PeriodTotals, Usage,
@@ -33,13 +34,6 @@ struct TotalsRow {
     open_periods: Vec<String>,
     open_running: Vec<i64>,
     open_offsets: Vec<i64>,
-}
-
-/// A read-only transaction whose statements all see one snapshot: figures that agree with
-/// each other and with the checkpoint read in it.
-pub async fn snapshot(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
-    pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .await
 }
 
 /// Figures with the projection checkpoint of the snapshot they were read in: the ledger
@@ -58,7 +52,7 @@ pub async fn usage(
     period: Period,
     as_of: DateTime<Utc>,
 ) -> anyhow::Result<Usage> {
-    let mut transaction = snapshot(pool).await?;
+    let mut transaction = read_snapshot(pool).await?;
     let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
     transaction.commit().await?;
     Ok(usage)
@@ -202,7 +196,7 @@ pub async fn container(
     after: Option<store::AnomalyCursor>,
     limit: usize,
 ) -> anyhow::Result<AtPosition<ContainerFound>> {
-    let mut transaction = snapshot(pool).await?;
+    let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
     let containers = store::containers_by_id(&mut transaction, container_id, org_id).await?;
     let anomalies = match containers.as_slice() {
@@ -244,7 +238,7 @@ pub async fn priced_usage(
     period: Period,
     as_of: DateTime<Utc>,
 ) -> anyhow::Result<AtPosition<PricedUsage>> {
-    let mut transaction = snapshot(pool).await?;
+    let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
     let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
     let account = AccountTimeline::fold(&store::account_entries(&mut transaction, org_id).await?);
