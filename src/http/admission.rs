@@ -5,11 +5,12 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, post};
-use axum::{Json, Router};
+use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -24,14 +25,11 @@ use crate::event::canonical;
 use crate::event::{ContainerId, OrgId};
 use axum::Extension;
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/admission/check", post(post_check))
-        .route("/v1/admission/reservations", post(post_reservation))
-        .route(
-            "/v1/admission/reservations/{reservation_id}",
-            delete(delete_reservation),
-        )
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(post_check))
+        .routes(routes!(post_reservation))
+        .routes(routes!(delete_reservation))
 }
 
 /// The body of a check. Each field is checked by the route, with its own code.

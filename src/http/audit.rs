@@ -2,11 +2,12 @@
 //! of the ledger in position order with a `next_after` cursor.
 
 use axum::extract::{Path, State};
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
@@ -21,11 +22,10 @@ pub const PAGE_DEFAULT: usize = 100;
 /// The largest page contract §6 allows; `TALLY_PAGE_EVENTS_MAX` may lower it.
 pub const PAGE_MAX: usize = crate::config::PAGE_EVENTS_MAX;
 
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/events", get(get_events)).route(
-        "/v1/containers/{container_id}/events",
-        get(get_container_events),
-    )
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(get_events))
+        .routes(routes!(get_container_events))
 }
 
 /// The filters of a page, read as text and checked by the route.

@@ -6,12 +6,13 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::post;
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use chrono::{SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -30,10 +31,10 @@ pub const CORRECTIONS_ORG_ID: &str = "_corrections";
 /// How far back an added event may go: the ledger's useful past, not the producers' bound.
 const ADDED_BACKDATE_DAYS: i64 = 3_660;
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/corrections/voids", post(post_void))
-        .route("/v1/corrections/events", post(post_events))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(post_void))
+        .routes(routes!(post_events))
 }
 
 /// The body of a void. Each field is checked by the route, with its own code.

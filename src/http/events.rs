@@ -3,10 +3,11 @@
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
+use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouterExt};
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -17,11 +18,10 @@ use crate::event::TimeBounds;
 use crate::ledger::{legacy_ids, plans};
 use axum::Extension;
 
-pub fn router() -> Router<AppState> {
-    Router::new().route(
-        "/v1/events",
-        post(post_events).layer(axum::extract::DefaultBodyLimit::disable()),
-    )
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    // The handler reads the body under its own limit, `TALLY_BODY_MAX_BYTES`.
+    OpenApiRouter::new()
+        .routes(routes!(post_events).layer(axum::extract::DefaultBodyLimit::disable()))
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -7,10 +7,11 @@ use axum::extract::Path;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::auth::Principal;
 use super::consistency::Consistency;
@@ -25,14 +26,11 @@ use crate::runtime::Period;
 /// The response header naming the ledger position a finance export reflects.
 pub const POSITION_HEADER: &str = "tally-position";
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/exports/usage.csv", get(get_usage_export))
-        .route(
-            "/v1/periods/{period}/close",
-            post(post_close).get(get_close),
-        )
-        .route("/v1/periods/{period}", get(get_period))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(get_usage_export))
+        .routes(routes!(post_close, get_close))
+        .routes(routes!(get_period))
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]

@@ -10,10 +10,11 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::error::{ApiError, ErrorBody};
 use super::query::{QueryParams, StrictQuery};
@@ -28,8 +29,8 @@ pub const VERIFY_PASSES_MAX: usize = 1;
 /// rows takes a few seconds.
 pub const VERIFY_RETRY_AFTER_SECONDS: u64 = 5;
 
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/ledger/verify", get(get_verify))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(get_verify))
 }
 
 /// The query of a verify, read as text and checked by the route.

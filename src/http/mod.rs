@@ -1,5 +1,7 @@
 //! The HTTP API (contract §6, §7): `app(state)` builds the router; each feature module owns
-//! its routes. Handlers are thin: extract, parse into domain types, call the ledger, map.
+//! its routes and their OpenAPI paths (its `router()`), and [`openapi`] is the document of
+//! those same routers. Handlers are thin: extract, parse into domain types, call the ledger,
+//! map.
 
 pub mod admission;
 pub mod audit;
@@ -31,6 +33,8 @@ use axum::{middleware, BoxError, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use sqlx::PgPool;
 use tower::ServiceBuilder;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
 
 use crate::ledger::Appender;
 use error::ApiError;
@@ -86,8 +90,9 @@ impl std::ops::Deref for AppState {
     }
 }
 
-pub fn app(state: AppState) -> Router {
-    let v1 = Router::new()
+/// `/v1`: each feature's router registers its routes and their OpenAPI paths together.
+fn v1() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
         .merge(events::router())
         .merge(ledger::router())
         .merge(usage::router())
@@ -99,15 +104,29 @@ pub fn app(state: AppState) -> Router {
         .merge(reports::router())
         .merge(reconciliations::router())
         .merge(exports::router())
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_token,
-        ));
-    let timeout = state.request_timeout;
-    let concurrency_max = state.concurrency_max.max(1);
-    Router::new()
+}
+
+/// Every route the service answers, under the document's top level ([`ops::ApiDoc`]).
+fn routers(v1: OpenApiRouter<AppState>) -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ops::ApiDoc::openapi())
         .merge(ops::router())
         .merge(v1)
+}
+
+/// The OpenAPI document (`/openapi.json`): the paths of the very routers [`app`] serves.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    routers(v1()).into_openapi()
+}
+
+pub fn app(state: AppState) -> Router {
+    let v1 = v1().route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_token,
+    ));
+    let (routes, _document) = routers(v1).split_for_parts();
+    let timeout = state.request_timeout;
+    let concurrency_max = state.concurrency_max.max(1);
+    routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(

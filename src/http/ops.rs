@@ -6,23 +6,24 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use serde_json::json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::AppState;
 
 /// How long a readiness probe waits for each dependency.
 const READY_PROBE_TIMEOUT_MS: u64 = 1_000;
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .route("/openapi.json", get(openapi_json))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics_text))
+        .routes(routes!(openapi_json))
 }
 
 /// The process is up.
@@ -82,7 +83,7 @@ pub async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
 /// The document, built and serialized once: it never changes while the process runs, and
 /// building it takes far longer than sending it.
 static OPENAPI_JSON: std::sync::LazyLock<bytes::Bytes> = std::sync::LazyLock::new(|| {
-    serde_json::to_vec(&ApiDoc::openapi())
+    serde_json::to_vec(&super::openapi())
         .expect("the OpenAPI document serializes")
         .into()
 });
@@ -108,73 +109,17 @@ impl Modify for BearerAuth {
     }
 }
 
+/// The document's top level: its info and the bearer scheme. The paths and their schemas
+/// come from the feature routers ([`super::openapi`]).
 #[derive(OpenApi)]
 #[openapi(
     info(title = "tally", description = "An event-sourced usage and billing ledger"),
-    paths(
-        healthz,
-        readyz,
-        metrics_text,
-        openapi_json,
-        super::events::post_events,
-        super::ledger::get_verify,
-        super::usage::get_usage,
-        super::usage::get_container,
-        super::plans::get_plans,
-        super::plans::put_plan,
-        super::admission::post_check,
-        super::admission::post_reservation,
-        super::admission::delete_reservation,
-        super::audit::get_events,
-        super::audit::get_container_events,
-        super::tokens::post_token,
-        super::tokens::delete_token,
-        super::corrections::post_void,
-        super::corrections::post_events,
-        super::reports::post_report,
-        super::reconciliations::post_reconciliation,
-        super::reconciliations::get_lines,
-        super::exports::get_usage_export,
-        super::exports::post_close,
-        super::exports::get_period,
-        super::exports::get_close,
-    ),
-    components(schemas(
-        super::events::EventInput,
-        super::ledger::VerifyReportSchema,
-        super::ledger::StreamReportSchema,
-        super::events::EventsResponse,
-        super::events::EventResult,
-        super::usage::UsageResponse,
-        super::plans::PlanResponse,
-        super::plans::PlansResponse,
-        super::plans::StoredPlanResponse,
-        super::admission::CheckResponse,
-        super::admission::ReservationResponse,
-        super::admission::ReleaseResponse,
-        super::audit::EventsPage,
-        super::tokens::TokenCreated,
-        super::tokens::TokenRevoked,
-        super::corrections::VoidResponse,
-        super::corrections::AddedResponse,
-        super::reports::ReportResponse,
-        super::reconciliations::ReconciliationResponse,
-        super::exports::PeriodResponse,
-        super::exports::CloseJobResponse,
-        super::usage::ContainerResponse,
-        super::usage::IntervalResponse,
-        super::usage::AnomalyResponse,
-        super::error::ErrorBody,
-        super::error::ErrorContent,
-    )),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     /// The JSON request bodies whose schema is a bare object: nothing about their fields.
     fn untyped_request_bodies(document: &serde_json::Value) -> Vec<String> {
         let mut untyped = Vec::new();
@@ -198,7 +143,8 @@ mod tests {
 
     #[test]
     fn every_json_request_body_in_the_openapi_document_names_its_fields() {
-        let document = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
+        let document =
+            serde_json::to_value(crate::http::openapi()).expect("the document serializes");
         assert_eq!(untyped_request_bodies(&document), Vec::<String>::new());
         let schemas = &document["components"]["schemas"];
         for name in [

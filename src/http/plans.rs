@@ -6,12 +6,13 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, put};
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
@@ -25,10 +26,10 @@ use crate::ledger::read;
 /// The org id `plan.defined` events are recorded under: plans belong to no org.
 pub const PLANS_ORG_ID: &str = "_plans";
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/plans", get(get_plans))
-        .route("/v1/plans/{plan_id}", put(put_plan))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(get_plans))
+        .routes(routes!(put_plan))
 }
 
 /// The body of a plan definition. The fields are checked together by [`Plan::parse`], which

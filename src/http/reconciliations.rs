@@ -7,14 +7,15 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::Response;
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sqlx::{FromRow, PgPool};
 use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -34,13 +35,10 @@ const EXPORT_CHUNK_LINES: i64 = 1_000;
 /// The widest tolerance accepted: a day.
 const TOLERANCE_MS_MAX: u64 = 86_400_000;
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/reconciliations", post(post_reconciliation))
-        .route(
-            "/v1/reconciliations/{reconciliation_id}/lines.csv",
-            get(get_lines),
-        )
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(post_reconciliation))
+        .routes(routes!(get_lines))
 }
 
 /// The body of a reconciliation. Each field is checked by the route, with its own code.

@@ -4,11 +4,12 @@
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::routing::post;
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use serde::Serialize;
 use serde_json::json;
 use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::Principal;
@@ -17,8 +18,8 @@ use super::AppState;
 use crate::event::canonical;
 use crate::finance::reports::{self, ImportError, Imported, StoredReport};
 
-pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/provider-reports", post(post_report))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(post_report))
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -4,14 +4,15 @@
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::routing::{delete, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use chrono::Utc;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::auth::{Principal, Scope};
@@ -25,10 +26,10 @@ const SECRET_BYTES: usize = 32;
 /// Every secret starts with this, so that a leaked one is easy to recognise in logs.
 pub const SECRET_PREFIX: &str = "tly_";
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/tokens", post(post_token))
-        .route("/v1/tokens/{token_id}", delete(delete_token))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(post_token))
+        .routes(routes!(delete_token))
 }
 
 /// The body of a token's creation. Each field is checked by the route, with its own code.

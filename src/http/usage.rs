@@ -3,11 +3,12 @@
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::Json;
 use chrono::{DateTime, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::auth::Principal;
 use super::consistency::{Consistency, ConsistencyParams};
@@ -22,10 +23,10 @@ use crate::projection::store::AnomalyCursor;
 use crate::runtime::{ContainerState, Period, Window};
 use axum::Extension;
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/v1/orgs/{org_id}/usage", get(get_usage))
-        .route("/v1/containers/{container_id}", get(get_container))
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(get_usage))
+        .routes(routes!(get_container))
 }
 
 /// The query of an org's usage, read as text and checked by the route.
