@@ -1,31 +1,52 @@
-//! tally: an event-sourced usage and billing ledger. Modules in reading order. "contract §N"
-//! in comments is section N of `docs/contract.md`, the public contract.
+//! tally: an event-sourced usage and billing ledger. "contract §N" in comments is section N
+//! of `docs/contract.md`, the public contract.
+//!
+//! The modules are listed in the order data flows through them: an event is parsed and
+//! checked (`event`), appended to the hash-chained ledger (`ledger`), relayed to NATS and
+//! taken in from it (`bus`), folded into the projections (`projection`) by the runtime rules
+//! (`runtime`), priced and admitted against its plan (`billing`, `admission`), reconciled,
+//! exported and closed (`finance`), read back as a timeline (`audit`) and served over HTTP
+//! (`http`). The process around them comes last: start-up and shutdown (`startup`), the
+//! command line (`cli`), settings (`config`), logs and metrics (`telemetry`).
+
+/// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
+pub mod event;
+
+/// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
+pub mod ledger;
+
+/// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.
+pub mod bus;
+
+/// Projections of the ledger (runtime, usage, container timelines), the projector, replay.
+pub mod projection;
+
+/// The runtime rules of contract §3: intervals, anomalies, periods, usage, account state (pure).
+pub mod runtime;
+
+/// Plans with decimal money and the admission decision (pure).
+pub mod billing;
 
 /// Admission against the database: facts, reservations (grant, release, consume).
 pub mod admission;
-/// `tally audit`: the ledger as a readable timeline.
-pub mod audit;
-/// Plans with decimal money and the admission decision (pure).
-pub mod billing;
-/// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.
-pub mod bus;
-/// The command line.
-pub mod cli;
-/// Settings from the environment, each with its unit and the reason for its default.
-pub mod config;
-/// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
-pub mod event;
+
 /// Finance: provider reports, reconciliation, priced usage, the usage export, period close.
 pub mod finance;
-/// The HTTP API: one module per feature, mapped errors, operations endpoints.
+
+/// `tally audit`: the ledger as a readable timeline.
+pub mod audit;
+
+/// The HTTP API: one router per feature, each with its OpenAPI paths; mapped errors.
 pub mod http;
-/// The Postgres ledger: database set-up, group-commit appender, reads, chain verification.
-pub mod ledger;
-/// Projections of the ledger (runtime, usage, container timelines), the projector, replay.
-pub mod projection;
-/// The runtime rules of contract §3: intervals, anomalies, periods, usage, account state (pure).
-pub mod runtime;
+
 /// Wiring: starts every component of `tally serve` and stops them in order.
 pub mod startup;
+
+/// The command line.
+pub mod cli;
+
+/// Settings from the environment, each with its unit and the reason for its default.
+pub mod config;
+
 /// Logs (structured `tracing`) and the Prometheus recorder.
 pub mod telemetry;
