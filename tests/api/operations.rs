@@ -82,6 +82,82 @@ async fn unknown_routes_and_methods_get_json_errors() {
     app.stop().await;
 }
 
+/// The document's operations, `(METHOD, path)`, and its paths with each path parameter
+/// given a value (any segment matches a parameter).
+fn documented(document: &serde_json::Value) -> Vec<(String, String, String)> {
+    let mut operations = Vec::new();
+    for (path, item) in document["paths"].as_object().expect("paths") {
+        let concrete: Vec<String> = path
+            .split('/')
+            .map(|segment| {
+                if segment.starts_with('{') {
+                    "x1".to_owned()
+                } else {
+                    segment.to_owned()
+                }
+            })
+            .collect();
+        for method in item.as_object().expect("operations").keys() {
+            operations.push((method.to_uppercase(), path.clone(), concrete.join("/")));
+        }
+    }
+    operations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_answers_every_operation_of_the_openapi_document_and_refuses_every_other_method_on_its_paths(
+) {
+    let app = TestApp::spawn().await;
+    let anyone = app.without_token();
+    let (status, document) = anyone.get_json("/openapi.json").await;
+    assert_eq!(status, 200);
+    let operations = documented(&document);
+    assert!(operations.len() > 20, "{operations:?}");
+
+    // A documented operation reaches its route: the token check of /v1 (which runs only
+    // on a matched route) or an operations endpoint's answer; not the 404 or 405 of no route.
+    let mut unanswered = Vec::new();
+    for (method, path, concrete) in &operations {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let reply = anyone.send(method.clone(), concrete, None).await;
+        let answered = if path.starts_with("/v1/") {
+            reply.status == 401 && reply.json()["error"]["code"] == "unauthorized"
+        } else {
+            reply.status == 200
+        };
+        if !answered {
+            unanswered.push(format!("{method} {path}: {} {}", reply.status, reply.text));
+        }
+    }
+    assert_eq!(unanswered, Vec::<String>::new());
+
+    // The other way round: on a documented path, a method the document does not list is
+    // 405 even for the admin, so the router serves no operation the document leaves out.
+    let mut undocumented = Vec::new();
+    for (_, path, concrete) in &operations {
+        for method in [
+            Method::GET,
+            Method::POST,
+            Method::PUT,
+            Method::PATCH,
+            Method::DELETE,
+        ] {
+            let listed = operations
+                .iter()
+                .any(|(m, p, _)| p == path && m.as_str() == method.as_str());
+            if listed {
+                continue;
+            }
+            let (status, body) = app.send(method.clone(), concrete, None).await.status_json();
+            if status != 405 || body["error"]["code"] != "method_not_allowed" {
+                undocumented.push(format!("{method} {path}: {status} {body}"));
+            }
+        }
+    }
+    assert_eq!(undocumented, Vec::<String>::new());
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn past_the_concurrency_limit_requests_are_shed_with_503_and_retry_after_not_queued() {
     use std::io::Write as _;
