@@ -3,13 +3,11 @@
 
 /// Admission against the database: facts, reservations (grant, release, consume).
 pub mod admission;
-/// `tally audit`: the ledger as a readable timeline.
-pub mod audit;
 /// Plans with decimal money and the admission decision (pure).
 pub mod billing;
 /// NATS JetStream: stream definitions, the ledger relay, the ingest consumer.
 pub mod bus;
-/// The command line.
+/// The command line: the clap definition, the dispatch, one module per subcommand.
 pub mod cli;
 /// Settings from the environment, each with its unit and the reason for its default.
 pub mod config;
