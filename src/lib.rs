@@ -5,9 +5,9 @@
 //! checked (`event`), appended to the hash-chained ledger (`ledger`), relayed to NATS and
 //! taken in from it (`bus`), folded into the projections (`projection`) by the runtime rules
 //! (`runtime`), priced and admitted against its plan (`billing`, `admission`), reconciled,
-//! exported and closed (`finance`), read back as a timeline (`audit`) and served over HTTP
-//! (`http`). The process around them comes last: start-up and shutdown (`startup`), the
-//! command line (`cli`), settings (`config`), logs and metrics (`telemetry`).
+//! exported and closed (`finance`) and served over HTTP (`http`). The process around them
+//! comes last: start-up and shutdown (`startup`), the command line (`cli`, where `tally
+//! audit` reads the ledger back as a timeline), settings (`config`), logs and metrics (`telemetry`).
 
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
 pub mod event;
@@ -33,16 +33,13 @@ pub mod admission;
 /// Finance: provider reports, reconciliation, priced usage, the usage export, period close.
 pub mod finance;
 
-/// `tally audit`: the ledger as a readable timeline.
-pub mod audit;
-
 /// The HTTP API: one router per feature, each with its OpenAPI paths; mapped errors.
 pub mod http;
 
 /// Wiring: starts every component of `tally serve` and stops them in order.
 pub mod startup;
 
-/// The command line.
+/// The command line: the clap definition, the dispatch, one module per subcommand.
 pub mod cli;
 
 /// Settings from the environment, each with its unit and the reason for its default.

@@ -7,13 +7,16 @@
 //! appended meanwhile.
 
 use std::io::Write;
+use std::process::ExitCode;
 
 use anyhow::{anyhow, bail};
 use sqlx::PgPool;
 
+use crate::config::Config;
 use crate::event::canonical;
 use crate::event::{ContainerId, EventType, OrgId};
 use crate::http::audit::PAGE_MAX;
+use crate::ledger::db;
 use crate::ledger::read::{self, Filter};
 
 /// The filters and page of `tally audit`.
@@ -32,6 +35,16 @@ pub struct AuditArgs {
     /// Events to print at most.
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
+}
+
+/// `tally audit`: the timeline to standard output, the head to standard error.
+pub async fn run(config: &Config, args: &AuditArgs) -> anyhow::Result<ExitCode> {
+    let pool = db::prepare(config).await?;
+    let (mut out, mut notes) = (std::io::stdout(), std::io::stderr());
+    let printed = print_timeline(&pool, args, &mut out, &mut notes).await;
+    pool.close().await;
+    printed?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Prints the timeline to `out` and the head it was read at to `notes`.
