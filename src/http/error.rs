@@ -11,7 +11,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::event::parse::BodyError;
-use crate::ledger::AppendError;
+use crate::ledger::{self, AppendError};
+use crate::{finance, projection};
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -67,13 +68,7 @@ impl ApiError {
 
     /// A bug or an outage we cannot name to the caller: logged in full, answered opaquely.
     pub fn internal(error: &(dyn std::error::Error + 'static)) -> Self {
-        let mut chain = error.to_string();
-        let mut source = error.source();
-        while let Some(cause) = source {
-            chain.push_str(": ");
-            chain.push_str(&cause.to_string());
-            source = cause.source();
-        }
+        let chain = crate::telemetry::cause_chain(error);
         tracing::error!(error = chain, "internal error");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -140,6 +135,24 @@ impl From<sqlx::Error> for ApiError {
     }
 }
 
+impl From<ledger::Error> for ApiError {
+    fn from(error: ledger::Error) -> Self {
+        ApiError::failure(&error, error.database())
+    }
+}
+
+impl From<projection::Error> for ApiError {
+    fn from(error: projection::Error) -> Self {
+        ApiError::failure(&error, error.database())
+    }
+}
+
+impl From<finance::Error> for ApiError {
+    fn from(error: finance::Error) -> Self {
+        ApiError::failure(&error, error.database())
+    }
+}
+
 impl From<AppendError> for ApiError {
     fn from(error: AppendError) -> Self {
         match error {
@@ -190,13 +203,16 @@ impl ApiError {
             ApiError::internal(error)
         }
     }
-}
 
-impl From<anyhow::Error> for ApiError {
-    fn from(error: anyhow::Error) -> Self {
-        match error.downcast_ref::<sqlx::Error>() {
-            Some(store) => ApiError::from_store(store),
-            None => ApiError::internal(error.as_ref()),
+    /// A layer's failure (`database`, the database error it comes from, if any): 503 when
+    /// the database cannot be reached, else a 500 logged with `error`'s whole cause chain.
+    pub fn failure(
+        error: &(dyn std::error::Error + 'static),
+        database: Option<&sqlx::Error>,
+    ) -> Self {
+        match database {
+            Some(store) if is_unavailable(store) => ApiError::from_store(store),
+            _ => ApiError::internal(error),
         }
     }
 }
