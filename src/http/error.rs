@@ -216,3 +216,62 @@ impl ApiError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use http_body_util::BodyExt;
+
+    use super::*;
+    use crate::admission::AdmissionError;
+
+    /// The status and the body's `code` of `error`'s answer.
+    async fn answered(error: ApiError) -> (StatusCode, String) {
+        let response = error.into_response();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = serde_json::from_slice(&bytes).unwrap();
+        (status, body["error"]["code"].as_str().unwrap().to_owned())
+    }
+
+    #[tokio::test]
+    async fn a_layer_error_from_an_unreachable_database_is_a_503_to_retry() {
+        let finance = finance::Error::Projection(projection::Error::Ledger(
+            ledger::Error::Database(sqlx::Error::PoolTimedOut),
+        ));
+        assert_eq!(
+            answered(finance.into()).await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable".to_owned()
+            )
+        );
+        let shared = AdmissionError::Group(Arc::new(AdmissionError::Projection(
+            projection::Error::Database(sqlx::Error::PoolClosed),
+        )));
+        let error = ApiError::failure(&shared, shared.database());
+        assert_eq!(error.retry_after_seconds, Some(1));
+        assert_eq!(
+            answered(error).await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable".to_owned()
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn a_layer_error_that_is_not_an_outage_is_an_opaque_500() {
+        let corrupt = projection::Error::Corrupt("anomaly kind \"x\"".to_owned());
+        assert_eq!(
+            answered(corrupt.into()).await,
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal".to_owned())
+        );
+        let bug = ledger::Error::Database(sqlx::Error::RowNotFound);
+        assert_eq!(
+            answered(bug.into()).await,
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal".to_owned())
+        );
+    }
+}
