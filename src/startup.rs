@@ -5,6 +5,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+// anyhow, not a typed error: a start that fails is reported (the chain printed) and the
+// process exits; no caller tells its failures apart.
 use anyhow::Context as _;
 use sqlx::PgPool;
 use tokio::task::JoinHandle;

@@ -47,3 +47,15 @@ pub fn metrics_handle() -> PrometheusHandle {
         })
         .clone()
 }
+
+/// `error` and its causes, each after a colon: what a log needs to name a failure.
+pub fn cause_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut chain = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        chain.push_str(": ");
+        chain.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    chain
+}

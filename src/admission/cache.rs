@@ -36,6 +36,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+// anyhow, not a typed error, for the listener's failures: they end at its loop, which logs
+// them and listens again; none reaches an HTTP answer.
 use anyhow::Context as _;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::PgPool;

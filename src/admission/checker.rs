@@ -22,7 +22,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use anyhow::{anyhow, Context as _};
 use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
@@ -47,7 +46,7 @@ struct Pending {
 
 /// What a waiting check is told: its facts, or that it reads the next group.
 enum Reply {
-    Read(Box<anyhow::Result<Read>>),
+    Read(Box<Result<Read, Arc<AdmissionError>>>),
     Lead,
 }
 
@@ -137,7 +136,7 @@ impl Checker {
                     self.cache.keep(ticket, request, Arc::clone(&facts));
                 }
                 let reader = Reader::Pool(&self.pool);
-                return Ok(answer_from(reader, request, &facts, read.now).await?);
+                return answer_from(reader, request, &facts, read.now).await;
             }
             wait.catch_up(&self.pool, &self.freshness, wanted, deadline)
                 .await?;
@@ -165,17 +164,8 @@ impl Checker {
             }
         };
         if let Some(replied) = replied {
-            let mut waiting = Waiting {
-                checker: self,
-                replied: Some(replied),
-            };
-            let replied = waiting.replied.as_mut().expect("set above");
-            let reply = replied.await;
-            waiting.replied = None;
-            match reply {
-                Ok(Reply::Read(read)) => return Ok((*read)?),
-                Ok(Reply::Lead) => {}
-                Err(_) => return Err(anyhow!("the check reading this one's facts stopped").into()),
+            if let Some(read) = self.reply(replied).await {
+                return read;
             }
         }
         // This caller reads its own check and those waiting, as one group.
@@ -199,9 +189,9 @@ impl Checker {
         match result {
             Ok((rows, now)) => {
                 let mut rows = rows.into_iter();
-                let own = rows
-                    .next()
-                    .context("the facts statement returned no rows")?;
+                let own = rows.next().ok_or_else(|| {
+                    AdmissionError::Corrupt("the facts statement returned no rows".to_owned())
+                })?;
                 for (pending, row) in group.into_iter().zip(rows) {
                     let read = Read { row, now };
                     let _ = pending.reply.send(Reply::Read(Box::new(Ok(read))));
@@ -210,13 +200,34 @@ impl Checker {
             }
             Err(error) => {
                 // The statement failed for all of them; each caller gets the error.
+                let error = Arc::new(error);
                 for pending in group {
                     let _ = pending
                         .reply
-                        .send(Reply::Read(Box::new(Err(anyhow!("{error:#}")))));
+                        .send(Reply::Read(Box::new(Err(Arc::clone(&error)))));
                 }
-                Err(error.into())
+                Err(AdmissionError::Group(error))
             }
+        }
+    }
+
+    /// Waits for what the check reading a group tells this one: its facts, or `None` when it
+    /// is to read the next group itself.
+    async fn reply(
+        &self,
+        replied: oneshot::Receiver<Reply>,
+    ) -> Option<Result<Read, AdmissionError>> {
+        let mut waiting = Waiting {
+            checker: self,
+            replied: Some(replied),
+        };
+        let replied = waiting.replied.as_mut().expect("set above");
+        let reply = replied.await;
+        waiting.replied = None;
+        match reply {
+            Ok(Reply::Read(read)) => Some((*read).map_err(AdmissionError::Group)),
+            Ok(Reply::Lead) => None,
+            Err(_) => Some(Err(AdmissionError::LeadStopped)),
         }
     }
 
@@ -279,7 +290,7 @@ impl Drop for Waiting<'_> {
 async fn read_group(
     pool: &PgPool,
     requests: &[&Request],
-) -> anyhow::Result<(Vec<FactsRow>, DateTime<Utc>)> {
+) -> Result<(Vec<FactsRow>, DateTime<Utc>), AdmissionError> {
     let mut connection = pool.acquire().await?;
     let now = Utc::now().trunc_subsecs(3);
     let rows = load_facts(&mut connection, requests, now).await?;

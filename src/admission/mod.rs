@@ -15,9 +15,8 @@ mod checker;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context as _};
 use chrono::{DateTime, SubsecRound, Utc};
-use sqlx::{FromRow, PgConnection, PgPool};
+use sqlx::{FromRow, PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::billing::{self, Action, Decision, Facts};
@@ -123,12 +122,37 @@ pub enum AdmissionError {
     #[error("more than {0} admission checks are waiting; retry later")]
     Busy(usize),
     #[error(transparent)]
-    Store(#[from] anyhow::Error),
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Projection(#[from] crate::projection::Error),
+    /// Facts that do not add up: a bug or a hand-edited table, never the caller's.
+    #[error("{0}")]
+    Corrupt(String),
+    /// The failure of the check that read this one's facts together with its own.
+    #[error(transparent)]
+    Group(std::sync::Arc<AdmissionError>),
+    #[error("the check reading this one's facts stopped")]
+    LeadStopped,
 }
 
-impl From<sqlx::Error> for AdmissionError {
-    fn from(error: sqlx::Error) -> Self {
-        AdmissionError::Store(error.into())
+impl AdmissionError {
+    /// A stored value that does not decode: what it is, and why not.
+    fn corrupt(what: impl std::fmt::Display, why: impl std::fmt::Display) -> AdmissionError {
+        AdmissionError::Corrupt(format!("{what}: {why}"))
+    }
+
+    /// The database error this comes from, if any: the HTTP layer answers 503 for one that
+    /// is an outage.
+    pub fn database(&self) -> Option<&sqlx::Error> {
+        match self {
+            AdmissionError::Database(error) => Some(error),
+            AdmissionError::Projection(error) => error.database(),
+            AdmissionError::Group(error) => error.database(),
+            AdmissionError::Stale { .. }
+            | AdmissionError::Busy(_)
+            | AdmissionError::Corrupt(_)
+            | AdmissionError::LeadStopped => None,
+        }
     }
 }
 
@@ -166,7 +190,7 @@ async fn load(
     request: &Request,
     now: DateTime<Utc>,
     wanted: i64,
-) -> anyhow::Result<Option<Answer>> {
+) -> Result<Option<Answer>, AdmissionError> {
     let row = load_facts(&mut *connection, &[request], now)
         .await?
         .pop()
@@ -188,7 +212,7 @@ async fn load_facts(
     connection: &mut PgConnection,
     requests: &[&Request],
     now: DateTime<Utc>,
-) -> anyhow::Result<Vec<FactsRow>> {
+) -> Result<Vec<FactsRow>, AdmissionError> {
     let period = Period::containing(now);
     let live = store::LIVE;
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
@@ -243,12 +267,13 @@ async fn load_facts(
     .bind(&containers)
     .fetch_all(&mut *connection)
     .await?;
-    anyhow::ensure!(
-        rows.len() == requests.len(),
-        "{} rows of facts for {} requests",
-        rows.len(),
-        requests.len()
-    );
+    if rows.len() != requests.len() {
+        return Err(AdmissionError::Corrupt(format!(
+            "{} rows of facts for {} requests",
+            rows.len(),
+            requests.len()
+        )));
+    }
     Ok(rows)
 }
 
@@ -266,7 +291,7 @@ async fn answer_from(
     request: &Request,
     prepared: &Prepared,
     now: DateTime<Utc>,
-) -> anyhow::Result<Answer> {
+) -> Result<Answer, AdmissionError> {
     let runtime_used_ms = match prepared.runtime_used_ms(now) {
         Some(runtime_ms) => runtime_ms,
         None => {
@@ -318,7 +343,7 @@ pub(crate) struct Prepared {
 }
 
 impl Prepared {
-    fn from_row(row: FactsRow, read_at: DateTime<Utc>) -> anyhow::Result<Prepared> {
+    fn from_row(row: FactsRow, read_at: DateTime<Utc>) -> Result<Prepared, AdmissionError> {
         let account = match &row.account {
             Some(json) => AccountTimeline::fold(&account_entries(json)?),
             None => AccountTimeline::fold(&[]),
@@ -330,23 +355,26 @@ impl Prepared {
             settled_at: row.latest_at.map(runtime::settled_at),
             totals: PeriodTotals {
                 closed_runtime_ms: row.closed_runtime_ms,
-                commands: u64::try_from(row.commands)?,
+                commands: u64::try_from(row.commands)
+                    .map_err(|e| AdmissionError::corrupt("commands", e))?,
                 command_ms: row.command_ms,
-                ports_published: u64::try_from(row.ports_published)?,
+                ports_published: u64::try_from(row.ports_published)
+                    .map_err(|e| AdmissionError::corrupt("ports_published", e))?,
             },
             open: query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?,
             future: row
                 .future_intervals
                 .iter()
                 .map(|intervals| lifecycle_of(intervals))
-                .collect::<anyhow::Result<_>>()?,
+                .collect::<Result<_, AdmissionError>>()?,
             target: row
                 .target_intervals
                 .as_deref()
                 .map(lifecycle_of)
                 .transpose()?,
             reservation_expiries: row.reservation_expiries,
-            consumed_unprojected: u64::try_from(row.consumed_unprojected)?,
+            consumed_unprojected: u64::try_from(row.consumed_unprojected)
+                .map_err(|e| AdmissionError::corrupt("consumed_unprojected", e))?,
             account,
             plans: plan_versions(row.plan_versions.as_deref())?,
         })
@@ -369,14 +397,15 @@ impl Prepared {
         request: &Request,
         now: DateTime<Utc>,
         runtime_used_ms: i64,
-    ) -> anyhow::Result<Answer> {
+    ) -> Result<Answer, AdmissionError> {
         // Open intervals, corrected by the few containers with events after now.
         let mut running: i64 = self.open.iter().map(|runs| runs.running as i64).sum();
         for lifecycle in &self.future {
             running += i64::from(lifecycle.running_at(now))
                 - i64::from(lifecycle.running_since().is_some());
         }
-        let running_containers = u64::try_from(running).context("running containers below zero")?;
+        let running_containers = u64::try_from(running)
+            .map_err(|e| AdmissionError::corrupt("running containers below zero", e))?;
         let container_running = self
             .target
             .as_ref()
@@ -389,11 +418,10 @@ impl Prepared {
             .unwrap_or_default();
         let plan = plans::in_effect(versions, now)
             .ok_or_else(|| {
-                anyhow!(
+                AdmissionError::Corrupt(format!(
                     "org {} is on plan {}, which has no version",
-                    request.org_id,
-                    account.plan
-                )
+                    request.org_id, account.plan
+                ))
             })?
             .plan
             .clone();
@@ -429,9 +457,12 @@ impl Prepared {
 
 /// The versions of each plan in the facts statement's `plan_versions`, oldest first; `free`
 /// starts with its built-in version.
-fn plan_versions(json: Option<&str>) -> anyhow::Result<HashMap<String, Vec<plans::PlanVersion>>> {
+fn plan_versions(
+    json: Option<&str>,
+) -> Result<HashMap<String, Vec<plans::PlanVersion>>, AdmissionError> {
     let rows: Vec<(serde_json::Value, i64, i64)> = match json {
-        Some(json) => serde_json::from_str(json).context("stored plan versions")?,
+        Some(json) => serde_json::from_str(json)
+            .map_err(|e| AdmissionError::corrupt("stored plan versions", e))?,
         None => Vec::new(),
     };
     let mut plans: HashMap<String, Vec<plans::PlanVersion>> = HashMap::new();
@@ -443,24 +474,26 @@ fn plan_versions(json: Option<&str>) -> anyhow::Result<HashMap<String, Vec<plans
         let id = data
             .get("id")
             .and_then(serde_json::Value::as_str)
-            .context("a stored plan without an id")?;
-        let id = PlanId::parse(id).map_err(|error| anyhow!("stored plan id {id}: {error}"))?;
-        let plan = billing::Plan::parse(&id, &data)
-            .map_err(|errors| anyhow!("stored plan {id} does not parse: {errors:?}"))?;
+            .ok_or_else(|| AdmissionError::Corrupt("a stored plan without an id".to_owned()))?;
+        let id = PlanId::parse(id)
+            .map_err(|error| AdmissionError::corrupt(format!("stored plan id {id}"), error))?;
+        let plan = billing::Plan::parse(&id, &data).map_err(|errors| {
+            AdmissionError::Corrupt(format!("stored plan {id} does not parse: {errors:?}"))
+        })?;
         let versions = plans.entry(id.as_str().to_owned()).or_default();
         let version = versions.iter().filter(|v| v.position > 0).count() as i64 + 1;
         versions.push(plans::PlanVersion {
             plan,
             version,
             effective_from: DateTime::from_timestamp_millis(occurred_at_ms)
-                .ok_or_else(|| anyhow!("{occurred_at_ms} ms"))?,
+                .ok_or_else(|| AdmissionError::Corrupt(format!("{occurred_at_ms} ms")))?,
             position,
         });
     }
     Ok(plans)
 }
 
-fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
+fn lifecycle_of(intervals: &str) -> Result<Lifecycle, AdmissionError> {
     Ok(Lifecycle::restore(
         store::decode_intervals(intervals)?,
         0,
@@ -470,17 +503,19 @@ fn lifecycle_of(intervals: &str) -> anyhow::Result<Lifecycle> {
 
 type StoredChange = (i64, i64, Uuid, Option<String>, Option<bool>, Option<bool>);
 
-fn account_entries(json: &str) -> anyhow::Result<Vec<AccountEntry>> {
-    let rows: Vec<StoredChange> = serde_json::from_str(json).context("stored account changes")?;
+fn account_entries(json: &str) -> Result<Vec<AccountEntry>, AdmissionError> {
+    let rows: Vec<StoredChange> = serde_json::from_str(json)
+        .map_err(|e| AdmissionError::corrupt("stored account changes", e))?;
     rows.into_iter()
         .map(
             |(position, occurred_at_ms, event_id, plan, verified, eligible)| {
                 let change = store::account_change(position, plan, verified, eligible)?;
                 Ok(AccountEntry {
                     occurred_at: DateTime::from_timestamp_millis(occurred_at_ms)
-                        .ok_or_else(|| anyhow!("{occurred_at_ms} ms"))?,
+                        .ok_or_else(|| AdmissionError::Corrupt(format!("{occurred_at_ms} ms")))?,
                     position,
-                    event_id: EventId::from_uuid(event_id)?,
+                    event_id: EventId::from_uuid(event_id)
+                        .map_err(|e| AdmissionError::corrupt("event_id", e))?,
                     change,
                 })
             },
@@ -530,23 +565,7 @@ pub async fn reserve_with(
     // under the org's lock, so that a replay's swap moving the checkpoint back cannot slip
     // in between; while they are behind, the lock is let go and the projector awaited,
     // within one deadline however often the checkpoint moves.
-    let wanted = wait.wanted(freshness, &request.org_id);
-    let deadline = Instant::now() + wait.within;
-    let (mut transaction, now, answer) = loop {
-        let mut transaction = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
-            .bind(request.org_id.as_str())
-            .execute(&mut *transaction)
-            .await?;
-        // The clock is read after the lock, so that expiry is judged at the moment of
-        // granting.
-        let now = Utc::now().trunc_subsecs(3);
-        if let Some(answer) = load(&mut transaction, request, now, wanted).await? {
-            break (transaction, now, answer);
-        }
-        transaction.rollback().await?;
-        wait.catch_up(pool, freshness, wanted, deadline).await?;
-    };
+    let (mut transaction, now, answer) = locked_answer(pool, freshness, request, wait).await?;
     let action = serde_json::to_value(request.action)
         .ok()
         .and_then(|value| value.as_str().map(str::to_owned))
@@ -596,6 +615,33 @@ pub async fn reserve_with(
     transaction.commit().await?;
     cache.forget(request.org_id.as_str());
     Ok((answer, Some(reservation)))
+}
+
+/// The answer to `request` from facts that reflect `wait`, read in a transaction that holds
+/// the org's admission lock; with that transaction and the instant the answer is for.
+async fn locked_answer(
+    pool: &PgPool,
+    freshness: &Freshness,
+    request: &Request,
+    wait: Wait,
+) -> Result<(Transaction<'static, Postgres>, DateTime<Utc>, Answer), AdmissionError> {
+    let wanted = wait.wanted(freshness, &request.org_id);
+    let deadline = Instant::now() + wait.within;
+    loop {
+        let mut transaction = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
+            .bind(request.org_id.as_str())
+            .execute(&mut *transaction)
+            .await?;
+        // The clock is read after the lock, so that expiry is judged at the moment of
+        // granting.
+        let now = Utc::now().trunc_subsecs(3);
+        if let Some(answer) = load(&mut transaction, request, now, wanted).await? {
+            return Ok((transaction, now, answer));
+        }
+        transaction.rollback().await?;
+        wait.catch_up(pool, freshness, wanted, deadline).await?;
+    }
 }
 
 /// What became of a reservation asked to be released.

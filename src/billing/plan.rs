@@ -88,31 +88,7 @@ impl Plan {
                 "a plan is a JSON object",
             )]);
         };
-        let mut errors = Vec::new();
-        let known = [
-            "id",
-            "sandbox_runtime",
-            "included_runtime_seconds",
-            "overage",
-            "overage_price_per_hour",
-            "currency",
-            "max_running_containers",
-            "max_published_ports",
-        ];
-        for name in fields.keys().filter(|name| !known.contains(&name.as_str())) {
-            errors.push(EventError::new(
-                "unknown_field",
-                format!("{name}: is not a plan field"),
-            ));
-        }
-        if let Some(given) = fields.get("id") {
-            if given.as_str() != Some(id.as_str()) {
-                errors.push(EventError::new(
-                    "plan_id_mismatch",
-                    format!("id: {given} differs from the plan id {id} in the path"),
-                ));
-            }
-        }
+        let mut errors = unknown_fields(id, fields);
         let plan = Plan {
             id: id.clone(),
             sandbox_runtime: boolean(fields, "sandbox_runtime", &mut errors),
@@ -123,30 +99,9 @@ impl Plan {
                 "invalid_allowance",
                 &mut errors,
             ),
-            overage: match fields.get("overage").and_then(Value::as_str) {
-                Some("deny") => Overage::Deny,
-                Some("bill") => Overage::Bill,
-                _ => {
-                    errors.push(EventError::new(
-                        "invalid_overage",
-                        "overage: must be \"deny\" or \"bill\"",
-                    ));
-                    Overage::Deny
-                }
-            },
+            overage: overage(fields, &mut errors),
             overage_price_per_hour: price(fields, "overage_price_per_hour", &mut errors),
-            currency: match fields.get("currency").and_then(Value::as_str) {
-                Some(code) if code.len() == 3 && code.bytes().all(|b| b.is_ascii_uppercase()) => {
-                    code.to_owned()
-                }
-                _ => {
-                    errors.push(EventError::new(
-                        "invalid_currency",
-                        "currency: must be an ISO 4217 code such as \"USD\"",
-                    ));
-                    String::new()
-                }
-            },
+            currency: currency(fields, &mut errors),
             max_running_containers: count(
                 fields,
                 "max_running_containers",
@@ -172,6 +127,66 @@ impl Plan {
     /// The `data` of the `plan.defined` event that records this version.
     pub fn to_data(&self) -> Value {
         serde_json::to_value(self).expect("a plan serializes")
+    }
+}
+
+/// The problems with a definition's field names: fields a plan does not have, and an `id`
+/// other than the plan's.
+fn unknown_fields(id: &PlanId, fields: &Map<String, Value>) -> Vec<EventError> {
+    let mut errors = Vec::new();
+    let known = [
+        "id",
+        "sandbox_runtime",
+        "included_runtime_seconds",
+        "overage",
+        "overage_price_per_hour",
+        "currency",
+        "max_running_containers",
+        "max_published_ports",
+    ];
+    for name in fields.keys().filter(|name| !known.contains(&name.as_str())) {
+        errors.push(EventError::new(
+            "unknown_field",
+            format!("{name}: is not a plan field"),
+        ));
+    }
+    if let Some(given) = fields.get("id") {
+        if given.as_str() != Some(id.as_str()) {
+            errors.push(EventError::new(
+                "plan_id_mismatch",
+                format!("id: {given} differs from the plan id {id} in the path"),
+            ));
+        }
+    }
+    errors
+}
+
+fn overage(fields: &Map<String, Value>, errors: &mut Vec<EventError>) -> Overage {
+    match fields.get("overage").and_then(Value::as_str) {
+        Some("deny") => Overage::Deny,
+        Some("bill") => Overage::Bill,
+        _ => {
+            errors.push(EventError::new(
+                "invalid_overage",
+                "overage: must be \"deny\" or \"bill\"",
+            ));
+            Overage::Deny
+        }
+    }
+}
+
+fn currency(fields: &Map<String, Value>, errors: &mut Vec<EventError>) -> String {
+    match fields.get("currency").and_then(Value::as_str) {
+        Some(code) if code.len() == 3 && code.bytes().all(|b| b.is_ascii_uppercase()) => {
+            code.to_owned()
+        }
+        _ => {
+            errors.push(EventError::new(
+                "invalid_currency",
+                "currency: must be an ISO 4217 code such as \"USD\"",
+            ));
+            String::new()
+        }
     }
 }
 

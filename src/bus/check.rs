@@ -16,7 +16,6 @@
 
 use std::fmt;
 
-use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer, stream::RawMessageErrorKind};
 use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
@@ -57,6 +56,33 @@ impl fmt::Display for Mismatch {
 }
 
 impl std::error::Error for Mismatch {}
+
+/// A failure to read, not a finding: the ledger (Postgres) or the stream (NATS), which its
+/// callers answer differently.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Ledger(#[from] sqlx::Error),
+    #[error("{what}")]
+    Stream {
+        what: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+impl Error {
+    /// A failure to read the stream: what was being read, and why it failed.
+    fn stream<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+        what: impl Into<String>,
+    ) -> impl FnOnce(E) -> Error {
+        let what = what.into();
+        move |error| Error::Stream {
+            what,
+            source: Some(error.into()),
+        }
+    }
+}
 
 /// The payload the relay publishes ([`crate::ledger::read::LedgerMessage`]), read back.
 /// Members it does not know are ignored rather than refused, so that a member added to
@@ -110,30 +136,9 @@ pub fn difference(
         "the caller pairs a message with its row"
     );
     let ledger_hash = hex::encode(&row.hash);
-    match header(headers, POSITION_HEADER) {
-        None => return Some(format!("it has no {POSITION_HEADER} header")),
-        Some(position) if position != row.position.to_string() => {
-            return Some(format!("its {POSITION_HEADER} header is {position:?}"))
-        }
-        Some(_) => {}
-    }
     let id = row.id.hyphenated().to_string();
-    match header(headers, "Nats-Msg-Id") {
-        None => return Some("it has no Nats-Msg-Id header".to_owned()),
-        Some(message_id) if message_id != id => {
-            return Some(format!(
-                "its Nats-Msg-Id is {message_id:?}, the ledger's event id is {id}"
-            ))
-        }
-        Some(_) => {}
-    }
-    // Messages relayed before the header existed have only the payload's hash.
-    if let Some(hash) = header(headers, HASH_HEADER) {
-        if hash != ledger_hash {
-            return Some(format!(
-                "its {HASH_HEADER} is {hash:?}, the ledger's hash is {ledger_hash}"
-            ));
-        }
+    if let Some(difference) = headers_difference(headers, row, &id, &ledger_hash) {
+        return Some(difference);
     }
     let payload: Payload = match serde_json::from_slice(payload) {
         Ok(payload) => payload,
@@ -172,8 +177,43 @@ pub fn difference(
     None
 }
 
+/// How a message's headers differ from ledger row `row` (event id `id`, hash
+/// `ledger_hash`), if they do.
+fn headers_difference(
+    headers: Option<&HeaderMap>,
+    row: &LedgerRow,
+    id: &str,
+    ledger_hash: &str,
+) -> Option<String> {
+    match header(headers, POSITION_HEADER) {
+        None => return Some(format!("it has no {POSITION_HEADER} header")),
+        Some(position) if position != row.position.to_string() => {
+            return Some(format!("its {POSITION_HEADER} header is {position:?}"))
+        }
+        Some(_) => {}
+    }
+    match header(headers, "Nats-Msg-Id") {
+        None => return Some("it has no Nats-Msg-Id header".to_owned()),
+        Some(message_id) if message_id != id => {
+            return Some(format!(
+                "its Nats-Msg-Id is {message_id:?}, the ledger's event id is {id}"
+            ))
+        }
+        Some(_) => {}
+    }
+    // Messages relayed before the header existed have only the payload's hash.
+    if let Some(hash) = header(headers, HASH_HEADER) {
+        if hash != ledger_hash {
+            return Some(format!(
+                "its {HASH_HEADER} is {hash:?}, the ledger's hash is {ledger_hash}"
+            ));
+        }
+    }
+    None
+}
+
 /// The stored hash of the row before `position`: the genesis hash before position 1.
-async fn hash_before(pool: &PgPool, position: i64) -> anyhow::Result<Option<[u8; 32]>> {
+async fn hash_before(pool: &PgPool, position: i64) -> Result<Option<[u8; 32]>, Error> {
     if position <= 1 {
         return Ok(Some(GENESIS_HASH));
     }
@@ -188,11 +228,13 @@ async fn hash_before(pool: &PgPool, position: i64) -> anyhow::Result<Option<[u8;
 async fn message_at(
     stream: &jetstream::stream::Stream,
     sequence: u64,
-) -> anyhow::Result<Option<jetstream::message::StreamMessage>> {
+) -> Result<Option<jetstream::message::StreamMessage>, Error> {
     match stream.get_raw_message(sequence).await {
         Ok(message) => Ok(Some(message)),
         Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(error) => Err(error).with_context(|| format!("reading stream message {sequence}")),
+        Err(error) => Err(Error::stream(format!("reading stream message {sequence}"))(
+            error,
+        )),
     }
 }
 
@@ -203,8 +245,8 @@ pub async fn offset(
     pool: &PgPool,
     stream: &jetstream::stream::Stream,
     first_sequence: u64,
-) -> anyhow::Result<Result<i64, Mismatch>> {
-    let first = i64::try_from(first_sequence)?;
+) -> Result<Result<i64, Mismatch>, Error> {
+    let first = i64::try_from(first_sequence).map_err(Error::stream("the first sequence"))?;
     let Some(message) = message_at(stream, first_sequence).await? else {
         return Ok(Err(Mismatch {
             sequence: first_sequence,
@@ -245,7 +287,7 @@ pub async fn check_range(
     from: u64,
     last: u64,
     offset: i64,
-) -> anyhow::Result<Option<Mismatch>> {
+) -> Result<Option<Mismatch>, Error> {
     assert!(from >= 1 && from <= last, "a range of stream sequences");
     let count = usize::try_from(last - from + 1).expect("a bounded range");
     let position_of = |sequence: u64| i64::try_from(sequence).expect("a stream sequence") + offset;
@@ -296,12 +338,8 @@ pub async fn verify_stream(
     pool: &PgPool,
     context: &jetstream::Context,
     names: &Names,
-) -> anyhow::Result<StreamReport> {
-    let mut stream = context
-        .get_stream(names.ledger_stream())
-        .await
-        .context("cannot find the ledger stream")?;
-    let state = stream.info().await?.state.clone();
+) -> Result<StreamReport, Error> {
+    let (stream, state) = ledger_stream(context, names).await?;
     let last_sequence = state.last_sequence;
     let mut report = StreamReport {
         ok: true,
@@ -319,7 +357,9 @@ pub async fn verify_stream(
             Ok(value) => offset = value,
             Err(mismatch) => found = Some(mismatch),
         }
-        report.first_position = i64::try_from(state.first_sequence)? + offset;
+        report.first_position = i64::try_from(state.first_sequence)
+            .map_err(Error::stream("the first sequence"))?
+            + offset;
     }
     let mut transaction = pool.begin().await?;
     // One long statement, as in the chain's full pass.
@@ -339,12 +379,14 @@ pub async fn verify_stream(
     }
     if found.is_none() {
         // Whatever the ledger holds past the stream has not been relayed yet.
-        let relayed = i64::try_from(last_sequence)? + offset;
+        let relayed =
+            i64::try_from(last_sequence).map_err(Error::stream("the last sequence"))? + offset;
         let unrelayed: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE position > $1")
             .bind(relayed)
             .fetch_one(&mut *transaction)
             .await?;
-        report.rows_not_in_stream = u64::try_from(unrelayed)?;
+        report.rows_not_in_stream =
+            u64::try_from(unrelayed).map_err(Error::stream("the rows not in the stream"))?;
     }
     transaction.commit().await?;
     if let Some(mismatch) = found {
@@ -353,6 +395,24 @@ pub async fn verify_stream(
         report.problem = Some(mismatch.to_string());
     }
     Ok(report)
+}
+
+/// The ledger stream and its state now.
+async fn ledger_stream(
+    context: &jetstream::Context,
+    names: &Names,
+) -> Result<(jetstream::stream::Stream, jetstream::stream::State), Error> {
+    let mut stream = context
+        .get_stream(names.ledger_stream())
+        .await
+        .map_err(Error::stream("cannot find the ledger stream"))?;
+    let state = stream
+        .info()
+        .await
+        .map_err(Error::stream("reading the ledger stream's state"))?
+        .state
+        .clone();
+    Ok((stream, state))
 }
 
 /// Compares the messages of `sequences` with their rows in order, counting each that
@@ -364,7 +424,7 @@ async fn compare(
     sequences: std::ops::RangeInclusive<u64>,
     offset: i64,
     report: &mut StreamReport,
-) -> anyhow::Result<Option<Mismatch>> {
+) -> Result<Option<Mismatch>, Error> {
     let first_position = report.first_position;
     let query = format!("SELECT {ROW_COLUMNS} FROM ledger WHERE position >= $1 ORDER BY position");
     let mut rows = sqlx::query_as::<_, LedgerRow>(&query)
@@ -382,18 +442,15 @@ async fn compare(
             ..Default::default()
         })
         .await
-        .context("cannot read the ledger stream")?;
-    let mut messages = consumer.messages().await?;
+        .map_err(Error::stream("cannot read the ledger stream"))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(Error::stream("cannot read the ledger stream"))?;
     for expected in sequences {
-        let position = i64::try_from(expected)? + offset;
-        let message = messages
-            .next()
-            .await
-            .context("the ledger stream ended early")??;
-        let sequence = message
-            .info()
-            .map_err(|error| anyhow::anyhow!("{error}"))?
-            .stream_sequence;
+        let position =
+            i64::try_from(expected).map_err(Error::stream("a stream sequence"))? + offset;
+        let (message, sequence) = next_message(&mut messages, expected).await?;
         if sequence != expected {
             return Ok(Some(Mismatch {
                 sequence: expected,
@@ -421,6 +478,27 @@ async fn compare(
         report.messages_checked += 1;
     }
     Ok(None)
+}
+
+/// The next message of the ordered consumer, expected at `expected`, with the sequence it
+/// is at.
+async fn next_message(
+    messages: &mut consumer::pull::Ordered,
+    expected: u64,
+) -> Result<(jetstream::Message, u64), Error> {
+    let message = messages
+        .next()
+        .await
+        .ok_or_else(|| Error::Stream {
+            what: "the ledger stream ended early".to_owned(),
+            source: None,
+        })?
+        .map_err(Error::stream(format!("reading stream message {expected}")))?;
+    let sequence = message
+        .info()
+        .map_err(Error::stream(format!("stream message {expected}")))?
+        .stream_sequence;
+    Ok((message, sequence))
 }
 
 #[cfg(test)]

@@ -11,6 +11,9 @@
 
 use std::time::Duration;
 
+// anyhow, not a typed error, for the consumer's own failures (NATS, acks): they end at its
+// loop, which logs them and consumes again; none reaches an HTTP answer. What a message's
+// fate depends on is typed ([`AppendError`], [`Verdict`]).
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer::pull, AckKind, Message};
 use async_nats::HeaderMap;

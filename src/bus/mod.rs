@@ -8,7 +8,6 @@ pub mod relay;
 
 use std::time::Duration;
 
-use anyhow::Context as _;
 use async_nats::jetstream::{self, stream};
 
 /// The stream definitions, in the `nats stream add --config` format, built into the binary
@@ -40,6 +39,27 @@ pub const HASH_HEADER: &str = "Tally-Hash";
 
 pub const INBOX_PREFIX: &str = "_INBOX_tally";
 
+/// Setting up NATS failed: a setting it cannot use, the server, or a stream. Only start-up
+/// and the command line set it up; no HTTP answer carries one.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The namespace, the URL or a stream file.
+    #[error("{0}")]
+    Setting(String),
+    #[error("cannot use NATS at {address}")]
+    Connect {
+        address: String,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    #[error("cannot create or update stream {name}")]
+    Stream {
+        name: String,
+        #[source]
+        source: jetstream::context::CreateStreamError,
+    },
+}
+
 /// Stream names and subject prefixes, with the optional namespace applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
@@ -48,10 +68,10 @@ pub struct Names {
 
 impl Names {
     /// `namespace` must be empty or a single subject token of `[A-Za-z0-9_-]`.
-    pub fn new(namespace: &str) -> anyhow::Result<Names> {
+    pub fn new(namespace: &str) -> Result<Names, Error> {
         if !namespace.is_empty() {
             crate::event::OrgId::parse(namespace)
-                .map_err(|e| anyhow::anyhow!("TALLY_NATS_NAMESPACE {e}"))?;
+                .map_err(|e| Error::Setting(format!("TALLY_NATS_NAMESPACE {e}")))?;
         }
         Ok(Names {
             namespace: namespace.to_owned(),
@@ -95,12 +115,13 @@ impl Names {
     }
 
     /// The stream configurations from `streams/`, renamed into the namespace.
-    pub fn stream_configs(&self) -> anyhow::Result<Vec<stream::Config>> {
+    pub fn stream_configs(&self) -> Result<Vec<stream::Config>, Error> {
         STREAM_FILES
             .iter()
             .map(|(name, text)| {
-                let mut config: stream::Config = serde_json::from_str(text)
-                    .with_context(|| format!("streams/{name}.json is not a stream config"))?;
+                let mut config: stream::Config = serde_json::from_str(text).map_err(|e| {
+                    Error::Setting(format!("streams/{name}.json is not a stream config: {e}"))
+                })?;
                 config.name = self.stream(&config.name);
                 config.subjects = config.subjects.iter().map(|s| self.subject(s)).collect();
                 Ok(config)
@@ -113,10 +134,10 @@ impl Names {
 /// retrying in the background and HTTP ingest works meanwhile. A user and password in the
 /// URL (`nats://user:pass@host:4222`, percent-encoded) are sent to the server: the client
 /// library parses them but does not use them by itself.
-pub async fn connect(url: &str) -> anyhow::Result<async_nats::Client> {
+pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
     let address: async_nats::ServerAddr = url
         .parse()
-        .map_err(|error| anyhow::anyhow!("NATS_URL is not a NATS URL: {error}"))?;
+        .map_err(|error| Error::Setting(format!("NATS_URL is not a NATS URL: {error}")))?;
     let shown = redacted(&address);
     let mut options = async_nats::ConnectOptions::new();
     if let Some(user) = address.username() {
@@ -131,7 +152,10 @@ pub async fn connect(url: &str) -> anyhow::Result<async_nats::Client> {
         .request_timeout(Some(Duration::from_millis(REQUEST_TIMEOUT_MS)))
         .connect(address)
         .await
-        .with_context(|| format!("cannot use NATS at {shown}"))
+        .map_err(|source| Error::Connect {
+            address: shown,
+            source,
+        })
 }
 
 /// The server's address without its credentials, for messages and logs.
@@ -145,20 +169,21 @@ fn redacted(address: &async_nats::ServerAddr) -> String {
 }
 
 /// `%XX` sequences decoded, as URLs carry reserved characters in a user or password.
-fn percent_decoded(text: &str) -> anyhow::Result<String> {
+fn percent_decoded(text: &str) -> Result<String, Error> {
+    let bad = |what: &str| Error::Setting(format!("{what} in NATS_URL"));
     let mut bytes = Vec::with_capacity(text.len());
     let mut rest = text.as_bytes();
     while let Some((&byte, tail)) = rest.split_first() {
         if byte == b'%' && tail.len() >= 2 {
-            let hex = std::str::from_utf8(&tail[..2])?;
-            bytes.push(u8::from_str_radix(hex, 16).context("a bad %-escape in NATS_URL")?);
+            let hex = std::str::from_utf8(&tail[..2]).map_err(|_| bad("a bad %-escape"))?;
+            bytes.push(u8::from_str_radix(hex, 16).map_err(|_| bad("a bad %-escape"))?);
             rest = &tail[2..];
         } else {
             bytes.push(byte);
             rest = tail;
         }
     }
-    String::from_utf8(bytes).context("NATS_URL credentials are not UTF-8")
+    String::from_utf8(bytes).map_err(|_| bad("credentials that are not UTF-8"))
 }
 
 pub fn jetstream(client: async_nats::Client) -> jetstream::Context {
@@ -174,7 +199,7 @@ pub async fn apply_streams(
     context: &jetstream::Context,
     names: &Names,
     streams: &[&str],
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let wanted: Vec<String> = streams.iter().map(|s| names.stream(s)).collect();
     for config in names.stream_configs()? {
         if !wanted.contains(&config.name) {
@@ -184,7 +209,10 @@ pub async fn apply_streams(
         context
             .create_or_update_stream(config)
             .await
-            .with_context(|| format!("cannot create or update stream {name}"))?;
+            .map_err(|source| Error::Stream {
+                name: name.clone(),
+                source,
+            })?;
         tracing::info!(stream = name, "stream applied");
     }
     Ok(())

@@ -26,7 +26,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use async_nats::HeaderMap;
 use sqlx::PgPool;
@@ -98,7 +97,7 @@ pub async fn run(
         )
         .await
         {
-            if let Some(mismatch) = error.downcast_ref::<Mismatch>() {
+            if let Error::Halted(mismatch) = &error {
                 tracing::error!(
                     position = mismatch.position,
                     sequence = mismatch.sequence,
@@ -112,7 +111,7 @@ pub async fn run(
                 break;
             }
             tracing::warn!(
-                error = format!("{error:#}"),
+                error = crate::telemetry::cause_chain(&error),
                 "relay interrupted; will resume"
             );
             metrics::counter!("tally_relay_errors_total").increment(1);
@@ -136,7 +135,7 @@ async fn lead(
     mut committed: Option<&mut Committed>,
     verified: &mut Verified,
     shutdown: &CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let mut connection = pool.acquire().await?;
     loop {
         if let Some(committed) = committed.as_deref_mut() {
@@ -166,6 +165,39 @@ async fn lead(
     result
 }
 
+/// Why the relay stops leading: a stream message it did not write (it halts), or a failure
+/// it leads again after.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Halted(#[from] Mismatch),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Bus(#[from] super::Error),
+    #[error("cannot check the ledger stream against the ledger")]
+    Check(#[from] check::Error),
+    #[error("{what}")]
+    Stream {
+        what: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+impl Error {
+    /// A failure to read or write the stream: what was done, and why it failed.
+    fn stream<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+        what: impl Into<String>,
+    ) -> impl FnOnce(E) -> Error {
+        let what = what.into();
+        move |error| Error::Stream {
+            what,
+            source: Some(error.into()),
+        }
+    }
+}
+
 /// What this process knows of the stream without reading it again.
 #[derive(Debug, Clone, Copy, Default)]
 struct Verified {
@@ -184,13 +216,21 @@ async fn resume(
     names: &Names,
     batch_max: usize,
     verified: &mut Verified,
-) -> anyhow::Result<(i64, u64)> {
-    let mut stream = context.get_stream(names.ledger_stream()).await?;
-    let state = stream.info().await?.state.clone();
+) -> Result<(i64, u64), Error> {
+    let mut stream = context
+        .get_stream(names.ledger_stream())
+        .await
+        .map_err(Error::stream("cannot find the ledger stream"))?;
+    let state = stream
+        .info()
+        .await
+        .map_err(Error::stream("reading the ledger stream's state"))?
+        .state
+        .clone();
     let last_sequence = state.last_sequence;
     let stored = verified.sequence;
-    let position_of = |sequence: u64, offset: i64| -> anyhow::Result<i64> {
-        Ok(i64::try_from(sequence)? + offset)
+    let position_of = |sequence: u64, offset: i64| -> Result<i64, Error> {
+        Ok(i64::try_from(sequence).map_err(Error::stream("a stream sequence"))? + offset)
     };
     if last_sequence < stored {
         return Err(Mismatch {
@@ -205,9 +245,7 @@ async fn resume(
     }
     let offset = match verified.offset {
         Some(offset) => offset,
-        None => check::offset(pool, &stream, state.first_sequence)
-            .await
-            .context("cannot check the ledger stream against the ledger")??,
+        None => check::offset(pool, &stream, state.first_sequence).await??,
     };
     verified.offset = Some(offset);
     if last_sequence > stored {
@@ -217,9 +255,8 @@ async fn resume(
         let from = (stored + 1)
             .max(last_sequence.saturating_sub(window - 1))
             .max(state.first_sequence);
-        if let Some(mismatch) = check::check_range(pool, &stream, from, last_sequence, offset)
-            .await
-            .context("cannot check the ledger stream against the ledger")?
+        if let Some(mismatch) =
+            check::check_range(pool, &stream, from, last_sequence, offset).await?
         {
             return Err(mismatch.into());
         }
@@ -238,7 +275,7 @@ async fn relay(
     mut committed: Option<&mut Committed>,
     verified: &mut Verified,
     shutdown: &CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
     let (mut published, mut sequence) =
         resume(pool, context, names, settings.batch_max, verified).await?;
@@ -282,7 +319,7 @@ async fn next_rows(
     committed: Option<&mut Committed>,
     published: i64,
     batch_max: usize,
-) -> anyhow::Result<Vec<LedgerRow>> {
+) -> Result<Vec<LedgerRow>, Error> {
     if let Some(rows) = committed.and_then(|committed| committed.take_after(published, batch_max)) {
         metrics::counter!("tally_relay_rows_total", "from" => "memory")
             .increment(rows.len() as u64);
@@ -303,7 +340,7 @@ async fn publish(
     mut published: i64,
     mut sequence: u64,
     verified: &mut Verified,
-) -> anyhow::Result<(i64, u64)> {
+) -> Result<(i64, u64), Error> {
     let mut acks: Vec<(i64, PublishAckFuture)> = Vec::with_capacity(rows.len());
     for row in rows {
         assert_eq!(
@@ -319,30 +356,39 @@ async fn publish(
         );
         headers.insert(POSITION_HEADER, row.position.to_string().as_str());
         headers.insert(HASH_HEADER, hex::encode(&row.hash).as_str());
-        let payload = serde_json::to_vec(&row.to_message())?;
+        let payload = serde_json::to_vec(&row.to_message())
+            .map_err(Error::stream(format!("encoding position {}", row.position)))?;
         let subject = names.ledger_subject(&row.org_id, &row.event_type);
         let ack = context
             .publish_with_headers(subject, headers, payload.into())
-            .await?;
+            .await
+            .map_err(Error::stream(format!(
+                "publishing position {}",
+                row.position
+            )))?;
         acks.push((row.position, ack));
     }
     for (position, ack) in acks {
         let ack = ack
             .await
-            .with_context(|| format!("publishing position {position}"))?;
-        anyhow::ensure!(
-            !ack.duplicate && ack.sequence == sequence + 1,
-            "position {position} landed at sequence {} (duplicate: {}), expected {}",
-            ack.sequence,
-            ack.duplicate,
-            sequence + 1
-        );
+            .map_err(Error::stream(format!("publishing position {position}")))?;
+        if ack.duplicate || ack.sequence != sequence + 1 {
+            return Err(Error::Stream {
+                what: format!(
+                    "position {position} landed at sequence {} (duplicate: {}), expected {}",
+                    ack.sequence,
+                    ack.duplicate,
+                    sequence + 1
+                ),
+                source: None,
+            });
+        }
         sequence = ack.sequence;
         verified.sequence = sequence;
         // Its own acknowledged publish fixes the numbering as well as a checked one.
-        verified
-            .offset
-            .get_or_insert(position - i64::try_from(sequence)?);
+        verified.offset.get_or_insert(
+            position - i64::try_from(sequence).map_err(Error::stream("a stream sequence"))?,
+        );
         published = position;
     }
     Ok((published, sequence))

@@ -9,6 +9,7 @@ use sqlx::{PgConnection, PgPool};
 
 use super::periods::{self, Adjustment};
 use super::pricing::{orgs_after, Figures, Pricer};
+use super::Error;
 use crate::projection::store::{self, LIVE};
 use crate::runtime::Period;
 
@@ -44,7 +45,7 @@ pub async fn usage_export(
     as_of: DateTime<Utc>,
     batch_orgs: i64,
     only_org: Option<String>,
-) -> anyhow::Result<UsageExport<impl Stream<Item = anyhow::Result<Part>> + Send>> {
+) -> Result<UsageExport<impl Stream<Item = Result<Part, Error>> + Send>, Error> {
     assert!(batch_orgs > 0, "a batch holds at least one org");
     let mut transaction = crate::ledger::db::read_snapshot(pool).await?;
     // The first read takes the snapshot: the checkpoint and every row come from it.
@@ -62,7 +63,7 @@ pub async fn usage_export(
         )
         .await;
         let ended = match produced {
-            Ok(()) => transaction.commit().await.map_err(anyhow::Error::from),
+            Ok(()) => transaction.commit().await.map_err(Error::from),
             Err(error) => Err(error),
         };
         if let Err(error) = ended {
@@ -83,8 +84,8 @@ async fn produce(
     as_of: DateTime<Utc>,
     batch_orgs: i64,
     only_org: Option<&str>,
-    sender: &tokio::sync::mpsc::Sender<anyhow::Result<Part>>,
-) -> anyhow::Result<()> {
+    sender: &tokio::sync::mpsc::Sender<Result<Part, Error>>,
+) -> Result<(), Error> {
     let mut pricer = Pricer::new(period, as_of);
     let mut after = String::new();
     loop {

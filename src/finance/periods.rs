@@ -22,6 +22,7 @@ use sqlx::{Connection, FromRow, PgConnection, PgPool};
 use uuid::Uuid;
 
 use super::pricing::{self, Figures, Pricer, USAGE_CSV_HEADER};
+use super::Error;
 use crate::projection::store::{self, LIVE};
 use crate::runtime::Period;
 
@@ -59,7 +60,7 @@ pub enum CloseError {
     #[error("a close of period {0} is starting; retry")]
     Starting(Period),
     #[error(transparent)]
-    Store(#[from] anyhow::Error),
+    Store(#[from] Error),
 }
 
 impl From<sqlx::Error> for CloseError {
@@ -110,12 +111,14 @@ impl JobStatus {
         }
     }
 
-    fn parse(text: &str) -> anyhow::Result<JobStatus> {
+    fn parse(text: &str) -> Result<JobStatus, Error> {
         match text {
             "running" => Ok(JobStatus::Running),
             "done" => Ok(JobStatus::Done),
             "failed" => Ok(JobStatus::Failed),
-            other => anyhow::bail!("period_close_job.status {other:?} is not a status"),
+            other => Err(Error::Corrupt(format!(
+                "period_close_job.status {other:?} is not a status"
+            ))),
         }
     }
 }
@@ -152,7 +155,7 @@ struct JobRow {
 }
 
 impl JobRow {
-    fn into_job(self, period: Period) -> anyhow::Result<CloseJob> {
+    fn into_job(self, period: Period) -> Result<CloseJob, Error> {
         Ok(CloseJob {
             id: self.id,
             period,
@@ -207,7 +210,7 @@ async fn latest_job_row(
 /// The period's latest close job, as it stands: a `running` job whose lock nobody holds was
 /// abandoned by a process that stopped, and is reported failed; a `done` job carries the
 /// closed period, verified. `None` when no close was ever asked for.
-pub async fn job(pool: &PgPool, period: Period) -> anyhow::Result<Option<CloseJob>> {
+pub async fn job(pool: &PgPool, period: Period) -> Result<Option<CloseJob>, Error> {
     let mut connection = pool.acquire().await?;
     let Some(mut row) = latest_job_row(&mut connection, period).await? else {
         return Ok(None);
@@ -223,18 +226,23 @@ pub async fn job(pool: &PgPool, period: Period) -> anyhow::Result<Option<CloseJo
                 row.error = Some(ABANDONED_MESSAGE.to_owned());
             }
             Some(again) => row = again,
-            None => anyhow::bail!("the close job of {period} disappeared"),
+            None => {
+                return Err(Error::Corrupt(format!(
+                    "the close job of {period} disappeared"
+                )))
+            }
         }
     }
     drop(connection);
     let mut job = row.into_job(period)?;
     if job.status == JobStatus::Done {
         job.closed = get(pool, period).await?;
-        anyhow::ensure!(
-            job.closed.is_some(),
-            "close job {} is done but period {period} is not closed",
-            job.id
-        );
+        if job.closed.is_none() {
+            return Err(Error::Corrupt(format!(
+                "close job {} is done but period {period} is not closed",
+                job.id
+            )));
+        }
     }
     Ok(Some(job))
 }
@@ -317,7 +325,7 @@ async fn claim(
     connection: &mut PgConnection,
     period: Period,
     actor: &str,
-) -> anyhow::Result<Option<CloseJob>> {
+) -> Result<Option<CloseJob>, Error> {
     let closed: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM period_close WHERE period = $1)")
             .bind(period.to_string())
@@ -532,7 +540,7 @@ const SNAPSHOT_COLUMNS: &str = "org_id, plan, runtime_ms, included_ms, overage_m
 
 /// A closed period, its snapshot re-hashed (in batches, in org order) to verify it; `None`
 /// when it is not closed.
-pub async fn get(pool: &PgPool, period: Period) -> anyhow::Result<Option<Closed>> {
+pub async fn get(pool: &PgPool, period: Period) -> Result<Option<Closed>, Error> {
     let mut connection = pool.acquire().await?;
     let row: Option<(DateTime<Utc>, i64, Vec<u8>, i64)> = sqlx::query_as(
         "SELECT closed_at, orgs, sha256, ledger_position FROM period_close WHERE period = $1",
@@ -600,7 +608,7 @@ impl Adjustment {
 pub async fn closed_into(
     connection: &mut PgConnection,
     period: Period,
-) -> anyhow::Result<Vec<(Period, i64)>> {
+) -> Result<Vec<(Period, i64)>, Error> {
     let closed: Vec<(String, i64)> =
         sqlx::query_as("SELECT period, ledger_position FROM period_close ORDER BY period")
             .fetch_all(&mut *connection)
@@ -608,7 +616,8 @@ pub async fn closed_into(
     let closed_set: BTreeSet<&str> = closed.iter().map(|(name, _)| name.as_str()).collect();
     let mut into = Vec::new();
     for (name, position) in &closed {
-        let affected = Period::parse(name)?;
+        let affected =
+            Period::parse(name).map_err(|e| Error::Corrupt(format!("period {name:?}: {e}")))?;
         let mut next = affected.next();
         while closed_set.contains(next.to_string().as_str()) {
             next = next.next();
@@ -671,7 +680,7 @@ pub async fn adjustments_after(
     after: &str,
     limit: i64,
     only_org: Option<&str>,
-) -> anyhow::Result<(Vec<Adjustment>, Option<String>)> {
+) -> Result<(Vec<Adjustment>, Option<String>), Error> {
     let affected = pricer.period();
     // `active`: has usage in the period now, as the export lists orgs. Each branch is
     // limited on its own, as in `pricing::orgs_after`.

@@ -207,7 +207,7 @@ impl Pricer {
         &mut self,
         connection: &mut PgConnection,
         orgs: &[String],
-    ) -> anyhow::Result<Vec<Figures>> {
+    ) -> Result<Vec<Figures>, super::Error> {
         let period = self.period;
         let totals: Vec<TotalsRow> = sqlx::query_as(&format!(
             "SELECT o.org_id, org.latest_at, \
@@ -234,32 +234,16 @@ impl Pricer {
         .fetch_all(&mut *connection)
         .await?;
         assert_eq!(totals.len(), orgs.len(), "one totals row per org asked for");
-        let accounts: Vec<AccountRow> = sqlx::query_as(&format!(
-            "SELECT org_id, position, occurred_at, event_id, plan, verified, billing_eligible \
-             FROM {LIVE}.account_change WHERE org_id = ANY($1)"
-        ))
-        .bind(orgs)
-        .fetch_all(&mut *connection)
-        .await?;
-        let mut entries: HashMap<String, Vec<AccountEntry>> = HashMap::new();
-        for row in accounts {
-            let change =
-                store::account_change(row.position, row.plan, row.verified, row.billing_eligible)?;
-            entries.entry(row.org_id).or_default().push(AccountEntry {
-                occurred_at: row.occurred_at,
-                position: row.position,
-                event_id: EventId::from_uuid(row.event_id)?,
-                change,
-            });
-        }
+        let entries = account_entries(&mut *connection, orgs).await?;
         let mut figures = Vec::with_capacity(orgs.len());
         for row in totals {
             let usage = match runtime::usage_from_totals(
                 PeriodTotals {
                     closed_runtime_ms: row.closed_runtime_ms,
-                    commands: u64::try_from(row.commands)?,
+                    commands: u64::try_from(row.commands).map_err(corrupt("commands"))?,
                     command_ms: row.command_ms,
-                    ports_published: u64::try_from(row.ports_published)?,
+                    ports_published: u64::try_from(row.ports_published)
+                        .map_err(corrupt("ports_published"))?,
                 },
                 &query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?,
                 period,
@@ -299,4 +283,35 @@ impl Pricer {
             latest_at.map(runtime::settled_at)
         }
     }
+}
+
+/// The account changes of `orgs`, by org.
+async fn account_entries(
+    connection: &mut PgConnection,
+    orgs: &[String],
+) -> Result<HashMap<String, Vec<AccountEntry>>, super::Error> {
+    let accounts: Vec<AccountRow> = sqlx::query_as(&format!(
+        "SELECT org_id, position, occurred_at, event_id, plan, verified, billing_eligible \
+         FROM {LIVE}.account_change WHERE org_id = ANY($1)"
+    ))
+    .bind(orgs)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut entries: HashMap<String, Vec<AccountEntry>> = HashMap::new();
+    for row in accounts {
+        let change =
+            store::account_change(row.position, row.plan, row.verified, row.billing_eligible)?;
+        entries.entry(row.org_id).or_default().push(AccountEntry {
+            occurred_at: row.occurred_at,
+            position: row.position,
+            event_id: EventId::from_uuid(row.event_id).map_err(corrupt("event_id"))?,
+            change,
+        });
+    }
+    Ok(entries)
+}
+
+/// A stored value that does not decode: `what` it is, with why not.
+fn corrupt<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> super::Error {
+    move |error| super::Error::Corrupt(format!("{what}: {error}"))
 }

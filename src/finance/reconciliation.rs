@@ -35,11 +35,17 @@ pub enum ReconcileError {
     #[error("no report {0}")]
     UnknownReport(Uuid),
     #[error(transparent)]
-    Store(#[from] anyhow::Error),
+    Store(#[from] super::Error),
 }
 
 impl From<sqlx::Error> for ReconcileError {
     fn from(error: sqlx::Error) -> Self {
+        ReconcileError::Store(error.into())
+    }
+}
+
+impl From<crate::projection::Error> for ReconcileError {
+    fn from(error: crate::projection::Error) -> Self {
         ReconcileError::Store(error.into())
     }
 }

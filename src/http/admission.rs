@@ -409,6 +409,10 @@ fn admission_error(error: AdmissionError) -> ApiError {
             ApiError::unavailable("projection_lagging", error.to_string())
         }
         AdmissionError::Busy(_) => ApiError::unavailable("overloaded", error.to_string()),
-        AdmissionError::Store(error) => ApiError::from(error),
+        AdmissionError::Database(_)
+        | AdmissionError::Projection(_)
+        | AdmissionError::Corrupt(_)
+        | AdmissionError::Group(_)
+        | AdmissionError::LeadStopped => ApiError::failure(&error, error.database()),
     }
 }

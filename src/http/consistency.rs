@@ -137,13 +137,14 @@ impl Consistency {
     /// the snapshot they come from, which is the answer's `position`; while that snapshot is
     /// behind the position wanted, this waits for the projection and reads again, all
     /// within `TALLY_READ_WAIT_MS`.
-    pub async fn read<T, Read>(
+    pub async fn read<T, E, Read>(
         self,
         state: &AppState,
         mut read: impl FnMut() -> Read,
     ) -> Result<AtPosition<T>, ApiError>
     where
-        Read: Future<Output = anyhow::Result<AtPosition<T>>>,
+        Read: Future<Output = Result<AtPosition<T>, E>>,
+        ApiError: From<E>,
     {
         let deadline = Instant::now() + state.read_wait;
         let wanted = self.wanted(state).await?;

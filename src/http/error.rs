@@ -11,7 +11,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::event::parse::BodyError;
-use crate::ledger::AppendError;
+use crate::ledger::{self, AppendError};
+use crate::{finance, projection};
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -67,13 +68,7 @@ impl ApiError {
 
     /// A bug or an outage we cannot name to the caller: logged in full, answered opaquely.
     pub fn internal(error: &(dyn std::error::Error + 'static)) -> Self {
-        let mut chain = error.to_string();
-        let mut source = error.source();
-        while let Some(cause) = source {
-            chain.push_str(": ");
-            chain.push_str(&cause.to_string());
-            source = cause.source();
-        }
+        let chain = crate::telemetry::cause_chain(error);
         tracing::error!(error = chain, "internal error");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -140,6 +135,24 @@ impl From<sqlx::Error> for ApiError {
     }
 }
 
+impl From<ledger::Error> for ApiError {
+    fn from(error: ledger::Error) -> Self {
+        ApiError::failure(&error, error.database())
+    }
+}
+
+impl From<projection::Error> for ApiError {
+    fn from(error: projection::Error) -> Self {
+        ApiError::failure(&error, error.database())
+    }
+}
+
+impl From<finance::Error> for ApiError {
+    fn from(error: finance::Error) -> Self {
+        ApiError::failure(&error, error.database())
+    }
+}
+
 impl From<AppendError> for ApiError {
     fn from(error: AppendError) -> Self {
         match error {
@@ -190,13 +203,75 @@ impl ApiError {
             ApiError::internal(error)
         }
     }
+
+    /// A layer's failure (`database`, the database error it comes from, if any): 503 when
+    /// the database cannot be reached, else a 500 logged with `error`'s whole cause chain.
+    pub fn failure(
+        error: &(dyn std::error::Error + 'static),
+        database: Option<&sqlx::Error>,
+    ) -> Self {
+        match database {
+            Some(store) if is_unavailable(store) => ApiError::from_store(store),
+            _ => ApiError::internal(error),
+        }
+    }
 }
 
-impl From<anyhow::Error> for ApiError {
-    fn from(error: anyhow::Error) -> Self {
-        match error.downcast_ref::<sqlx::Error>() {
-            Some(store) => ApiError::from_store(store),
-            None => ApiError::internal(error.as_ref()),
-        }
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use http_body_util::BodyExt;
+
+    use super::*;
+    use crate::admission::AdmissionError;
+
+    /// The status and the body's `code` of `error`'s answer.
+    async fn answered(error: ApiError) -> (StatusCode, String) {
+        let response = error.into_response();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = serde_json::from_slice(&bytes).unwrap();
+        (status, body["error"]["code"].as_str().unwrap().to_owned())
+    }
+
+    #[tokio::test]
+    async fn a_layer_error_from_an_unreachable_database_is_a_503_to_retry() {
+        let finance = finance::Error::Projection(projection::Error::Ledger(
+            ledger::Error::Database(sqlx::Error::PoolTimedOut),
+        ));
+        assert_eq!(
+            answered(finance.into()).await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable".to_owned()
+            )
+        );
+        let shared = AdmissionError::Group(Arc::new(AdmissionError::Projection(
+            projection::Error::Database(sqlx::Error::PoolClosed),
+        )));
+        let error = ApiError::failure(&shared, shared.database());
+        assert_eq!(error.retry_after_seconds, Some(1));
+        assert_eq!(
+            answered(error).await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable".to_owned()
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn a_layer_error_that_is_not_an_outage_is_an_opaque_500() {
+        let corrupt = projection::Error::Corrupt("anomaly kind \"x\"".to_owned());
+        assert_eq!(
+            answered(corrupt.into()).await,
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal".to_owned())
+        );
+        let bug = ledger::Error::Database(sqlx::Error::RowNotFound);
+        assert_eq!(
+            answered(bug.into()).await,
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal".to_owned())
+        );
     }
 }

@@ -143,12 +143,12 @@ pub async fn get_verify(
 
 /// A failure to read the stream is NATS being unavailable (503, retry); one to read the
 /// ledger is mapped as any store error.
-fn stream_error(error: anyhow::Error) -> ApiError {
-    if error.downcast_ref::<sqlx::Error>().is_some() {
+fn stream_error(error: crate::bus::check::Error) -> ApiError {
+    if let crate::bus::check::Error::Ledger(error) = error {
         return ApiError::from(error);
     }
     tracing::warn!(
-        error = format!("{error:#}"),
+        error = crate::telemetry::cause_chain(&error),
         "cannot compare the ledger stream"
     );
     ApiError::unavailable(

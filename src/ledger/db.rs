@@ -75,7 +75,7 @@ pub async fn connect(config: &Config) -> Result<PgPool, sqlx::Error> {
 }
 
 /// Creates the database if needed, connects, migrates.
-pub async fn prepare(config: &Config) -> anyhow::Result<PgPool> {
+pub async fn prepare(config: &Config) -> Result<PgPool, super::Error> {
     ensure_database(&config.database_url).await?;
     let pool = connect(config).await?;
     migrate(&pool).await?;

@@ -18,3 +18,26 @@ pub use append::{
 pub use read::{Head, LedgerRow};
 pub use rows::Rows;
 pub use verify::VerifyReport;
+
+/// A ledger read or set-up that failed: the database, or a stored row that does not
+/// decode (a bug or a hand-edited ledger, never the caller's).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("{0}")]
+    Corrupt(String),
+}
+
+impl Error {
+    /// The database error this comes from, if any: the HTTP layer answers 503 for one that
+    /// is an outage.
+    pub fn database(&self) -> Option<&sqlx::Error> {
+        match self {
+            Error::Database(error) => Some(error),
+            Error::Migrate(_) | Error::Corrupt(_) => None,
+        }
+    }
+}

@@ -4,10 +4,10 @@
 
 use std::collections::HashSet;
 
-use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgExecutor};
 
+use super::Error;
 pub use crate::billing::overage::{in_effect, PlanVersion};
 use crate::billing::Plan;
 use crate::event::{Event, EventData, PlanId};
@@ -23,11 +23,12 @@ struct VersionRow {
 }
 
 impl VersionRow {
-    fn into_version(self) -> anyhow::Result<PlanVersion> {
-        let id =
-            PlanId::parse(&self.id).with_context(|| format!("stored plan id {:?}", self.id))?;
-        let plan = Plan::parse(&id, &self.data)
-            .map_err(|errors| anyhow::anyhow!("stored plan {id} does not parse: {errors:?}"))?;
+    fn into_version(self) -> Result<PlanVersion, Error> {
+        let id = PlanId::parse(&self.id)
+            .map_err(|error| Error::Corrupt(format!("stored plan id {:?}: {error}", self.id)))?;
+        let plan = Plan::parse(&id, &self.data).map_err(|errors| {
+            Error::Corrupt(format!("stored plan {id} does not parse: {errors:?}"))
+        })?;
         Ok(PlanVersion {
             plan,
             version: self.version,
@@ -42,7 +43,7 @@ const VERSIONS: &str = "SELECT data->>'id' AS id, data, occurred_at, position, \
      FROM ledger WHERE type = 'plan.defined'";
 
 /// The latest version of every plan, `free` included, by id.
-pub async fn current(executor: impl PgExecutor<'_>) -> anyhow::Result<Vec<PlanVersion>> {
+pub async fn current(executor: impl PgExecutor<'_>) -> Result<Vec<PlanVersion>, Error> {
     let rows: Vec<VersionRow> = sqlx::query_as(&format!(
         "SELECT DISTINCT ON (id) * FROM ({VERSIONS}) AS v ORDER BY id, version DESC"
     ))
@@ -51,7 +52,7 @@ pub async fn current(executor: impl PgExecutor<'_>) -> anyhow::Result<Vec<PlanVe
     let mut versions = rows
         .into_iter()
         .map(VersionRow::into_version)
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
     if !versions
         .iter()
         .any(|version| version.plan.id.as_str() == FREE_PLAN)
@@ -66,7 +67,7 @@ pub async fn current(executor: impl PgExecutor<'_>) -> anyhow::Result<Vec<PlanVe
 pub async fn versions(
     executor: impl PgExecutor<'_>,
     id: &PlanId,
-) -> anyhow::Result<Vec<PlanVersion>> {
+) -> Result<Vec<PlanVersion>, Error> {
     let rows: Vec<VersionRow> = sqlx::query_as(
         "SELECT data->>'id' AS id, data, occurred_at, position, \
                 row_number() OVER (ORDER BY occurred_at, position) AS version \

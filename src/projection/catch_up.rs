@@ -25,7 +25,7 @@ pub enum CatchUpError {
         waited_ms: u128,
     },
     #[error(transparent)]
-    Store(#[from] anyhow::Error),
+    Store(#[from] super::Error),
 }
 
 impl From<sqlx::Error> for CatchUpError {

@@ -232,7 +232,7 @@ pub async fn run(
 }
 
 /// One round: projects up to `batch_max` events after the checkpoint, in one transaction.
-pub async fn project_once(pool: &PgPool, batch_max: usize) -> anyhow::Result<Round> {
+pub async fn project_once(pool: &PgPool, batch_max: usize) -> Result<Round, super::Error> {
     let started = Instant::now();
     let mut transaction = pool.begin().await?;
     let Some(checkpoint) = store::lock_checkpoint(&mut transaction, store::LIVE).await? else {

@@ -12,9 +12,8 @@ use sqlx::{FromRow, PgConnection, PgPool};
 
 use std::collections::HashMap;
 
-use anyhow::anyhow;
-
 use super::store::{self, LIVE};
+use super::Error;
 use crate::billing::overage::{self, Overage, PlanVersion};
 use crate::billing::Plan;
 use crate::event::PlanId;
@@ -51,7 +50,7 @@ pub async fn usage(
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
-) -> anyhow::Result<Usage> {
+) -> Result<Usage, Error> {
     let mut transaction = read_snapshot(pool).await?;
     let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
     transaction.commit().await?;
@@ -64,7 +63,7 @@ pub async fn usage_on(
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
-) -> anyhow::Result<Usage> {
+) -> Result<Usage, Error> {
     match from_totals(&mut *connection, org_id, period, as_of).await? {
         Some(usage) => Ok(usage),
         None => cut_at(connection, org_id, period, as_of).await,
@@ -77,15 +76,16 @@ pub fn open_runs(
     periods: &[String],
     running: &[i64],
     offsets: &[i64],
-) -> anyhow::Result<Vec<OpenRuns>> {
+) -> Result<Vec<OpenRuns>, Error> {
     periods
         .iter()
         .zip(running)
         .zip(offsets)
         .map(|((since_period, running), offset)| {
             Ok(OpenRuns {
-                since_period: Period::parse(since_period)?,
-                running: u64::try_from(*running)?,
+                since_period: Period::parse(since_period)
+                    .map_err(|e| Error::corrupt("since_period", e))?,
+                running: u64::try_from(*running).map_err(|e| Error::corrupt("running", e))?,
                 since_offset_ms: *offset,
             })
         })
@@ -99,7 +99,7 @@ async fn from_totals(
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
-) -> anyhow::Result<Option<Usage>> {
+) -> Result<Option<Usage>, Error> {
     let row: TotalsRow = sqlx::query_as(&format!(
         "SELECT (SELECT latest_at FROM {LIVE}.org WHERE org_id = $1) AS latest_at, \
                 COALESCE(p.closed_runtime_ms, 0) AS closed_runtime_ms, \
@@ -121,9 +121,10 @@ async fn from_totals(
     .await?;
     let totals = PeriodTotals {
         closed_runtime_ms: row.closed_runtime_ms,
-        commands: u64::try_from(row.commands)?,
+        commands: u64::try_from(row.commands).map_err(|e| Error::corrupt("commands", e))?,
         command_ms: row.command_ms,
-        ports_published: u64::try_from(row.ports_published)?,
+        ports_published: u64::try_from(row.ports_published)
+            .map_err(|e| Error::corrupt("ports_published", e))?,
     };
     let open = open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?;
     let settled_at = row.latest_at.map(runtime::settled_at);
@@ -139,7 +140,7 @@ async fn cut_at(
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
-) -> anyhow::Result<Usage> {
+) -> Result<Usage, Error> {
     let window = period.window().until(as_of);
     let checkpoint = store::checkpoint(&mut *connection, LIVE).await?;
     let lifecycles = store::org_lifecycles(&mut *connection, org_id).await?;
@@ -168,9 +169,10 @@ async fn cut_at(
             .iter()
             .map(|lifecycle| lifecycle.runtime_ms(window))
             .sum(),
-        commands: u64::try_from(commands)?,
+        commands: u64::try_from(commands).map_err(|e| Error::corrupt("commands", e))?,
         command_ms,
-        ports_published: u64::try_from(ports_published)?,
+        ports_published: u64::try_from(ports_published)
+            .map_err(|e| Error::corrupt("ports_published", e))?,
         running_containers: lifecycles
             .iter()
             .filter(|lifecycle| lifecycle.running_at(as_of))
@@ -195,7 +197,7 @@ pub async fn container(
     org_id: Option<&str>,
     after: Option<store::AnomalyCursor>,
     limit: usize,
-) -> anyhow::Result<AtPosition<ContainerFound>> {
+) -> Result<AtPosition<ContainerFound>, Error> {
     let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
     let containers = store::containers_by_id(&mut transaction, container_id, org_id).await?;
@@ -237,7 +239,7 @@ pub async fn priced_usage(
     org_id: &str,
     period: Period,
     as_of: DateTime<Utc>,
-) -> anyhow::Result<AtPosition<PricedUsage>> {
+) -> Result<AtPosition<PricedUsage>, Error> {
     let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
     let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
@@ -265,7 +267,7 @@ pub async fn priced_usage(
 pub struct PlanVersions(HashMap<String, Vec<PlanVersion>>);
 
 impl PlanVersions {
-    async fn load(&mut self, connection: &mut PgConnection, id: &PlanId) -> anyhow::Result<()> {
+    async fn load(&mut self, connection: &mut PgConnection, id: &PlanId) -> Result<(), Error> {
         if !self.0.contains_key(id.as_str()) {
             let versions = plans::versions(&mut *connection, id).await?;
             self.0.insert(id.as_str().to_owned(), versions);
@@ -291,7 +293,7 @@ pub async fn price(
     usage: Usage,
     account: &AccountTimeline,
     versions: &mut PlanVersions,
-) -> anyhow::Result<PricedUsage> {
+) -> Result<PricedUsage, Error> {
     let window = period.window().until(as_of);
     versions
         .load(&mut *connection, &account.state_at(window.start()).plan)
@@ -310,14 +312,14 @@ pub async fn price(
     };
     let plan = plans::in_effect(
         versions_of(account.state_at(last_instant).plan.as_str())
-            .ok_or_else(|| anyhow!("org {org_id} is on a plan with no version"))?,
+            .ok_or_else(|| Error::Corrupt(format!("org {org_id} is on a plan with no version")))?,
         last_instant,
     )
-    .ok_or_else(|| anyhow!("org {org_id} is on a plan with no version"))?
+    .ok_or_else(|| Error::Corrupt(format!("org {org_id} is on a plan with no version")))?
     .plan
     .clone();
     let segments = overage::plan_segments(account, versions_of, window)
-        .ok_or_else(|| anyhow!("org {org_id} was on a plan with no version"))?;
+        .ok_or_else(|| Error::Corrupt(format!("org {org_id} was on a plan with no version")))?;
     let overage = match segments.as_slice() {
         [only] => overage::single_plan(usage.runtime_ms, &only.plan),
         _ => {

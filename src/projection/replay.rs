@@ -10,12 +10,12 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
 use futures::TryStreamExt;
 use sqlx::{Connection, PgConnection};
 
 use super::model::{Changes, ContainerKey};
 use super::store::{self, EventRow, BUILD, EVENT_COLUMNS, LIVE};
+use super::Error;
 use crate::runtime::ContainerEntry;
 
 /// The session advisory lock that lets one replay run at a time: `'replay'` in ASCII.
@@ -41,14 +41,14 @@ impl ReplayReport {
 
 /// Rebuilds the projection on `connection` (a connection of its own: it holds the replay
 /// lock for the session).
-pub async fn replay(connection: &mut PgConnection) -> anyhow::Result<ReplayReport> {
+pub async fn replay(connection: &mut PgConnection) -> Result<ReplayReport, Error> {
     let started = Instant::now();
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(REPLAY_LOCK_KEY)
         .fetch_one(&mut *connection)
         .await?;
     if !locked {
-        bail!("another replay is running on this database");
+        return Err(Error::ReplayRunning);
     }
     // Reading a large ledger is one long statement; the service's per-statement bound is
     // for requests, not for this.
@@ -69,7 +69,7 @@ pub async fn replay(connection: &mut PgConnection) -> anyhow::Result<ReplayRepor
 async fn build_and_swap(
     connection: &mut PgConnection,
     started: Instant,
-) -> anyhow::Result<ReplayReport> {
+) -> Result<ReplayReport, Error> {
     sqlx::query(&format!("DROP SCHEMA IF EXISTS {BUILD} CASCADE"))
         .execute(&mut *connection)
         .await?;
@@ -81,7 +81,27 @@ async fn build_and_swap(
     let head: i64 = sqlx::query_scalar("SELECT COALESCE(max(position), 0) FROM ledger")
         .fetch_one(&mut *connection)
         .await?;
+    let (changes, events, containers) = changes_up_to(connection, head).await?;
 
+    let mut transaction = connection.begin().await?;
+    store::write(&mut transaction, BUILD, changes, head).await?;
+    transaction.commit().await?;
+
+    swap(connection, head).await?;
+    Ok(ReplayReport {
+        events,
+        containers,
+        position: head,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Everything the ledger holds up to `head`, voided events left out, as the changes that
+/// build the projection from nothing; with the number of events read and of containers.
+async fn changes_up_to(
+    connection: &mut PgConnection,
+    head: i64,
+) -> Result<(Changes, u64, usize), Error> {
     let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
     let mut accounts = Vec::new();
     let mut voided: Vec<(uuid::Uuid, i64)> = Vec::new();
@@ -125,11 +145,12 @@ async fn build_and_swap(
     let containers = histories.len();
     let mut changes = Changes::from_histories(histories, accounts);
     changes.voided = voided;
+    Ok((changes, events, containers))
+}
 
-    let mut transaction = connection.begin().await?;
-    store::write(&mut transaction, BUILD, changes, head).await?;
-    transaction.commit().await?;
-
+/// Swaps the built schema in for the live one, in one transaction that locks the live
+/// checkpoint first, and tells the instances' admission caches.
+async fn swap(connection: &mut PgConnection, head: i64) -> Result<(), Error> {
     let mut transaction = connection.begin().await?;
     sqlx::query(&format!(
         "LOCK TABLE {LIVE}.checkpoint IN ACCESS EXCLUSIVE MODE"
@@ -146,16 +167,14 @@ async fn build_and_swap(
         sqlx::query(&statement)
             .execute(&mut *transaction)
             .await
-            .with_context(|| statement.clone())?;
+            .map_err(|source| Error::Statement {
+                statement: statement.clone(),
+                source,
+            })?;
     }
     // Admission facts kept in memory were read from the projection swapped out.
     let notice = super::notice::Notice::of_round(head, [], true);
     super::notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
-    Ok(ReplayReport {
-        events,
-        containers,
-        position: head,
-        elapsed: started.elapsed(),
-    })
+    Ok(())
 }

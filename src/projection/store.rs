@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 
-use anyhow::{anyhow, Context as _};
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
@@ -13,6 +12,7 @@ use uuid::Uuid;
 use super::model::{
     AnomalyRows, Changes, ContainerKey, PeriodDelta, PortKey, ProjectedEvent, ANOMALIES_KEPT_MAX,
 };
+use super::Error;
 use crate::event::{EventId, EventType, PlanId};
 use crate::runtime::{
     AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval,
@@ -55,23 +55,25 @@ pub struct EventRow {
 }
 
 impl EventRow {
-    pub fn into_event(self) -> anyhow::Result<ProjectedEvent> {
-        let event_id =
-            EventId::from_uuid(self.id).with_context(|| format!("position {}", self.position))?;
+    pub fn into_event(self) -> Result<ProjectedEvent, Error> {
+        let event_id = EventId::from_uuid(self.id)
+            .map_err(|e| Error::corrupt(format!("position {}", self.position), e))?;
         let change = match EventType::parse(&self.event_type) {
             Some(EventType::OrgPlanChanged) => Some(AccountChange::Plan(
-                PlanId::parse(self.plan.as_deref().unwrap_or_default())
-                    .with_context(|| format!("the plan of position {}", self.position))?,
+                PlanId::parse(self.plan.as_deref().unwrap_or_default()).map_err(|e| {
+                    Error::corrupt(format!("the plan of position {}", self.position), e)
+                })?,
             )),
             Some(EventType::OrgVerificationChanged) => {
                 Some(AccountChange::Verified(self.verified.ok_or_else(|| {
-                    anyhow!("position {}: no verified", self.position)
+                    Error::Corrupt(format!("position {}: no verified", self.position))
                 })?))
             }
-            Some(EventType::OrgBillingEligibilityChanged) => Some(AccountChange::BillingEligible(
-                self.eligible
-                    .ok_or_else(|| anyhow!("position {}: no eligible", self.position))?,
-            )),
+            Some(EventType::OrgBillingEligibilityChanged) => {
+                Some(AccountChange::BillingEligible(self.eligible.ok_or_else(
+                    || Error::Corrupt(format!("position {}: no eligible", self.position)),
+                )?))
+            }
             _ => None,
         };
         let account = change.map(|change| AccountEntry {
@@ -111,19 +113,21 @@ fn entry_kind(
     event_type: &str,
     duration_ms: Option<i64>,
     port: Option<i32>,
-) -> anyhow::Result<Option<EntryKind>> {
+) -> Result<Option<EntryKind>, Error> {
     let kind = match EventType::parse(event_type) {
         Some(EventType::ContainerCreated) => EntryKind::Created,
         Some(EventType::ContainerResumed) => EntryKind::Resumed,
         Some(EventType::ContainerStopped) => EntryKind::Stopped,
         Some(EventType::ContainerCommandRan) => EntryKind::CommandRan {
             duration_ms: duration_ms
-                .ok_or_else(|| anyhow!("a stored command has no duration_ms"))?,
+                .ok_or_else(|| Error::Corrupt("a stored command has no duration_ms".to_owned()))?,
         },
         Some(EventType::ContainerPortPublished) => EntryKind::PortPublished {
             port: port
                 .and_then(|port| u16::try_from(port).ok())
-                .ok_or_else(|| anyhow!("a stored port_published has no valid port"))?,
+                .ok_or_else(|| {
+                    Error::Corrupt("a stored port_published has no valid port".to_owned())
+                })?,
         },
         _ => return Ok(None),
     };
@@ -135,7 +139,7 @@ pub async fn read_events(
     connection: &mut PgConnection,
     after: i64,
     limit: usize,
-) -> anyhow::Result<Vec<ProjectedEvent>> {
+) -> Result<Vec<ProjectedEvent>, Error> {
     let rows: Vec<EventRow> = sqlx::query_as(&format!(
         "SELECT {EVENT_COLUMNS} FROM ledger WHERE position > $1 ORDER BY position LIMIT $2"
     ))
@@ -151,7 +155,7 @@ pub async fn read_histories(
     connection: &mut PgConnection,
     keys: &[ContainerKey],
     until: i64,
-) -> anyhow::Result<HashMap<ContainerKey, Vec<ContainerEntry>>> {
+) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let rows: Vec<EventRow> = sqlx::query_as(&format!(
         "SELECT {EVENT_COLUMNS} FROM ledger WHERE container_id = ANY($1) AND position <= $2 \
@@ -184,7 +188,7 @@ pub async fn record_voids(
     connection: &mut PgConnection,
     schema: &str,
     voids: &[(Uuid, i64)],
-) -> anyhow::Result<Vec<ProjectedEvent>> {
+) -> Result<Vec<ProjectedEvent>, Error> {
     if voids.is_empty() {
         return Ok(Vec::new());
     }
@@ -242,10 +246,13 @@ const CONTAINER_COLUMNS: &str = "org_id, container_id, intervals::TEXT AS interv
      anomalies_total, last_at";
 
 impl LifecycleRow {
-    fn decode(self) -> anyhow::Result<StoredContainer> {
+    fn decode(self) -> Result<StoredContainer, Error> {
         let lifecycle = decode_lifecycle(&self.intervals, self.anomalies_total, self.last_at)
-            .with_context(|| {
-                format!("stored container {} of {}", self.container_id, self.org_id)
+            .map_err(|e| {
+                Error::corrupt(
+                    format!("stored container {} of {}", self.container_id, self.org_id),
+                    e,
+                )
             })?;
         Ok(StoredContainer {
             org_id: self.org_id,
@@ -260,7 +267,7 @@ pub async fn load_lifecycles(
     connection: &mut PgConnection,
     schema: &str,
     keys: &[ContainerKey],
-) -> anyhow::Result<HashMap<ContainerKey, Lifecycle>> {
+) -> Result<HashMap<ContainerKey, Lifecycle>, Error> {
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
@@ -276,8 +283,11 @@ pub async fn load_lifecycles(
     rows.into_iter()
         .map(|row| {
             let lifecycle = decode_lifecycle(&row.intervals, row.anomalies_total, row.last_at)
-                .with_context(|| {
-                    format!("stored container {} of {}", row.container_id, row.org_id)
+                .map_err(|e| {
+                    Error::corrupt(
+                        format!("stored container {} of {}", row.container_id, row.org_id),
+                        e,
+                    )
                 })?;
             let key = ContainerKey {
                 org_id: row.org_id,
@@ -301,7 +311,7 @@ pub async fn containers_by_id(
     connection: &mut PgConnection,
     container_id: &str,
     org_id: Option<&str>,
-) -> anyhow::Result<Vec<StoredContainer>> {
+) -> Result<Vec<StoredContainer>, Error> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
         "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE container_id = $1 AND ($2::TEXT IS NULL OR org_id = $2) \
          ORDER BY org_id"
@@ -317,7 +327,7 @@ pub async fn containers_by_id(
 pub async fn org_lifecycles(
     connection: &mut PgConnection,
     org_id: &str,
-) -> anyhow::Result<Vec<Lifecycle>> {
+) -> Result<Vec<Lifecycle>, Error> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
         "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE org_id = $1"
     ))
@@ -343,13 +353,15 @@ fn encode_intervals(lifecycle: &Lifecycle) -> String {
     serde_json::to_string(&intervals).expect("numbers serialize")
 }
 
-fn instant(ms: i64) -> anyhow::Result<DateTime<Utc>> {
-    DateTime::from_timestamp_millis(ms).ok_or_else(|| anyhow!("{ms} ms is not an instant"))
+fn instant(ms: i64) -> Result<DateTime<Utc>, Error> {
+    DateTime::from_timestamp_millis(ms)
+        .ok_or_else(|| Error::Corrupt(format!("{ms} ms is not an instant")))
 }
 
 /// A container's stored `intervals` column (`[[start_ms, end_ms or null], ...]`).
-pub fn decode_intervals(intervals: &str) -> anyhow::Result<Vec<Interval>> {
-    let pairs: Vec<(i64, Option<i64>)> = serde_json::from_str(intervals).context("intervals")?;
+pub fn decode_intervals(intervals: &str) -> Result<Vec<Interval>, Error> {
+    let pairs: Vec<(i64, Option<i64>)> =
+        serde_json::from_str(intervals).map_err(|e| Error::corrupt("intervals", e))?;
     pairs
         .into_iter()
         .map(|(start, end)| {
@@ -367,12 +379,18 @@ pub fn account_change(
     plan: Option<String>,
     verified: Option<bool>,
     billing_eligible: Option<bool>,
-) -> anyhow::Result<AccountChange> {
+) -> Result<AccountChange, Error> {
     Ok(match (plan, verified, billing_eligible) {
-        (Some(plan), None, None) => AccountChange::Plan(PlanId::parse(&plan)?),
+        (Some(plan), None, None) => {
+            AccountChange::Plan(PlanId::parse(&plan).map_err(|e| Error::corrupt("plan", e))?)
+        }
         (None, Some(value), None) => AccountChange::Verified(value),
         (None, None, Some(value)) => AccountChange::BillingEligible(value),
-        _ => anyhow::bail!("account change at position {position} sets not exactly one value"),
+        _ => {
+            return Err(Error::Corrupt(format!(
+                "account change at position {position} sets not exactly one value"
+            )))
+        }
     })
 }
 
@@ -380,9 +398,10 @@ fn decode_lifecycle(
     intervals: &str,
     anomalies_total: i64,
     last_at: DateTime<Utc>,
-) -> anyhow::Result<Lifecycle> {
+) -> Result<Lifecycle, Error> {
     let intervals = decode_intervals(intervals)?;
-    let anomalies_total = u64::try_from(anomalies_total).context("anomalies_total")?;
+    let anomalies_total =
+        u64::try_from(anomalies_total).map_err(|e| Error::corrupt("anomalies_total", e))?;
     Ok(Lifecycle::restore(
         intervals,
         anomalies_total,
@@ -423,7 +442,7 @@ pub async fn container_anomalies(
     container_id: &str,
     after: Option<AnomalyCursor>,
     limit: usize,
-) -> anyhow::Result<Vec<Anomaly>> {
+) -> Result<Vec<Anomaly>, Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows: Vec<AnomalyRow> = match after {
         None => {
@@ -457,8 +476,9 @@ pub async fn container_anomalies(
         .map(|row| {
             Ok(Anomaly {
                 kind: AnomalyKind::parse(&row.kind)
-                    .ok_or_else(|| anyhow!("anomaly kind {:?}", row.kind))?,
-                event_id: EventId::from_uuid(row.event_id)?,
+                    .ok_or_else(|| Error::Corrupt(format!("anomaly kind {:?}", row.kind)))?,
+                event_id: EventId::from_uuid(row.event_id)
+                    .map_err(|e| Error::corrupt("event id", e))?,
                 occurred_at: row.occurred_at,
                 position: row.position,
             })
@@ -473,7 +493,7 @@ pub async fn write(
     schema: &str,
     mut changes: Changes,
     position: i64,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     write_ports(connection, schema, &mut changes).await?;
     recount_voided_ports(connection, schema, &mut changes, position).await?;
     write_containers(connection, schema, &changes).await?;
@@ -498,7 +518,7 @@ async fn write_ports(
     connection: &mut PgConnection,
     schema: &str,
     changes: &mut Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let ports: Vec<_> = changes
         .ports
         .iter()
@@ -538,7 +558,7 @@ async fn write_ports(
                 .collect()
         })?;
         for (org_id, period) in stored {
-            let period = Period::parse(&period)?;
+            let period = Period::parse(&period).map_err(|e| Error::corrupt("period", e))?;
             changes
                 .periods
                 .entry((org_id, period))
@@ -553,7 +573,7 @@ async fn write_containers(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let lifecycles: Vec<_> = changes.lifecycles().collect();
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
         let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
@@ -606,7 +626,7 @@ async fn write_anomalies(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let rows: Vec<(&ContainerKey, AnomalyRows)> =
         changes.anomaly_rows(ANOMALIES_KEPT_MAX).collect();
     let replaced: Vec<&ContainerKey> = rows
@@ -631,33 +651,7 @@ async fn write_anomalies(
         .iter()
         .flat_map(|(key, rows)| rows.insert.iter().map(move |anomaly| (*key, anomaly)))
         .collect();
-    for chunk in inserted.chunks(WRITE_CHUNK_ROWS) {
-        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
-        let ids: Vec<&str> = chunk
-            .iter()
-            .map(|(key, _)| key.container_id.as_str())
-            .collect();
-        let instants: Vec<DateTime<Utc>> = chunk.iter().map(|(_, a)| a.occurred_at).collect();
-        let positions: Vec<i64> = chunk.iter().map(|(_, a)| a.position).collect();
-        let kinds: Vec<&str> = chunk.iter().map(|(_, a)| a.kind.as_str()).collect();
-        let events: Vec<Uuid> = chunk.iter().map(|(_, a)| a.event_id.as_uuid()).collect();
-        // No ON CONFLICT: each event is projected once, so a row already there is a bug,
-        // and the round fails rather than count an anomaly it did not keep.
-        sqlx::query(&format!(
-            "INSERT INTO {schema}.container_anomaly \
-                 (org_id, container_id, occurred_at, position, kind, event_id) \
-             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TIMESTAMPTZ[], $4::BIGINT[], \
-                                  $5::TEXT[], $6::UUID[])"
-        ))
-        .bind(&orgs)
-        .bind(&ids)
-        .bind(&instants)
-        .bind(&positions)
-        .bind(&kinds)
-        .bind(&events)
-        .execute(&mut *connection)
-        .await?;
-    }
+    insert_anomalies(connection, schema, &inserted).await?;
     let trimmed: Vec<(&ContainerKey, i64)> = rows
         .iter()
         .filter(|(_, rows)| rows.trim > 0)
@@ -689,11 +683,47 @@ async fn write_anomalies(
     Ok(())
 }
 
+/// Inserts `inserted`, each container's new anomalies, in chunks.
+async fn insert_anomalies(
+    connection: &mut PgConnection,
+    schema: &str,
+    inserted: &[(&ContainerKey, &Anomaly)],
+) -> Result<(), Error> {
+    for chunk in inserted.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
+        let ids: Vec<&str> = chunk
+            .iter()
+            .map(|(key, _)| key.container_id.as_str())
+            .collect();
+        let instants: Vec<DateTime<Utc>> = chunk.iter().map(|(_, a)| a.occurred_at).collect();
+        let positions: Vec<i64> = chunk.iter().map(|(_, a)| a.position).collect();
+        let kinds: Vec<&str> = chunk.iter().map(|(_, a)| a.kind.as_str()).collect();
+        let events: Vec<Uuid> = chunk.iter().map(|(_, a)| a.event_id.as_uuid()).collect();
+        // No ON CONFLICT: each event is projected once, so a row already there is a bug,
+        // and the round fails rather than count an anomaly it did not keep.
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.container_anomaly \
+                 (org_id, container_id, occurred_at, position, kind, event_id) \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TIMESTAMPTZ[], $4::BIGINT[], \
+                                  $5::TEXT[], $6::UUID[])"
+        ))
+        .bind(&orgs)
+        .bind(&ids)
+        .bind(&instants)
+        .bind(&positions)
+        .bind(&kinds)
+        .bind(&events)
+        .execute(&mut *connection)
+        .await?;
+    }
+    Ok(())
+}
+
 async fn write_periods(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let periods: Vec<(&(String, Period), &PeriodDelta)> = changes
         .periods
         .iter()
@@ -735,7 +765,7 @@ async fn write_open(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let open: Vec<_> = changes
         .open
         .iter()
@@ -773,7 +803,7 @@ async fn write_latest(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let latest: Vec<_> = changes.latest.iter().collect();
     for chunk in latest.chunks(WRITE_CHUNK_ROWS) {
         let orgs: Vec<&str> = chunk.iter().map(|(org, _)| org.as_str()).collect();
@@ -795,7 +825,7 @@ async fn write_accounts(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     for chunk in changes.accounts.chunks(WRITE_CHUNK_ROWS) {
         let orgs: Vec<&str> = chunk.iter().map(|(org, _)| org.as_str()).collect();
         let positions: Vec<i64> = chunk.iter().map(|(_, entry)| entry.position).collect();
@@ -852,7 +882,7 @@ struct AccountRow {
 pub async fn account_entries(
     connection: &mut PgConnection,
     org_id: &str,
-) -> anyhow::Result<Vec<AccountEntry>> {
+) -> Result<Vec<AccountEntry>, Error> {
     let rows: Vec<AccountRow> = sqlx::query_as(&format!(
         "SELECT position, occurred_at, event_id, plan, verified, billing_eligible \
          FROM {LIVE}.account_change WHERE org_id = $1"
@@ -867,7 +897,8 @@ pub async fn account_entries(
             Ok(AccountEntry {
                 occurred_at: row.occurred_at,
                 position: row.position,
-                event_id: EventId::from_uuid(row.event_id)?,
+                event_id: EventId::from_uuid(row.event_id)
+                    .map_err(|e| Error::corrupt("event id", e))?,
                 change,
             })
         })
@@ -881,7 +912,7 @@ async fn recount_voided_ports(
     schema: &str,
     changes: &mut Changes,
     until: i64,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let keys: Vec<PortKey> = changes.voided_ports.iter().cloned().collect();
     for key in keys {
         let window = key.period.window();
@@ -945,7 +976,7 @@ async fn write_voids(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     if !changes.voided.is_empty() {
         let ids: Vec<Uuid> = changes.voided.iter().map(|(id, _)| *id).collect();
         let positions: Vec<i64> = changes
@@ -988,7 +1019,7 @@ async fn write_voids(
 pub async fn containers_by_ids(
     connection: &mut PgConnection,
     container_ids: &[&str],
-) -> anyhow::Result<Vec<StoredContainer>> {
+) -> Result<Vec<StoredContainer>, Error> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
         "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE container_id = ANY($1)"
     ))
@@ -1002,7 +1033,7 @@ pub async fn containers_by_ids(
 pub async fn containers_running_since(
     connection: &mut PgConnection,
     since: DateTime<Utc>,
-) -> anyhow::Result<Vec<StoredContainer>> {
+) -> Result<Vec<StoredContainer>, Error> {
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
         "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container \
          WHERE last_at >= $1 OR jsonb_path_exists(intervals, '$[*] ? (@[1] == null)')"
