@@ -13,6 +13,8 @@ pub mod bus;
 pub mod cli;
 /// Settings from the environment, each with its unit and the reason for its default.
 pub mod config;
+/// Every error code the service answers, as one closed enum (contract §7).
+pub mod error_code;
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
 pub mod event;
 /// Finance: provider reports, reconciliation, priced usage, the usage export, period close.
