@@ -1,9 +1,10 @@
 //! Every error code tally answers, as one closed list (contract §7).
 //!
 //! A code is the stable, machine-readable part of an error: the `code` of an error body,
-//! of each of its `details`, of a dead letter's header. The list lives in a module of its
-//! own, below every layer, so that the event rules, the plan and report parsers and the
-//! HTTP layer all draw from it and the OpenAPI document enumerates it.
+//! of each of its `details`, of a dead letter's header, of a failed close job. The list
+//! lives in a module of its own, below every layer, so that the event rules, the plan and
+//! report parsers, the ledger and the HTTP layer all draw from it, and the OpenAPI
+//! document enumerates it (`docs/decisions/0018-error-codes.md`).
 
 use serde::Serialize;
 
