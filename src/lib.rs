@@ -9,6 +9,9 @@
 //! comes last: start-up and shutdown (`startup`), the command line (`cli`, where `tally
 //! audit` reads the ledger back as a timeline), settings (`config`), logs and metrics (`telemetry`).
 
+/// Every error code the service answers, as one closed enum (contract §7); below every layer.
+pub mod error_code;
+
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
 pub mod event;
 

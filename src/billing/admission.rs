@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::plan::{Overage, Plan};
+use crate::error_code::ErrorCode;
 use crate::runtime::{AccountState, Period};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -51,16 +52,22 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub fn as_str(self) -> &'static str {
+    /// The error code of a refusal for this reason (contract §4: a refused reservation is a
+    /// 409 whose code is its first reason).
+    pub fn code(self) -> ErrorCode {
         match self {
-            Reason::PlanExcludesSandbox => "plan_excludes_sandbox",
-            Reason::NotVerified => "not_verified",
-            Reason::NotBillingEligible => "not_billing_eligible",
-            Reason::ConcurrencyLimit => "concurrency_limit",
-            Reason::RuntimeAllowanceExhausted => "runtime_allowance_exhausted",
-            Reason::ContainerNotRunning => "container_not_running",
-            Reason::PortLimit => "port_limit",
+            Reason::PlanExcludesSandbox => ErrorCode::PlanExcludesSandbox,
+            Reason::NotVerified => ErrorCode::NotVerified,
+            Reason::NotBillingEligible => ErrorCode::NotBillingEligible,
+            Reason::ConcurrencyLimit => ErrorCode::ConcurrencyLimit,
+            Reason::RuntimeAllowanceExhausted => ErrorCode::RuntimeAllowanceExhausted,
+            Reason::ContainerNotRunning => ErrorCode::ContainerNotRunning,
+            Reason::PortLimit => ErrorCode::PortLimit,
         }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        self.code().as_str()
     }
 }
 

@@ -11,6 +11,7 @@ use rust_decimal::Decimal;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::error_code::ErrorCode;
 use crate::event::{EventError, PlanId};
 use crate::runtime::FREE_PLAN;
 
@@ -84,7 +85,7 @@ impl Plan {
     pub fn parse(id: &PlanId, body: &Value) -> Result<Plan, Vec<EventError>> {
         let Some(fields) = body.as_object() else {
             return Err(vec![EventError::new(
-                "invalid_plan",
+                ErrorCode::InvalidPlan,
                 "a plan is a JSON object",
             )]);
         };
@@ -96,7 +97,7 @@ impl Plan {
                 fields,
                 "included_runtime_seconds",
                 INCLUDED_SECONDS_MAX,
-                "invalid_allowance",
+                ErrorCode::InvalidAllowance,
                 &mut errors,
             ),
             overage: overage(fields, &mut errors),
@@ -106,14 +107,14 @@ impl Plan {
                 fields,
                 "max_running_containers",
                 LIMIT_MAX,
-                "invalid_limit",
+                ErrorCode::InvalidLimit,
                 &mut errors,
             ),
             max_published_ports: count(
                 fields,
                 "max_published_ports",
                 LIMIT_MAX,
-                "invalid_limit",
+                ErrorCode::InvalidLimit,
                 &mut errors,
             ),
         };
@@ -146,14 +147,14 @@ fn unknown_fields(id: &PlanId, fields: &Map<String, Value>) -> Vec<EventError> {
     ];
     for name in fields.keys().filter(|name| !known.contains(&name.as_str())) {
         errors.push(EventError::new(
-            "unknown_field",
+            ErrorCode::UnknownField,
             format!("{name}: is not a plan field"),
         ));
     }
     if let Some(given) = fields.get("id") {
         if given.as_str() != Some(id.as_str()) {
             errors.push(EventError::new(
-                "plan_id_mismatch",
+                ErrorCode::PlanIdMismatch,
                 format!("id: {given} differs from the plan id {id} in the path"),
             ));
         }
@@ -167,7 +168,7 @@ fn overage(fields: &Map<String, Value>, errors: &mut Vec<EventError>) -> Overage
         Some("bill") => Overage::Bill,
         _ => {
             errors.push(EventError::new(
-                "invalid_overage",
+                ErrorCode::InvalidOverage,
                 "overage: must be \"deny\" or \"bill\"",
             ));
             Overage::Deny
@@ -182,7 +183,7 @@ fn currency(fields: &Map<String, Value>, errors: &mut Vec<EventError>) -> String
         }
         _ => {
             errors.push(EventError::new(
-                "invalid_currency",
+                ErrorCode::InvalidCurrency,
                 "currency: must be an ISO 4217 code such as \"USD\"",
             ));
             String::new()
@@ -195,7 +196,7 @@ fn boolean(fields: &Map<String, Value>, name: &str, errors: &mut Vec<EventError>
         Some(Value::Bool(value)) => *value,
         _ => {
             errors.push(EventError::new(
-                "invalid_plan",
+                ErrorCode::InvalidPlan,
                 format!("{name}: must be true or false"),
             ));
             false
@@ -207,7 +208,7 @@ fn count(
     fields: &Map<String, Value>,
     name: &str,
     max: u64,
-    code: &'static str,
+    code: ErrorCode,
     errors: &mut Vec<EventError>,
 ) -> u64 {
     match fields.get(name).and_then(Value::as_u64) {
@@ -228,7 +229,7 @@ fn price(fields: &Map<String, Value>, name: &str, errors: &mut Vec<EventError>) 
             Some(value) => value,
             None => {
                 errors.push(EventError::new(
-                    "invalid_price",
+                    ErrorCode::InvalidPrice,
                     format!(
                         "{name}: {text:?} is not a non-negative decimal with at most \
                          {PRICE_SCALE_MAX} decimal places, at most {PRICE_MAX}"
@@ -239,7 +240,7 @@ fn price(fields: &Map<String, Value>, name: &str, errors: &mut Vec<EventError>) 
         },
         Some(Value::Number(_)) => {
             errors.push(EventError::new(
-                "price_not_a_string",
+                ErrorCode::PriceNotAString,
                 format!(
                     "{name}: give money as a decimal string such as \"0.12\", not a JSON number"
                 ),
@@ -248,7 +249,7 @@ fn price(fields: &Map<String, Value>, name: &str, errors: &mut Vec<EventError>) 
         }
         _ => {
             errors.push(EventError::new(
-                "invalid_price",
+                ErrorCode::InvalidPrice,
                 format!("{name}: is required, as a decimal string"),
             ));
             Decimal::ZERO
@@ -295,7 +296,7 @@ mod tests {
         Plan::parse(&pro(), &body)
             .unwrap_err()
             .into_iter()
-            .map(|error| error.code)
+            .map(|error| error.code.as_str())
             .collect()
     }
 

@@ -13,6 +13,7 @@ use rust_decimal::Decimal;
 use serde_json::Value;
 
 use super::reconcile::{ReportLine, Unit};
+use crate::error_code::ErrorCode;
 use crate::event::{storable, ContainerId, OrgId};
 use crate::runtime::Window;
 
@@ -35,7 +36,7 @@ const TEXT_MAX: usize = 256;
 pub struct ReportError {
     pub line: u64,
     pub column: Option<String>,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
 }
 
@@ -43,7 +44,7 @@ impl ReportError {
     pub fn new(
         line: u64,
         column: Option<&str>,
-        code: &'static str,
+        code: ErrorCode,
         message: impl Into<String>,
     ) -> Self {
         ReportError {
@@ -84,7 +85,7 @@ impl Header {
                 return Err(ReportError::new(
                     1,
                     Some(name),
-                    "duplicate_column",
+                    ErrorCode::DuplicateColumn,
                     format!("column {name} appears twice"),
                 ));
             }
@@ -100,7 +101,7 @@ impl Header {
             return Err(ReportError::new(
                 1,
                 Some(missing),
-                "missing_column",
+                ErrorCode::MissingColumn,
                 format!("the header has no {missing} column (FOCUS 1.x names are required)"),
             ));
         }
@@ -128,18 +129,23 @@ impl Header {
         if end <= start {
             return Err(cells.error(
                 "ChargePeriodEnd",
-                "end_before_start",
+                ErrorCode::EndBeforeStart,
                 format!("the charge period ends at {end}, not after its start {start}"),
             ));
         }
         let container_id = cells.required("ResourceId")?;
-        ContainerId::parse(container_id)
-            .map_err(|error| cells.error("ResourceId", "invalid_resource_id", error.to_string()))?;
+        ContainerId::parse(container_id).map_err(|error| {
+            cells.error(
+                "ResourceId",
+                ErrorCode::InvalidResourceId,
+                error.to_string(),
+            )
+        })?;
         let quantity = cells.decimal("ConsumedQuantity")?;
         if quantity.is_sign_negative() {
             return Err(cells.error(
                 "ConsumedQuantity",
-                "invalid_number",
+                ErrorCode::InvalidNumber,
                 "a quantity cannot be negative",
             ));
         }
@@ -175,7 +181,7 @@ struct Cells<'a> {
 }
 
 impl<'a> Cells<'a> {
-    fn error(&self, column: &str, code: &'static str, message: impl Into<String>) -> ReportError {
+    fn error(&self, column: &str, code: ErrorCode, message: impl Into<String>) -> ReportError {
         ReportError::new(self.line, Some(column), code, message)
     }
 
@@ -192,7 +198,7 @@ impl<'a> Cells<'a> {
 
     fn required(&self, name: &'static str) -> Result<&'a str, ReportError> {
         self.field(name)
-            .ok_or_else(|| self.error(name, "missing_value", format!("{name} is empty")))
+            .ok_or_else(|| self.error(name, ErrorCode::MissingValue, format!("{name} is empty")))
     }
 
     /// Some cells are stored as text (provider name, charge category), the others are read
@@ -226,7 +232,7 @@ impl<'a> Cells<'a> {
                 }
                 _ => error.to_string(),
             };
-            self.error(name, error.code_or("invalid_timestamp"), message)
+            self.error(name, error.code_or(ErrorCode::InvalidTimestamp), message)
         })
     }
 
@@ -241,7 +247,7 @@ impl<'a> Cells<'a> {
             .ok_or_else(|| {
                 self.error(
                     name,
-                    "invalid_number",
+                    ErrorCode::InvalidNumber,
                     format!("{value:?} is not a decimal number"),
                 )
             })
@@ -253,7 +259,7 @@ impl<'a> Cells<'a> {
             "Hours" => Ok(Unit::Hours),
             other => Err(self.error(
                 "ConsumedUnit",
-                "unknown_unit",
+                ErrorCode::UnknownUnit,
                 format!("{other:?}: the unit must be Seconds or Hours"),
             )),
         }
@@ -266,7 +272,7 @@ impl<'a> Cells<'a> {
         }
         Err(self.error(
             "BillingCurrency",
-            "invalid_currency",
+            ErrorCode::InvalidCurrency,
             format!("{currency:?} is not an ISO 4217 code"),
         ))
     }
@@ -277,22 +283,26 @@ impl<'a> Cells<'a> {
             return Ok(None);
         };
         let Ok(Value::Object(tags)) = serde_json::from_str::<Value>(tags) else {
-            return Err(self.error("Tags", "invalid_tags", "Tags must be a JSON object"));
+            return Err(self.error("Tags", ErrorCode::InvalidTags, "Tags must be a JSON object"));
         };
         match tags.get("org_id") {
             None => Ok(None),
             Some(Value::String(org)) => OrgId::parse(org)
                 .map(|org| Some(org.as_str().to_owned()))
-                .map_err(|error| self.error("Tags", "invalid_tags", format!("org_id: {error}"))),
-            Some(_) => Err(self.error("Tags", "invalid_tags", "org_id must be a string")),
+                .map_err(|error| {
+                    self.error("Tags", ErrorCode::InvalidTags, format!("org_id: {error}"))
+                }),
+            Some(_) => Err(self.error("Tags", ErrorCode::InvalidTags, "org_id must be a string")),
         }
     }
 
     fn text(&self, name: &'static str) -> Result<Option<String>, ReportError> {
         match self.field(name) {
-            Some(value) if value.chars().count() > TEXT_MAX => {
-                Err(self.error(name, "too_long", format!("at most {TEXT_MAX} characters")))
-            }
+            Some(value) if value.chars().count() > TEXT_MAX => Err(self.error(
+                name,
+                ErrorCode::TooLong,
+                format!("at most {TEXT_MAX} characters"),
+            )),
             value => Ok(value.map(str::to_owned)),
         }
     }
@@ -311,7 +321,7 @@ pub fn parse_all(reader: impl std::io::Read) -> Result<Vec<ParsedLine>, ReportEr
             return Err(ReportError::new(
                 1,
                 None,
-                "empty_report",
+                ErrorCode::EmptyReport,
                 "the report is empty",
             ))
         }
@@ -327,7 +337,7 @@ pub fn parse_all(reader: impl std::io::Read) -> Result<Vec<ParsedLine>, ReportEr
         return Err(ReportError::new(
             2,
             None,
-            "empty_report",
+            ErrorCode::EmptyReport,
             "the report has a header and no lines",
         ));
     }
@@ -341,7 +351,7 @@ pub fn csv_error(error: &csv::Error) -> ReportError {
         csv::ErrorKind::Utf8 { .. } => "the report is not UTF-8 text".to_owned(),
         _ => format!("not CSV: {error}"),
     };
-    ReportError::new(line, None, "malformed_csv", message)
+    ReportError::new(line, None, ErrorCode::MalformedCsv, message)
 }
 
 #[cfg(test)]
@@ -359,7 +369,7 @@ mod tests {
 
     fn error_of(text: &str) -> (u64, Option<String>, &'static str) {
         let error = parse_all(text.as_bytes()).unwrap_err();
-        (error.line, error.column, error.code)
+        (error.line, error.column, error.code.as_str())
     }
 
     #[test]
@@ -459,6 +469,9 @@ mod tests {
             assert_eq!(named.as_deref(), (column != "a cell").then_some(column));
         }
         let not_utf8 = [0xff_u8, 0xfe, 0x00, 0x41];
-        assert_eq!(parse_all(&not_utf8[..]).unwrap_err().code, "malformed_csv");
+        assert_eq!(
+            parse_all(&not_utf8[..]).unwrap_err().code,
+            ErrorCode::MalformedCsv
+        );
     }
 }

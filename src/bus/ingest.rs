@@ -21,6 +21,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::Names;
+use crate::error_code::ErrorCode;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
 use crate::ledger::{legacy_ids, plans, AppendError, Appender};
@@ -174,7 +175,7 @@ async fn verdict(
         Some(Some(kind)) => kind,
         Some(None) => {
             return Verdict::DeadLetter {
-                code: "unsupported_media_type",
+                code: ErrorCode::UnsupportedMediaType.as_str(),
                 message: "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json".into(),
             }
         }
@@ -183,7 +184,7 @@ async fn verdict(
         Ok(events) => events,
         Err(error) => {
             return Verdict::DeadLetter {
-                code: error.code(),
+                code: error.code().as_str(),
                 message: error.describe(),
             }
         }
@@ -192,7 +193,7 @@ async fn verdict(
         Ok(None) => {}
         Ok(Some((index, plan))) => {
             return Verdict::DeadLetter {
-                code: "unknown_plan",
+                code: ErrorCode::UnknownPlan.as_str(),
                 message: format!("event {index}: plan {plan:?} is not defined"),
             }
         }
@@ -205,12 +206,12 @@ async fn verdict(
     match appender.append(events).await {
         Ok(_) => Verdict::Stored(count),
         Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
-            code: "idempotency_conflict",
+            code: ErrorCode::IdempotencyConflict.as_str(),
             message: format!("event {index}: id {id} was stored before with different content"),
         },
         // Redelivered, it would fail the same way for ever.
         Err(error) if !error.is_retryable() => Verdict::DeadLetter {
-            code: error.code(),
+            code: error.code().as_str(),
             message: error.to_string(),
         },
         Err(error) => Verdict::Retry(error),

@@ -14,6 +14,8 @@ use serde_json::value::RawValue;
 
 pub use ids::{ContainerId, EventId, IdError, OrgId, PlanId};
 
+use crate::error_code::ErrorCode;
+
 /// How far ahead of the server clock an `occurred_at` may be: producers' clocks drift,
 /// but an event from the future would let a caller pre-book runtime.
 pub const FUTURE_SKEW_MAX_SECONDS: i64 = 5 * 60;
@@ -220,12 +222,12 @@ impl Event {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct EventError {
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
 }
 
 impl EventError {
-    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             code,
             message: message.into(),
@@ -268,16 +270,17 @@ impl Unchecked<'_> {
         let names = self.names;
         let event_type = EventType::parse(self.event_type).ok_or_else(|| {
             EventError::new(
-                "unknown_type",
+                ErrorCode::UnknownType,
                 format!("unknown event type {:?}", self.event_type),
             )
         })?;
-        let org_id = OrgId::parse(self.org_id)
-            .map_err(|e| EventError::new("invalid_org_id", format!("{}: {e}", names.org_id)))?;
+        let org_id = OrgId::parse(self.org_id).map_err(|e| {
+            EventError::new(ErrorCode::InvalidOrgId, format!("{}: {e}", names.org_id))
+        })?;
         let container_id = match (event_type.is_container_event(), self.container_id) {
             (true, None) => {
                 return Err(EventError::new(
-                    "missing_container_id",
+                    ErrorCode::MissingContainerId,
                     format!(
                         "{}: is required for {}",
                         names.container_id,
@@ -287,13 +290,13 @@ impl Unchecked<'_> {
             }
             (true, Some(raw)) => Some(ContainerId::parse(raw).map_err(|e| {
                 EventError::new(
-                    "invalid_container_id",
+                    ErrorCode::InvalidContainerId,
                     format!("{}: {e}", names.container_id),
                 )
             })?),
             (false, Some(_)) => {
                 return Err(EventError::new(
-                    "unexpected_container_id",
+                    ErrorCode::UnexpectedContainerId,
                     format!(
                         "{}: must be absent for {}",
                         names.container_id,
@@ -324,14 +327,14 @@ fn check_occurred_at(
 ) -> Result<DateTime<Utc>, EventError> {
     let parsed = storable::parse_instant(value).map_err(|error| {
         EventError::new(
-            error.code_or("invalid_timestamp"),
+            error.code_or(ErrorCode::InvalidTimestamp),
             format!("{field}: {error}"),
         )
     })?;
     let occurred_at = parsed.trunc_subsecs(3);
     if occurred_at > bounds.now + Duration::seconds(FUTURE_SKEW_MAX_SECONDS) {
         return Err(EventError::new(
-            "occurred_at_in_future",
+            ErrorCode::OccurredAtInFuture,
             format!(
                 "{field}: {value} is more than {FUTURE_SKEW_MAX_SECONDS} s ahead of the server clock"
             ),
@@ -339,7 +342,7 @@ fn check_occurred_at(
     }
     if occurred_at < bounds.now - bounds.backdate_max {
         return Err(EventError::new(
-            "occurred_at_too_old",
+            ErrorCode::OccurredAtTooOld,
             format!(
                 "{field}: {value} is older than the backdate bound of {} days; use the admin correction flow",
                 bounds.backdate_max.num_days()
@@ -353,13 +356,13 @@ fn check_occurred_at(
 fn data_error(error: serde_json::Error) -> EventError {
     let message = error.to_string();
     let code = if message.starts_with("unknown field") {
-        "unknown_field"
+        ErrorCode::UnknownField
     } else if message.starts_with("missing field") {
-        "missing_field"
+        ErrorCode::MissingField
     } else if message.starts_with("duplicate field") {
-        "duplicate_field"
+        ErrorCode::DuplicateField
     } else {
-        "invalid_data"
+        ErrorCode::InvalidData
     };
     EventError::new(code, format!("data: {message}"))
 }
@@ -373,7 +376,7 @@ fn parse_data<T: for<'de> Deserialize<'de>>(raw: Option<&RawValue>) -> Result<T,
         Some(text) if text.starts_with('{') => text,
         Some(_) => {
             return Err(EventError::new(
-                "invalid_data",
+                ErrorCode::InvalidData,
                 "data: must be a JSON object (or absent)",
             ))
         }
@@ -398,7 +401,7 @@ fn check_text(field: &str, value: &str, max: usize) -> Result<(), EventError> {
     let length = value.chars().count();
     if length > max {
         return Err(EventError::new(
-            "invalid_data",
+            ErrorCode::InvalidData,
             format!("data.{field}: must be at most {max} characters, got {length}"),
         ));
     }
@@ -422,13 +425,13 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
             check_text("command_id", &data.command_id, COMMAND_ID_LENGTH_MAX)?;
             if data.command_id.is_empty() {
                 return Err(EventError::new(
-                    "invalid_data",
+                    ErrorCode::InvalidData,
                     "data.command_id: must not be empty",
                 ));
             }
             if data.duration_ms > COMMAND_DURATION_MAX_MS {
                 return Err(EventError::new(
-                    "invalid_data",
+                    ErrorCode::InvalidData,
                     format!("data.duration_ms: must be at most {COMMAND_DURATION_MAX_MS}"),
                 ));
             }
@@ -440,7 +443,7 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
             let data: ContainerPortPublished = parse_data(raw)?;
             if data.port == 0 {
                 return Err(EventError::new(
-                    "invalid_data",
+                    ErrorCode::InvalidData,
                     "data.port: must be between 1 and 65535",
                 ));
             }
@@ -453,7 +456,7 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
             let data: OrgPlanChanged = parse_data(raw)?;
             check_storable("plan", &data.plan)?;
             PlanId::parse(&data.plan)
-                .map_err(|e| EventError::new("invalid_data", format!("data.plan: {e}")))?;
+                .map_err(|e| EventError::new(ErrorCode::InvalidData, format!("data.plan: {e}")))?;
             EventData::OrgPlanChanged(data)
         }
         EventType::OrgVerificationChanged => EventData::OrgVerificationChanged(parse_data(raw)?),
@@ -462,13 +465,13 @@ fn check_data(event_type: EventType, raw: Option<&RawValue>) -> Result<EventData
         }
         EventType::PlanDefined => {
             return Err(EventError::new(
-                "reserved_type",
+                ErrorCode::ReservedType,
                 "plan.defined is recorded by PUT /v1/plans/{plan_id}, not sent as an event",
             ))
         }
         EventType::LedgerEventVoided | EventType::LedgerEventsAdded => {
             return Err(EventError::new(
-                "reserved_type",
+                ErrorCode::ReservedType,
                 "ledger.* events are recorded by the corrections API, not sent as events",
             ))
         }
@@ -479,15 +482,15 @@ fn check_url(value: &str) -> Result<(), EventError> {
     check_storable("url", value)?;
     if value.len() > URL_LENGTH_MAX {
         return Err(EventError::new(
-            "invalid_data",
+            ErrorCode::InvalidData,
             format!("data.url: must be at most {URL_LENGTH_MAX} bytes"),
         ));
     }
     let url = url::Url::parse(value)
-        .map_err(|e| EventError::new("invalid_data", format!("data.url: {e}")))?;
+        .map_err(|e| EventError::new(ErrorCode::InvalidData, format!("data.url: {e}")))?;
     if url.scheme() != "https" || url.host().is_none() {
         return Err(EventError::new(
-            "invalid_data",
+            ErrorCode::InvalidData,
             "data.url: must be an https URL with a host",
         ));
     }

@@ -13,6 +13,7 @@ use uuid::Uuid;
 use super::{
     storable, CloudEventOrigin, Event, EventError, EventId, FieldNames, TimeBounds, Unchecked,
 };
+use crate::error_code::ErrorCode;
 
 /// The namespace under which a CloudEvent becomes its ledger id: UUIDv5 of
 /// `orgid + "\n" + source + "\n" + id` (contract §2). Fixed forever: changing it would let
@@ -92,13 +93,13 @@ pub enum BodyError {
 
 impl BodyError {
     /// The stable error code of contract §7.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            BodyError::Malformed(_) => "malformed_json",
-            BodyError::Shape(_) => "invalid_body",
-            BodyError::EmptyBatch => "empty_batch",
-            BodyError::BatchTooLarge { .. } => "batch_too_large",
-            BodyError::Invalid(_) => "invalid_events",
+            BodyError::Malformed(_) => ErrorCode::MalformedJson,
+            BodyError::Shape(_) => ErrorCode::InvalidBody,
+            BodyError::EmptyBatch => ErrorCode::EmptyBatch,
+            BodyError::BatchTooLarge { .. } => ErrorCode::BatchTooLarge,
+            BodyError::Invalid(_) => ErrorCode::InvalidEvents,
         }
     }
 
@@ -227,21 +228,21 @@ struct CloudEvent<'a> {
 fn envelope_error(error: serde_json::Error) -> EventError {
     let message = error.to_string();
     let code = if message.starts_with("unknown field") {
-        "unknown_field"
+        ErrorCode::UnknownField
     } else if message.starts_with("missing field") {
-        "missing_field"
+        ErrorCode::MissingField
     } else if message.starts_with("duplicate field") {
-        "duplicate_field"
+        ErrorCode::DuplicateField
     } else {
-        "invalid_event"
+        ErrorCode::InvalidEvent
     };
     EventError::new(code, message)
 }
 
 fn parse_native(text: &str, bounds: TimeBounds) -> Result<Event, EventError> {
     let raw: NativeEvent = serde_json::from_str(text).map_err(envelope_error)?;
-    let id =
-        EventId::parse(&raw.id).map_err(|e| EventError::new("invalid_id", format!("id: {e}")))?;
+    let id = EventId::parse(&raw.id)
+        .map_err(|e| EventError::new(ErrorCode::InvalidId, format!("id: {e}")))?;
     Unchecked {
         id,
         event_type: &raw.event_type,
@@ -290,7 +291,7 @@ fn check_attribute(name: &str, value: &str, max: usize) -> Result<(), EventError
     let length = value.chars().count();
     if length == 0 || length > max {
         return Err(EventError::new(
-            "invalid_cloudevent",
+            ErrorCode::InvalidCloudevent,
             format!("{name}: must be 1 to {max} characters, got {length}"),
         ));
     }
@@ -301,7 +302,7 @@ fn parse_cloudevent(text: &str, bounds: TimeBounds) -> Result<Event, EventError>
     let raw: CloudEvent = serde_json::from_str(text).map_err(envelope_error)?;
     if raw.specversion != "1.0" {
         return Err(EventError::new(
-            "invalid_cloudevent",
+            ErrorCode::InvalidCloudevent,
             format!(
                 "specversion: only \"1.0\" is supported, got {:?}",
                 raw.specversion
@@ -314,14 +315,14 @@ fn parse_cloudevent(text: &str, bounds: TimeBounds) -> Result<Event, EventError>
     // `source + "\n" + id` unambiguous.
     if raw.source.chars().any(char::is_control) {
         return Err(EventError::new(
-            "invalid_cloudevent",
+            ErrorCode::InvalidCloudevent,
             "source: must not contain control characters",
         ));
     }
     if let Some(content_type) = &raw.datacontenttype {
         if BodyKind::from_content_type(content_type) != Some(BodyKind::Native) {
             return Err(EventError::new(
-                "invalid_cloudevent",
+                ErrorCode::InvalidCloudevent,
                 format!(
                     "datacontenttype: only application/json is supported, got {content_type:?}"
                 ),
@@ -396,7 +397,7 @@ mod tests {
         match native(&value) {
             Err(BodyError::Invalid(errors)) => {
                 assert_eq!(errors.len(), 1);
-                errors[0].error.code
+                errors[0].error.code.as_str()
             }
             other => panic!("expected one invalid event, got {other:?}"),
         }
@@ -565,7 +566,10 @@ mod tests {
         ]});
         match native(&body) {
             Err(BodyError::Invalid(errors)) => {
-                let found: Vec<_> = errors.iter().map(|e| (e.index, e.error.code)).collect();
+                let found: Vec<_> = errors
+                    .iter()
+                    .map(|e| (e.index, e.error.code.as_str()))
+                    .collect();
                 assert_eq!(found, vec![(1, "unknown_type"), (3, "invalid_org_id")]);
             }
             other => panic!("expected invalid, got {other:?}"),
@@ -606,7 +610,9 @@ mod tests {
         let text = r#"{"id": "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55", "id": "0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e56",
             "type": "container.resumed", "org_id": "o", "container_id": "c", "occurred_at": "2026-11-29T10:00:00Z"}"#;
         match parse_body(BodyKind::Native, text.as_bytes(), bounds(), 10) {
-            Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "duplicate_field"),
+            Err(BodyError::Invalid(errors)) => {
+                assert_eq!(errors[0].error.code.as_str(), "duplicate_field")
+            }
             other => panic!("expected invalid, got {other:?}"),
         }
         // In `data` too, with the same code.
@@ -614,7 +620,9 @@ mod tests {
             "org_id": "o", "container_id": "c", "occurred_at": "2026-11-29T10:00:00Z",
             "data": {"command_id": "a", "exit_code": 0, "duration_ms": 1, "command_id": "b"}}"#;
         match parse_body(BodyKind::Native, text.as_bytes(), bounds(), 10) {
-            Err(BodyError::Invalid(errors)) => assert_eq!(errors[0].error.code, "duplicate_field"),
+            Err(BodyError::Invalid(errors)) => {
+                assert_eq!(errors[0].error.code.as_str(), "duplicate_field")
+            }
             other => panic!("expected invalid, got {other:?}"),
         }
     }
@@ -715,7 +723,7 @@ mod tests {
                 10,
             ) {
                 Err(BodyError::Invalid(errors)) => {
-                    assert_eq!(errors[0].error.code, "leap_second");
+                    assert_eq!(errors[0].error.code.as_str(), "leap_second");
                     assert!(errors[0].error.message.starts_with("time: "));
                 }
                 other => panic!("expected invalid, got {other:?}"),
@@ -756,7 +764,7 @@ mod tests {
         for (body, field) in cases {
             match native(&body) {
                 Err(BodyError::Invalid(errors)) => {
-                    assert_eq!(errors[0].error.code, "unstorable_text", "{field}");
+                    assert_eq!(errors[0].error.code.as_str(), "unstorable_text", "{field}");
                     assert!(errors[0].error.message.starts_with(field), "{field}");
                 }
                 other => panic!("{field}: expected invalid, got {other:?}"),
@@ -771,7 +779,7 @@ mod tests {
                 10,
             ) {
                 Err(BodyError::Invalid(errors)) => {
-                    assert_eq!(errors[0].error.code, "unstorable_text", "{field}");
+                    assert_eq!(errors[0].error.code.as_str(), "unstorable_text", "{field}");
                     assert!(errors[0].error.message.starts_with(field), "{field}");
                 }
                 other => panic!("{field}: expected invalid, got {other:?}"),
@@ -822,7 +830,7 @@ mod tests {
             10,
         ) {
             Err(BodyError::Invalid(errors)) => {
-                assert_eq!(errors[0].error.code, "invalid_cloudevent")
+                assert_eq!(errors[0].error.code.as_str(), "invalid_cloudevent")
             }
             other => panic!("expected invalid, got {other:?}"),
         }
@@ -836,7 +844,7 @@ mod tests {
             bounds(),
             10,
         ) {
-            Err(BodyError::Invalid(errors)) => errors[0].error.code,
+            Err(BodyError::Invalid(errors)) => errors[0].error.code.as_str(),
             other => panic!("expected invalid, got {other:?}"),
         };
         assert_eq!(

@@ -14,10 +14,12 @@
 
 use chrono::{DateTime, Datelike, Timelike, Utc};
 
+use crate::error_code::ErrorCode;
+
 /// The code of a text with a NUL in it.
-pub const UNSTORABLE_TEXT: &str = "unstorable_text";
+pub const UNSTORABLE_TEXT: ErrorCode = ErrorCode::UnstorableText;
 /// The code of an instant at second 60.
-pub const LEAP_SECOND: &str = "leap_second";
+pub const LEAP_SECOND: ErrorCode = ErrorCode::LeapSecond;
 
 /// The first and last UTC years an instant may fall in: Postgres has no year 0 (its text
 /// form refuses `0000`) and RFC 3339 has no year past 9999.
@@ -55,7 +57,7 @@ pub enum InstantError {
 impl InstantError {
     /// `leap_second` for a leap second; `otherwise` (the caller's code for a bad instant)
     /// for the rest.
-    pub fn code_or(&self, otherwise: &'static str) -> &'static str {
+    pub fn code_or(&self, otherwise: ErrorCode) -> ErrorCode {
         match self {
             InstantError::LeapSecond { .. } => LEAP_SECOND,
             InstantError::Malformed { .. } | InstantError::YearOutOfRange { .. } => otherwise,
@@ -117,7 +119,7 @@ mod tests {
         assert_eq!(
             parse_instant("2026-12-01T06:59:60Z")
                 .unwrap_err()
-                .code_or("x"),
+                .code_or(ErrorCode::InvalidTimestamp),
             LEAP_SECOND
         );
     }

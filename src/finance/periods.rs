@@ -23,6 +23,7 @@ use uuid::Uuid;
 
 use super::pricing::{self, Figures, Pricer, USAGE_CSV_HEADER};
 use super::Error;
+use crate::error_code::ErrorCode;
 use crate::projection::store::{self, LIVE};
 use crate::runtime::Period;
 
@@ -45,9 +46,9 @@ const JOB_VISIBLE_ATTEMPTS: u32 = 50;
 const JOB_VISIBLE_WAIT_MS: u64 = 20;
 
 /// What a failed job tells its caller; the cause is logged with the job id.
-const FAILED_CODE: &str = "close_failed";
+const FAILED_CODE: &str = ErrorCode::CloseFailed.as_str();
 const FAILED_MESSAGE: &str = "the close failed and nothing of it was stored; retry";
-const ABANDONED_CODE: &str = "close_abandoned";
+const ABANDONED_CODE: &str = ErrorCode::CloseAbandoned.as_str();
 const ABANDONED_MESSAGE: &str =
     "the process running the close stopped before it finished; nothing of it was stored; retry";
 

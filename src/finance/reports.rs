@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use crate::billing::reconcile::Unit;
 use crate::billing::report::{self, Header, ParsedLine, ReportError};
+use crate::error_code::ErrorCode;
 
 /// Lines per insert.
 pub const IMPORT_BATCH_LINES: usize = 5_000;
@@ -232,7 +233,9 @@ fn parse(
             })
         };
         if !read(&mut csv, &mut record)? {
-            return Err(ReportError::new(1, None, "empty_report", "the report is empty").into());
+            return Err(
+                ReportError::new(1, None, ErrorCode::EmptyReport, "the report is empty").into(),
+            );
         }
         let header = Header::parse(&record)?;
         let mut batch = Vec::with_capacity(IMPORT_BATCH_LINES);
@@ -262,7 +265,7 @@ fn parse(
             return Err(ReportError::new(
                 2,
                 None,
-                "empty_report",
+                ErrorCode::EmptyReport,
                 "the report has a header and no lines",
             )
             .into());

@@ -21,6 +21,7 @@ use super::query::StrictQuery;
 use super::AppState;
 use crate::admission::{self, AdmissionError, Answer, Released, Request, Wait};
 use crate::billing::Action;
+use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::event::{ContainerId, OrgId};
 use axum::Extension;
@@ -193,26 +194,11 @@ pub async fn post_reservation(
     principal.check_org(request.org_id.as_str())?;
     if !request.action.takes_slot() {
         return Err(ApiError::invalid(
-            "invalid_action",
+            ErrorCode::InvalidAction,
             "reservations hold a running slot: action must be \"create\" or \"resume\"",
         ));
     }
-    let ttl_seconds = match &body.ttl_seconds {
-        None => admission::TTL_SECONDS_DEFAULT,
-        Some(value) => value
-            .as_u64()
-            .filter(|ttl| (admission::TTL_SECONDS_MIN..=admission::TTL_SECONDS_MAX).contains(ttl))
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "invalid_ttl",
-                    format!(
-                        "ttl_seconds: must be a whole number from {} to {}",
-                        admission::TTL_SECONDS_MIN,
-                        admission::TTL_SECONDS_MAX
-                    ),
-                )
-            })?,
-    };
+    let ttl_seconds = ttl_seconds(body.ttl_seconds.as_ref())?;
     let (answer, reservation) = admission::reserve_with(
         &state.pool,
         &state.freshness,
@@ -226,28 +212,7 @@ pub async fn post_reservation(
     .map_err(admission_error)?;
     let Some(reservation) = reservation else {
         metrics::counter!("tally_reservations_total", "outcome" => "refused").increment(1);
-        let reasons = &answer.decision.reasons;
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            reasons[0].as_str(),
-            format!(
-                "admission refused: {}",
-                reasons
-                    .iter()
-                    .map(|reason| reason.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        )
-        .with_details(
-            reasons
-                .iter()
-                .map(|reason| {
-                    json!({"code": reason.as_str(), "message": reason.as_str(),
-                           "position": answer.position})
-                })
-                .collect(),
-        ));
+        return Err(refused(&answer));
     };
     metrics::counter!("tally_reservations_total", "outcome" => "granted").increment(1);
     Ok((
@@ -258,6 +223,53 @@ pub async fn post_reservation(
             check: CheckResponse::from(&answer),
         }),
     ))
+}
+
+/// The reservation's time to live: from [`admission::TTL_SECONDS_MIN`] to
+/// [`admission::TTL_SECONDS_MAX`] seconds, [`admission::TTL_SECONDS_DEFAULT`] unless given.
+fn ttl_seconds(ttl_seconds: Option<&Value>) -> Result<u64, ApiError> {
+    match ttl_seconds {
+        None => Ok(admission::TTL_SECONDS_DEFAULT),
+        Some(value) => value
+            .as_u64()
+            .filter(|ttl| (admission::TTL_SECONDS_MIN..=admission::TTL_SECONDS_MAX).contains(ttl))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    ErrorCode::InvalidTtl,
+                    format!(
+                        "ttl_seconds: must be a whole number from {} to {}",
+                        admission::TTL_SECONDS_MIN,
+                        admission::TTL_SECONDS_MAX
+                    ),
+                )
+            }),
+    }
+}
+
+/// 409 for a refused reservation: the code is the first reason, the details list them all.
+fn refused(answer: &Answer) -> ApiError {
+    let reasons = &answer.decision.reasons;
+    ApiError::new(
+        StatusCode::CONFLICT,
+        reasons[0].code(),
+        format!(
+            "admission refused: {}",
+            reasons
+                .iter()
+                .map(|reason| reason.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    )
+    .with_details(
+        reasons
+            .iter()
+            .map(|reason| {
+                json!({"code": reason.code(), "message": reason.as_str(),
+                       "position": answer.position})
+            })
+            .collect(),
+    )
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -289,7 +301,10 @@ pub async fn delete_reservation(
     Path(reservation_id): Path<String>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let id = Uuid::try_parse(&reservation_id).map_err(|_| {
-        ApiError::invalid("invalid_reservation_id", "reservation_id: must be a UUID")
+        ApiError::invalid(
+            ErrorCode::InvalidReservationId,
+            "reservation_id: must be a UUID",
+        )
     })?;
     if let Some(org_id) = admission::reservation_org(&state.pool, id).await? {
         principal.check_org(&org_id)?;
@@ -302,12 +317,12 @@ pub async fn delete_reservation(
         })),
         Released::Consumed => Err(ApiError::new(
             StatusCode::CONFLICT,
-            "reservation_consumed",
+            ErrorCode::ReservationConsumed,
             "the reservation was consumed by its container's event; stop the container to free the slot",
         )),
         Released::NotFound => Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            "reservation_not_found",
+            ErrorCode::ReservationNotFound,
             format!("no reservation {id}"),
         )),
     }
@@ -363,35 +378,39 @@ fn parse_request(
 ) -> Result<Request, ApiError> {
     let text = |field: &Option<Value>| field.as_ref().and_then(Value::as_str).map(str::to_owned);
     let org_id = text(org_id)
-        .ok_or_else(|| ApiError::invalid("invalid_org_id", "org_id: is required"))
+        .ok_or_else(|| ApiError::invalid(ErrorCode::InvalidOrgId, "org_id: is required"))
         .and_then(|value| {
-            OrgId::parse(&value)
-                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))
+            OrgId::parse(&value).map_err(|error| {
+                ApiError::invalid(ErrorCode::InvalidOrgId, format!("org_id: {error}"))
+            })
         })?;
     let action = text(action)
         .as_deref()
         .and_then(Action::parse)
         .ok_or_else(|| {
             ApiError::invalid(
-                "invalid_action",
+                ErrorCode::InvalidAction,
                 "action: must be \"create\", \"resume\", \"run\" or \"publish_port\"",
             )
         })?;
     let container_id = match container_id {
         None | Some(Value::Null) => None,
         Some(Value::String(value)) => Some(ContainerId::parse(value).map_err(|error| {
-            ApiError::invalid("invalid_container_id", format!("container_id: {error}"))
+            ApiError::invalid(
+                ErrorCode::InvalidContainerId,
+                format!("container_id: {error}"),
+            )
         })?),
         Some(_) => {
             return Err(ApiError::invalid(
-                "invalid_container_id",
+                ErrorCode::InvalidContainerId,
                 "container_id: must be a string",
             ))
         }
     };
     if action.needs_running_container() && container_id.is_none() {
         return Err(ApiError::invalid(
-            "missing_container_id",
+            ErrorCode::MissingContainerId,
             "container_id: is required for run and publish_port",
         ));
     }
@@ -406,9 +425,9 @@ fn admission_error(error: AdmissionError) -> ApiError {
     match error {
         AdmissionError::Stale { .. } => {
             metrics::counter!("tally_read_lagging_total").increment(1);
-            ApiError::unavailable("projection_lagging", error.to_string())
+            ApiError::unavailable(ErrorCode::ProjectionLagging, error.to_string())
         }
-        AdmissionError::Busy(_) => ApiError::unavailable("overloaded", error.to_string()),
+        AdmissionError::Busy(_) => ApiError::unavailable(ErrorCode::Overloaded, error.to_string()),
         AdmissionError::Database(_)
         | AdmissionError::Projection(_)
         | AdmissionError::Corrupt(_)

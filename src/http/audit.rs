@@ -13,6 +13,7 @@ use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::query::{QueryParams, StrictQuery};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::{ContainerId, EventType, OrgId};
 use crate::ledger::read::{self, Filter};
 use axum::Extension;
@@ -47,7 +48,10 @@ pub struct EventsParams {
 
 impl QueryParams for EventsParams {
     fn unknown_parameter(name: &str) -> ApiError {
-        ApiError::invalid("unknown_parameter", format!("{name}: is not a filter"))
+        ApiError::invalid(
+            ErrorCode::UnknownParameter,
+            format!("{name}: is not a filter"),
+        )
     }
 }
 
@@ -105,7 +109,7 @@ pub async fn get_container_events(
 ) -> Result<Json<EventsPage>, ApiError> {
     if params.container_id.is_some() {
         return Err(ApiError::invalid(
-            "unknown_parameter",
+            ErrorCode::UnknownParameter,
             "container_id: is already in the path",
         ));
     }
@@ -118,31 +122,16 @@ async fn page(
     params: &EventsParams,
     path_container: Option<String>,
 ) -> Result<Json<EventsPage>, ApiError> {
-    let org_id = params
-        .org_id
-        .as_ref()
-        .map(|value| {
-            OrgId::parse(value)
-                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))
-        })
-        .transpose()?;
-    // An org-bound token sees only its org.
-    if let Some(org_id) = &org_id {
-        principal.check_org(org_id.as_str())?;
-    }
-    let org_id = match (org_id, &principal.org_id) {
-        (None, Some(bound)) => Some(
-            OrgId::parse(bound)
-                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))?,
-        ),
-        (org_id, _) => org_id,
-    };
+    let org_id = page_org(principal, params.org_id.as_deref())?;
     let container_id = path_container
         .as_ref()
         .or(params.container_id.as_ref())
         .map(|value| {
             ContainerId::parse(value).map_err(|error| {
-                ApiError::invalid("invalid_container_id", format!("container_id: {error}"))
+                ApiError::invalid(
+                    ErrorCode::InvalidContainerId,
+                    format!("container_id: {error}"),
+                )
             })
         })
         .transpose()?;
@@ -152,41 +141,14 @@ async fn page(
         .map(|value| {
             EventType::parse(value).ok_or_else(|| {
                 ApiError::invalid(
-                    "invalid_type",
+                    ErrorCode::InvalidType,
                     format!("type: {value:?} is not an event type"),
                 )
             })
         })
         .transpose()?;
-    let after = match &params.after {
-        None => 0,
-        Some(value) => value
-            .parse::<i64>()
-            .ok()
-            .filter(|after| *after >= 0)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "invalid_after",
-                    "after: must be a position, a whole number from 0",
-                )
-            })?,
-    };
-    let limit = match &params.limit {
-        None => PAGE_DEFAULT.min(state.page_events_max),
-        Some(value) => value
-            .parse::<usize>()
-            .ok()
-            .filter(|limit| (1..=state.page_events_max).contains(limit))
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "invalid_limit",
-                    format!(
-                        "limit: must be a whole number from 1 to {}",
-                        state.page_events_max
-                    ),
-                )
-            })?,
-    };
+    let after = page_after(params.after.as_deref())?;
+    let limit = page_limit(params.limit.as_deref(), state.page_events_max)?;
     let filter = Filter {
         org_id: org_id.as_ref().map(OrgId::as_str),
         container_id: container_id.as_ref().map(ContainerId::as_str),
@@ -199,4 +161,61 @@ async fn page(
         .map(|row| serde_json::to_value(row.to_message()).expect("a ledger row serializes"))
         .collect();
     Ok(Json(EventsPage { events, next_after }))
+}
+
+/// The org whose events are read: the `org_id` asked for, which the token must be allowed
+/// to see, else an org-bound token's own org, else every org.
+fn page_org(principal: &Principal, asked: Option<&str>) -> Result<Option<OrgId>, ApiError> {
+    let org_id = asked
+        .map(|value| {
+            OrgId::parse(value).map_err(|error| {
+                ApiError::invalid(ErrorCode::InvalidOrgId, format!("org_id: {error}"))
+            })
+        })
+        .transpose()?;
+    // An org-bound token sees only its org.
+    if let Some(org_id) = &org_id {
+        principal.check_org(org_id.as_str())?;
+    }
+    Ok(match (org_id, &principal.org_id) {
+        (None, Some(bound)) => Some(OrgId::parse(bound).map_err(|error| {
+            ApiError::invalid(ErrorCode::InvalidOrgId, format!("org_id: {error}"))
+        })?),
+        (org_id, _) => org_id,
+    })
+}
+
+/// The position the page starts after: 0 unless given.
+fn page_after(after: Option<&str>) -> Result<i64, ApiError> {
+    match after {
+        None => Ok(0),
+        Some(value) => value
+            .parse::<i64>()
+            .ok()
+            .filter(|after| *after >= 0)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    ErrorCode::InvalidAfter,
+                    "after: must be a position, a whole number from 0",
+                )
+            }),
+    }
+}
+
+/// How many events the page holds: from 1 to `max`, [`PAGE_DEFAULT`] (at most `max`)
+/// unless given.
+fn page_limit(limit: Option<&str>, max: usize) -> Result<usize, ApiError> {
+    match limit {
+        None => Ok(PAGE_DEFAULT.min(max)),
+        Some(value) => value
+            .parse::<usize>()
+            .ok()
+            .filter(|limit| (1..=max).contains(limit))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    ErrorCode::InvalidLimit,
+                    format!("limit: must be a whole number from 1 to {max}"),
+                )
+            }),
+    }
 }

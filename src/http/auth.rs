@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
 use axum::extract::{FromRequestParts, MatchedPath, RawPathParams, Request, State};
+use axum::http::request::Parts;
 use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
@@ -29,6 +30,7 @@ use uuid::Uuid;
 
 use super::error::ApiError;
 use super::AppState;
+use crate::error_code::ErrorCode;
 
 /// What a 429 for a token past its limit asks the client to wait, in seconds: its other
 /// requests are typically done in milliseconds.
@@ -204,7 +206,7 @@ impl Principal {
         match &self.org_id {
             Some(bound) if bound != org_id => Err(ApiError::new(
                 StatusCode::FORBIDDEN,
-                "org_not_allowed",
+                ErrorCode::OrgNotAllowed,
                 format!("this token is bound to org {bound} and may not act on {org_id}"),
             )),
             _ => Ok(()),
@@ -354,7 +356,7 @@ pub async fn require_token(
     let Some(presented) = presented else {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "send Authorization: Bearer <token>",
         ));
     };
@@ -363,22 +365,12 @@ pub async fn require_token(
     // pool connections of the look-ups either.
     let Some(permit) = state.token_limits.try_acquire(digest) else {
         metrics::counter!("tally_http_token_limited_total").increment(1);
-        return Err(ApiError {
-            retry_after_seconds: Some(TOKEN_LIMITED_RETRY_AFTER_SECONDS),
-            ..ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too_many_requests",
-                format!(
-                    "this token has {} requests in progress; retry when one has finished",
-                    state.token_limits.max
-                ),
-            )
-        });
+        return Err(token_limited(state.token_limits.max));
     };
     let Some(principal) = principal(&state.tokens, &state.pool, &digest).await? else {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "the bearer token is not valid",
         ));
     };
@@ -391,50 +383,76 @@ pub async fn require_token(
     if !principal.has(needed) {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
-            "forbidden_scope",
+            ErrorCode::ForbiddenScope,
             format!("this route needs the {} scope", needed.as_str()),
         ));
     }
     let (mut parts, body) = request.into_parts();
-    if let Some(bound) = &principal.org_id {
-        match org_rule(&parts.method, &route) {
-            OrgRule::Global => {
-                return Err(ApiError::new(
-                    StatusCode::FORBIDDEN,
-                    "org_bound_token",
-                    format!(
-                        "this token is bound to org {bound}; {} {route} acts on every org and needs a token bound to none",
-                        parts.method
-                    ),
-                ))
-            }
-            OrgRule::PathOrg => {
-                let params = RawPathParams::from_request_parts(&mut parts, &state)
-                    .await
-                    .map_err(|_| ApiError::invalid("invalid_org_id", "org_id: is not readable"))?;
-                let org_id = params
-                    .iter()
-                    .find_map(|(name, value)| (name == "org_id").then_some(value))
-                    .expect("a path-org route has {org_id} in its path");
-                principal.check_org(org_id)?;
-            }
-            OrgRule::NoOrgData
-            | OrgRule::BodyOrg
-            | OrgRule::OwnedByOrg
-            | OrgRule::FilteredToOrg => {}
-        }
-    }
+    check_org_binding(&principal, &mut parts, &route, &state).await?;
     let mut request = Request::from_parts(parts, body);
     request.extensions_mut().insert(principal);
     let response = next.run(request).await;
-    // The permit is given back when the body has been sent (or dropped), not when the
-    // headers are: a streamed export is in progress until its last row.
-    Ok(response.map(|body| {
+    Ok(held_until_sent(response, permit))
+}
+
+/// 429 for a token with `max` requests in progress.
+fn token_limited(max: usize) -> ApiError {
+    ApiError {
+        retry_after_seconds: Some(TOKEN_LIMITED_RETRY_AFTER_SECONDS),
+        ..ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::TooManyRequests,
+            format!("this token has {max} requests in progress; retry when one has finished"),
+        )
+    }
+}
+
+/// An org-bound token's request: refused on a global route, and on a route whose path
+/// names another org.
+async fn check_org_binding(
+    principal: &Principal,
+    parts: &mut Parts,
+    route: &str,
+    state: &AppState,
+) -> Result<(), ApiError> {
+    let Some(bound) = &principal.org_id else {
+        return Ok(());
+    };
+    match org_rule(&parts.method, route) {
+        OrgRule::Global => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::OrgBoundToken,
+            format!(
+                "this token is bound to org {bound}; {} {route} acts on every org and needs a token bound to none",
+                parts.method
+            ),
+        )),
+        OrgRule::PathOrg => {
+            let params = RawPathParams::from_request_parts(parts, state)
+                .await
+                .map_err(|_| ApiError::invalid(ErrorCode::InvalidOrgId, "org_id: is not readable"))?;
+            let org_id = params
+                .iter()
+                .find_map(|(name, value)| (name == "org_id").then_some(value))
+                .expect("a path-org route has {org_id} in its path");
+            principal.check_org(org_id)
+        }
+        OrgRule::NoOrgData
+        | OrgRule::BodyOrg
+        | OrgRule::OwnedByOrg
+        | OrgRule::FilteredToOrg => Ok(()),
+    }
+}
+
+/// The response, holding the token's permit until its body has been sent (or dropped), not
+/// only its headers: a streamed export is in progress until its last row.
+fn held_until_sent(response: Response, permit: TokenPermit) -> Response {
+    response.map(|body| {
         Body::new(body.map_frame(move |frame| {
             let _held = &permit;
             frame
         }))
-    }))
+    })
 }
 
 #[cfg(test)]

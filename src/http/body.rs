@@ -25,6 +25,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::storable;
 
 /// The body as a JSON object.
@@ -40,7 +41,7 @@ pub async fn json_object(
     if !is_json {
         return Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             "Content-Type must be application/json",
         ));
     }
@@ -48,7 +49,7 @@ pub async fn json_object(
     match parse_strict(&bytes)? {
         Value::Object(fields) => Ok(fields),
         _ => Err(ApiError::invalid(
-            "invalid_body",
+            ErrorCode::InvalidBody,
             "the body must be a JSON object",
         )),
     }
@@ -68,7 +69,7 @@ pub trait RequestBody: DeserializeOwned {
     /// 422 `unknown_field` naming the first.
     fn unknown_fields(unknown: &[&str]) -> ApiError {
         ApiError::invalid(
-            "unknown_field",
+            ErrorCode::UnknownField,
             format!("{}: is not a field of {}", unknown[0], Self::WHAT),
         )
     }
@@ -98,7 +99,7 @@ fn typed<T: RequestBody>(fields: Map<String, Value>) -> Result<T, ApiError> {
     }
     serde_json::from_value(Value::Object(fields)).map_err(|error| {
         ApiError::invalid(
-            "invalid_body",
+            ErrorCode::InvalidBody,
             format!("the body is not {}: {error}", T::WHAT),
         )
     })
@@ -149,7 +150,7 @@ pub(super) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
 /// innermost segment first, so that the happy path builds no paths at all.
 #[derive(Debug)]
 struct Problem {
-    code: &'static str,
+    code: ErrorCode,
     /// Innermost first: `["name", "data", "[0]", "events"]` is `events[0].data.name`.
     path: Vec<String>,
     /// What is wrong, after the path.
@@ -199,7 +200,7 @@ pub fn parse_strict(bytes: &[u8]) -> Result<Value, ApiError> {
         }
         (Err(error), None) => Err(ApiError::new(
             StatusCode::BAD_REQUEST,
-            "malformed_json",
+            ErrorCode::MalformedJson,
             format!("body is not JSON: {error}"),
         )),
     }
@@ -213,7 +214,7 @@ struct Strict<'a> {
 }
 
 impl Strict<'_> {
-    fn refuse<E: de::Error>(self, code: &'static str, segment: &str, what: &'static str) -> E {
+    fn refuse<E: de::Error>(self, code: ErrorCode, segment: &str, what: &'static str) -> E {
         *self.problem.borrow_mut() = Some(Problem {
             code,
             path: vec![segment.to_owned()],
@@ -321,7 +322,7 @@ impl<'de> Visitor<'de> for Strict<'_> {
             }
             if fields.contains_key(&key) {
                 return Err(self.refuse(
-                    "duplicate_field",
+                    ErrorCode::DuplicateField,
                     &key,
                     "is given twice; send each field once",
                 ));
@@ -365,7 +366,7 @@ pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, 
         let frame = frame.map_err(|error| {
             ApiError::new(
                 StatusCode::BAD_REQUEST,
-                "unreadable_body",
+                ErrorCode::UnreadableBody,
                 format!("cannot read the body: {error}"),
             )
         })?;
@@ -386,7 +387,7 @@ pub(crate) async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, 
     if oversized {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+            ErrorCode::BodyTooLarge,
             format!("the body must be at most {limit} bytes"),
         ));
     }
@@ -399,7 +400,7 @@ mod tests {
 
     fn refusal(text: &str) -> (StatusCode, &'static str, String) {
         let error = parse_strict(text.as_bytes()).unwrap_err();
-        (error.status, error.code, error.message)
+        (error.status, error.code.as_str(), error.message)
     }
 
     #[test]
@@ -438,7 +439,10 @@ mod tests {
             let (status, code, message) = refusal(text);
             assert_eq!(
                 (status, code),
-                (StatusCode::UNPROCESSABLE_ENTITY, storable::UNSTORABLE_TEXT),
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    storable::UNSTORABLE_TEXT.as_str()
+                ),
                 "{text}"
             );
             assert!(
@@ -474,7 +478,7 @@ mod tests {
     fn a_field_the_body_type_does_not_have_is_refused_by_name() {
         let error = typed::<Sample>(object(json!({"given": 1, "b": 2, "a": 3}))).unwrap_err();
         assert_eq!(
-            (error.status, error.code, error.message.as_str()),
+            (error.status, error.code.as_str(), error.message.as_str()),
             (
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "unknown_field",
@@ -496,7 +500,7 @@ mod tests {
     fn a_field_of_the_wrong_type_for_serde_is_an_invalid_body() {
         let error = typed::<Sample>(object(json!({"count": "many"}))).unwrap_err();
         assert_eq!(
-            (error.status, error.code),
+            (error.status, error.code.as_str()),
             (StatusCode::UNPROCESSABLE_ENTITY, "invalid_body")
         );
     }

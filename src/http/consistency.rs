@@ -14,6 +14,7 @@ use utoipa::IntoParams;
 
 use super::error::ApiError;
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::ledger::read;
 use crate::projection::query::AtPosition;
 use crate::projection::WaitError;
@@ -43,7 +44,7 @@ pub struct ConsistencyParams {
 impl super::query::QueryParams for ConsistencyParams {
     fn unknown_parameter(name: &str) -> ApiError {
         ApiError::invalid(
-            "unknown_parameter",
+            ErrorCode::UnknownParameter,
             format!("{name}: is not a parameter of this route"),
         )
     }
@@ -78,7 +79,7 @@ impl Consistency {
                 "Tally-Min-Position",
                 value.to_str().map_err(|_| {
                     ApiError::invalid(
-                        "invalid_min_position",
+                        ErrorCode::InvalidMinPosition,
                         "Tally-Min-Position: is not a whole number",
                     )
                 })?,
@@ -87,7 +88,7 @@ impl Consistency {
         let wanted = match (from_query, from_header) {
             (Some(query), Some(header)) if query != header => {
                 return Err(ApiError::invalid(
-                    "invalid_min_position",
+                    ErrorCode::InvalidMinPosition,
                     format!(
                         "min_position {query} and Tally-Min-Position {header} disagree; give one"
                     ),
@@ -100,14 +101,14 @@ impl Consistency {
             Some("eventual") => true,
             Some(other) => {
                 return Err(ApiError::invalid(
-                    "invalid_consistency",
+                    ErrorCode::InvalidConsistency,
                     format!("consistency: {other:?} is not eventual"),
                 ))
             }
         };
         match (eventual, wanted) {
             (true, Some(_)) => Err(ApiError::invalid(
-                "invalid_consistency",
+                ErrorCode::InvalidConsistency,
                 "consistency=eventual does not wait, so it does not go with min_position",
             )),
             (true, None) => Ok(Consistency::Eventual),
@@ -184,7 +185,7 @@ async fn wait(state: &AppState, wanted: i64, within: Duration) -> Result<i64, Ap
 fn lagging(state: &AppState, wanted: i64, checkpoint: i64) -> ApiError {
     metrics::counter!("tally_read_lagging_total").increment(1);
     ApiError::unavailable(
-        "projection_lagging",
+        ErrorCode::ProjectionLagging,
         format!(
             "the projection is at position {checkpoint}, short of {wanted} after {} ms; retry later",
             state.read_wait.as_millis()
@@ -199,7 +200,7 @@ fn min_position(name: &str, value: &str) -> Result<i64, ApiError> {
         .filter(|position| *position >= 0)
         .ok_or_else(|| {
             ApiError::invalid(
-                "invalid_min_position",
+                ErrorCode::InvalidMinPosition,
                 format!("{name}: {value:?} is not a whole number from 0"),
             )
         })
@@ -221,7 +222,7 @@ mod tests {
             headers.insert(MIN_POSITION_HEADER, header.parse().unwrap());
         }
         Consistency::parse(param("min_position"), param("consistency"), &headers)
-            .map_err(|error| error.code)
+            .map_err(|error| error.code.as_str())
     }
 
     #[test]

@@ -10,6 +10,7 @@ use axum::{Extension, Json};
 use chrono::{SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use sqlx::PgPool;
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -20,6 +21,7 @@ use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::events::{EventInput, EventResult};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
 use crate::ledger::plans;
@@ -95,45 +97,12 @@ pub async fn post_void(
         .and_then(|id| EventId::parse(id).ok())
         .ok_or_else(|| {
             ApiError::invalid(
-                "invalid_event_id",
+                ErrorCode::InvalidEventId,
                 "event_id: a hyphenated UUID is required",
             )
         })?;
     let reason = reason(&body.reason)?;
-    let target: Option<(String, String)> =
-        sqlx::query_as("SELECT type, org_id FROM ledger WHERE id = $1")
-            .bind(event_id.as_uuid())
-            .fetch_optional(&state.pool)
-            .await?;
-    let Some((event_type, org_id)) = target else {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "event_not_found",
-            format!("no event {event_id} in the ledger"),
-        ));
-    };
-    let voidable = EventType::parse(&event_type)
-        .is_some_and(|t| t.is_container_event() || event_type.starts_with("org."));
-    if !voidable {
-        return Err(ApiError::invalid(
-            "not_voidable",
-            format!("{event_type} events cannot be voided (plans change by new versions; corrections stand)"),
-        ));
-    }
-    let voided_before: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM ledger WHERE type = 'ledger.event_voided' \
-                        AND data->>'event_id' = $1)",
-    )
-    .bind(event_id.to_string())
-    .fetch_one(&state.pool)
-    .await?;
-    if voided_before {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "already_voided",
-            format!("event {event_id} is already voided"),
-        ));
-    }
+    let org_id = voidable_org(&state.pool, event_id).await?;
     let void = Event {
         id: EventId::from_uuid(Uuid::now_v7()).expect("a v7 UUID is not nil"),
         event_type: EventType::LedgerEventVoided,
@@ -158,6 +127,46 @@ pub async fn post_void(
             voided_event_id: event_id.as_uuid(),
         }),
     ))
+}
+
+/// The org of the event to void: 404 when the ledger has no such event, 422 when its type
+/// cannot be voided, 409 when it is voided already.
+async fn voidable_org(pool: &PgPool, event_id: EventId) -> Result<String, ApiError> {
+    let target: Option<(String, String)> =
+        sqlx::query_as("SELECT type, org_id FROM ledger WHERE id = $1")
+            .bind(event_id.as_uuid())
+            .fetch_optional(pool)
+            .await?;
+    let Some((event_type, org_id)) = target else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::EventNotFound,
+            format!("no event {event_id} in the ledger"),
+        ));
+    };
+    let voidable = EventType::parse(&event_type)
+        .is_some_and(|t| t.is_container_event() || event_type.starts_with("org."));
+    if !voidable {
+        return Err(ApiError::invalid(
+            ErrorCode::NotVoidable,
+            format!("{event_type} events cannot be voided (plans change by new versions; corrections stand)"),
+        ));
+    }
+    let voided_before: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ledger WHERE type = 'ledger.event_voided' \
+                        AND data->>'event_id' = $1)",
+    )
+    .bind(event_id.to_string())
+    .fetch_one(pool)
+    .await?;
+    if voided_before {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::AlreadyVoided,
+            format!("event {event_id} is already voided"),
+        ));
+    }
+    Ok(org_id)
 }
 
 /// The body of added events. Each field is checked by the route, with its own code; the
@@ -226,7 +235,7 @@ pub async fn post_events(
     )?;
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
         return Err(ApiError::invalid(
-            "unknown_plan",
+            ErrorCode::UnknownPlan,
             format!("event {index}: plan {plan:?} is not defined"),
         ));
     }
@@ -266,7 +275,7 @@ fn reason(reason: &Option<Value>) -> Result<String, ApiError> {
         .map(str::to_owned)
         .ok_or_else(|| {
             ApiError::invalid(
-                "invalid_reason",
+                ErrorCode::InvalidReason,
                 format!("reason: 1 to {REASON_MAX} characters are required"),
             )
         })

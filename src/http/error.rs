@@ -10,6 +10,7 @@ use axum::Json;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::error_code::ErrorCode;
 use crate::event::parse::BodyError;
 use crate::ledger::{self, AppendError};
 use crate::{finance, projection};
@@ -17,7 +18,7 @@ use crate::{finance, projection};
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
     pub details: Vec<Value>,
     /// Seconds, for 503s that a client should retry.
@@ -31,15 +32,15 @@ pub struct ErrorBody {
 
 #[derive(Serialize, utoipa::ToSchema)]
 pub struct ErrorContent {
-    /// Stable, snake_case.
-    pub code: String,
+    /// Stable, snake_case; the same list as the `code` of each entry of `details`.
+    pub code: ErrorCode,
     pub message: String,
     /// For batches: `{"index", "code", "message"}` per offending event.
     pub details: Vec<Value>,
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
             code,
@@ -50,7 +51,7 @@ impl ApiError {
     }
 
     /// 422: the request is well formed but breaks a rule.
-    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn invalid(code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
     }
 
@@ -59,7 +60,7 @@ impl ApiError {
         self
     }
 
-    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn unavailable(code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError {
             retry_after_seconds: Some(1),
             ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
@@ -72,7 +73,7 @@ impl ApiError {
         tracing::error!(error = chain, "internal error");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            ErrorCode::Internal,
             "internal error; it has been logged",
         )
     }
@@ -159,31 +160,31 @@ impl From<AppendError> for ApiError {
             AppendError::IdempotencyConflict { index, id } => ApiError {
                 details: vec![json!({
                     "index": index,
-                    "code": "idempotency_conflict",
+                    "code": ErrorCode::IdempotencyConflict,
                     "message": format!("id {id} was stored before with different content"),
                 })],
                 ..ApiError::new(
                     StatusCode::CONFLICT,
-                    "idempotency_conflict",
+                    ErrorCode::IdempotencyConflict,
                     format!(
                         "event {index} reuses id {id} with different content; nothing was stored"
                     ),
                 )
             },
             AppendError::Overloaded => {
-                ApiError::unavailable("overloaded", "the append queue is full; retry later")
+                ApiError::unavailable(ErrorCode::Overloaded, "the append queue is full; retry later")
             }
             AppendError::Stopped => {
-                ApiError::unavailable("shutting_down", "the service is stopping; retry later")
+                ApiError::unavailable(ErrorCode::ShuttingDown, "the service is stopping; retry later")
             }
             // The caller's own content, refused by Postgres after every other request of its
             // group commit was stored: a 422, never a 5xx.
             AppendError::Unstorable { sqlstate, reason } => ApiError::invalid(
-                "unstorable_event",
+                ErrorCode::UnstorableEvent,
                 format!("the ledger cannot store this request's content: {reason}; nothing was stored"),
             )
             .with_details(vec![json!({
-                "code": "unstorable_event",
+                "code": ErrorCode::UnstorableEvent,
                 "message": format!("postgres refused the content with sqlstate {sqlstate}: {reason}"),
             })]),
             AppendError::Store(error) => ApiError::from_store(&error),
@@ -196,7 +197,7 @@ impl ApiError {
         if is_unavailable(error) {
             tracing::warn!(error = %error, "database unavailable");
             ApiError::unavailable(
-                "database_unavailable",
+                ErrorCode::DatabaseUnavailable,
                 "the database is unavailable; retry later",
             )
         } else {

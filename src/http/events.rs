@@ -13,6 +13,7 @@ use uuid::Uuid;
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::parse::{parse_body, BodyKind};
 use crate::event::TimeBounds;
 use crate::ledger::{legacy_ids, plans};
@@ -85,7 +86,7 @@ pub async fn post_events(
         .ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
+                ErrorCode::UnsupportedMediaType,
                 "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json",
             )
         })?;
@@ -95,29 +96,29 @@ pub async fn post_events(
         backdate_max: state.backdate_max,
     };
     let mut events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {
-        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code())
+        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code().as_str())
             .increment(1);
     })?;
     for event in &events {
         principal.check_org(event.org_id.as_str())?;
     }
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
-        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => "unknown_plan")
+        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => ErrorCode::UnknownPlan.as_str())
             .increment(1);
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "unknown_plan",
+            ErrorCode::UnknownPlan,
             format!("event {index} moves its org to plan {plan:?}, which is not defined; nothing was stored"),
         )
         .with_details(vec![serde_json::json!({
             "index": index,
-            "code": "unknown_plan",
+            "code": ErrorCode::UnknownPlan,
             "message": format!("data.plan: {plan:?} is not defined (PUT /v1/plans/{plan} first)"),
         })]));
     }
     legacy_ids::adopt(&state.pool, &mut events).await?;
     let appended = state.appender.append(events).await.inspect_err(|e| {
-        let code = if e.is_retryable() { "unavailable" } else { e.code() };
+        let code = if e.is_retryable() { "unavailable" } else { e.code().as_str() };
         metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => code)
             .increment(1);
     })?;

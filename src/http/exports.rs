@@ -18,6 +18,7 @@ use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 use super::query::{QueryParams, StrictQuery};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::finance::export::{self, Part};
 use crate::finance::periods::{CloseError, CloseJob, JobStatus, Start};
 use crate::finance::pricing::USAGE_CSV_HEADER;
@@ -133,7 +134,7 @@ pub async fn post_close(
     Path(period): Path<String>,
 ) -> Result<Response, ApiError> {
     let period = Period::parse(&period)
-        .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
+        .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))?;
     // The job starts after the wait, so its snapshot (which reads the checkpoint with the
     // rows) is at or past this request's head.
     Consistency::Head.settle(&state).await?;
@@ -170,7 +171,7 @@ fn close_error(error: CloseError) -> ApiError {
     match error {
         CloseError::Running(period, until) => ApiError::new(
             StatusCode::CONFLICT,
-            "period_running",
+            ErrorCode::PeriodRunning,
             format!(
                 "period {period} runs until {}",
                 crate::event::canonical::timestamp(until)
@@ -178,11 +179,11 @@ fn close_error(error: CloseError) -> ApiError {
         ),
         CloseError::AlreadyClosed(period) => ApiError::new(
             StatusCode::CONFLICT,
-            "period_closed",
+            ErrorCode::PeriodClosed,
             format!("period {period} is already closed"),
         ),
         CloseError::Starting(period) => ApiError::unavailable(
-            "close_starting",
+            ErrorCode::CloseStarting,
             format!("a close of period {period} is starting; retry"),
         ),
         CloseError::Store(error) => ApiError::from(error),
@@ -211,12 +212,12 @@ pub async fn get_close(
     Path(period): Path<String>,
 ) -> Result<Json<CloseJobResponse>, ApiError> {
     let period = Period::parse(&period)
-        .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
+        .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))?;
     match crate::finance::periods::job(&state.pool, period).await? {
         Some(job) => Ok(Json(job.into())),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            "close_not_found",
+            ErrorCode::CloseNotFound,
             format!("no close of period {period} was asked for"),
         )),
     }
@@ -244,12 +245,12 @@ pub async fn get_period(
     Path(period): Path<String>,
 ) -> Result<Json<PeriodResponse>, ApiError> {
     let period = Period::parse(&period)
-        .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))?;
+        .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))?;
     match crate::finance::periods::get(&state.pool, period).await? {
         Some(closed) => Ok(Json(closed.into())),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            "period_not_closed",
+            ErrorCode::PeriodNotClosed,
             format!("period {period} is not closed"),
         )),
     }
@@ -276,7 +277,7 @@ pub struct ExportParams {
 impl QueryParams for ExportParams {
     fn unknown_parameter(name: &str) -> ApiError {
         ApiError::invalid(
-            "unknown_parameter",
+            ErrorCode::UnknownParameter,
             format!("{name}: is not a parameter of this export"),
         )
     }
@@ -312,24 +313,8 @@ pub async fn get_usage_export(
     headers: HeaderMap,
     StrictQuery(params): StrictQuery<ExportParams>,
 ) -> Result<Response, ApiError> {
-    let period = params
-        .period
-        .as_ref()
-        .ok_or_else(|| ApiError::invalid("invalid_period", "period is required: YYYY-MM"))
-        .and_then(|period| {
-            Period::parse(period)
-                .map_err(|error| ApiError::invalid("invalid_period", error.to_string()))
-        })?;
-    let json_format = match params.format.as_deref() {
-        None | Some("csv") => false,
-        Some("json") => true,
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "invalid_format",
-                format!("format: {other:?} is not csv or json"),
-            ))
-        }
-    };
+    let period = export_period(params.period.as_deref())?;
+    let json_format = wants_json(params.format.as_deref())?;
     Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),
@@ -356,52 +341,14 @@ pub async fn get_usage_export(
             format!("{USAGE_CSV_HEADER}\n")
         }))
     });
-    // Whether a row or an adjustment has been written yet, for JSON's separators.
-    let mut rows_written = false;
-    let mut adjustments_written = false;
+    let mut writer = ExportWriter {
+        json: json_format,
+        rows_written: false,
+        adjustments_written: false,
+    };
     // `None` after the last part: the place to close the JSON.
     let parts = parts.map(Some).chain(futures::stream::once(async { None }));
-    let body = parts.map(move |part| {
-        let mut text = String::new();
-        match part {
-            None if json_format && !adjustments_written => text.push_str("],\"adjustments\":[]}"),
-            None if json_format => text.push_str("]}"),
-            None => {}
-            Some(Ok(Part::Rows(rows))) => {
-                for row in rows {
-                    if json_format {
-                        text.push_str(if rows_written { "," } else { "" });
-                        text.push_str(&row.json().to_string());
-                    } else {
-                        text.push_str(&row.csv());
-                    }
-                    rows_written = true;
-                }
-            }
-            // Adjustments of closed periods whose next open period is this one, after
-            // the rows.
-            Some(Ok(Part::Adjustments(adjustments))) => {
-                for adjustment in adjustments {
-                    if json_format {
-                        text.push_str(if adjustments_written {
-                            ","
-                        } else {
-                            "],\"adjustments\":["
-                        });
-                        text.push_str(&adjustment.json().to_string());
-                    } else {
-                        text.push_str(&adjustment.delta.csv());
-                    }
-                    adjustments_written = true;
-                }
-            }
-            Some(Err(error)) => {
-                tracing::error!(error = format!("{error:#}"), "usage export failed midway");
-                return Err(std::io::Error::other(error.to_string()));
-            }
-        }
-        Ok(Bytes::from(text))
-    });
+    let body = parts.map(move |part| writer.write(part));
     let content_type = if json_format {
         "application/json"
     } else {
@@ -412,4 +359,83 @@ pub async fn get_usage_export(
         .header(POSITION_HEADER, position)
         .body(Body::from_stream(head.chain(body)))
         .map_err(|error| ApiError::internal(&error))
+}
+
+/// The export's `period`, required: `YYYY-MM`.
+fn export_period(period: Option<&str>) -> Result<Period, ApiError> {
+    let period = period.ok_or_else(|| {
+        ApiError::invalid(ErrorCode::InvalidPeriod, "period is required: YYYY-MM")
+    })?;
+    Period::parse(period)
+        .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))
+}
+
+/// Whether `format` asks for JSON rather than CSV (the default).
+fn wants_json(format: Option<&str>) -> Result<bool, ApiError> {
+    match format {
+        None | Some("csv") => Ok(false),
+        Some("json") => Ok(true),
+        Some(other) => Err(ApiError::invalid(
+            ErrorCode::InvalidFormat,
+            format!("format: {other:?} is not csv or json"),
+        )),
+    }
+}
+
+/// Writes a usage export's parts as CSV lines or as the members of one JSON object.
+struct ExportWriter {
+    json: bool,
+    /// Whether a row or an adjustment has been written yet, for JSON's separators.
+    rows_written: bool,
+    adjustments_written: bool,
+}
+
+impl ExportWriter {
+    /// The text of one part; `None` is the end, where the JSON closes.
+    fn write<E: std::fmt::Display>(
+        &mut self,
+        part: Option<Result<Part, E>>,
+    ) -> Result<Bytes, std::io::Error> {
+        let mut text = String::new();
+        match part {
+            None if self.json && !self.adjustments_written => {
+                text.push_str("],\"adjustments\":[]}")
+            }
+            None if self.json => text.push_str("]}"),
+            None => {}
+            Some(Ok(Part::Rows(rows))) => {
+                for row in rows {
+                    if self.json {
+                        text.push_str(if self.rows_written { "," } else { "" });
+                        text.push_str(&row.json().to_string());
+                    } else {
+                        text.push_str(&row.csv());
+                    }
+                    self.rows_written = true;
+                }
+            }
+            // Adjustments of closed periods whose next open period is this one, after
+            // the rows.
+            Some(Ok(Part::Adjustments(adjustments))) => {
+                for adjustment in adjustments {
+                    if self.json {
+                        text.push_str(if self.adjustments_written {
+                            ","
+                        } else {
+                            "],\"adjustments\":["
+                        });
+                        text.push_str(&adjustment.json().to_string());
+                    } else {
+                        text.push_str(&adjustment.delta.csv());
+                    }
+                    self.adjustments_written = true;
+                }
+            }
+            Some(Err(error)) => {
+                tracing::error!(error = format!("{error:#}"), "usage export failed midway");
+                return Err(std::io::Error::other(error.to_string()));
+            }
+        }
+        Ok(Bytes::from(text))
+    }
 }

@@ -19,6 +19,7 @@ use utoipa_axum::routes;
 use super::error::{ApiError, ErrorBody};
 use super::query::{QueryParams, StrictQuery};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::ledger::verify::{self, VerifyReport};
 
 /// Verify passes in progress at once on one instance: one pass already uses a whole core
@@ -50,7 +51,7 @@ impl QueryParams for VerifyParams {
     fn unknown_parameter(name: &str) -> ApiError {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "unknown_parameter",
+            ErrorCode::UnknownParameter,
             format!("{name}: is not a parameter of verify"),
         )
     }
@@ -82,7 +83,7 @@ pub async fn get_verify(
         Some(other) => {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_full",
+                ErrorCode::InvalidFull,
                 format!("full: {other:?} is not true or false"),
             ))
         }
@@ -93,7 +94,7 @@ pub async fn get_verify(
         Some(other) => {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_stream",
+                ErrorCode::InvalidStream,
                 format!("stream: {other:?} is not true or false"),
             ))
         }
@@ -104,7 +105,7 @@ pub async fn get_verify(
             retry_after_seconds: Some(VERIFY_RETRY_AFTER_SECONDS),
             ..ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "verify_in_progress",
+                ErrorCode::VerifyInProgress,
                 "a verify pass is already running on this instance; retry later",
             )
         });
@@ -152,7 +153,7 @@ fn stream_error(error: crate::bus::check::Error) -> ApiError {
         "cannot compare the ledger stream"
     );
     ApiError::unavailable(
-        "stream_unavailable",
+        ErrorCode::StreamUnavailable,
         "cannot read the TALLY_LEDGER stream; try again",
     )
 }

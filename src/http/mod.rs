@@ -36,6 +36,7 @@ use tower::ServiceBuilder;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
+use crate::error_code::ErrorCode;
 use crate::ledger::Appender;
 use error::ApiError;
 
@@ -145,13 +146,13 @@ pub fn app(state: AppState) -> Router {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+    ApiError::new(StatusCode::NOT_FOUND, ErrorCode::NotFound, "no such route")
 }
 
 async fn method_not_allowed() -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
+        ErrorCode::MethodNotAllowed,
         "this route does not take that method",
     )
 }
@@ -161,9 +162,12 @@ async fn method_not_allowed() -> ApiError {
 async fn refused(error: BoxError) -> impl IntoResponse {
     if error.is::<tower::load_shed::error::Overloaded>() {
         metrics::counter!("tally_http_shed_total").increment(1);
-        ApiError::unavailable("overloaded", "too many requests in progress; retry later")
+        ApiError::unavailable(
+            ErrorCode::Overloaded,
+            "too many requests in progress; retry later",
+        )
     } else if error.is::<tower::timeout::error::Elapsed>() {
-        ApiError::unavailable("timeout", "the request took too long; retry later")
+        ApiError::unavailable(ErrorCode::Timeout, "the request took too long; retry later")
     } else {
         ApiError::internal(&*error)
     }

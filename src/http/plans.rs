@@ -18,6 +18,7 @@ use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::billing::Plan;
+use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::event::{Event, EventData, EventError, EventId, EventType, OrgId, PlanId};
 use crate::ledger::plans::{self, PlanVersion};
@@ -106,7 +107,12 @@ impl RequestBody for PlanDefinition {
     fn unknown_fields(unknown: &[&str]) -> ApiError {
         let problems: Vec<EventError> = unknown
             .iter()
-            .map(|name| EventError::new("unknown_field", format!("{name}: is not a plan field")))
+            .map(|name| {
+                EventError::new(
+                    ErrorCode::UnknownField,
+                    format!("{name}: is not a plan field"),
+                )
+            })
             .collect();
         invalid_plan(&problems)
     }
@@ -125,7 +131,7 @@ impl FromRequestParts<AppState> for PlanIdPath {
         PlanId::parse(&plan_id).map(PlanIdPath).map_err(|error| {
             ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_plan_id",
+                ErrorCode::InvalidPlanId,
                 error.to_string(),
             )
             .into_response()
@@ -137,7 +143,7 @@ impl FromRequestParts<AppState> for PlanIdPath {
 fn invalid_plan(problems: &[EventError]) -> ApiError {
     ApiError::new(
         StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_plan",
+        ErrorCode::InvalidPlan,
         format!(
             "{} problem(s) with the plan; nothing was stored",
             problems.len()

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use super::body::field_names;
 use super::error::ApiError;
+use crate::error_code::ErrorCode;
 
 /// The query parameters of a route, as a `T`.
 #[derive(Debug)]
@@ -50,7 +51,7 @@ fn typed<T: QueryParams>(params: HashMap<String, String>) -> Result<T, ApiError>
         .collect();
     serde_json::from_value(Value::Object(params)).map_err(|error| {
         ApiError::invalid(
-            "invalid_parameter",
+            ErrorCode::InvalidParameter,
             format!("the query does not fit the route: {error}"),
         )
     })
@@ -71,7 +72,10 @@ mod tests {
 
     impl QueryParams for Sample {
         fn unknown_parameter(name: &str) -> ApiError {
-            ApiError::invalid("unknown_parameter", format!("{name}: is not a filter"))
+            ApiError::invalid(
+                ErrorCode::UnknownParameter,
+                format!("{name}: is not a filter"),
+            )
         }
     }
 
@@ -93,7 +97,7 @@ mod tests {
     fn a_parameter_the_route_does_not_know_is_refused_in_its_words() {
         let error = typed::<Sample>(query(&[("after", "1"), ("colour", "red")])).unwrap_err();
         assert_eq!(
-            (error.status, error.code, error.message.as_str()),
+            (error.status, error.code.as_str(), error.message.as_str()),
             (
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "unknown_parameter",

@@ -27,6 +27,7 @@ use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
+use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::finance::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
 
@@ -110,7 +111,9 @@ pub async fn post_reconciliation(
         .as_ref()
         .and_then(Value::as_str)
         .and_then(|id| Uuid::try_parse(id).ok())
-        .ok_or_else(|| ApiError::invalid("invalid_report_id", "report_id: a UUID is required"))?;
+        .ok_or_else(|| {
+            ApiError::invalid(ErrorCode::InvalidReportId, "report_id: a UUID is required")
+        })?;
     let mut tolerance = Tolerance::default();
     if let Some(value) = &body.tolerance_ms {
         tolerance.min_ms = value
@@ -119,7 +122,7 @@ pub async fn post_reconciliation(
             .and_then(|ms| i64::try_from(ms).ok())
             .ok_or_else(|| {
                 ApiError::invalid(
-                    "invalid_tolerance",
+                    ErrorCode::InvalidTolerance,
                     format!("tolerance_ms: a whole number from 0 to {TOLERANCE_MS_MAX}"),
                 )
             })?;
@@ -136,7 +139,7 @@ pub async fn post_reconciliation(
             .filter(|ratio| *ratio >= Decimal::ZERO && *ratio <= Decimal::ONE)
             .ok_or_else(|| {
                 ApiError::invalid(
-                    "invalid_tolerance",
+                    ErrorCode::InvalidTolerance,
                     "tolerance_ratio: a decimal from 0 to 1",
                 )
             })?;
@@ -148,7 +151,7 @@ pub async fn post_reconciliation(
         .map_err(|error| match error {
             ReconcileError::UnknownReport(id) => ApiError::new(
                 StatusCode::NOT_FOUND,
-                "report_not_found",
+                ErrorCode::ReportNotFound,
                 format!("no report {id}"),
             ),
             ReconcileError::Store(error) => ApiError::from(error),
@@ -176,7 +179,7 @@ pub struct LinesParams {
 impl QueryParams for LinesParams {
     fn unknown_parameter(name: &str) -> ApiError {
         ApiError::invalid(
-            "unknown_parameter",
+            ErrorCode::UnknownParameter,
             format!("{name}: is not a parameter of this export"),
         )
     }
@@ -265,34 +268,14 @@ pub async fn get_lines(
     Path(reconciliation_id): Path<String>,
     StrictQuery(params): StrictQuery<LinesParams>,
 ) -> Result<Response, ApiError> {
-    let json_format = match params.format.as_deref() {
-        None | Some("csv") => false,
-        Some("json") => true,
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "invalid_format",
-                format!("format: {other:?} is not csv or json"),
-            ))
-        }
-    };
+    let json_format = wants_json(params.format.as_deref())?;
     let id = Uuid::try_parse(&reconciliation_id).map_err(|_| {
         ApiError::invalid(
-            "invalid_reconciliation_id",
+            ErrorCode::InvalidReconciliationId,
             "reconciliation_id: must be a UUID",
         )
     })?;
-    let position: i64 =
-        sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&state.pool)
-            .await?
-            .ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    "reconciliation_not_found",
-                    format!("no reconciliation {id}"),
-                )
-            })?;
+    let position = reconciliation_position(&state.pool, id).await?;
     let pool = state.pool.clone();
     // A token bound to one org reads only the lines of that org.
     let bound = principal.org_id.clone();
@@ -311,29 +294,8 @@ pub async fn get_lines(
                 }
             };
             let last = rows.last().map_or(after, |row| row.seq);
-            let mut text = String::new();
-            if written == 0 {
-                if json_format {
-                    text.push_str(&format!("{{\"position\":{position},\"lines\":["));
-                } else {
-                    text.push_str(LINES_CSV_HEADER);
-                    text.push('\n');
-                }
-            }
-            for (index, row) in rows.iter().enumerate() {
-                if json_format {
-                    if written + index as u64 > 0 {
-                        text.push(',');
-                    }
-                    text.push_str(&row.json().to_string());
-                } else {
-                    text.push_str(&row.csv());
-                }
-            }
             let finished = (rows.len() as i64) < EXPORT_CHUNK_LINES;
-            if finished && json_format {
-                text.push_str("]}");
-            }
+            let text = lines_text(&rows, json_format, position, written, finished);
             Some((
                 Ok(Bytes::from(text)),
                 (last, written + rows.len() as u64, finished),
@@ -350,6 +312,67 @@ pub async fn get_lines(
         .header(POSITION_HEADER, position)
         .body(Body::from_stream(chunks))
         .map_err(|error| ApiError::internal(&error))
+}
+
+/// Whether `format` asks for JSON rather than CSV (the default).
+fn wants_json(format: Option<&str>) -> Result<bool, ApiError> {
+    match format {
+        None | Some("csv") => Ok(false),
+        Some("json") => Ok(true),
+        Some(other) => Err(ApiError::invalid(
+            ErrorCode::InvalidFormat,
+            format!("format: {other:?} is not csv or json"),
+        )),
+    }
+}
+
+/// The ledger position a stored reconciliation reflected; 404 when there is none.
+async fn reconciliation_position(pool: &PgPool, id: Uuid) -> Result<i64, ApiError> {
+    sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
+        .bind(id)
+        .fetch_optional(pool)
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                ErrorCode::ReconciliationNotFound,
+                format!("no reconciliation {id}"),
+            )
+        })
+}
+
+/// One chunk of lines as text: the header (or the JSON opening) before the first chunk,
+/// the JSON closing after the last; `written` lines came before this chunk.
+fn lines_text(
+    rows: &[LineRow],
+    json_format: bool,
+    position: i64,
+    written: u64,
+    finished: bool,
+) -> String {
+    let mut text = String::new();
+    if written == 0 {
+        if json_format {
+            text.push_str(&format!("{{\"position\":{position},\"lines\":["));
+        } else {
+            text.push_str(LINES_CSV_HEADER);
+            text.push('\n');
+        }
+    }
+    for (index, row) in rows.iter().enumerate() {
+        if json_format {
+            if written + index as u64 > 0 {
+                text.push(',');
+            }
+            text.push_str(&row.json().to_string());
+        } else {
+            text.push_str(&row.csv());
+        }
+    }
+    if finished && json_format {
+        text.push_str("]}");
+    }
+    text
 }
 
 /// A chunk of lines after `after`; only `org_id`'s when given.

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::finance::reports::{self, ImportError, Imported, StoredReport};
 
@@ -76,7 +77,7 @@ pub async fn post_report(
     if !is_csv {
         return Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             "Content-Type must be text/csv",
         ));
     }
@@ -109,12 +110,12 @@ pub fn import_error(error: ImportError) -> ApiError {
         })]),
         ImportError::TooLarge(max) => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "report_too_large",
+            ErrorCode::ReportTooLarge,
             format!("the report is larger than {max} bytes; nothing was stored"),
         ),
         ImportError::Read(message) => ApiError::new(
             StatusCode::BAD_REQUEST,
-            "unreadable_body",
+            ErrorCode::UnreadableBody,
             format!("the report could not be read: {message}"),
         ),
         ImportError::Store(error) => ApiError::from(error),

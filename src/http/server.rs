@@ -43,6 +43,7 @@ use tower::ServiceExt as _;
 
 use super::error::ApiError;
 use crate::config::Config;
+use crate::error_code::ErrorCode;
 
 /// The longest request target (path and query) served, in bytes. Every route's path is
 /// a few ids of at most 64 characters and its query a few short parameters, well under
@@ -237,7 +238,7 @@ fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
     if target.len() > URI_MAX_BYTES {
         return Some(ApiError::new(
             StatusCode::URI_TOO_LONG,
-            "uri_too_long",
+            ErrorCode::UriTooLong,
             format!("the request target is longer than {URI_MAX_BYTES} bytes"),
         ));
     }
@@ -245,7 +246,7 @@ fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
     repeated_parameter(query).map(|name| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "duplicate_query_parameter",
+            ErrorCode::DuplicateQueryParameter,
             format!("{name}: is given more than once"),
         )
     })
@@ -267,7 +268,7 @@ fn repeated_parameter(query: &str) -> Option<String> {
 fn body_timeout(body_read_timeout: Duration) -> axum::response::Response {
     let mut response = ApiError::new(
         StatusCode::REQUEST_TIMEOUT,
-        "body_timeout",
+        ErrorCode::BodyTimeout,
         format!(
             "the request body sent nothing for {} ms; send it without pauses",
             body_read_timeout.as_millis()
@@ -285,7 +286,7 @@ fn body_timeout(body_read_timeout: Duration) -> axum::response::Response {
 /// because the connection is never handed to hyper.
 fn refusal_bytes() -> Vec<u8> {
     let body = serde_json::json!({"error": {
-        "code": "too_many_connections",
+        "code": ErrorCode::TooManyConnections,
         "message": "too many connections are open; retry later",
         "details": [],
     }})
@@ -302,7 +303,7 @@ fn refusal_bytes() -> Vec<u8> {
 /// [`TimedIo`] before hyper has a whole line to parse.
 fn uri_too_long_bytes() -> Vec<u8> {
     let body = serde_json::json!({"error": {
-        "code": "uri_too_long",
+        "code": ErrorCode::UriTooLong,
         "message": format!("the request target is longer than {URI_MAX_BYTES} bytes"),
         "details": [],
     }})

@@ -19,6 +19,7 @@ use super::auth::{Principal, Scope};
 use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::OrgId;
 
 /// Random bytes in a secret: 256 bits.
@@ -82,43 +83,11 @@ pub async fn post_token(
     Extension(principal): Extension<Principal>,
     StrictJson(body): StrictJson<TokenRequest>,
 ) -> Result<(StatusCode, Json<TokenCreated>), ApiError> {
-    let mut scopes: Vec<Scope> = body
-        .scopes
-        .as_ref()
-        .and_then(Value::as_array)
-        .filter(|scopes| !scopes.is_empty())
-        .ok_or_else(|| ApiError::invalid("invalid_scopes", "scopes: a non-empty list is required"))?
-        .iter()
-        .map(|scope| {
-            scope.as_str().and_then(Scope::parse).ok_or_else(|| {
-                ApiError::invalid(
-                    "invalid_scopes",
-                    format!(
-                        "scopes: {scope} is not one of {}",
-                        Scope::ALL.map(Scope::as_str).join(", ")
-                    ),
-                )
-            })
-        })
-        .collect::<Result<_, _>>()?;
-    scopes.sort_unstable();
-    scopes.dedup();
-    let org_id = match &body.org_id {
-        None | Some(Value::Null) => None,
-        Some(Value::String(org)) => Some(
-            OrgId::parse(org)
-                .map_err(|error| ApiError::invalid("invalid_org_id", format!("org_id: {error}")))?,
-        ),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "invalid_org_id",
-                "org_id: must be a string",
-            ))
-        }
-    };
+    let scopes = token_scopes(body.scopes.as_ref())?;
+    let org_id = token_org(body.org_id.as_ref())?;
     if org_id.is_some() && scopes.contains(&Scope::Admin) {
         return Err(ApiError::invalid(
-            "invalid_scopes",
+            ErrorCode::InvalidScopes,
             "an org-bound token cannot be admin: admin acts on every org",
         ));
     }
@@ -152,6 +121,49 @@ pub async fn post_token(
     ))
 }
 
+/// The token's scopes: a non-empty list of scope names, sorted, each once.
+fn token_scopes(scopes: Option<&Value>) -> Result<Vec<Scope>, ApiError> {
+    let mut scopes: Vec<Scope> = scopes
+        .and_then(Value::as_array)
+        .filter(|scopes| !scopes.is_empty())
+        .ok_or_else(|| {
+            ApiError::invalid(
+                ErrorCode::InvalidScopes,
+                "scopes: a non-empty list is required",
+            )
+        })?
+        .iter()
+        .map(|scope| {
+            scope.as_str().and_then(Scope::parse).ok_or_else(|| {
+                ApiError::invalid(
+                    ErrorCode::InvalidScopes,
+                    format!(
+                        "scopes: {scope} is not one of {}",
+                        Scope::ALL.map(Scope::as_str).join(", ")
+                    ),
+                )
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    scopes.sort_unstable();
+    scopes.dedup();
+    Ok(scopes)
+}
+
+/// The org a token is bound to: none when `org_id` is absent or null.
+fn token_org(org_id: Option<&Value>) -> Result<Option<OrgId>, ApiError> {
+    match org_id {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(org)) => OrgId::parse(org).map(Some).map_err(|error| {
+            ApiError::invalid(ErrorCode::InvalidOrgId, format!("org_id: {error}"))
+        }),
+        Some(_) => Err(ApiError::invalid(
+            ErrorCode::InvalidOrgId,
+            "org_id: must be a string",
+        )),
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct TokenRevoked {
     id: Uuid,
@@ -180,7 +192,7 @@ pub async fn delete_token(
     Path(token_id): Path<String>,
 ) -> Result<Json<TokenRevoked>, ApiError> {
     let id = Uuid::try_parse(&token_id)
-        .map_err(|_| ApiError::invalid("invalid_token_id", "token_id: must be a UUID"))?;
+        .map_err(|_| ApiError::invalid(ErrorCode::InvalidTokenId, "token_id: must be a UUID"))?;
     let found: Option<bool> = sqlx::query_scalar(
         "UPDATE api_token SET revoked_at = COALESCE(revoked_at, now()), \
                               revoked_by = COALESCE(revoked_by, $2) \
@@ -194,7 +206,7 @@ pub async fn delete_token(
         Some(_) => Ok(Json(TokenRevoked { id, revoked: true })),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            "token_not_found",
+            ErrorCode::TokenNotFound,
             format!("no token {id}"),
         )),
     }

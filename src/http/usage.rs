@@ -15,12 +15,13 @@ use super::consistency::{Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
 use super::query::{QueryParams, StrictQuery};
 use super::AppState;
+use crate::error_code::ErrorCode;
 use crate::event::{canonical, storable};
 use crate::event::{ContainerId, OrgId};
 use crate::projection::model::ANOMALIES_KEPT_MAX;
 use crate::projection::query::{self, AtPosition, ContainerFound};
-use crate::projection::store::AnomalyCursor;
-use crate::runtime::{ContainerState, Period, Window};
+use crate::projection::store::{AnomalyCursor, StoredContainer};
+use crate::runtime::{Anomaly, ContainerState, Period, Window};
 use axum::Extension;
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
@@ -95,7 +96,7 @@ pub async fn get_usage(
     headers: HeaderMap,
     StrictQuery(params): StrictQuery<UsageParams>,
 ) -> Result<Json<UsageResponse>, ApiError> {
-    let org_id = OrgId::parse(&org_id).map_err(|error| invalid("invalid_org_id", error))?;
+    let org_id = OrgId::parse(&org_id).map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?;
     principal.check_org(org_id.as_str())?;
     let consistency = Consistency::parse(
         params.min_position.as_deref(),
@@ -105,9 +106,9 @@ pub async fn get_usage(
     let period = params
         .period
         .as_deref()
-        .ok_or_else(|| invalid("invalid_period", "period is required: YYYY-MM"))
+        .ok_or_else(|| invalid(ErrorCode::InvalidPeriod, "period is required: YYYY-MM"))
         .and_then(|period| {
-            Period::parse(period).map_err(|error| invalid("invalid_period", error))
+            Period::parse(period).map_err(|error| invalid(ErrorCode::InvalidPeriod, error))
         })?;
     let as_of = as_of(params.as_of.as_deref())?;
     let AtPosition {
@@ -234,24 +235,8 @@ pub async fn get_container(
     StrictQuery(params): StrictQuery<ContainerParams>,
 ) -> Result<Json<ContainerResponse>, ApiError> {
     let container_id = ContainerId::parse(&container_id)
-        .map_err(|error| invalid("invalid_container_id", error))?;
-    let org_id = params
-        .org_id
-        .as_deref()
-        .map(OrgId::parse)
-        .transpose()
-        .map_err(|error| invalid("invalid_org_id", error))?;
-    // An org-bound token sees only its org's container of that id.
-    let org_id = match (org_id, &principal.org_id) {
-        (Some(org_id), _) => {
-            principal.check_org(org_id.as_str())?;
-            Some(org_id)
-        }
-        (None, Some(bound)) => {
-            Some(OrgId::parse(bound).map_err(|error| invalid("invalid_org_id", error))?)
-        }
-        (None, None) => None,
-    };
+        .map_err(|error| invalid(ErrorCode::InvalidContainerId, error))?;
+    let org_id = container_org(&principal, params.org_id.as_deref())?;
     let consistency = Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),
@@ -269,7 +254,7 @@ pub async fn get_container(
         position,
         figures:
             ContainerFound {
-                containers: mut found,
+                containers: found,
                 mut anomalies,
             },
     } = consistency
@@ -288,32 +273,77 @@ pub async fn get_container(
         let last = anomalies.last().expect("a full page");
         format_cursor(AnomalyCursor::of(last))
     });
-    let stored = match found.len() {
-        0 => {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "container_not_found",
-                format!("no events for container {container_id}"),
-            ))
+    let stored = only_container(found, &container_id)?;
+    Ok(Json(container_response(
+        position,
+        &container_id,
+        stored,
+        as_of,
+        &anomalies,
+        anomalies_next_after,
+    )))
+}
+
+/// The org whose container of that id is read: the `org_id` asked for, which the token
+/// must be allowed to see, else an org-bound token's own org, else any.
+fn container_org(principal: &Principal, asked: Option<&str>) -> Result<Option<OrgId>, ApiError> {
+    let org_id = asked
+        .map(OrgId::parse)
+        .transpose()
+        .map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?;
+    // An org-bound token sees only its org's container of that id.
+    Ok(match (org_id, &principal.org_id) {
+        (Some(org_id), _) => {
+            principal.check_org(org_id.as_str())?;
+            Some(org_id)
         }
-        1 => found.remove(0),
+        (None, Some(bound)) => {
+            Some(OrgId::parse(bound).map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?)
+        }
+        (None, None) => None,
+    })
+}
+
+/// The one container found: 404 when no org used the id, 409 when several did.
+fn only_container(
+    mut found: Vec<StoredContainer>,
+    container_id: &ContainerId,
+) -> Result<StoredContainer, ApiError> {
+    match found.len() {
+        0 => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::ContainerNotFound,
+            format!("no events for container {container_id}"),
+        )),
+        1 => Ok(found.remove(0)),
         _ => {
             let orgs: Vec<&str> = found.iter().map(|stored| stored.org_id.as_str()).collect();
-            return Err(ApiError::new(
+            Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "ambiguous_container",
+                ErrorCode::AmbiguousContainer,
                 format!(
                     "orgs {} have each used container id {container_id}; pass org_id",
                     orgs.join(", ")
                 ),
-            ));
+            ))
         }
-    };
+    }
+}
+
+/// The answer for one container, with its page of anomalies.
+fn container_response(
+    position: i64,
+    container_id: &ContainerId,
+    stored: StoredContainer,
+    as_of: DateTime<Utc>,
+    anomalies: &[Anomaly],
+    anomalies_next_after: Option<String>,
+) -> ContainerResponse {
     let lifecycle = &stored.lifecycle;
     let runtime_ms = lifecycle.intervals().first().map_or(0, |first| {
         lifecycle.runtime_ms(Window::new(first.start(), first.start().max(as_of)).until(as_of))
     });
-    Ok(Json(ContainerResponse {
+    ContainerResponse {
         position,
         container_id: container_id.as_str().to_owned(),
         org_id: stored.org_id,
@@ -341,7 +371,7 @@ pub async fn get_container(
         anomalies_total: lifecycle.anomalies_total(),
         anomalies_kept: lifecycle.anomalies_total().min(ANOMALIES_KEPT_MAX),
         anomalies_next_after,
-    }))
+    }
 }
 
 /// A cursor is `<occurred_at in epoch ms>_<ledger position>` of the last anomaly of a page:
@@ -363,7 +393,7 @@ fn parse_cursor(value: &str) -> Result<AnomalyCursor, ApiError> {
     });
     parsed.ok_or_else(|| {
         invalid(
-            "invalid_anomalies_after",
+            ErrorCode::InvalidAnomaliesAfter,
             format!("anomalies_after {value:?} is not a cursor this api gave"),
         )
     })
@@ -379,7 +409,7 @@ fn anomalies_limit(value: Option<&str>) -> Result<usize, ApiError> {
         .filter(|limit| (1..=ANOMALIES_PAGE_MAX).contains(limit))
         .ok_or_else(|| {
             invalid(
-                "invalid_anomalies_limit",
+                ErrorCode::InvalidAnomaliesLimit,
                 format!("anomalies_limit {value:?} is not a whole number from 1 to {ANOMALIES_PAGE_MAX}"),
             )
         })
@@ -393,17 +423,22 @@ fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
     };
     storable::parse_instant(value)
         .map(|instant| instant.trunc_subsecs(3))
-        .map_err(|error| invalid(error.code_or("invalid_as_of"), format!("as_of: {error}")))
+        .map_err(|error| {
+            invalid(
+                error.code_or(ErrorCode::InvalidAsOf),
+                format!("as_of: {error}"),
+            )
+        })
 }
 
 /// The refusal of a query parameter the route does not know.
 fn unknown_parameter(name: &str) -> ApiError {
     ApiError::invalid(
-        "unknown_parameter",
+        ErrorCode::UnknownParameter,
         format!("{name}: is not a parameter of this route"),
     )
 }
 
-fn invalid(code: &'static str, error: impl ToString) -> ApiError {
+fn invalid(code: ErrorCode, error: impl ToString) -> ApiError {
     ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string())
 }

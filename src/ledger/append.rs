@@ -49,6 +49,7 @@ use uuid::Uuid;
 
 use super::read::{self, Head, LedgerRow};
 use super::rows::Rows;
+use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::event::{Event, EventId, EventType, OrgId};
 
@@ -100,14 +101,14 @@ impl AppendError {
         }
     }
 
-    /// A stable snake_case code, as HTTP answers and dead letters carry it.
-    pub fn code(&self) -> &'static str {
+    /// The code HTTP answers and dead letters carry.
+    pub fn code(&self) -> ErrorCode {
         match self {
-            AppendError::IdempotencyConflict { .. } => "idempotency_conflict",
-            AppendError::Overloaded => "overloaded",
-            AppendError::Stopped => "shutting_down",
-            AppendError::Unstorable { .. } => "unstorable_event",
-            AppendError::Store(_) => "unavailable",
+            AppendError::IdempotencyConflict { .. } => ErrorCode::IdempotencyConflict,
+            AppendError::Overloaded => ErrorCode::Overloaded,
+            AppendError::Stopped => ErrorCode::ShuttingDown,
+            AppendError::Unstorable { .. } => ErrorCode::UnstorableEvent,
+            AppendError::Store(_) => ErrorCode::DatabaseUnavailable,
         }
     }
 }

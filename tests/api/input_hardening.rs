@@ -787,7 +787,7 @@ fn every_accepted_event_reads_back_from_postgres_as_the_bytes_hashed_at_ingest()
                     "{body} was accepted: {parsed:?}"
                 )));
             };
-            let code = errors[0].error.code;
+            let code = errors[0].error.code.as_str();
             prop_assert!(
                 code == "leap_second" || code == "unstorable_text",
                 "{body}: {code}"

@@ -43,6 +43,51 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     app.stop().await;
 }
 
+/// The schema a property points at: itself, or the component its `$ref` (bare or as the
+/// one member of `allOf`/`oneOf`) names.
+fn resolved<'a>(
+    document: &'a serde_json::Value,
+    schema: &'a serde_json::Value,
+) -> &'a serde_json::Value {
+    let reference = schema["$ref"]
+        .as_str()
+        .or_else(|| schema["allOf"][0]["$ref"].as_str())
+        .or_else(|| schema["oneOf"][0]["$ref"].as_str());
+    match reference {
+        Some(reference) => {
+            let name = reference
+                .strip_prefix("#/components/schemas/")
+                .expect("a component reference");
+            &document["components"]["schemas"][name]
+        }
+        None => schema,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_enumerates_exactly_the_error_codes_of_the_enum() {
+    let app = TestApp::spawn().await;
+    let openapi = app.without_token().get("/openapi.json").await.json();
+    let code = resolved(
+        &openapi,
+        &openapi["components"]["schemas"]["ErrorContent"]["properties"]["code"],
+    );
+    let mut listed: Vec<&str> = code["enum"]
+        .as_array()
+        .unwrap_or_else(|| panic!("ErrorContent.code is not an enumeration: {code}"))
+        .iter()
+        .map(|value| value.as_str().expect("a code is a string"))
+        .collect();
+    listed.sort_unstable();
+    let mut codes: Vec<&str> = tally::error_code::ErrorCode::ALL
+        .iter()
+        .map(|code| code.as_str())
+        .collect();
+    codes.sort_unstable();
+    assert_eq!(listed, codes);
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_fails_when_nats_is_down_while_ingest_keeps_working_and_the_relay_catches_up_after(
 ) {
