@@ -1339,7 +1339,7 @@ fn acknowledged_nothing() -> (tokio::sync::watch::Sender<i64>, Freshness) {
 }
 
 /// `checker` from 64 tasks for its throughput, then one at a time for its latency next to
-/// a plan-versions statement alone and a bare checkpoint read, on the service's pool.
+/// a plan-versions statement alone and a bare checkpoint read, on `pool`.
 async fn measure_checker(
     service: &Served,
     pool: &sqlx::PgPool,

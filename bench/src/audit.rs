@@ -835,7 +835,7 @@ async fn measure_verify(
     });
     let full_line = Line {
         figure: Figure::new(
-            "verify, full pass",
+            "tally verify, full pass",
             usize::try_from(full.events_checked)?,
             full_elapsed,
         )

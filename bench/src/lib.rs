@@ -3,10 +3,10 @@
 //! of its own, so that none of the load generator is compiled into the `tally` binary.
 //!
 //! It uses the configured Postgres and NATS, in a scratch database (`tally_bench_<hex>`)
-//! and a NATS namespace (`bench<hex>`) of its own. The ingest part starts the real `tally
-//! serve` binary as a child process (see `child`) and reads its CPU time and peak memory
-//! from `/proc`; the other parts run the service in-process (HTTP, group-commit appender,
-//! relay, ingest consumer). Both are removed at the end, also when a step fails or the run
+//! and a NATS namespace (`bench<hex>`) of its own. Every part starts the real `tally serve`
+//! binary as a child process (see `child`) and reads its CPU time and peak memory from
+//! `/proc`; `tally migrate`, `tally replay`, `tally verify` and `tally reports import` run
+//! as child processes too. Both are removed at the end, also when a step fails or the run
 //! is interrupted.
 //!
 //! Flow: generate every event and check it with the service's own parser, serialize every

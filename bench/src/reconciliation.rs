@@ -806,7 +806,10 @@ async fn prepare_and_measure(
         .with_note(format!(
             "to tally serve, a child process; every line against the projection, then the \
              containers the report leaves out; {} lines stored; matched provider cost {} USD",
-            stored_lines, summary.totals["by_status"]["matched"]["provider_cost"]
+            stored_lines,
+            summary.totals["by_status"]["matched"]["provider_cost"]
+                .as_str()
+                .unwrap_or("?")
         )),
         target: format!(
             "≤ {TARGET_RECONCILE_SECONDS:.0} s: {}",
@@ -944,7 +947,12 @@ async fn parse_alone(path: PathBuf, lines: usize) -> anyhow::Result<Line> {
     })
     .await??;
     Ok(Line {
-        figure: Figure::new("the same parse alone (no database)", lines, elapsed).with_note(
+        figure: Figure::new(
+            "the same parse alone (library in the bench, no database)",
+            lines,
+            elapsed,
+        )
+        .with_note(
             "csv records, Header::line and sha256 on one thread: the parser's share of import"
                 .to_owned(),
         ),
