@@ -1522,9 +1522,10 @@ async fn measure_waits(
             "from Postgres, waiting for the bench's acknowledged appends",
             &waited,
             format!(
-                "as the service checks; one at a time, in turn with the line below, over \
-                 {:.1} s; {streamed} command events posted meanwhile; max {:.2} ms; load \
-                 average {}",
+                "as a check on another instance waits (it neither hurries the child's \
+                 projector nor is woken by its rounds, so it sees them through the checkpoint \
+                 row); one at a time, in turn with the line below, over {:.1} s; {streamed} \
+                 command events posted meanwhile; max {:.2} ms; load average {}",
                 elapsed.as_secs_f64(),
                 max_ms(&waited),
                 load_average()
