@@ -4,16 +4,18 @@
 //! It runs after the projection part, in a scratch database and NATS namespace of its own,
 //! which it removes at the end, also when a step fails or the run is interrupted.
 //!
-//! Flow: start the service in-process → define two plans with sandboxes (`PUT /v1/plans`)
+//! Flow: start `tally serve` as a child process → define two plans with sandboxes (`PUT /v1/plans`)
 //! and post a population over HTTP: orgs that are verified, billing eligible and on a plan,
 //! each with containers of which some run, some of them at their concurrency limit, some
 //! past a denying allowance → wait until the projection holds it all → checks from 64
 //! keep-alive connections as fast as they are answered, every answer compared with what the
 //! population says → checks paced at half that rate → the same again while events arrive
-//! → `GET /healthz` from 64 connections, the floor → `admission::check` without HTTP,
-//! from facts kept in memory and from Postgres, and statements apart → `GET /healthz`
-//! paced as the checks were → `admission::check` from Postgres while events arrive, in turn
-//! waiting for this instance's appends and waiting for nothing → the table.
+//! → `GET /healthz` from 64 connections, the floor → the library's `admission::check` in
+//! the bench's own process, without HTTP (on purpose: what a check costs apart from serving
+//! it), from facts kept in memory and from Postgres, and statements apart → `GET /healthz`
+//! paced as the checks were → the library's `admission::check` from Postgres while events
+//! arrive through the child, in turn waiting for the events the bench was acknowledged and
+//! waiting for nothing → the table.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,7 +33,7 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::{
-    load_average, max_ms, measured_then_cleaned, percentile_ms, print_lines, verdict,
+    ledger_head, load_average, max_ms, measured_then_cleaned, percentile_ms, print_lines, verdict,
     wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
     IMAGES, PORTS, STOP_REASONS,
 };
@@ -45,7 +47,8 @@ use tally::ledger::append::Acknowledged;
 use tally::ledger::plans;
 use tally::projection::store::{self, LIVE};
 use tally::projection::Freshness;
-use tally::startup::Service;
+
+use crate::child::{self, Served};
 
 /// Checks in the throughput phase: ten seconds at the target rate.
 const CHECKS: usize = 100_000;
@@ -124,6 +127,7 @@ pub struct AdmissionArgs {
 /// Measures admission and prints its table. `config` is the service configuration of the
 /// ingest part: only its server addresses and credentials are used.
 pub(super) async fn run(
+    binary: &std::path::Path,
     mut config: Config,
     args: &AdmissionArgs,
     nats: &jetstream::Context,
@@ -151,8 +155,12 @@ pub(super) async fn run(
         scratch.database_name, scratch.namespace
     );
 
-    let report =
-        measured_then_cleaned(&scratch, nats, start_and_measure(&config, args, &scratch)).await?;
+    let report = measured_then_cleaned(
+        &scratch,
+        nats,
+        start_and_measure(binary, &config, args, &scratch),
+    )
+    .await?;
     report.print(args, &shown_database_url, &scratch);
     eprintln!(
         "bench: removed database {} and the {} streams",
@@ -168,18 +176,26 @@ pub(super) async fn run(
 /// Starts the service, measures, and stops the service whatever happened, so that nothing
 /// of it outlives the run and recreates a stream after clean-up.
 async fn start_and_measure(
+    binary: &std::path::Path,
     config: &Config,
     args: &AdmissionArgs,
     scratch: &Scratch,
 ) -> anyhow::Result<Report> {
-    let service = Service::start(config.clone()).await?;
+    let service = Served::start(binary, config).await?;
+    // The library's checkers get a pool of the size the service's has.
+    let library_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(config.db_pool_max)
+        .connect_lazy(&config.database_url)?;
     let outcome = tokio::select! {
-        outcome = measure(&service, args, scratch) => outcome,
+        outcome = measure(&service, &library_pool, args, scratch) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
+    library_pool.close().await;
     eprintln!("bench: admission: stopping the service");
-    service.stop().await;
-    outcome
+    let usage = service.stop().await;
+    let mut report = outcome?;
+    report.service = Some(usage?);
+    Ok(report)
 }
 
 /// What an org is, by construction.
@@ -519,7 +535,7 @@ struct Answered {
 /// the previous one is answered; paced, request `index` is due `index / rate` after the
 /// start, whichever client is free takes it, and its latency is also taken from when it
 /// was due (open loop: a late send counts against the service, not hidden).
-async fn send_all(service: &Service, token: &str, load: Load<'_>) -> anyhow::Result<Answered> {
+async fn send_all(service: &Served, token: &str, load: Load<'_>) -> anyhow::Result<Answered> {
     let Load {
         target,
         bodies,
@@ -533,7 +549,7 @@ async fn send_all(service: &Service, token: &str, load: Load<'_>) -> anyhow::Res
     // Connections are opened before the clock starts.
     let mut connections = Vec::with_capacity(clients);
     for _ in 0..clients {
-        connections.push(HttpConnection::open(service.local_addr, "/healthz", token).await?);
+        connections.push(HttpConnection::open(service.address, "/healthz", token).await?);
     }
     let started = Instant::now();
     let pacer = rate_per_second.map(|rate| Pacer::start(started, rate, count, clients));
@@ -662,16 +678,19 @@ impl Drop for Pacer {
     }
 }
 
-/// CPU time so far: this process's (the service and the load clients) and the machine's.
+/// CPU time so far, in seconds: the `tally serve` child's, this process's (the load
+/// clients, and the library where a line calls it here) and the machine's.
 #[derive(Debug, Clone, Copy)]
 struct CpuTime {
-    process_ticks: u64,
-    busy_ticks: u64,
+    service: f64,
+    bench: f64,
+    busy: f64,
 }
 
 impl CpuTime {
     /// `None` where `/proc` does not tell.
-    fn now() -> Option<CpuTime> {
+    fn now(service: &Served) -> Option<CpuTime> {
+        let service = service.usage().ok()?.cpu.as_secs_f64();
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
         // Fields after the command name, which may hold spaces: state is field 3, utime 14.
         let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
@@ -689,30 +708,34 @@ impl CpuTime {
         let total: u64 = ticks.iter().take(8).sum();
         let idle = ticks.get(3)? + ticks.get(4)?;
         Some(CpuTime {
-            process_ticks,
-            busy_ticks: total - idle,
+            service,
+            bench: process_ticks as f64 / CLOCK_TICKS_PER_SECOND,
+            busy: (total - idle) as f64 / CLOCK_TICKS_PER_SECOND,
         })
     }
 
-    /// "tally N cores, the rest M cores" over `elapsed`.
+    /// "tally serve N cores, the bench M cores, the rest K cores" over `elapsed`.
     fn describe(before: Option<CpuTime>, after: Option<CpuTime>, elapsed: Duration) -> String {
         let (Some(before), Some(after)) = (before, after) else {
             return "CPU use unknown".to_owned();
         };
-        let cores = |ticks: u64| ticks as f64 / CLOCK_TICKS_PER_SECOND / elapsed.as_secs_f64();
-        let process = after.process_ticks - before.process_ticks;
-        let busy = after.busy_ticks - before.busy_ticks;
+        let cores = |seconds: f64| seconds / elapsed.as_secs_f64();
+        let service = after.service - before.service;
+        let bench = after.bench - before.bench;
+        let busy = after.busy - before.busy;
         format!(
-            "CPU: tally process (service + clients) {:.2} cores, everything else (Postgres, \
+            "CPU: tally serve {:.2} cores, the bench {:.2} cores, everything else (Postgres, \
              NATS, other work) {:.2} cores",
-            cores(process),
-            cores(busy.saturating_sub(process))
+            cores(service),
+            cores(bench),
+            cores((busy - service - bench).max(0.0))
         )
     }
 }
 
 async fn measure(
-    service: &Service,
+    service: &Served,
+    library_pool: &sqlx::PgPool,
     args: &AdmissionArgs,
     scratch: &Scratch,
 ) -> anyhow::Result<Report> {
@@ -722,7 +745,7 @@ async fn measure(
     // The population.
     let started = Instant::now();
     let population = Population::generate(args.admission_orgs, Utc::now());
-    let mut connection = HttpConnection::open(service.local_addr, "/healthz", token).await?;
+    let mut connection = HttpConnection::open(service.address, "/healthz", token).await?;
     for (plan, included_seconds) in [
         (TEAM_PLAN, TEAM_INCLUDED_SECONDS),
         (TRIAL_PLAN, TRIAL_INCLUDED_SECONDS),
@@ -737,14 +760,14 @@ async fn measure(
             .await?;
     }
     let endpoint = Endpoint {
-        address: service.local_addr,
+        address: service.address,
         url: "/v1/events".to_owned(),
         token: token.to_owned(),
     };
     endpoint
         .post_all(&population.bodies, POPULATION_CLIENTS)
         .await?;
-    let head = *service.appender.head().borrow();
+    let head = ledger_head(&service.pool).await?;
     wait_for_projection(&service.pool, head).await?;
     // A live database's autovacuum has analyzed its tables; freshly filled ones have no
     // statistics, and the planner would guess.
@@ -788,8 +811,8 @@ async fn measure(
         "bench: admission: {} checks from {CLIENTS} clients",
         args.admission_checks
     );
-    let cpu_before = CpuTime::now();
-    let facts_before = service.checker.cache().stats();
+    let cpu_before = CpuTime::now(service);
+    let facts_before = ServedFacts::of(service).await?;
     let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
     let answered = send_all(
         service,
@@ -801,8 +824,8 @@ async fn measure(
     )
     .await?;
     let phase_end_ms = Utc::now().timestamp_millis() + 1;
-    let cpu = CpuTime::describe(cpu_before, CpuTime::now(), answered.elapsed);
-    let facts = facts_in_memory(facts_before, service.checker.cache().stats());
+    let cpu = CpuTime::describe(cpu_before, CpuTime::now(service), answered.elapsed);
+    let facts = ServedFacts::of(service).await?.since(facts_before);
     let load = load_average();
     let verified = verify_answers(
         &probes,
@@ -849,15 +872,12 @@ async fn measure(
             "latency from send",
         )
     };
-    let facts_before = service.checker.cache().stats();
+    let facts_before = ServedFacts::of(service).await?;
     let figure = paced_checks(format!(
         "checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"
     ))
     .await?
-    .with_note(facts_in_memory(
-        facts_before,
-        service.checker.cache().stats(),
-    ));
+    .with_note(ServedFacts::of(service).await?.since(facts_before));
     let p99_met = figure
         .latency_ms
         .is_some_and(|(_, p99)| p99 <= TARGET_PACED_P99_MS);
@@ -871,8 +891,8 @@ async fn measure(
         "bench: admission: the paced checks again, while {STREAM_EVENTS_PER_SECOND} events/s arrive"
     );
     let stop = tokio_util::sync::CancellationToken::new();
-    let facts_before = service.checker.cache().stats();
-    let head_before = *service.appender.head().borrow();
+    let facts_before = ServedFacts::of(service).await?;
+    let head_before = ledger_head(&service.pool).await?;
     let paced_run = async {
         let figure = paced_checks(format!(
             "checks paced at {rate:.0}/s while {STREAM_EVENTS_PER_SECOND} events/s arrive"
@@ -883,15 +903,12 @@ async fn measure(
     };
     let (figure, streamed) = tokio::join!(
         paced_run,
-        stream_commands(service, token, &population, &stop)
+        stream_commands(service, token, &population, None, &stop)
     );
     let streamed = streamed?;
     let during_ingest = Line {
         figure: figure?
-            .with_note(facts_in_memory(
-                facts_before,
-                service.checker.cache().stats(),
-            ))
+            .with_note(ServedFacts::of(service).await?.since(facts_before))
             .with_note(format!(
                 "{streamed} command events posted meanwhile in batches of {STREAM_BATCH_EVENTS}, \
                  each of a running container of a random org"
@@ -900,7 +917,7 @@ async fn measure(
     };
     checks.push(Check {
         description: format!("the {streamed} events posted during the paced checks were appended"),
-        passed: *service.appender.head().borrow() - head_before == i64::try_from(streamed)?,
+        passed: ledger_head(&service.pool).await? - head_before == i64::try_from(streamed)?,
     });
 
     // The floor: the same clients and connections, no admission.
@@ -916,7 +933,7 @@ async fn measure(
         "bench: admission: {} GET /healthz from {CLIENTS} clients",
         args.admission_checks
     );
-    let cpu_before = CpuTime::now();
+    let cpu_before = CpuTime::now(service);
     let floor = send_all(
         service,
         token,
@@ -931,12 +948,16 @@ async fn measure(
         )
         .with_latencies(&floor.latencies)
         .with_note("the floor: HTTP, routing, the clients".to_owned())
-        .with_note(CpuTime::describe(cpu_before, CpuTime::now(), floor.elapsed))
+        .with_note(CpuTime::describe(
+            cpu_before,
+            CpuTime::now(service),
+            floor.elapsed,
+        ))
         .with_note(format!("load average {}", load_average())),
         target: "-".to_owned(),
     };
 
-    let direct = measure_direct(service, &probes).await?;
+    let direct = measure_direct(service, library_pool, &probes).await?;
     let again = sample_checks(&mut connection, &population).await?;
     checks.push(Check {
         description: format!(
@@ -959,27 +980,39 @@ async fn measure(
         target: "-".to_owned(),
     };
 
-    let waits = measure_waits(service, token, &population, &probes, &mut checks).await?;
+    let waits = measure_waits(
+        service,
+        library_pool,
+        token,
+        &population,
+        &probes,
+        &mut checks,
+    )
+    .await?;
 
     let mut lines = vec![throughput, paced, during_ingest, floor, paced_floor];
     lines.extend(direct);
     lines.extend(waits);
-    Ok(Report { lines, checks })
+    Ok(Report {
+        lines,
+        checks,
+        service: None,
+    })
 }
 
 /// Sends a paced load and describes it: latencies from the send, and in the notes (after
 /// `note`) from when each request was due, the CPU used and the load average.
 async fn measure_paced(
-    service: &Service,
+    service: &Served,
     token: &str,
     load: Load<'_>,
     label: String,
     note: &str,
 ) -> anyhow::Result<Figure> {
     let count = load.count;
-    let cpu_before = CpuTime::now();
+    let cpu_before = CpuTime::now(service);
     let sent = send_all(service, token, load).await?;
-    let cpu = CpuTime::describe(cpu_before, CpuTime::now(), sent.elapsed);
+    let cpu = CpuTime::describe(cpu_before, CpuTime::now(service), sent.elapsed);
     Ok(Figure::new(label, count, sent.elapsed)
         .with_latencies(&sent.latencies)
         .with_note(format!(
@@ -1150,11 +1183,13 @@ fn verify_answers(
 
 /// Posts `container.command_ran` events of running containers of random orgs, dated now,
 /// at [`STREAM_EVENTS_PER_SECOND`] on a connection of its own until `stop`; returns how
-/// many were acknowledged.
+/// many were acknowledged. Each acknowledged event's org and position go into
+/// `acknowledged` when given, as the service records its own.
 async fn stream_commands(
-    service: &Service,
+    service: &Served,
     token: &str,
     population: &Population,
+    acknowledged: Option<&Mutex<Acknowledged>>,
     stop: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<usize> {
     let running: Vec<(usize, usize)> = population
@@ -1164,7 +1199,7 @@ async fn stream_commands(
         .flat_map(|(org, entry)| (0..entry.running as usize).map(move |index| (org, index)))
         .collect();
     anyhow::ensure!(!running.is_empty(), "the population runs containers");
-    let mut connection = HttpConnection::open(service.local_addr, "/v1/events", token).await?;
+    let mut connection = HttpConnection::open(service.address, "/v1/events", token).await?;
     let period =
         Duration::from_secs(1) * STREAM_BATCH_EVENTS as u32 / STREAM_EVENTS_PER_SECOND as u32;
     let mut tick = tokio::time::interval(period);
@@ -1175,12 +1210,14 @@ async fn stream_commands(
             _ = stop.cancelled() => return Ok(posted),
             _ = tick.tick() => {}
         }
+        let mut orgs = Vec::with_capacity(STREAM_BATCH_EVENTS);
         let body = {
             let mut rng = rand::rng();
             let now = canonical::timestamp(Utc::now());
             let events: Vec<serde_json::Value> = (0..STREAM_BATCH_EVENTS)
                 .map(|_| {
                     let (org, index) = *running.choose(&mut rng).expect("not empty");
+                    orgs.push(org_id(org));
                     json!({"id": Uuid::now_v7(), "type": "container.command_ran",
                            "org_id": org_id(org), "container_id": container_id(org, index),
                            "occurred_at": now,
@@ -1190,8 +1227,66 @@ async fn stream_commands(
                 .collect();
             Bytes::from(json!({ "events": events }).to_string())
         };
-        connection.post(&body).await?;
+        let answer = connection.post_answered(&body).await?;
+        if let Some(acknowledged) = acknowledged {
+            let answer: EventsAnswer =
+                serde_json::from_slice(&answer).context("the events answer does not parse")?;
+            anyhow::ensure!(answer.results.len() == orgs.len(), "one result per event");
+            let mut record = acknowledged.lock().expect("never held across a panic");
+            for (org, result) in orgs.iter().zip(&answer.results) {
+                record.record(org, result.position, false);
+            }
+        }
         posted += STREAM_BATCH_EVENTS;
+    }
+}
+
+/// `POST /v1/events`'s answer, reduced to the positions.
+#[derive(Deserialize)]
+struct EventsAnswer {
+    results: Vec<EventPosition>,
+}
+
+#[derive(Deserialize)]
+struct EventPosition {
+    position: i64,
+}
+
+/// The child's count of admission checks by where their facts came from
+/// (`tally_admission_check_facts_total`), read from its `/metrics`.
+#[derive(Debug, Clone, Copy, Default)]
+struct ServedFacts {
+    memory: f64,
+    all: f64,
+}
+
+impl ServedFacts {
+    async fn of(service: &Served) -> anyhow::Result<ServedFacts> {
+        let text = service.metrics().await?;
+        let mut facts = ServedFacts::default();
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("tally_admission_check_facts_total{") else {
+                continue;
+            };
+            let Some((labels, value)) = rest.split_once('}') else {
+                continue;
+            };
+            let count: f64 = value.trim().parse().unwrap_or(0.0);
+            facts.all += count;
+            if labels.contains("source=\"memory\"") {
+                facts.memory += count;
+            }
+        }
+        Ok(facts)
+    }
+
+    /// Which of the checks since `before` were answered from facts kept in memory.
+    fn since(self, before: ServedFacts) -> String {
+        let (hits, all) = (self.memory - before.memory, self.all - before.all);
+        format!(
+            "facts from memory for {:.1} % ({hits:.0} of {all:.0})",
+            hits * 100.0 / all.max(1.0)
+        )
     }
 }
 
@@ -1205,25 +1300,49 @@ fn facts_in_memory(before: CacheStats, after: CacheStats) -> String {
     )
 }
 
-/// `admission::check` called directly, without HTTP: by the service's checker, which keeps
-/// facts in memory, then by one on the same pool that does not (its cache never listens),
-/// so that every check reads Postgres as it would after a change.
-async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<Vec<Line>> {
+/// The library's `admission::check` called in the bench's own process, without HTTP: by a
+/// checker that keeps facts in memory (its cache listens for changes, as the service's
+/// does), then by one on the same pool that does not (its cache never listens), so that
+/// every check reads Postgres as it would after a change. Neither waits: the bench's own
+/// record of acknowledged events is empty.
+async fn measure_direct(
+    service: &Served,
+    pool: &sqlx::PgPool,
+    probes: &[Probe],
+) -> anyhow::Result<Vec<Line>> {
     let mut lines = Vec::with_capacity(4);
-    let postgres_only = Checker::new(service.pool.clone(), service.freshness.clone());
+    let (_head, freshness) = acknowledged_nothing();
+    let in_memory = Checker::new(pool.clone(), freshness.clone());
+    let stop_listening = tokio_util::sync::CancellationToken::new();
+    let _listener = crate::AbortOnDrop(tokio::spawn(tally::admission::cache::listen(
+        pool.clone(),
+        in_memory.cache().clone(),
+        stop_listening.clone(),
+    )));
+    let postgres_only = Checker::new(pool.clone(), freshness);
     for (checker, facts) in [
-        (&service.checker, "facts kept in memory"),
+        (&in_memory, "facts kept in memory"),
         (&postgres_only, "facts read from Postgres"),
     ] {
-        lines.extend(measure_checker(service, checker, facts, probes).await?);
+        lines.extend(measure_checker(service, pool, checker, facts, probes).await?);
     }
+    stop_listening.cancel();
     Ok(lines)
 }
 
+/// A record of acknowledged events that holds none, and the head it watches (kept so that
+/// the watch stays open).
+fn acknowledged_nothing() -> (tokio::sync::watch::Sender<i64>, Freshness) {
+    let (head, watched) = tokio::sync::watch::channel(0);
+    let freshness = Freshness::new(watched, Arc::new(Mutex::new(Acknowledged::default())));
+    (head, freshness)
+}
+
 /// `checker` from 64 tasks for its throughput, then one at a time for its latency next to
-/// a plan-versions statement alone and a bare checkpoint read, on the service's pool.
+/// a plan-versions statement alone and a bare checkpoint read, on `pool`.
 async fn measure_checker(
-    service: &Service,
+    service: &Served,
+    pool: &sqlx::PgPool,
     checker: &Checker,
     facts: &str,
     probes: &[Probe],
@@ -1240,7 +1359,7 @@ async fn measure_checker(
     );
     let facts_before = checker.cache().stats();
     let next = Arc::new(AtomicUsize::new(0));
-    let cpu_before = CpuTime::now();
+    let cpu_before = CpuTime::now(service);
     let started = Instant::now();
     let mut tasks = JoinSet::new();
     for _ in 0..CLIENTS {
@@ -1259,16 +1378,20 @@ async fn measure_checker(
     let elapsed = started.elapsed();
     let concurrent = Line {
         figure: Figure::new(
-            format!("admission::check, {facts}, {CLIENTS} tasks (no HTTP)"),
+            format!("admission::check, {facts}, {CLIENTS} tasks (library in the bench, no HTTP)"),
             count,
             elapsed,
         )
         .with_note(format!(
             "pool of {} connections",
-            service.pool.options().get_max_connections()
+            pool.options().get_max_connections()
         ))
         .with_note(facts_in_memory(facts_before, checker.cache().stats()))
-        .with_note(CpuTime::describe(cpu_before, CpuTime::now(), elapsed))
+        .with_note(CpuTime::describe(
+            cpu_before,
+            CpuTime::now(service),
+            elapsed,
+        ))
         .with_note(format!("load average {}", load_average())),
         target: "-".to_owned(),
     };
@@ -1282,18 +1405,18 @@ async fn measure_checker(
         checker.check(request).await?;
         check_latencies.push(sent.elapsed());
         let sent = Instant::now();
-        let mut connection = service.pool.acquire().await?;
+        let mut connection = pool.acquire().await?;
         store::checkpoint(&mut connection, LIVE).await?;
         drop(connection);
         fresh_latencies.push(sent.elapsed());
         let sent = Instant::now();
-        plans::versions(&service.pool, &plan).await?;
+        plans::versions(pool, &plan).await?;
         versions_latencies.push(sent.elapsed());
     }
     let p50 = |latencies: &[Duration]| percentile_ms(latencies, 0.50);
     let sequential = Line {
         figure: Figure::new(
-            format!("admission::check, {facts}, one at a time (no HTTP)"),
+            format!("admission::check, {facts}, one at a time (library in the bench, no HTTP)"),
             check_latencies.len(),
             check_latencies.iter().sum(),
         )
@@ -1310,25 +1433,29 @@ async fn measure_checker(
 }
 
 /// What read-your-writes costs a check while events arrive: admission has no
-/// `consistency=eventual`, so the comparison is between two checkers on the service's pool
-/// that both read Postgres for every check (neither keeps facts): one waits, as the
-/// service's does, until the projection holds every event this instance acknowledged for
-/// the check's org; the other is given an empty record of acknowledged events, as on an
-/// instance that appended none of them, so it never waits. They answer the same probes in
-/// turn, one at a time, while [`stream_commands`] posts events through the service.
+/// `consistency=eventual`, so the comparison is between two of the library's checkers in the
+/// bench's process that both read Postgres for every check (neither keeps facts): one
+/// waits, as the service's does, until the projection holds every event the bench was
+/// acknowledged for the check's org (it sees the child's projector through the checkpoint
+/// row, as a second instance would); the other is given an empty record of acknowledged
+/// events, so it never waits. They answer the same probes in turn, one at a time, while
+/// [`stream_commands`] posts events through the child.
 async fn measure_waits(
-    service: &Service,
+    service: &Served,
+    pool: &sqlx::PgPool,
     token: &str,
     population: &Population,
     probes: &[Probe],
     checks: &mut Vec<Check>,
 ) -> anyhow::Result<[Line; 2]> {
-    let waiting = Checker::new(service.pool.clone(), service.freshness.clone());
-    let appended_nothing = Freshness::new(
-        service.appender.head(),
-        Arc::new(Mutex::new(Acknowledged::default())),
+    let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
+    let (_head, watched) = tokio::sync::watch::channel(0);
+    let waiting = Checker::new(
+        pool.clone(),
+        Freshness::new(watched, Arc::clone(&acknowledged)),
     );
-    let not_waiting = Checker::new(service.pool.clone(), appended_nothing);
+    let (_nothing_head, appended_nothing) = acknowledged_nothing();
+    let not_waiting = Checker::new(pool.clone(), appended_nothing);
     let requests: Vec<Request> = probes
         .iter()
         .take(DIRECT_REQUESTS)
@@ -1340,7 +1467,7 @@ async fn measure_waits(
         requests.len()
     );
     let stop = tokio_util::sync::CancellationToken::new();
-    let head_before = *service.appender.head().borrow();
+    let head_before = ledger_head(&service.pool).await?;
     let started = Instant::now();
     let alternate = async {
         let timed = async {
@@ -1362,7 +1489,7 @@ async fn measure_waits(
     };
     let (timed, streamed) = tokio::join!(
         alternate,
-        stream_commands(service, token, population, &stop)
+        stream_commands(service, token, population, Some(&acknowledged), &stop)
     );
     let elapsed = started.elapsed();
     let (waited, not_waited) = timed?;
@@ -1371,7 +1498,7 @@ async fn measure_waits(
         description: format!(
             "the {streamed} events posted during the checks from Postgres were appended"
         ),
-        passed: *service.appender.head().borrow() - head_before == i64::try_from(streamed)?,
+        passed: ledger_head(&service.pool).await? - head_before == i64::try_from(streamed)?,
     });
     let ratio = |fraction: f64| {
         percentile_ms(&waited, fraction) / percentile_ms(&not_waited, fraction).max(f64::EPSILON)
@@ -1381,7 +1508,7 @@ async fn measure_waits(
         figure: Figure::new(
             format!(
                 "admission::check {label} while {STREAM_EVENTS_PER_SECOND} events/s arrive \
-                 (no HTTP)"
+                 (library in the bench, no HTTP)"
             ),
             count,
             latencies.iter().sum(),
@@ -1392,12 +1519,13 @@ async fn measure_waits(
     };
     Ok([
         line(
-            "from Postgres, waiting for this instance's appends",
+            "from Postgres, waiting for the bench's acknowledged appends",
             &waited,
             format!(
-                "as the service checks; one at a time, in turn with the line below, over \
-                 {:.1} s; {streamed} command events posted meanwhile; max {:.2} ms; load \
-                 average {}",
+                "as a check on another instance waits (it neither hurries the child's \
+                 projector nor is woken by its rounds, so it sees them through the checkpoint \
+                 row); one at a time, in turn with the line below, over {:.1} s; {streamed} \
+                 command events posted meanwhile; max {:.2} ms; load average {}",
                 elapsed.as_secs_f64(),
                 max_ms(&waited),
                 load_average()
@@ -1421,6 +1549,8 @@ async fn measure_waits(
 struct Report {
     lines: Vec<Line>,
     checks: Vec<Check>,
+    /// The `tally serve` child's, over the whole part.
+    service: Option<child::ProcessUsage>,
 }
 
 impl Report {
@@ -1434,6 +1564,6 @@ impl Report {
             scratch.database_name, args.admission_orgs,
         );
         println!();
-        print_lines(&self.lines, &self.checks);
+        print_lines(&self.lines, self.service, &self.checks);
     }
 }

@@ -7,7 +7,8 @@
 //!
 //! Flow: `COPY` a ledger in which every stray container already has `--anomalies-seeded`
 //! commands (each one a `command_while_not_running`) and every running container its
-//! `created`, then replay it (nothing of that is timed) → start the service in-process →
+//! `created`, then replay it with `tally replay` (nothing of that is timed) → start `tally
+//! serve` as a child process →
 //! an untimed warm-up of each kind → alternately, phases of single events from 64 connections, as `wrk` sent them: commands
 //! of running containers, then commands of the stray containers; each phase is timed from
 //! its first request until the projection has taken its last event → the table, with the
@@ -25,13 +26,13 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
+use crate::child::{self, Served};
 use crate::{
-    checkpoint, copy_into_ledger, envelope, load_average, measured_then_cleaned, print_lines,
-    seed_ledger_stream, verdict, wait_for_projection, without_password, Check, Endpoint, Figure,
-    HttpConnection, Line, Scratch,
+    checkpoint, copy_into_ledger, envelope, ledger_head, load_average, measured_then_cleaned,
+    print_lines, seed_ledger_stream, verdict, wait_for_projection, without_password, Check,
+    Endpoint, Figure, HttpConnection, Line, Scratch,
 };
 use tally::config::Config;
-use tally::startup::Service;
 
 /// Containers that were never created, each with the seeded anomalies; as many are
 /// running, so that both kinds of phase spread their events over the same number of rows.
@@ -76,6 +77,7 @@ pub struct AnomaliesArgs {
 /// Measures and prints the table. `config` is the service configuration of the ingest
 /// part: only its server addresses and credentials are used.
 pub(super) async fn run(
+    binary: &std::path::Path,
     mut config: Config,
     args: &AnomaliesArgs,
     nats: &jetstream::Context,
@@ -92,7 +94,6 @@ pub(super) async fn run(
     let shown_database_url = without_password(&config.database_url);
     config.database_url = scratch.database_url.clone();
     config.nats_namespace = scratch.namespace.clone();
-    config.listen = "127.0.0.1:0".parse().expect("a literal address");
     config.bootstrap_token = Some(scratch.token.clone());
     eprintln!(
         "bench: anomalies: database {}, namespace {}",
@@ -101,7 +102,7 @@ pub(super) async fn run(
     let report = measured_then_cleaned(
         &scratch,
         nats,
-        prepare_and_measure(&config, args, &scratch, nats),
+        prepare_and_measure(binary, &config, args, &scratch, nats),
     )
     .await?;
     println!();
@@ -116,7 +117,7 @@ pub(super) async fn run(
         args.anomalies_phase_events
     );
     println!();
-    print_lines(&report.lines, &report.checks);
+    print_lines(&report.lines, report.service, &report.checks);
     eprintln!(
         "bench: removed database {} and the {} streams",
         scratch.database_name, scratch.namespace
@@ -131,6 +132,8 @@ pub(super) async fn run(
 struct Report {
     lines: Vec<Line>,
     checks: Vec<Check>,
+    /// The `tally serve` child's, over the timed phases and the warm-up.
+    service: Option<child::ProcessUsage>,
 }
 
 fn org_id(container: usize) -> String {
@@ -169,12 +172,13 @@ fn container_index(container_id: &str) -> usize {
 }
 
 async fn prepare_and_measure(
+    binary: &std::path::Path,
     config: &Config,
     args: &AnomaliesArgs,
     scratch: &Scratch,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
-    tally::ledger::db::prepare(config).await?.close().await;
+    child::run_cli(binary, config, &["migrate"]).await?;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -184,7 +188,7 @@ async fn prepare_and_measure(
         .execute(&mut connection)
         .await?;
     seed_ledger_stream(&mut connection, nats, scratch, head).await?;
-    let replayed = tally::projection::replay(&mut connection).await?;
+    let replayed = crate::replay(binary, config).await?.position;
     checkpoint(&mut connection).await;
     connection.close().await?;
     eprintln!(
@@ -194,20 +198,22 @@ async fn prepare_and_measure(
     let mut checks = vec![Check {
         description: format!(
             "the seeded ledger of {head} events was replayed up to {}",
-            replayed.position
+            replayed
         ),
-        passed: replayed.position == head,
+        passed: replayed == head,
     }];
-    let service = Service::start(config.clone()).await?;
+    let service = Served::start(binary, config).await?;
     let outcome = tokio::select! {
         outcome = measure(&service, args, scratch, head, &mut checks) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
     eprintln!("bench: anomalies: stopping the service");
-    service.stop().await;
+    let usage = service.stop().await;
+    let lines = outcome?;
     Ok(Report {
-        lines: outcome?,
+        lines,
         checks,
+        service: Some(usage?),
     })
 }
 
@@ -265,14 +271,14 @@ struct ContainerAnswer {
 }
 
 async fn measure(
-    service: &Service,
+    service: &Served,
     args: &AnomaliesArgs,
     scratch: &Scratch,
     seeded_head: i64,
     checks: &mut Vec<Check>,
 ) -> anyhow::Result<Vec<Line>> {
     let endpoint = Endpoint {
-        address: service.local_addr,
+        address: service.address,
         url: "/v1/events".to_string(),
         token: scratch.token.clone(),
     };
@@ -321,7 +327,7 @@ async fn measure(
             let started = Instant::now();
             let posted = endpoint.post_all(&Arc::new(bodies), CLIENTS).await?;
             head += i64::try_from(events)?;
-            let appended = *service.appender.head().borrow();
+            let appended = ledger_head(&service.pool).await?;
             anyhow::ensure!(
                 appended == head,
                 "the ledger head is {appended} after posting, expected {head}"
@@ -376,7 +382,7 @@ async fn measure(
         org_id(0)
     )
     .parse()?;
-    let mut connection = HttpConnection::open(service.local_addr, "/", &scratch.token).await?;
+    let mut connection = HttpConnection::open(service.address, "/", &scratch.token).await?;
     let answer: ContainerAnswer = serde_json::from_slice(&connection.get(&uri).await?)
         .context("the container answer does not parse")?;
     let commands: i64 =

@@ -6,12 +6,13 @@
 //!
 //! Flow: `COPY` a month of history straight into `ledger` — many orgs, each with dozens of
 //! containers, and `org_big` with a hundredth of all events — generated and written in
-//! chunks, then `VACUUM (ANALYZE)` (nothing of that is timed) → start the service
-//! in-process on that database → org pages at random cursors and container pages from one
-//! keep-alive connection, every page checked against the ledger → the same pages through
-//! `read_filtered` without HTTP, and the plan of one page of each kind → a full
-//! verification pass → ten thousand events appended over HTTP → an incremental pass →
-//! the table.
+//! chunks, then `VACUUM (ANALYZE)` (nothing of that is timed) → start `tally serve` as a
+//! child process on that database → org pages at random cursors and container pages from
+//! one keep-alive connection, every page checked against the ledger → the same pages
+//! through the library's `read_filtered` in the bench's process, without HTTP (on purpose:
+//! what the query costs apart from serving it), and the plan of one page of each kind → a
+//! full verification pass (`tally verify`, a child process) → ten thousand events appended
+//! over HTTP → an incremental pass (`tally verify --incremental`) → the table.
 
 use std::time::{Duration, Instant};
 
@@ -24,15 +25,16 @@ use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 
 use crate::{
-    checkpoint, container_data, copy_into_ledger, envelope, load_average, max_ms,
-    measured_then_cleaned, percentile_ms, print_lines, seed_ledger_stream, verdict,
-    wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
+    checkpoint, container_data, copy_into_ledger, envelope, ledger_head, load_average, max_ms,
+    measured_then_cleaned, percentile_ms, print_lines, ran_note, seed_ledger_stream, verdict,
+    verify_ledger, wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection,
+    Line, Scratch,
 };
 use tally::config::Config;
 use tally::ledger::read::{self, Filter};
-use tally::ledger::verify;
 use tally::projection::store::LIVE;
-use tally::startup::Service;
+
+use crate::child::{self, Served};
 
 /// Events in the audited ledger: ten million, a year or more of a busy platform, where a
 /// page that scanned an org's history instead of seeking it would show.
@@ -91,6 +93,7 @@ pub struct AuditArgs {
 /// Measures audit and verification and prints their table. `config` is the service
 /// configuration of the ingest part: only its server addresses and credentials are used.
 pub(super) async fn run(
+    binary: &std::path::Path,
     mut config: Config,
     args: &AuditArgs,
     nats: &jetstream::Context,
@@ -117,7 +120,7 @@ pub(super) async fn run(
     let report = measured_then_cleaned(
         &scratch,
         nats,
-        prepare_and_measure(&config, args, &scratch, nats),
+        prepare_and_measure(binary, &config, args, &scratch, nats),
     )
     .await?;
     report.print(args, &shown_database_url, &scratch);
@@ -135,23 +138,26 @@ pub(super) async fn run(
 /// Builds the ledger, then runs the service on it and stops it whatever happened, so that
 /// nothing of it outlives the run and recreates a stream after clean-up.
 async fn prepare_and_measure(
+    binary: &std::path::Path,
     config: &Config,
     args: &AuditArgs,
     scratch: &Scratch,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
     let (ledger, build) = tokio::select! {
-        prepared = prepare(config, args, scratch, nats) => prepared?,
+        prepared = prepare(binary, config, args, scratch, nats) => prepared?,
         _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted"),
     };
-    let service = Service::start(config.clone()).await?;
+    let service = Served::start(binary, config).await?;
     let outcome = tokio::select! {
-        outcome = measure(&service, args, scratch, &ledger, build) => outcome,
+        outcome = measure(binary, config, &service, args, scratch, &ledger, build) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
     eprintln!("bench: audit: stopping the service");
-    service.stop().await;
-    outcome
+    let usage = service.stop().await;
+    let mut report = outcome?;
+    report.service = Some(usage?);
+    Ok(report)
 }
 
 /// What the generated ledger holds, to check pages against: the org and container
@@ -233,13 +239,14 @@ struct Build {
 /// Generates the ledger chunk by chunk into `COPY`, vacuums and analyzes it, and seeds the
 /// ledger stream so that the relay starts caught up.
 async fn prepare(
+    binary: &std::path::Path,
     config: &Config,
     args: &AuditArgs,
     scratch: &Scratch,
     nats: &jetstream::Context,
 ) -> anyhow::Result<(Ledger, Build)> {
     // Migrates the scratch database; the service later finds it migrated.
-    tally::ledger::db::prepare(config).await?.close().await;
+    child::run_cli(binary, config, &["migrate"]).await?;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -458,7 +465,9 @@ fn check_page(
 }
 
 async fn measure(
-    service: &Service,
+    binary: &std::path::Path,
+    config: &Config,
+    service: &Served,
     args: &AuditArgs,
     scratch: &Scratch,
     ledger: &Ledger,
@@ -482,7 +491,8 @@ async fn measure(
     };
     let pages = measure_pages(service, args, scratch, ledger, &mut checks).await?;
     let direct = measure_direct(service, &pages, ledger).await?;
-    let verification = measure_verify(service, scratch, ledger, &mut checks).await?;
+    let verification =
+        measure_verify(binary, config, service, scratch, ledger, &mut checks).await?;
     Ok(Report {
         build: build_line,
         org_pages: pages.org_line,
@@ -490,6 +500,7 @@ async fn measure(
         direct,
         verification,
         checks,
+        service: None,
     })
 }
 
@@ -505,7 +516,7 @@ struct Pages {
 /// see the same conditions; each page checked on its own while timing stops, and against
 /// the ledger after the phase.
 async fn measure_pages(
-    service: &Service,
+    service: &Served,
     args: &AuditArgs,
     scratch: &Scratch,
     ledger: &Ledger,
@@ -513,7 +524,7 @@ async fn measure_pages(
 ) -> anyhow::Result<Pages> {
     let requests = args.audit_requests;
     let mut connection =
-        HttpConnection::open(service.local_addr, "/v1/events", &scratch.token).await?;
+        HttpConnection::open(service.address, "/v1/events", &scratch.token).await?;
     let mut rng = rand::rng();
     eprintln!("bench: audit: {WARMUP_REQUESTS} + {requests} org pages and as many container pages");
     let mut org_latencies = Vec::with_capacity(requests);
@@ -697,11 +708,12 @@ async fn measure_pages(
     })
 }
 
-/// The same pages through `read_filtered` on the service's pool, without HTTP and JSON,
+/// The same pages through the library's `read_filtered`, in the bench's own process and on
+/// its own connections, without HTTP and JSON,
 /// and the plan and buffers of one page of each kind, so that what the query costs and
 /// what serving it costs can be told apart.
 async fn measure_direct(
-    service: &Service,
+    service: &Served,
     pages: &Pages,
     ledger: &Ledger,
 ) -> anyhow::Result<[Line; 2]> {
@@ -737,7 +749,7 @@ async fn measure_direct(
         let plan = explain(service, ledger, median).await?;
         lines.push(Line {
             figure: Figure::new(
-                format!("read_filtered alone, {kind} pages (no HTTP)"),
+                format!("read_filtered alone, {kind} pages (library in the bench, no HTTP)"),
                 asked.len(),
                 latencies.iter().sum(),
             )
@@ -752,7 +764,7 @@ async fn measure_direct(
 
 /// `EXPLAIN (ANALYZE, BUFFERS)` of one page's statement, reduced to its scan, buffers and
 /// time; the whole plan goes to stderr.
-async fn explain(service: &Service, ledger: &Ledger, asked: &Asked) -> anyhow::Result<String> {
+async fn explain(service: &Served, ledger: &Ledger, asked: &Asked) -> anyhow::Result<String> {
     let condition = match asked.container {
         Some(container) => format!("container_id = '{}'", ledger.container(container).1),
         None => format!("org_id = '{}'", ledger.org_id(asked.org)),
@@ -798,15 +810,16 @@ async fn explain(service: &Service, ledger: &Ledger, asked: &Asked) -> anyhow::R
 /// A full pass over the ledger, then [`APPENDED_EVENTS`] appended over HTTP and an
 /// incremental pass, which must check only those.
 async fn measure_verify(
-    service: &Service,
+    binary: &std::path::Path,
+    config: &Config,
+    service: &Served,
     scratch: &Scratch,
     ledger: &Ledger,
     checks: &mut Vec<Check>,
 ) -> anyhow::Result<[Line; 3]> {
     eprintln!("bench: audit: full verification of {} events", ledger.head);
-    let started = Instant::now();
-    let full = verify::verify(&service.pool).await?;
-    let full_elapsed = started.elapsed();
+    let (full, full_ran) = verify_ledger(binary, config, false).await?;
+    let full_elapsed = full_ran.elapsed;
     checks.push(Check {
         description: format!(
             "the full pass checked {} events from {} to head {}: {}",
@@ -822,20 +835,22 @@ async fn measure_verify(
     });
     let full_line = Line {
         figure: Figure::new(
-            "verify, full pass",
+            "tally verify, full pass",
             usize::try_from(full.events_checked)?,
             full_elapsed,
         )
-        .with_note(
-            "one streamed statement; every hash recomputed from the stored columns".to_owned(),
-        ),
+        .with_note(format!(
+            "tally verify, a child process (start-up included); one streamed statement; every \
+             hash recomputed from the stored columns; {}",
+            ran_note(&full_ran)
+        )),
         target: "-".to_owned(),
     };
 
     eprintln!("bench: audit: appending {APPENDED_EVENTS} events over HTTP");
     let bodies = appended_bodies(ledger);
     let endpoint = Endpoint {
-        address: service.local_addr,
+        address: service.address,
         url: "/v1/events".to_owned(),
         token: scratch.token.clone(),
     };
@@ -844,7 +859,7 @@ async fn measure_verify(
         .await?;
     let expected_head = ledger.head + i64::try_from(APPENDED_EVENTS)?;
     // Every answer came after its commit, so the head is already there.
-    let head = *service.appender.head().borrow();
+    let head = ledger_head(&service.pool).await?;
     anyhow::ensure!(
         head == expected_head,
         "the ledger head is {head} after the append, expected {expected_head}"
@@ -864,9 +879,8 @@ async fn measure_verify(
     };
 
     eprintln!("bench: audit: incremental verification");
-    let started = Instant::now();
-    let incremental = verify::verify_incremental(&service.pool).await?;
-    let incremental_elapsed = started.elapsed();
+    let (incremental, incremental_ran) = verify_ledger(binary, config, true).await?;
+    let incremental_elapsed = incremental_ran.elapsed;
     checks.push(Check {
         description: format!(
             "the incremental pass started at the full pass's head {} and checked {} events to \
@@ -884,14 +898,16 @@ async fn measure_verify(
     let only_new = incremental.events_checked == APPENDED_EVENTS as u64;
     let incremental_line = Line {
         figure: Figure::new(
-            "verify_incremental after the append",
+            "tally verify --incremental after the append",
             usize::try_from(incremental.events_checked)?,
             incremental_elapsed,
         )
         .with_note(format!(
-            "{:.1} ms in all, checkpoint row included; the full pass would take ≈ {:.1} s now",
+            "{:.1} ms in all, process start-up and checkpoint row included; the full pass \
+             would take ≈ {:.1} s now; {}",
             incremental_elapsed.as_secs_f64() * 1000.0,
-            full_elapsed.as_secs_f64() * expected_head as f64 / ledger.head as f64
+            full_elapsed.as_secs_f64() * expected_head as f64 / ledger.head as f64,
+            ran_note(&incremental_ran)
         )),
         target: format!("checks only the new rows: {}", verdict(only_new)),
     };
@@ -925,6 +941,8 @@ struct Report {
     direct: [Line; 2],
     verification: [Line; 3],
     checks: Vec<Check>,
+    /// The `tally serve` child's, over the pages, the append and its projection.
+    service: Option<child::ProcessUsage>,
 }
 
 impl Report {
@@ -941,6 +959,6 @@ impl Report {
             .into_iter()
             .chain(&self.direct)
             .chain(&self.verification);
-        print_lines(lines, &self.checks);
+        print_lines(lines, self.service, &self.checks);
     }
 }

@@ -1,6 +1,7 @@
-//! `tally serve` as a child process: the ingest part measures the binary that is deployed,
-//! in a process of its own (its own runtime, allocator and metrics recorder), and reads the
-//! child's CPU time and peak memory from `/proc/<pid>`.
+//! `tally` as a child process: every part measures the binary that is deployed, in a
+//! process of its own (its own runtime, allocator and metrics recorder). A running `tally
+//! serve`'s CPU time and peak memory come from `/proc/<pid>`; those of a subcommand run to
+//! its end (`tally replay`, `tally verify`, …) from `wait4`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -68,15 +69,11 @@ impl Served {
             .bootstrap_token
             .as_deref()
             .context("the bench gives the service a token")?;
-        let log_level = std::env::var("RUST_LOG").unwrap_or_else(|_| CHILD_LOG_LEVEL.into());
         let child = tokio::process::Command::new(binary)
             .arg("serve")
-            .env("DATABASE_URL", &config.database_url)
-            .env("NATS_URL", &config.nats_url)
-            .env("TALLY_NATS_NAMESPACE", &config.nats_namespace)
+            .envs(child_env(config))
             .env("TALLY_LISTEN", address.to_string())
             .env("TALLY_BOOTSTRAP_TOKEN", token)
-            .env("RUST_LOG", log_level)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .kill_on_drop(true)
@@ -116,6 +113,11 @@ impl Served {
         }
     }
 
+    /// The child's process id, for `/proc/<pid>`.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// The child's `/metrics` text.
     pub(crate) async fn metrics(&self) -> anyhow::Result<String> {
         let mut connection = HttpConnection::open(self.address, "/", &self.token).await?;
@@ -153,6 +155,85 @@ impl Served {
         }
         Ok(usage)
     }
+}
+
+/// The settings every `tally` child gets from `config` (the rest of its settings from this
+/// process's environment, as `tally` reads them).
+fn child_env(config: &Config) -> [(&'static str, String); 4] {
+    let log_level = std::env::var("RUST_LOG").unwrap_or_else(|_| CHILD_LOG_LEVEL.into());
+    [
+        ("DATABASE_URL", config.database_url.clone()),
+        ("NATS_URL", config.nats_url.clone()),
+        ("TALLY_NATS_NAMESPACE", config.nats_namespace.clone()),
+        ("RUST_LOG", log_level),
+    ]
+}
+
+/// A `tally` subcommand that ran to its end.
+pub(crate) struct Ran {
+    /// What it printed on standard output.
+    pub(crate) stdout: String,
+    /// From its start to its exit, process start-up and connecting included.
+    pub(crate) elapsed: Duration,
+    pub(crate) usage: ProcessUsage,
+}
+
+/// Runs `binary args…` with `config`'s database, NATS and namespace, to its end; fails
+/// unless it exits 0. Its standard error goes to the bench's.
+pub(crate) async fn run_cli(binary: &Path, config: &Config, args: &[&str]) -> anyhow::Result<Ran> {
+    let mut command = std::process::Command::new(binary);
+    command
+        .args(args)
+        .envs(child_env(config))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    let shown = format!("tally {}", args.join(" "));
+    tokio::task::spawn_blocking(move || run_to_end(command, &shown))
+        .await
+        .context("the subcommand's waiting task failed")?
+}
+
+/// Spawns `command`, reads its standard output to the end and reaps it with `wait4`, whose
+/// resource usage is the child's own (CPU time and `ru_maxrss`, its peak resident set).
+fn run_to_end(mut command: std::process::Command, shown: &str) -> anyhow::Result<Ran> {
+    use std::io::Read as _;
+    let started = Instant::now();
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("cannot start {shown}"))?;
+    let mut stdout = String::new();
+    child
+        .stdout
+        .take()
+        .context("the child's standard output is piped")?
+        .read_to_string(&mut stdout)?;
+    let pid = libc::pid_t::try_from(child.id())?;
+    let mut status: libc::c_int = 0;
+    // SAFETY: rusage is plain data, fully written by wait4 when it succeeds.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are to live locals; the pid is our own child, not yet reaped
+    // (std's Child is not waited for after this).
+    let waited = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    anyhow::ensure!(
+        waited == pid,
+        "cannot wait for {shown}: {}",
+        std::io::Error::last_os_error()
+    );
+    let elapsed = started.elapsed();
+    anyhow::ensure!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{shown} failed (wait status {status})"
+    );
+    let seconds = |time: libc::timeval| time.tv_sec as f64 + time.tv_usec as f64 / 1e6;
+    Ok(Ran {
+        stdout,
+        elapsed,
+        usage: ProcessUsage {
+            cpu: Duration::from_secs_f64(seconds(usage.ru_utime) + seconds(usage.ru_stime)),
+            // Kilobytes on Linux.
+            peak_mb: usage.ru_maxrss as f64 / 1024.0,
+        },
+    })
 }
 
 /// A port no one listens on right now, for the child to bind.

@@ -3,10 +3,10 @@
 //! of its own, so that none of the load generator is compiled into the `tally` binary.
 //!
 //! It uses the configured Postgres and NATS, in a scratch database (`tally_bench_<hex>`)
-//! and a NATS namespace (`bench<hex>`) of its own. The ingest part starts the real `tally
-//! serve` binary as a child process (see `child`) and reads its CPU time and peak memory
-//! from `/proc`; the other parts run the service in-process (HTTP, group-commit appender,
-//! relay, ingest consumer). Both are removed at the end, also when a step fails or the run
+//! and a NATS namespace (`bench<hex>`) of its own. Every part starts the real `tally serve`
+//! binary as a child process (see `child`) and reads its CPU time and peak memory from
+//! `/proc`; `tally migrate`, `tally replay`, `tally verify` and `tally reports import` run
+//! as child processes too. Both are removed at the end, also when a step fails or the run
 //! is interrupted.
 //!
 //! Flow: generate every event and check it with the service's own parser, serialize every
@@ -50,8 +50,8 @@ use tally::config::Config;
 use tally::event::canonical;
 use tally::event::parse::{parse_body, BodyKind};
 use tally::event::{Event, TimeBounds};
+use tally::ledger::db;
 use tally::ledger::rows::{self, Rows};
-use tally::ledger::{db, verify};
 use tally::projection::store::{self, LIVE};
 
 /// Events posted in batches over HTTP: 200 full batches, enough for a stable p99 and a few
@@ -172,36 +172,92 @@ impl BenchArgs {
 
 pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
     check_args(&config, &args)?;
-    let nats = publishing_context(bus::connect(&config.nats_url).await?);
+    // Every part runs the `tally` binary, so a missing one fails the run before anything.
+    let binary = child::serve_binary(args.serve_binary.as_deref())?;
+    let client = bus::connect(&config.nats_url).await?;
+    print_stamp(&config, &client).await;
+    let nats = publishing_context(client);
     // A failed or interrupted part ends the run there: starting another service after a
     // Ctrl-C would not be what was asked for.
     if args.runs(Part::Ingest) {
-        ingest(config.clone(), &args, &nats).await?;
+        ingest(&binary, config.clone(), &args, &nats).await?;
     }
     if args.runs(Part::Projection) {
-        projection::run(config.clone(), &args.projection, args.orgs, &nats).await?;
+        projection::run(&binary, config.clone(), &args.projection, args.orgs, &nats).await?;
     }
     if args.runs(Part::Admission) {
-        admission::run(config.clone(), &args.admission, &nats).await?;
+        admission::run(&binary, config.clone(), &args.admission, &nats).await?;
     }
     if args.runs(Part::Audit) {
-        audit::run(config.clone(), &args.audit, &nats).await?;
+        audit::run(&binary, config.clone(), &args.audit, &nats).await?;
     }
     if args.runs(Part::Reconciliation) {
-        reconciliation::run(config.clone(), &args.reconciliation, &nats).await?;
+        reconciliation::run(&binary, config.clone(), &args.reconciliation, &nats).await?;
     }
     if args.runs(Part::Anomalies) {
-        anomalies::run(config, &args.anomalies, &nats).await?;
+        anomalies::run(&binary, config, &args.anomalies, &nats).await?;
     }
     Ok(())
 }
 
+/// The line every table of the run is stamped with: when (UTC), which commit, on what.
+async fn print_stamp(config: &Config, nats: &async_nats::Client) {
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .and_then(|output| String::from_utf8(output.stdout).ok())
+        .map(|commit| commit.trim().to_owned())
+        .filter(|commit| !commit.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned());
+    let postgres = match PgConnection::connect(&config.database_url).await {
+        Ok(mut connection) => {
+            let version: Option<String> = sqlx::query_scalar("SHOW server_version")
+                .fetch_one(&mut connection)
+                .await
+                .ok();
+            let _ = connection.close().await;
+            version
+        }
+        Err(_) => None,
+    };
+    println!(
+        "tally-bench, {} UTC, commit {commit}, machine: {}; Postgres {}, nats-server {}",
+        Utc::now().format("%Y-%m-%d %H:%M"),
+        machine(),
+        postgres.as_deref().unwrap_or("unknown"),
+        nats.server_info().version
+    );
+}
+
+/// Cores, CPU model and memory, from the standard library and `/proc`.
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|line| line.strip_prefix("model name")?.split_once(':'))
+        .map_or("unknown CPU", |(_, model)| model.trim())
+        .to_owned();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let memory = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or_else(
+            || "unknown memory".to_owned(),
+            |kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0),
+        );
+    format!("{cores} cores ({model}), {memory}")
+}
+
 async fn ingest(
+    binary: &std::path::Path,
     mut config: Config,
     args: &BenchArgs,
     nats: &jetstream::Context,
 ) -> anyhow::Result<()> {
-    let binary = child::serve_binary(args.serve_binary.as_deref())?;
     let scratch = Scratch::new(&config.database_url)?;
     let shown_database_url = without_password(&config.database_url);
     config.database_url = scratch.database_url.clone();
@@ -219,7 +275,7 @@ async fn ingest(
     let report = measured_then_cleaned(
         &scratch,
         nats,
-        start_and_measure(&binary, &config, args, &scratch, &workload, nats),
+        start_and_measure(binary, &config, args, &scratch, &workload, nats),
     )
     .await?;
     report.print(&config, args, &shown_database_url, &scratch);
@@ -766,7 +822,7 @@ async fn start_and_measure(
 ) -> anyhow::Result<Report> {
     let served = child::Served::start(binary, config).await?;
     let outcome = tokio::select! {
-        outcome = measure(&served, args, scratch, workload, nats) => outcome,
+        outcome = measure(binary, config, &served, args, scratch, workload, nats) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
     eprintln!("bench: stopping the service");
@@ -777,6 +833,8 @@ async fn start_and_measure(
 }
 
 async fn measure(
+    binary: &std::path::Path,
+    config: &Config,
     service: &child::Served,
     args: &BenchArgs,
     scratch: &Scratch,
@@ -835,7 +893,15 @@ async fn measure(
     let nats_ingest = phases.nats(&workload.nats_payloads).await?;
 
     eprintln!("bench: checking the ledger");
-    let checks = check_ledger(&service.pool, nats, &scratch.names, workload).await?;
+    let checks = check_ledger(
+        binary,
+        config,
+        &service.pool,
+        nats,
+        &scratch.names,
+        workload,
+    )
+    .await?;
     phases.connection.close().await?;
     Ok(Report {
         baselines,
@@ -950,6 +1016,98 @@ fn service_cpu_note(cpu: Duration, elapsed: Duration) -> String {
         "tally serve CPU {:.2} s ({:.0} % of a core)",
         cpu.as_secs_f64(),
         100.0 * cpu.as_secs_f64() / elapsed.as_secs_f64()
+    )
+}
+
+/// What `tally replay` reports, read from the line it prints, with the child's own figures.
+struct Replayed {
+    events: u64,
+    containers: usize,
+    position: i64,
+    /// Replay's own time, from its line: without the process's start-up and connecting.
+    elapsed: Duration,
+    ran: child::Ran,
+}
+
+/// Runs `tally replay` as a child process on `config`'s database.
+async fn replay(binary: &std::path::Path, config: &Config) -> anyhow::Result<Replayed> {
+    let ran = child::run_cli(binary, config, &["replay"]).await?;
+    let parsed = parse_replayed(&ran.stdout)
+        .with_context(|| format!("tally replay printed {:?}", ran.stdout.trim()))?;
+    let (events, containers, position, elapsed) = parsed;
+    Ok(Replayed {
+        events,
+        containers,
+        position,
+        elapsed,
+        ran,
+    })
+}
+
+/// "replayed E events (C containers) up to position P in S s: …", as `tally replay`
+/// prints it.
+fn parse_replayed(line: &str) -> anyhow::Result<(u64, usize, i64, Duration)> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let after = |word: &str| -> anyhow::Result<&str> {
+        let index = words
+            .iter()
+            .position(|w| *w == word)
+            .with_context(|| format!("no {word:?}"))?;
+        Ok(words.get(index + 1).context("the line ends early")?)
+    };
+    anyhow::ensure!(words.first() == Some(&"replayed"), "not a replay line");
+    let events = words.get(1).context("no event count")?.parse()?;
+    let containers = words
+        .get(3)
+        .context("no container count")?
+        .trim_start_matches('(')
+        .parse()?;
+    let position = after("position")?.parse()?;
+    let seconds: f64 = after("in")?.parse()?;
+    Ok((
+        events,
+        containers,
+        position,
+        Duration::from_secs_f64(seconds),
+    ))
+}
+
+/// What `tally verify` prints on standard output (its `VerifyReport` as JSON).
+#[derive(Debug, serde::Deserialize)]
+struct Verified {
+    ok: bool,
+    events_checked: u64,
+    head_position: i64,
+    from_position: i64,
+    first_bad_position: Option<i64>,
+    #[serde(default)]
+    problem: Option<String>,
+}
+
+/// Runs `tally verify` (with `--incremental` when asked) as a child process on `config`'s
+/// database. A broken chain makes it exit 1, which fails the run.
+async fn verify_ledger(
+    binary: &std::path::Path,
+    config: &Config,
+    incremental: bool,
+) -> anyhow::Result<(Verified, child::Ran)> {
+    let args: &[&str] = if incremental {
+        &["verify", "--incremental"]
+    } else {
+        &["verify"]
+    };
+    let ran = child::run_cli(binary, config, args).await?;
+    let verified = serde_json::from_str(&ran.stdout)
+        .with_context(|| format!("tally verify printed {:?}", ran.stdout.trim()))?;
+    Ok((verified, ran))
+}
+
+/// A `tally` subcommand's own CPU time and peak memory, for a line's notes.
+fn ran_note(ran: &child::Ran) -> String {
+    format!(
+        "child CPU {:.2} s, peak RSS {:.0} MiB",
+        ran.usage.cpu.as_secs_f64(),
+        ran.usage.peak_mb
     )
 }
 
@@ -1450,13 +1608,22 @@ impl HttpConnection {
     /// One `POST` of `body` to the connection's path, retried while the service answers
     /// 503; returns the retries.
     async fn post(&mut self, body: &Bytes) -> anyhow::Result<u32> {
+        Ok(self.post_retried(body).await?.0)
+    }
+
+    /// As [`post`](Self::post), returning the answer.
+    async fn post_answered(&mut self, body: &Bytes) -> anyhow::Result<Bytes> {
+        Ok(self.post_retried(body).await?.1)
+    }
+
+    async fn post_retried(&mut self, body: &Bytes) -> anyhow::Result<(u32, Bytes)> {
         let uri = self.uri.clone();
         for retries in 0..=HTTP_RETRIES_MAX {
             let (status, answer) = self
                 .round_trip(&hyper::Method::POST, &uri, body.clone())
                 .await?;
             if status.is_success() {
-                return Ok(retries);
+                return Ok((retries, answer));
             }
             if status != hyper::StatusCode::SERVICE_UNAVAILABLE {
                 anyhow::bail!("POST {uri} answered {status}: {}", excerpt(&answer));
@@ -1698,10 +1865,11 @@ struct Check {
     passed: bool,
 }
 
+/// The checks as a markdown list.
 fn print_checks(checks: &[Check]) {
     for check in checks {
         let verdict = if check.passed { "ok" } else { "FAILED" };
-        println!("check {verdict}: {}", check.description);
+        println!("- check {verdict}: {}", check.description);
     }
 }
 
@@ -1719,8 +1887,13 @@ fn verdict(met: bool) -> &'static str {
     }
 }
 
-/// Prints the table of a part with targets (every part after ingest), then its checks.
-fn print_lines<'a>(lines: impl IntoIterator<Item = &'a Line>, checks: &[Check]) {
+/// Prints the table of a part with targets (every part after ingest), the `tally` children's
+/// CPU time and peak memory, then its checks.
+fn print_lines<'a>(
+    lines: impl IntoIterator<Item = &'a Line>,
+    usage: Option<child::ProcessUsage>,
+    checks: &[Check],
+) {
     let header = [&FIGURE_COLUMNS[..], &["target", "notes"]].concat();
     let cells: Vec<Vec<String>> = lines
         .into_iter()
@@ -1732,10 +1905,15 @@ fn print_lines<'a>(lines: impl IntoIterator<Item = &'a Line>, checks: &[Check]) 
         .collect();
     print_table(&header, &cells);
     println!();
+    if let Some(usage) = usage {
+        print_service_usage(usage);
+    }
     print_checks(checks);
 }
 
 async fn check_ledger(
+    binary: &std::path::Path,
+    config: &Config,
     pool: &sqlx::PgPool,
     nats: &jetstream::Context,
     names: &Names,
@@ -1758,13 +1936,12 @@ async fn check_ledger(
         ),
         passed: count == expected && first == Some(1) && last == Some(expected),
     }];
-    let started = Instant::now();
-    let report = verify::verify(pool).await?;
+    let (report, ran) = verify_ledger(binary, config, false).await?;
     checks.push(Check {
         description: format!(
-            "hash chain recomputed over {} events in {:.1} s: {}",
+            "hash chain recomputed by tally verify over {} events in {:.1} s: {}",
             report.events_checked,
-            started.elapsed().as_secs_f64(),
+            ran.elapsed.as_secs_f64(),
             match report.first_bad_position {
                 None => "intact".to_owned(),
                 Some(position) => format!("broken at {position}"),
@@ -1920,18 +2097,24 @@ impl Report {
         print_table(&header, &cells);
         println!();
         if let Some(usage) = self.service {
-            println!(
-                "tally serve (a child process): CPU {:.1} s over the part, peak RSS {:.0} MiB",
-                usage.cpu.as_secs_f64(),
-                usage.peak_mb
-            );
-            println!();
+            print_service_usage(usage);
         }
         print_checks(&self.checks);
     }
 }
 
-/// A plain aligned table: text columns left-aligned, number columns right-aligned.
+/// The `tally serve` child's CPU time over a whole part and its peak memory, after the table.
+fn print_service_usage(usage: child::ProcessUsage) {
+    println!(
+        "tally serve (a child process): CPU {:.1} s over the part, peak RSS {:.0} MiB",
+        usage.cpu.as_secs_f64(),
+        usage.peak_mb
+    );
+    println!();
+}
+
+/// A markdown table, padded so that it also reads as plain text: text columns
+/// left-aligned, number columns right-aligned.
 fn print_table(header: &[&str], rows: &[Vec<String>]) {
     let width = |column: usize| {
         rows.iter()
@@ -1943,23 +2126,37 @@ fn print_table(header: &[&str], rows: &[Vec<String>]) {
     let widths: Vec<usize> = (0..header.len()).map(width).collect();
     let is_text = |column: usize| column == 0 || column + 2 >= header.len();
     let line = |cells: Vec<&str>| {
-        let mut out = String::new();
+        let mut out = String::from("|");
         for (column, cell) in cells.into_iter().enumerate() {
-            if column > 0 {
-                out.push_str("  ");
-            }
-            let padding = " ".repeat(widths[column] - cell.chars().count());
+            // A `|` inside a cell would end it.
+            let cell = cell.replace('|', "\\|");
+            let padding = " ".repeat(widths[column].saturating_sub(cell.chars().count()));
+            out.push(' ');
             if is_text(column) {
-                out.push_str(cell);
+                out.push_str(&cell);
                 out.push_str(&padding);
             } else {
                 out.push_str(&padding);
-                out.push_str(cell);
+                out.push_str(&cell);
             }
+            out.push_str(" |");
         }
-        println!("{}", out.trim_end());
+        println!("{out}");
     };
     line(header.to_vec());
+    let rule: String = widths
+        .iter()
+        .enumerate()
+        .map(|(column, width)| {
+            let dashes = "-".repeat((*width).max(3));
+            if is_text(column) {
+                format!(" {dashes} |")
+            } else {
+                format!(" {}: |", &dashes[1..])
+            }
+        })
+        .collect();
+    println!("|{rule}");
     for row in rows {
         line(row.iter().map(String::as_str).collect());
     }
@@ -1991,6 +2188,16 @@ mod tests {
     fn sub_millisecond_latencies_keep_their_microseconds() {
         let durations = [Duration::from_micros(37); 10];
         assert!(close_to(percentile_ms(&durations, 0.99), 0.037));
+    }
+
+    #[test]
+    fn the_line_tally_replay_prints_gives_its_counts_position_and_time() {
+        let line = "replayed 20000 events (400 containers) up to position 20000 in 1.25 s: \
+                    16000 events/s\n";
+        let (events, containers, position, elapsed) = parse_replayed(line).unwrap();
+        assert_eq!((events, containers, position), (20000, 400, 20000));
+        assert_eq!(elapsed, Duration::from_millis(1250));
+        assert!(parse_replayed("migrated").is_err());
     }
 
     #[test]

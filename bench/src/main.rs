@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-/// The service's allocator: the bench runs the service in-process, and its figures are
-/// meant to describe the `tally` binary, which uses mimalloc (see its `main.rs`).
+/// The `tally` binary's allocator (see its `main.rs`): the service itself runs as a child
+/// process, but the lines marked "library in the bench" call the service's functions
+/// (`admission::check`, the usage query, `read_filtered`, replay's parts, the report
+/// parser) in this process, and they stand for those functions as the binary runs them.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

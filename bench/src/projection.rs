@@ -6,10 +6,11 @@
 //!
 //! Flow: plan a month of history — many orgs, plus `org_big` with thousands of containers —
 //! and `COPY` it straight into `ledger` with a valid hash chain (nothing of that is timed)
-//! → time `replay` and, separately, how that time splits between reading, folding and
-//! writing → start the service in-process on that database → the usage of `org_big` in the
-//! default mode and with `consistency=eventual`, and `/healthz`, from one keep-alive
-//! connection → paced HTTP ingest while a monitor watches the projection's checkpoint, for
+//! → time `tally replay` as a child process and, separately and on purpose in the bench's
+//! own process, how that time splits between reading, folding and writing (the library's
+//! functions) → start `tally serve` as a child process on that database → the usage of
+//! `org_big` in the default mode and with `consistency=eventual`, and `/healthz`, from one
+//! keep-alive connection, and the library's usage query alone in the bench's process → paced HTTP ingest while a monitor watches the projection's checkpoint, for
 //! the lag from acknowledgement to visible → the same load again while paced readers read
 //! `org_big`'s usage in both modes → the table.
 
@@ -40,12 +41,12 @@ use crate::{
 };
 use tally::config::Config;
 use tally::event::canonical;
-use tally::ledger::verify;
 use tally::projection::model::{Changes, ContainerKey};
 use tally::projection::query;
 use tally::projection::store::{self, EventRow, EVENT_COLUMNS, LIVE};
 use tally::runtime::{ContainerEntry, Period};
-use tally::startup::Service;
+
+use crate::child::{self, Served};
 
 /// Events in the replayed ledger: a million, a few months of a busy platform.
 const REPLAY_EVENTS: usize = 1_000_000;
@@ -129,6 +130,7 @@ pub struct ProjectionArgs {
 /// Measures the projection and prints its table. `config` is the service configuration of
 /// the ingest part: only its server addresses and credentials are used.
 pub(super) async fn run(
+    binary: &std::path::Path,
     mut config: Config,
     args: &ProjectionArgs,
     orgs: usize,
@@ -148,7 +150,7 @@ pub(super) async fn run(
     let report = measured_then_cleaned(
         &scratch,
         nats,
-        prepare_and_measure(&config, args, orgs, &scratch, nats),
+        prepare_and_measure(binary, &config, args, orgs, &scratch, nats),
     )
     .await?;
     report.print(args, &shown_database_url, &scratch);
@@ -186,6 +188,7 @@ fn lag_batches(args: &ProjectionArgs) -> usize {
 /// Fills and replays the scratch ledger, then runs the service on it and stops it whatever
 /// happened, so that nothing of it outlives the run and recreates a stream after clean-up.
 async fn prepare_and_measure(
+    binary: &std::path::Path,
     config: &Config,
     args: &ProjectionArgs,
     orgs: usize,
@@ -193,17 +196,19 @@ async fn prepare_and_measure(
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
     let prepared = tokio::select! {
-        prepared = prepare(config, args, orgs, scratch, nats) => prepared?,
+        prepared = prepare(binary, config, args, orgs, scratch, nats) => prepared?,
         _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted"),
     };
-    let service = Service::start(config.clone()).await?;
+    let service = Served::start(binary, config).await?;
     let outcome = tokio::select! {
-        outcome = measure_service(&service, args, scratch, prepared) => outcome,
+        outcome = measure_service(binary, config, &service, args, scratch, prepared) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
     eprintln!("bench: projections: stopping the service");
-    service.stop().await;
-    outcome
+    let usage = service.stop().await;
+    let mut report = outcome?;
+    report.service = Some(usage?);
+    Ok(report)
 }
 
 /// What the service phases start from.
@@ -214,6 +219,7 @@ struct Prepared {
 }
 
 async fn prepare(
+    binary: &std::path::Path,
     config: &Config,
     args: &ProjectionArgs,
     orgs: usize,
@@ -230,7 +236,7 @@ async fn prepare(
         started.elapsed().as_secs_f64()
     );
     // Migrates the scratch database; the service later finds it migrated.
-    tally::ledger::db::prepare(config).await?.close().await;
+    child::run_cli(binary, config, &["migrate"]).await?;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -249,7 +255,8 @@ async fn prepare(
     checkpoint(&mut connection).await;
 
     eprintln!("bench: projections: replay of {head} events");
-    let report = tally::projection::replay(&mut connection).await?;
+    let replayed = crate::replay(binary, config).await?;
+    let report = &replayed;
     let projected = store::checkpoint(&mut connection, LIVE).await?;
     let expected_events = u64::try_from(plan.events.len())?;
     let mut checks = vec![Check {
@@ -280,13 +287,16 @@ async fn prepare(
     let meets = u128::from(report.events) * 1_000_000
         >= u128::from(REPLAY_TARGET_EVENTS_PER_SECOND) * report.elapsed.as_micros();
     let figure = Figure::new(
-        format!("replay, {} containers", report.containers),
+        format!("tally replay, {} containers", report.containers),
         usize::try_from(report.events)?,
         report.elapsed,
     )
     .with_note(format!(
-        "measured apart: read rows {:.2} s, into events by container {:.2} s, \
+        "replay's own time; the process took {:.2} s in all, {}; measured apart with the \
+         library in the bench's process: read rows {:.2} s, into events by container {:.2} s, \
          fold {:.2} s; so write and swap ≈ {:.2} s",
+        report.ran.elapsed.as_secs_f64(),
+        crate::ran_note(&report.ran),
         parts.read.as_secs_f64(),
         parts.decode.as_secs_f64(),
         parts.fold.as_secs_f64(),
@@ -753,7 +763,9 @@ impl ReplayParts {
 }
 
 async fn measure_service(
-    service: &Service,
+    binary: &std::path::Path,
+    config: &Config,
+    service: &Served,
     args: &ProjectionArgs,
     scratch: &Scratch,
     prepared: Prepared,
@@ -769,13 +781,13 @@ async fn measure_service(
     lag.extend(measure_lag(service, args, scratch, &plan, &mut checks, true).await?);
 
     eprintln!("bench: projections: verifying the ledger");
-    let started = Instant::now();
-    let verified = verify::verify(&service.pool).await?;
+    let (verified, ran) = crate::verify_ledger(binary, config, false).await?;
     checks.push(Check {
         description: format!(
-            "hash chain recomputed over {} events (planned, then posted) in {:.1} s: {}",
+            "hash chain recomputed by tally verify over {} events (planned, then posted) in \
+             {:.1} s: {}",
             verified.events_checked,
-            started.elapsed().as_secs_f64(),
+            ran.elapsed.as_secs_f64(),
             match verified.first_bad_position {
                 None => "intact".to_owned(),
                 Some(position) => format!("broken at {position}"),
@@ -791,6 +803,7 @@ async fn measure_service(
         healthz,
         lag,
         checks,
+        service: None,
     })
 }
 
@@ -801,7 +814,7 @@ async fn measure_service(
 /// `/healthz` is the floor (HTTP, routing and the client, without the query). Every usage
 /// answer is checked exactly.
 async fn measure_usage(
-    service: &Service,
+    service: &Served,
     scratch: &Scratch,
     plan: &Plan,
     checks: &mut Vec<Check>,
@@ -810,8 +823,7 @@ async fn measure_usage(
     let eventual_uri = usage_uri(period, ReadMode::Eventual)?;
     let usage_uri = usage_uri(period, ReadMode::Default)?;
     let healthz_uri: hyper::Uri = "/healthz".parse()?;
-    let mut connection =
-        HttpConnection::open(service.local_addr, "/healthz", &scratch.token).await?;
+    let mut connection = HttpConnection::open(service.address, "/healthz", &scratch.token).await?;
     eprintln!(
         "bench: projections: {USAGE_REQUESTS} usage queries for {BIG_ORG} in {period} in the \
          default mode, as many with consistency=eventual, and as many GET /healthz"
@@ -919,7 +931,7 @@ async fn measure_usage(
         target: "-".to_owned(),
     };
 
-    // The same query without HTTP: the service's own function on its own pool, so that
+    // The same query without HTTP: the service's own function, called here, so that
     // what the query costs and what serving it costs can be told apart.
     let mut query_latencies = Vec::with_capacity(USAGE_REQUESTS);
     for round in 0..USAGE_WARMUP_REQUESTS + USAGE_REQUESTS {
@@ -938,13 +950,13 @@ async fn measure_usage(
     }
     let query = Line {
         figure: Figure::new(
-            "usage query alone (no HTTP)",
+            "usage query alone (library in the bench, no HTTP)",
             USAGE_REQUESTS,
             elapsed(&query_latencies),
         )
         .with_latencies(&query_latencies)
         .with_note(format!(
-            "max {:.2} ms; `projection::query::usage` on the service's pool",
+            "max {:.2} ms; `projection::query::usage` in the bench's process, on its own pool",
             max_ms(&query_latencies)
         )),
         target: "-".to_owned(),
@@ -1028,7 +1040,7 @@ struct AppendedEvent {
 /// the lag's. A default read hurries the projector, so this lag is not the one without
 /// readers, which is measured in a run of its own.
 async fn measure_lag(
-    service: &Service,
+    service: &Served,
     args: &ProjectionArgs,
     scratch: &Scratch,
     plan: &Plan,
@@ -1063,7 +1075,7 @@ async fn measure_lag(
         seen_sender,
         samples_max,
     )));
-    let rounds_before = ProjectorRounds::now();
+    let rounds_before = ProjectorRounds::of(service).await?;
 
     let started = tokio::time::Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
@@ -1073,7 +1085,7 @@ async fn measure_lag(
     let mut clients = JoinSet::new();
     for _ in 0..LAG_CLIENTS {
         let (next, acknowledged) = (next.clone(), acknowledged.clone());
-        let (address, token) = (service.local_addr, scratch.token.clone());
+        let (address, token) = (service.address, scratch.token.clone());
         let (orgs, containers_per_org) = (plan.orgs, plan.containers_per_org);
         clients.spawn(async move {
             let uri: hyper::Uri = "/v1/events".parse()?;
@@ -1148,7 +1160,7 @@ async fn measure_lag(
     let posted = last_ack.map_or(Duration::ZERO, |last| {
         last.saturating_duration_since(started.into_std())
     });
-    let head = *service.appender.head().borrow();
+    let head = crate::ledger_head(&service.pool).await?;
     tokio::time::timeout(
         Duration::from_millis(SETTLE_TIMEOUT_MS),
         seen.wait_for(|position| *position >= head),
@@ -1160,7 +1172,7 @@ async fn measure_lag(
     let samples = (&mut monitor.0)
         .await
         .context("the checkpoint monitor failed")??;
-    let rounds = ProjectorRounds::now().since(rounds_before);
+    let rounds = ProjectorRounds::of(service).await?.since(rounds_before);
 
     checks.push(Check {
         description: format!(
@@ -1322,7 +1334,7 @@ struct ErrorCode {
 /// highest position `acknowledged` to a lag client before the read was sent: a default
 /// read must reflect it.
 async fn read_during_lag(
-    service: &Service,
+    service: &Served,
     scratch: &Scratch,
     plan: &Plan,
     period: Period,
@@ -1331,8 +1343,7 @@ async fn read_during_lag(
     stop: &CancellationToken,
 ) -> anyhow::Result<LagReads> {
     let uri = usage_uri(period, mode)?;
-    let mut connection =
-        HttpConnection::open(service.local_addr, "/healthz", &scratch.token).await?;
+    let mut connection = HttpConnection::open(service.address, "/healthz", &scratch.token).await?;
     let mut reads = LagReads {
         mode,
         latencies: Vec::new(),
@@ -1439,8 +1450,7 @@ async fn watch_checkpoint(
     Ok(samples)
 }
 
-/// The projector's round histograms, read from the process-wide metrics recorder the
-/// in-process service writes to.
+/// The projector's round histograms, read from the child's `/metrics`.
 #[derive(Debug, Clone, Copy, Default)]
 struct ProjectorRounds {
     rounds: u64,
@@ -1449,14 +1459,14 @@ struct ProjectorRounds {
 }
 
 impl ProjectorRounds {
-    fn now() -> ProjectorRounds {
-        let text = tally::telemetry::metrics_handle().render();
+    async fn of(service: &Served) -> anyhow::Result<ProjectorRounds> {
+        let text = service.metrics().await?;
         let value = |name: &str| -> Option<&str> {
             text.lines()
                 .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
                 .map(str::trim)
         };
-        ProjectorRounds {
+        Ok(ProjectorRounds {
             rounds: value("tally_projection_round_seconds_count")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0),
@@ -1466,7 +1476,7 @@ impl ProjectorRounds {
             seconds: value("tally_projection_round_seconds_sum")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0.0),
-        }
+        })
     }
 
     fn since(self, before: ProjectorRounds) -> ProjectorRounds {
@@ -1501,6 +1511,8 @@ struct Report {
     /// The lag alone, then the lag and the usage reads during a second load.
     lag: Vec<Line>,
     checks: Vec<Check>,
+    /// The `tally serve` child's, over the reads and the lag loads.
+    service: Option<child::ProcessUsage>,
 }
 
 impl Report {
@@ -1526,6 +1538,6 @@ impl Report {
         ]
         .into_iter()
         .chain(&self.lag);
-        print_lines(lines, &self.checks);
+        print_lines(lines, self.service, &self.checks);
     }
 }

@@ -3,15 +3,17 @@
 //!
 //! It runs after the audit part, in a scratch database and NATS namespace of its own, which
 //! it removes at the end with the report file, also when a step fails or the run is
-//! interrupted. It starts no service: import and reconciliation are the functions the HTTP
-//! handlers call, on a pool built as the service builds its own.
+//! interrupted. Import and reconciliation run in the `tally` binary: `tally reports import`
+//! as a child process, then `POST /v1/reconciliations` to a `tally serve` child.
 //!
 //! Flow: plan containers over the last 30 days → `COPY` their lifecycles into `ledger` day
-//! by day, in time order, then `VACUUM (ANALYZE)` and `projection::replay` → write a FOCUS
-//! report of one line per container-day from the same plan, with discrepancies of every
-//! kind planted (nothing of that is timed) → `reports::import` streaming the file (timed,
-//! peak RSS) → `reconciliation::run` (timed, peak RSS), whose counts must be exactly the
-//! planted ones → the table.
+//! by day, in time order, then `VACUUM (ANALYZE)` and `tally replay` → write a FOCUS report
+//! of one line per container-day from the same plan, with discrepancies of every kind
+//! planted (nothing of that is timed) → `tally reports import FILE` (timed, the child's
+//! peak RSS) → the parse alone, with the library in the bench's process (on purpose: the
+//! parser's share of import) → start `tally serve` → `POST /v1/reconciliations` (timed, the
+//! child's peak RSS over the request), whose counts must be exactly the planted ones → the
+//! table.
 
 use std::collections::HashSet;
 use std::io::Write as _;
@@ -34,11 +36,12 @@ use crate::{
     checkpoint, copy_into_ledger, measured_then_cleaned, print_checks, print_table, verdict,
     without_password, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
 };
-use tally::billing::reconcile::Tolerance;
 use tally::billing::report;
 use tally::config::Config;
 use tally::event::canonical;
-use tally::finance::reports::Imported;
+
+use crate::child::{self, Served};
+use crate::HttpConnection;
 
 /// Events in the ledger: ten million, a month of a busy platform.
 const EVENTS: usize = 10_000_000;
@@ -97,6 +100,7 @@ pub struct ReconciliationArgs {
 /// Measures import and reconciliation and prints their table. `config` is the service
 /// configuration of the ingest part: only its server addresses and credentials are used.
 pub(super) async fn run(
+    binary: &std::path::Path,
     mut config: Config,
     args: &ReconciliationArgs,
     nats: &jetstream::Context,
@@ -110,6 +114,7 @@ pub(super) async fn run(
     let shown_database_url = without_password(&config.database_url);
     config.database_url = scratch.database_url.clone();
     config.nats_namespace = scratch.namespace.clone();
+    config.bootstrap_token = Some(scratch.token.clone());
     let report_file =
         ReportFile(std::env::temp_dir().join(format!("{}_report.csv", scratch.database_name)));
     eprintln!(
@@ -121,7 +126,7 @@ pub(super) async fn run(
 
     let measure = async {
         let outcome = tokio::select! {
-            outcome = prepare_and_measure(&config, args, &scratch, &report_file) => outcome,
+            outcome = prepare_and_measure(binary, &config, args, &scratch, &report_file) => outcome,
             _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
         };
         drop(report_file);
@@ -529,8 +534,8 @@ fn write_report(plan: &Plan, path: &std::path::Path) -> anyhow::Result<(Expected
     Ok((expected, bytes))
 }
 
-/// The process's resident memory as the kernel counts it, in MB: now and the peak since
-/// the last [`reset_peak`].
+/// A process's resident memory as the kernel counts it, in MB: now and the peak since the
+/// last [`reset_peak`].
 #[derive(Debug, Clone, Copy)]
 struct Memory {
     rss_mb: f64,
@@ -538,15 +543,15 @@ struct Memory {
 }
 
 impl Memory {
-    fn now() -> anyhow::Result<Memory> {
-        let status = std::fs::read_to_string("/proc/self/status")
-            .context("peak RSS is read from /proc/self/status (Linux only)")?;
+    fn of(pid: u32) -> anyhow::Result<Memory> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .context("peak RSS is read from /proc/<pid>/status (Linux only)")?;
         let field = |name: &str| -> anyhow::Result<f64> {
             let kilobytes: f64 = status
                 .lines()
                 .find_map(|line| line.strip_prefix(name))
                 .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-                .with_context(|| format!("/proc/self/status has no {name}"))?;
+                .with_context(|| format!("/proc/{pid}/status has no {name}"))?;
             Ok(kilobytes / 1024.0)
         };
         Ok(Memory {
@@ -556,18 +561,19 @@ impl Memory {
     }
 }
 
-/// Starts a new peak: the kernel sets VmHWM back to the current RSS (`clear_refs` 5,
-/// Linux 4.0+). No call gives free memory back first: the allocator is mimalloc (see
-/// `main.rs`), which purges pages that become wholly free by itself, 10 ms after (its
-/// `purge_delay` default), so what building the ledger and the replay freed is not held.
-fn reset_peak() -> anyhow::Result<Memory> {
-    std::fs::write("/proc/self/clear_refs", "5")
-        .context("cannot reset the peak RSS through /proc/self/clear_refs")?;
-    Memory::now()
+/// Starts a new peak of process `pid`: the kernel sets VmHWM back to the current RSS
+/// (`clear_refs` 5, Linux 4.0+). No call gives free memory back first: `tally` allocates
+/// with mimalloc (see its `main.rs`), which purges pages that become wholly free by itself,
+/// 10 ms after (its `purge_delay` default).
+fn reset_peak(pid: u32) -> anyhow::Result<Memory> {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+        .with_context(|| format!("cannot reset the peak RSS through /proc/{pid}/clear_refs"))?;
+    Memory::of(pid)
 }
 
 /// Builds the ledger, replays it and writes the report (not timed), then measures.
 async fn prepare_and_measure(
+    binary: &std::path::Path,
     config: &Config,
     args: &ReconciliationArgs,
     scratch: &Scratch,
@@ -583,7 +589,7 @@ async fn prepare_and_measure(
         plan.events_base,
         started.elapsed().as_secs_f64()
     );
-    let pool = tally::ledger::db::prepare(config).await?;
+    child::run_cli(binary, config, &["migrate"]).await?;
     let mut connection = PgConnection::connect(&scratch.database_url)
         .await
         .context("cannot connect to the scratch database")?;
@@ -636,7 +642,9 @@ async fn prepare_and_measure(
         copy.as_secs_f64(),
         vacuum.as_secs_f64()
     );
-    let replayed = tally::projection::replay(&mut connection).await?;
+    connection.close().await?;
+    let replayed = crate::replay(binary, config).await?;
+    let mut connection = PgConnection::connect(&scratch.database_url).await?;
     checkpoint(&mut connection).await;
     connection.close().await?;
     let mut checks = vec![Check {
@@ -680,7 +688,7 @@ async fn prepare_and_measure(
     let replay = Line {
         figure: Figure::new(
             format!(
-                "projection::replay (not timed), {} containers",
+                "tally replay (not timed), {} containers",
                 replayed.containers
             ),
             usize::try_from(replayed.events)?,
@@ -711,42 +719,34 @@ async fn prepare_and_measure(
 
     let mut connection = PgConnection::connect(&scratch.database_url).await?;
     checkpoint(&mut connection).await;
-    let before_import = reset_peak()?;
-    eprintln!(
-        "bench: reconciliation: importing (RSS {:.0} MB)",
-        before_import.rss_mb
-    );
-    let started = Instant::now();
-    let file = tokio::fs::File::open(&report_file.0).await?;
-    let chunks = tokio_util::io::ReaderStream::with_capacity(file, READ_CHUNK_BYTES);
-    let imported = tally::finance::reports::import(&pool, chunks, u64::MAX, "bench").await?;
-    let import_elapsed = started.elapsed();
-    let after_import = Memory::now()?;
-    let stored = match imported {
-        Imported::Created(stored) => stored,
-        Imported::Existing(_) => anyhow::bail!("a fresh database already had the report"),
-    };
+    eprintln!("bench: reconciliation: importing with tally reports import");
+    let path = report_file
+        .0
+        .to_str()
+        .context("the report's path is not UTF-8")?;
+    let ran = child::run_cli(binary, config, &["reports", "import", path]).await?;
+    let import_elapsed = ran.elapsed;
+    let stored: ImportAnswer = serde_json::from_str(&ran.stdout)
+        .with_context(|| format!("tally reports import printed {:?}", ran.stdout.trim()))?;
     checks.push(Check {
         description: format!(
-            "the import stored {} lines over {} .. {}",
-            stored.lines,
-            canonical::timestamp(stored.window_start),
-            canonical::timestamp(stored.window_end)
+            "the import stored {} lines over {} .. {} (new: {})",
+            stored.lines, stored.window_start, stored.window_end, stored.new
         ),
-        passed: stored.lines == args.report_lines as i64,
+        passed: stored.new && stored.lines == args.report_lines as i64,
     });
     let import_rate = args.report_lines as f64 / import_elapsed.as_secs_f64();
     let import = Line {
         figure: Figure::new(
-            "reports::import, file streamed",
+            "tally reports import FILE (file streamed)",
             args.report_lines,
             import_elapsed,
         )
         .with_note(format!(
-            "{} KiB chunks; parse and sha256 on a blocking thread, batches of {} inserted in \
-             one transaction",
-            READ_CHUNK_BYTES / 1024,
-            tally::finance::reports::IMPORT_BATCH_LINES
+            "a child process, start-up included; parse and sha256 on a blocking thread, \
+             batches of {} inserted in one transaction; {}",
+            tally::finance::reports::IMPORT_BATCH_LINES,
+            crate::ran_note(&ran)
         )),
         target: format!(
             "≥ {TARGET_IMPORT_ROWS_PER_SECOND:.0} rows/s: {}",
@@ -758,17 +758,8 @@ async fn prepare_and_measure(
     let parse = parse_alone(report_file.0.clone(), args.report_lines).await?;
 
     checkpoint(&mut connection).await;
-    let before_reconcile = reset_peak()?;
-    eprintln!(
-        "bench: reconciliation: reconciling (RSS {:.0} MB)",
-        before_reconcile.rss_mb
-    );
-    let started = Instant::now();
-    let summary =
-        tally::finance::reconciliation::run(&pool, stored.id, Tolerance::default(), "bench")
-            .await?;
-    let reconcile_elapsed = started.elapsed();
-    let after_reconcile = Memory::now()?;
+    let (summary, reconcile_elapsed, before_reconcile, after_reconcile, service) =
+        reconcile_served(binary, config, scratch, stored.report_id).await?;
     let counted = |status: &str| summary.counts[status].as_u64().unwrap_or(0);
     let mismatches: Vec<String> = expected
         .pairs()
@@ -795,7 +786,7 @@ async fn prepare_and_measure(
     });
     let (stored_lines,): (i64,) =
         sqlx::query_as("SELECT count(*) FROM reconciliation_line WHERE reconciliation_id = $1")
-            .bind(summary.id)
+            .bind(summary.reconciliation_id)
             .fetch_one(&mut connection)
             .await?;
     checks.push(Check {
@@ -806,40 +797,113 @@ async fn prepare_and_measure(
         passed: stored_lines == expected.lines() as i64,
     });
     connection.close().await?;
-    pool.close().await;
     let reconcile = Line {
         figure: Figure::new(
-            "reconciliation::run",
+            "POST /v1/reconciliations",
             usize::try_from(expected.lines())?,
             reconcile_elapsed,
         )
         .with_note(format!(
-            "every line against the projection, then the containers the report leaves out; \
-             {} lines stored; matched provider cost {} USD",
-            stored_lines, summary.totals["by_status"]["matched"]["provider_cost"]
+            "to tally serve, a child process; every line against the projection, then the \
+             containers the report leaves out; {} lines stored; matched provider cost {} USD",
+            stored_lines,
+            summary.totals["by_status"]["matched"]["provider_cost"]
+                .as_str()
+                .unwrap_or("?")
         )),
         target: format!(
             "≤ {TARGET_RECONCILE_SECONDS:.0} s: {}",
             verdict(reconcile_elapsed.as_secs_f64() <= TARGET_RECONCILE_SECONDS)
         ),
     };
-    let memory_line = |label: &str, before: Memory, after: Memory| MemoryLine {
-        label: label.to_owned(),
-        before,
-        after,
-    };
     Ok(Report {
         lines: vec![build, replay, report, import, parse, reconcile],
         memory: vec![
-            memory_line("peak RSS during import", before_import, after_import),
-            memory_line(
-                "peak RSS during reconcile",
-                before_reconcile,
-                after_reconcile,
-            ),
+            MemoryLine {
+                label: "peak RSS of tally reports import".to_owned(),
+                peak_mb: ran.usage.peak_mb,
+                note: "ru_maxrss of the whole child process, start-up included".to_owned(),
+            },
+            MemoryLine {
+                label: "peak RSS of tally serve during the reconciliation".to_owned(),
+                peak_mb: after_reconcile.peak_mb,
+                note: format!(
+                    "VmHWM {:.0} MB, {:+.0} MB over the {:.0} MB resident before the request; \
+                     {:.0} MB resident after",
+                    after_reconcile.peak_mb,
+                    after_reconcile.peak_mb - before_reconcile.rss_mb,
+                    before_reconcile.rss_mb,
+                    after_reconcile.rss_mb
+                ),
+            },
         ],
         checks,
+        service: Some(service),
     })
+}
+
+/// What `tally reports import` prints.
+#[derive(serde::Deserialize)]
+struct ImportAnswer {
+    report_id: uuid::Uuid,
+    lines: i64,
+    window_start: String,
+    window_end: String,
+    new: bool,
+}
+
+/// `POST /v1/reconciliations`' answer.
+#[derive(serde::Deserialize)]
+struct Reconciled {
+    reconciliation_id: uuid::Uuid,
+    counts: serde_json::Value,
+    totals: serde_json::Value,
+}
+
+/// Starts `tally serve`, asks it to reconcile `report_id` with the default tolerance, and
+/// stops it; returns the answer, the request's time, the child's memory just before and
+/// just after it (the peak restarted at the request) and its CPU and peak over the run.
+async fn reconcile_served(
+    binary: &std::path::Path,
+    config: &Config,
+    scratch: &Scratch,
+    report_id: uuid::Uuid,
+) -> anyhow::Result<(
+    Reconciled,
+    std::time::Duration,
+    Memory,
+    Memory,
+    child::ProcessUsage,
+)> {
+    let service = Served::start(binary, config).await?;
+    let outcome = async {
+        let mut connection =
+            HttpConnection::open(service.address, "/v1/reconciliations", &scratch.token).await?;
+        let before = reset_peak(service.pid())?;
+        eprintln!(
+            "bench: reconciliation: POST /v1/reconciliations (tally serve RSS {:.0} MB)",
+            before.rss_mb
+        );
+        let started = Instant::now();
+        let answer = connection
+            .expect(
+                &hyper::Method::POST,
+                &"/v1/reconciliations".parse()?,
+                json!({ "report_id": report_id }).to_string().into(),
+                hyper::StatusCode::CREATED,
+            )
+            .await?;
+        let elapsed = started.elapsed();
+        let after = Memory::of(service.pid())?;
+        let reconciled: Reconciled =
+            serde_json::from_slice(&answer).context("the reconciliation answer does not parse")?;
+        anyhow::Ok((reconciled, elapsed, before, after))
+    }
+    .await;
+    eprintln!("bench: reconciliation: stopping the service");
+    let usage = service.stop().await;
+    let (reconciled, elapsed, before, after) = outcome?;
+    Ok((reconciled, elapsed, before, after, usage?))
 }
 
 /// What import's parser alone costs: the file read, hashed and every line checked as
@@ -883,7 +947,12 @@ async fn parse_alone(path: PathBuf, lines: usize) -> anyhow::Result<Line> {
     })
     .await??;
     Ok(Line {
-        figure: Figure::new("the same parse alone (no database)", lines, elapsed).with_note(
+        figure: Figure::new(
+            "the same parse alone (library in the bench, no database)",
+            lines,
+            elapsed,
+        )
+        .with_note(
             "csv records, Header::line and sha256 on one thread: the parser's share of import"
                 .to_owned(),
         ),
@@ -891,11 +960,11 @@ async fn parse_alone(path: PathBuf, lines: usize) -> anyhow::Result<Line> {
     })
 }
 
-/// The process's memory over one measured step.
+/// A child's peak memory over one measured step.
 struct MemoryLine {
     label: String,
-    before: Memory,
-    after: Memory,
+    peak_mb: f64,
+    note: String,
 }
 
 /// Everything the reconciliation table prints.
@@ -903,6 +972,8 @@ struct Report {
     lines: Vec<Line>,
     memory: Vec<MemoryLine>,
     checks: Vec<Check>,
+    /// The `tally serve` child's, over the reconciliation.
+    service: Option<child::ProcessUsage>,
 }
 
 impl Report {
@@ -937,25 +1008,21 @@ impl Report {
             })
             .collect();
         for line in &self.memory {
-            let met = line.after.peak_mb <= TARGET_PEAK_RSS_MB;
+            let met = line.peak_mb <= TARGET_PEAK_RSS_MB;
             cells.push(vec![
                 line.label.clone(),
                 "-".to_owned(),
                 "-".to_owned(),
                 "-".to_owned(),
                 format!("≤ {TARGET_PEAK_RSS_MB:.0} MB: {}", verdict(met)),
-                format!(
-                    "VmHWM {:.0} MB, {:+.0} MB over the {:.0} MB resident before the step \
-                     (the whole bench process); {:.0} MB resident after",
-                    line.after.peak_mb,
-                    line.after.peak_mb - line.before.rss_mb,
-                    line.before.rss_mb,
-                    line.after.rss_mb
-                ),
+                format!("{:.0} MB; {}", line.peak_mb, line.note),
             ]);
         }
         print_table(&header, &cells);
         println!();
+        if let Some(usage) = self.service {
+            crate::print_service_usage(usage);
+        }
         print_checks(&self.checks);
     }
 }

@@ -44,7 +44,7 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         .expect("connecting to the test server");
     let before = scratch_databases(&admin).await;
 
-    // The ingest part starts this workspace's tally binary as `tally serve`.
+    // Every part runs this workspace's tally binary: `tally serve`, `tally replay`, ….
     let serve_binary = tally_binary();
     let args = Cli::parse_from([
         "bench",
@@ -95,8 +95,11 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
     // Among the projection part's checks: every usage answer in both modes equals the
     // plan, and no default-mode read during the lag load answers at a position short of a
     // batch acknowledged before it was sent.
+    let serve_binary = tally_binary();
     let args = Cli::parse_from([
         "bench",
+        "--serve-binary",
+        serve_binary.to_str().expect("a UTF-8 path"),
         "--only",
         "projection",
         "--orgs",
@@ -123,7 +126,7 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_ingest_part_refuses_to_start_without_a_tally_binary_to_serve() {
+async fn the_bench_refuses_to_start_without_a_tally_binary_to_run() {
     let nats = TestNats::start();
     let server = format!("{}/postgres", server_url().trim_end_matches('/'));
     let args = Cli::parse_from([
@@ -136,7 +139,7 @@ async fn the_ingest_part_refuses_to_start_without_a_tally_binary_to_serve() {
     .args;
     let error = tally_bench::run(Config::new(&server, &nats.url), args)
         .await
-        .expect_err("the ingest part needs tally serve as a child process");
+        .expect_err("every part runs the tally binary as a child process");
     assert!(
         error
             .to_string()
