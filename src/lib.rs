@@ -11,6 +11,8 @@ pub mod billing;
 pub mod bus;
 /// The command line.
 pub mod cli;
+/// What "now" is for the rules: the system clock, or a set instant in tests.
+pub mod clock;
 /// Settings from the environment, each with its unit and the reason for its default.
 pub mod config;
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).

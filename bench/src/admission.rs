@@ -1210,7 +1210,11 @@ fn facts_in_memory(before: CacheStats, after: CacheStats) -> String {
 /// so that every check reads Postgres as it would after a change.
 async fn measure_direct(service: &Service, probes: &[Probe]) -> anyhow::Result<Vec<Line>> {
     let mut lines = Vec::with_capacity(4);
-    let postgres_only = Checker::new(service.pool.clone(), service.freshness.clone());
+    let postgres_only = Checker::new(
+        service.pool.clone(),
+        service.freshness.clone(),
+        service.clock,
+    );
     for (checker, facts) in [
         (&service.checker, "facts kept in memory"),
         (&postgres_only, "facts read from Postgres"),
@@ -1323,12 +1327,16 @@ async fn measure_waits(
     probes: &[Probe],
     checks: &mut Vec<Check>,
 ) -> anyhow::Result<[Line; 2]> {
-    let waiting = Checker::new(service.pool.clone(), service.freshness.clone());
+    let waiting = Checker::new(
+        service.pool.clone(),
+        service.freshness.clone(),
+        service.clock,
+    );
     let appended_nothing = Freshness::new(
         service.appender.head(),
         Arc::new(Mutex::new(Acknowledged::default())),
     );
-    let not_waiting = Checker::new(service.pool.clone(), appended_nothing);
+    let not_waiting = Checker::new(service.pool.clone(), appended_nothing, service.clock);
     let requests: Vec<Request> = probes
         .iter()
         .take(DIRECT_REQUESTS)

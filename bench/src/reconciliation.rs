@@ -764,9 +764,14 @@ async fn prepare_and_measure(
         before_reconcile.rss_mb
     );
     let started = Instant::now();
-    let summary =
-        tally::finance::reconciliation::run(&pool, stored.id, Tolerance::default(), "bench")
-            .await?;
+    let summary = tally::finance::reconciliation::run(
+        &pool,
+        stored.id,
+        Tolerance::default(),
+        chrono::Utc::now(),
+        "bench",
+    )
+    .await?;
     let reconcile_elapsed = started.elapsed();
     let after_reconcile = Memory::now()?;
     let counted = |status: &str| summary.counts[status].as_u64().unwrap_or(0);

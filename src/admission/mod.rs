@@ -21,6 +21,7 @@ use sqlx::{FromRow, PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::billing::{self, Action, Decision, Facts};
+use crate::clock::Clock;
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
 use crate::projection::notice::{self, Notice};
@@ -498,24 +499,40 @@ pub struct Reservation {
 /// Grants a reservation when admission allows the request, serialized per org across
 /// every instance; records a refusal otherwise. Either way returns the answer.
 /// The instance's own kept facts of the org are dropped after a grant, so that its next
-/// check counts the reservation without waiting for the notice.
+/// check counts the reservation without waiting for the notice. `clock` says when the
+/// grant happens and so when it expires.
 pub async fn reserve(
     pool: &PgPool,
     freshness: &Freshness,
     cache: &cache::FactsCache,
+    clock: Clock,
     request: &Request,
     ttl_seconds: u64,
     actor: &str,
 ) -> Result<(Answer, Option<Reservation>), AdmissionError> {
     let wait = Wait::default();
-    reserve_with(pool, freshness, cache, request, ttl_seconds, actor, wait).await
+    reserve_with(
+        pool,
+        freshness,
+        cache,
+        clock,
+        request,
+        ttl_seconds,
+        actor,
+        wait,
+    )
+    .await
 }
 
 /// [`reserve`], with the facts reflecting `wait.min_position` too, waiting `wait.within`.
+// The instance's handles (pool, freshness, cache, clock) and the ask (request, ttl, actor,
+// wait) are separate things; bundling either would only rename the parameters.
+#[allow(clippy::too_many_arguments)]
 pub async fn reserve_with(
     pool: &PgPool,
     freshness: &Freshness,
     cache: &cache::FactsCache,
+    clock: Clock,
     request: &Request,
     ttl_seconds: u64,
     actor: &str,
@@ -540,7 +557,7 @@ pub async fn reserve_with(
             .await?;
         // The clock is read after the lock, so that expiry is judged at the moment of
         // granting.
-        let now = Utc::now().trunc_subsecs(3);
+        let now = clock.now().trunc_subsecs(3);
         if let Some(answer) = load(&mut transaction, request, now, wanted).await? {
             break (transaction, now, answer);
         }

@@ -219,6 +219,7 @@ pub async fn post_reservation(
         &state.pool,
         &state.freshness,
         state.checker.cache(),
+        state.clock,
         &request,
         ttl_seconds,
         &principal.id,

@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use chrono::{SubsecRound, Utc};
+use chrono::SubsecRound;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
@@ -138,7 +138,7 @@ pub async fn post_void(
         event_type: EventType::LedgerEventVoided,
         org_id: OrgId::parse(&org_id).map_err(|error| ApiError::internal(&error))?,
         container_id: None,
-        occurred_at: Utc::now().trunc_subsecs(3),
+        occurred_at: state.clock.now().trunc_subsecs(3),
         data: EventData::Correction(json!({
             "event_id": event_id.to_string(),
             "reason": reason,
@@ -214,7 +214,7 @@ pub async fn post_events(
     let reason = reason(&body.reason)?;
     let batch = json!({"events": body.events.unwrap_or(Value::Null)});
     let bounds = TimeBounds {
-        now: Utc::now(),
+        now: state.clock.now(),
         backdate_max: chrono::Duration::days(ADDED_BACKDATE_DAYS),
     };
     let mut events = parse_body(
@@ -234,7 +234,7 @@ pub async fn post_events(
         event_type: EventType::LedgerEventsAdded,
         org_id: OrgId::parse(CORRECTIONS_ORG_ID).expect("a valid org id"),
         container_id: None,
-        occurred_at: Utc::now().trunc_subsecs(3),
+        occurred_at: state.clock.now().trunc_subsecs(3),
         data: EventData::Correction(json!({
             "event_ids": events.iter().map(|event| event.id.to_string()).collect::<Vec<_>>(),
             "reason": reason,
