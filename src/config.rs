@@ -205,6 +205,10 @@ pub struct Config {
 
     #[arg(long, env = "TALLY_READ_WAIT_MS", default_value_t = READ_WAIT_MS)]
     pub read_wait_ms: u64,
+
+    /// What "now" is for the service's rules: the system clock, unless a test sets it.
+    #[arg(skip)]
+    pub clock: crate::clock::Clock,
 }
 
 /// 1 to 1000: contract §6 allows no larger page.
@@ -251,6 +255,7 @@ impl Config {
             http_write_timeout_ms: HTTP_WRITE_TIMEOUT_MS,
             finance_batch_orgs: FINANCE_BATCH_ORGS,
             read_wait_ms: READ_WAIT_MS,
+            clock: crate::clock::Clock::system(),
         }
     }
 

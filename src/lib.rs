@@ -12,6 +12,9 @@
 /// Every error code the service answers, as one closed enum (contract §7); below every layer.
 pub mod error_code;
 
+/// What "now" is for the rules: the system clock, or a set instant in tests.
+pub mod clock;
+
 /// The event: ids, schema, validation, CloudEvents, canonical bytes (pure).
 pub mod event;
 

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::{self, Checker};
 use crate::bus::{self, ingest, relay, Names};
+use crate::clock::Clock;
 use crate::config::Config;
 use crate::http::{self, auth::Tokens, AppState, Inner};
 use crate::ledger::{db, AppendLimits, Appender};
@@ -30,6 +31,8 @@ pub struct Service {
     pub appender: Appender,
     pub freshness: Freshness,
     pub checker: Checker,
+    /// What "now" is for this service's rules (`Config::clock`).
+    pub clock: Clock,
     shutdown: CancellationToken,
     server: JoinHandle<std::io::Result<()>>,
     workers: Vec<JoinHandle<()>>,
@@ -61,7 +64,7 @@ impl Service {
             },
         );
         let freshness = Freshness::new(appender.head(), appender.acknowledged());
-        let checker = Checker::new(pool.clone(), freshness.clone());
+        let checker = Checker::new(pool.clone(), freshness.clone(), config.clock);
         let shutdown = CancellationToken::new();
         let relay_status = relay::RelayStatus::default();
         let workers = vec![
@@ -84,6 +87,7 @@ impl Service {
                     batch_max: config.projector_batch_max,
                     poll: Duration::from_millis(config.projector_poll_ms),
                     linger: Duration::from_millis(config.projector_linger_ms),
+                    clock: config.clock,
                 },
                 freshness.clone(),
                 shutdown.clone(),
@@ -102,6 +106,7 @@ impl Service {
                     fetch_max: config.ingest_fetch_max,
                     batch_events_max: config.batch_events_max,
                     backdate_max: config.backdate_max(),
+                    clock: config.clock,
                 },
                 shutdown.clone(),
             )),
@@ -129,6 +134,7 @@ impl Service {
             )),
             finance_batch_orgs: i64::from(config.finance_batch_orgs),
             read_wait: Duration::from_millis(config.read_wait_ms),
+            clock: config.clock,
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");
@@ -146,6 +152,7 @@ impl Service {
             appender,
             freshness,
             checker,
+            clock: config.clock,
             shutdown,
             server,
             workers,

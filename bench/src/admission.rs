@@ -40,6 +40,7 @@ use crate::{
 use tally::admission::cache::CacheStats;
 use tally::admission::{Checker, Request};
 use tally::billing::Action;
+use tally::clock::Clock;
 use tally::config::Config;
 use tally::event::canonical;
 use tally::event::{ContainerId, OrgId, PlanId};
@@ -1312,14 +1313,14 @@ async fn measure_direct(
 ) -> anyhow::Result<Vec<Line>> {
     let mut lines = Vec::with_capacity(4);
     let (_head, freshness) = acknowledged_nothing();
-    let in_memory = Checker::new(pool.clone(), freshness.clone());
+    let in_memory = Checker::new(pool.clone(), freshness.clone(), Clock::system());
     let stop_listening = tokio_util::sync::CancellationToken::new();
     let _listener = crate::AbortOnDrop(tokio::spawn(tally::admission::cache::listen(
         pool.clone(),
         in_memory.cache().clone(),
         stop_listening.clone(),
     )));
-    let postgres_only = Checker::new(pool.clone(), freshness);
+    let postgres_only = Checker::new(pool.clone(), freshness, Clock::system());
     for (checker, facts) in [
         (&in_memory, "facts kept in memory"),
         (&postgres_only, "facts read from Postgres"),
@@ -1453,9 +1454,10 @@ async fn measure_waits(
     let waiting = Checker::new(
         pool.clone(),
         Freshness::new(watched, Arc::clone(&acknowledged)),
+        Clock::system(),
     );
     let (_nothing_head, appended_nothing) = acknowledged_nothing();
-    let not_waiting = Checker::new(pool.clone(), appended_nothing);
+    let not_waiting = Checker::new(pool.clone(), appended_nothing, Clock::system());
     let requests: Vec<Request> = probes
         .iter()
         .take(DIRECT_REQUESTS)

@@ -30,6 +30,7 @@ use super::cache::FactsCache;
 use super::{
     answer_from, load_facts, AdmissionError, Answer, FactsRow, Prepared, Reader, Request, Wait,
 };
+use crate::clock::Clock;
 use crate::projection::Freshness;
 
 /// Checks in one statement at most.
@@ -71,22 +72,35 @@ pub struct Checker {
     freshness: Freshness,
     pool: PgPool,
     cache: FactsCache,
+    clock: Clock,
 }
 
 impl Checker {
-    pub fn new(pool: PgPool, freshness: Freshness) -> Checker {
-        Checker::with_queue_max(pool, freshness, CHECK_QUEUE_MAX)
+    /// Checks on `pool`, fresh as `freshness` says, deciding at `clock`'s now.
+    pub fn new(pool: PgPool, freshness: Freshness, clock: Clock) -> Checker {
+        Checker::with_queue_max(pool, freshness, clock, CHECK_QUEUE_MAX)
     }
 
     /// As [`Checker::new`], with at most `queue_max` checks waiting.
-    pub fn with_queue_max(pool: PgPool, freshness: Freshness, queue_max: usize) -> Checker {
+    pub fn with_queue_max(
+        pool: PgPool,
+        freshness: Freshness,
+        clock: Clock,
+        queue_max: usize,
+    ) -> Checker {
         Checker {
             queue: Arc::default(),
             queue_max,
             cache: FactsCache::waking(freshness.clone()),
             freshness,
             pool,
+            clock,
         }
+    }
+
+    /// The clock this checker decides at; reservations are granted at the same one.
+    pub fn clock(&self) -> Clock {
+        self.clock
     }
 
     /// The facts this checker keeps between checks; they are used only while
@@ -116,7 +130,7 @@ impl Checker {
     ) -> Result<Answer, AdmissionError> {
         let wanted = wait.wanted(&self.freshness, &request.org_id);
         if let Some((facts, position)) = self.cache.get(request, wanted) {
-            let now = Utc::now().trunc_subsecs(3);
+            let now = self.clock.now().trunc_subsecs(3);
             if facts.serves(now) {
                 if let Some(runtime_used_ms) = facts.runtime_used_ms(now) {
                     self.cache.count(true);
@@ -181,7 +195,7 @@ impl Checker {
         let requests: Vec<&Request> = std::iter::once(request)
             .chain(lead.group.iter().map(|pending| &pending.request))
             .collect();
-        let result = read_group(&self.pool, &requests).await;
+        let result = read_group(&self.pool, &requests, self.clock).await;
         drop(requests);
         let group = std::mem::take(&mut lead.group);
         // The next group may start while this one's answers go out.
@@ -290,9 +304,10 @@ impl Drop for Waiting<'_> {
 async fn read_group(
     pool: &PgPool,
     requests: &[&Request],
+    clock: Clock,
 ) -> Result<(Vec<FactsRow>, DateTime<Utc>), AdmissionError> {
     let mut connection = pool.acquire().await?;
-    let now = Utc::now().trunc_subsecs(3);
+    let now = clock.now().trunc_subsecs(3);
     let rows = load_facts(&mut connection, requests, now).await?;
     Ok((rows, now))
 }

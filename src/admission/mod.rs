@@ -20,6 +20,7 @@ use sqlx::{FromRow, PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::billing::{self, Action, Decision, Facts};
+use crate::clock::Clock;
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
 use crate::projection::notice::{self, Notice};
@@ -533,24 +534,40 @@ pub struct Reservation {
 /// Grants a reservation when admission allows the request, serialized per org across
 /// every instance; records a refusal otherwise. Either way returns the answer.
 /// The instance's own kept facts of the org are dropped after a grant, so that its next
-/// check counts the reservation without waiting for the notice.
+/// check counts the reservation without waiting for the notice. `clock` says when the
+/// grant happens and so when it expires.
 pub async fn reserve(
     pool: &PgPool,
     freshness: &Freshness,
     cache: &cache::FactsCache,
+    clock: Clock,
     request: &Request,
     ttl_seconds: u64,
     actor: &str,
 ) -> Result<(Answer, Option<Reservation>), AdmissionError> {
     let wait = Wait::default();
-    reserve_with(pool, freshness, cache, request, ttl_seconds, actor, wait).await
+    reserve_with(
+        pool,
+        freshness,
+        cache,
+        clock,
+        request,
+        ttl_seconds,
+        actor,
+        wait,
+    )
+    .await
 }
 
 /// [`reserve`], with the facts reflecting `wait.min_position` too, waiting `wait.within`.
+// The instance's handles (pool, freshness, cache, clock) and the ask (request, ttl, actor,
+// wait) are separate things; bundling either would only rename the parameters.
+#[allow(clippy::too_many_arguments)]
 pub async fn reserve_with(
     pool: &PgPool,
     freshness: &Freshness,
     cache: &cache::FactsCache,
+    clock: Clock,
     request: &Request,
     ttl_seconds: u64,
     actor: &str,
@@ -565,7 +582,7 @@ pub async fn reserve_with(
     // under the org's lock, so that a replay's swap moving the checkpoint back cannot slip
     // in between; while they are behind, the lock is let go and the projector awaited,
     // within one deadline however often the checkpoint moves.
-    let (mut transaction, now, answer) = locked_answer(pool, freshness, request, wait).await?;
+    let (mut transaction, now, answer) = locked_answer(pool, freshness, request, wait, clock).await?;
     let action = serde_json::to_value(request.action)
         .ok()
         .and_then(|value| value.as_str().map(str::to_owned))
@@ -624,6 +641,7 @@ async fn locked_answer(
     freshness: &Freshness,
     request: &Request,
     wait: Wait,
+    clock: Clock,
 ) -> Result<(Transaction<'static, Postgres>, DateTime<Utc>, Answer), AdmissionError> {
     let wanted = wait.wanted(freshness, &request.org_id);
     let deadline = Instant::now() + wait.within;
@@ -635,7 +653,7 @@ async fn locked_answer(
             .await?;
         // The clock is read after the lock, so that expiry is judged at the moment of
         // granting.
-        let now = Utc::now().trunc_subsecs(3);
+        let now = clock.now().trunc_subsecs(3);
         if let Some(answer) = load(&mut transaction, request, now, wanted).await? {
             return Ok((transaction, now, answer));
         }

@@ -49,6 +49,8 @@ pub struct IngestSettings {
     pub fetch_max: usize,
     pub batch_events_max: usize,
     pub backdate_max: chrono::Duration,
+    /// The "now" an event's time is bounded by.
+    pub clock: crate::clock::Clock,
 }
 
 /// Runs until `shutdown`, finishing the batch in hand; errors are logged and retried.
@@ -141,7 +143,7 @@ async fn handle_batch(
     messages: Vec<Message>,
 ) -> anyhow::Result<()> {
     let bounds = TimeBounds {
-        now: chrono::Utc::now(),
+        now: settings.clock.now(),
         backdate_max: settings.backdate_max,
     };
     // All appends are queued before any is awaited, so the batch shares group commits.

@@ -12,7 +12,14 @@ pub async fn close(config: &Config, period: &str) -> anyhow::Result<ExitCode> {
     let pool = db::prepare(config).await?;
     // No projector runs here: every event acknowledged before now goes in the snapshot.
     super::to_head(&pool, config).await?;
-    let started = periods::start(&pool, period, "cli", i64::from(config.finance_batch_orgs)).await;
+    let started = periods::start(
+        &pool,
+        period,
+        config.clock.now(),
+        "cli",
+        i64::from(config.finance_batch_orgs),
+    )
+    .await;
     let outcome = match started {
         Ok(Start::Claimed(claim)) => {
             eprintln!("closing {period} (job {})", claim.job.id);

@@ -265,16 +265,17 @@ pub struct Claim {
 }
 
 /// Asks to close `period` on behalf of `actor`: claims it, or finds the close that exists
-/// or runs; an error when the period is still running. `batch_orgs` bounds the orgs priced
-/// and written per statement.
+/// or runs; an error when the period is still running at `now`. `batch_orgs` bounds the
+/// orgs priced and written per statement.
 pub async fn start(
     pool: &PgPool,
     period: Period,
+    now: DateTime<Utc>,
     actor: &str,
     batch_orgs: i64,
 ) -> Result<Start, CloseError> {
     assert!(batch_orgs > 0, "a batch holds at least one org");
-    if Utc::now() < period.end() {
+    if now < period.end() {
         return Err(CloseError::Running(period, period.end()));
     }
     if let Some(job) = job(pool, period).await? {

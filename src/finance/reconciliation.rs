@@ -107,11 +107,12 @@ impl Tally {
     }
 }
 
-/// Reconciles report `report_id` with `tolerance`, counting ledger runtime up to now.
+/// Reconciles report `report_id` with `tolerance`, counting ledger runtime up to `now`.
 pub async fn run(
     pool: &PgPool,
     report_id: Uuid,
     tolerance: Tolerance,
+    now: DateTime<Utc>,
     actor: &str,
 ) -> Result<Summary, ReconcileError> {
     let window: Option<(DateTime<Utc>, DateTime<Utc>)> =
@@ -122,7 +123,7 @@ pub async fn run(
     let Some((window_start, window_end)) = window else {
         return Err(ReconcileError::UnknownReport(report_id));
     };
-    let as_of = Utc::now().trunc_subsecs(3);
+    let as_of = now.trunc_subsecs(3);
     let mut transaction = pool.begin().await?;
     // One snapshot for every read: the ledger figures all come from one checkpoint, read
     // first, so that it is the position of the snapshot.

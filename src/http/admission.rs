@@ -203,6 +203,7 @@ pub async fn post_reservation(
         &state.pool,
         &state.freshness,
         state.checker.cache(),
+        state.clock,
         &request,
         ttl_seconds,
         &principal.id,

@@ -7,7 +7,7 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use chrono::{SubsecRound, Utc};
+use chrono::SubsecRound;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -108,7 +108,7 @@ pub async fn post_void(
         event_type: EventType::LedgerEventVoided,
         org_id: OrgId::parse(&org_id).map_err(|error| ApiError::internal(&error))?,
         container_id: None,
-        occurred_at: Utc::now().trunc_subsecs(3),
+        occurred_at: state.clock.now().trunc_subsecs(3),
         data: EventData::Correction(json!({
             "event_id": event_id.to_string(),
             "reason": reason,
@@ -224,7 +224,7 @@ pub async fn post_events(
     let reason = reason(&body.reason)?;
     let batch = json!({"events": body.events.unwrap_or(Value::Null)});
     let bounds = TimeBounds {
-        now: Utc::now(),
+        now: state.clock.now(),
         backdate_max: chrono::Duration::days(ADDED_BACKDATE_DAYS),
     };
     let mut events = parse_body(
@@ -244,7 +244,7 @@ pub async fn post_events(
         event_type: EventType::LedgerEventsAdded,
         org_id: OrgId::parse(CORRECTIONS_ORG_ID).expect("a valid org id"),
         container_id: None,
-        occurred_at: Utc::now().trunc_subsecs(3),
+        occurred_at: state.clock.now().trunc_subsecs(3),
         data: EventData::Correction(json!({
             "event_ids": events.iter().map(|event| event.id.to_string()).collect::<Vec<_>>(),
             "reason": reason,

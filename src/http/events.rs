@@ -92,7 +92,7 @@ pub async fn post_events(
         })?;
     let bytes = super::body::read_body(body, state.body_max_bytes).await?;
     let bounds = TimeBounds {
-        now: chrono::Utc::now(),
+        now: state.clock.now(),
         backdate_max: state.backdate_max,
     };
     let mut events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {

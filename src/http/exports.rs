@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use chrono::{SubsecRound, Utc};
+use chrono::SubsecRound;
 use futures::StreamExt;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -141,6 +141,7 @@ pub async fn post_close(
     let started = crate::finance::periods::start(
         &state.pool,
         period,
+        state.clock.now(),
         &principal.id,
         state.finance_batch_orgs,
     )
@@ -322,7 +323,7 @@ pub async fn get_usage_export(
     )?
     .settle(&state)
     .await?;
-    let as_of = Utc::now().trunc_subsecs(3).min(period.end());
+    let as_of = state.clock.now().trunc_subsecs(3).min(period.end());
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.
     let export = export::usage_export(

@@ -76,6 +76,8 @@ pub struct Inner {
     pub finance_batch_orgs: i64,
     /// How long a read of derived figures waits for the projection (`TALLY_READ_WAIT_MS`).
     pub read_wait: Duration,
+    /// What "now" is for the rules: periods, event time bounds, `as_of`, expiry.
+    pub clock: crate::clock::Clock,
 }
 
 impl AppState {

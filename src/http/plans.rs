@@ -7,7 +7,7 @@ use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use chrono::{SubsecRound, Utc};
+use chrono::SubsecRound;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
@@ -286,7 +286,7 @@ pub async fn put_plan(
         event_type: EventType::PlanDefined,
         org_id: OrgId::parse(PLANS_ORG_ID).expect("a valid org id"),
         container_id: None,
-        occurred_at: Utc::now().trunc_subsecs(3),
+        occurred_at: state.clock.now().trunc_subsecs(3),
         data: EventData::PlanDefined(plan.to_data()),
         origin: None,
     };

@@ -146,16 +146,22 @@ pub async fn post_reconciliation(
     }
     // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
     Consistency::Head.settle(&state).await?;
-    let summary = reconciliation::run(&state.pool, report_id, tolerance, &principal.id)
-        .await
-        .map_err(|error| match error {
-            ReconcileError::UnknownReport(id) => ApiError::new(
-                StatusCode::NOT_FOUND,
-                ErrorCode::ReportNotFound,
-                format!("no report {id}"),
-            ),
-            ReconcileError::Store(error) => ApiError::from(error),
-        })?;
+    let summary = reconciliation::run(
+        &state.pool,
+        report_id,
+        tolerance,
+        state.clock.now(),
+        &principal.id,
+    )
+    .await
+    .map_err(|error| match error {
+        ReconcileError::UnknownReport(id) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::ReportNotFound,
+            format!("no report {id}"),
+        ),
+        ReconcileError::Store(error) => ApiError::from(error),
+    })?;
     Ok((
         StatusCode::CREATED,
         Json(ReconciliationResponse {

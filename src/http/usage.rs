@@ -110,7 +110,7 @@ pub async fn get_usage(
         .and_then(|period| {
             Period::parse(period).map_err(|error| invalid(ErrorCode::InvalidPeriod, error))
         })?;
-    let as_of = as_of(params.as_of.as_deref())?;
+    let as_of = as_of(params.as_of.as_deref(), state.clock.now())?;
     let AtPosition {
         position,
         figures: priced,
@@ -242,7 +242,7 @@ pub async fn get_container(
         params.consistency.as_deref(),
         &headers,
     )?;
-    let as_of = as_of(params.as_of.as_deref())?;
+    let as_of = as_of(params.as_of.as_deref(), state.clock.now())?;
     let after = params
         .anomalies_after
         .as_deref()
@@ -415,11 +415,11 @@ fn anomalies_limit(value: Option<&str>) -> Result<usize, ApiError> {
         })
 }
 
-/// `as_of` from a query parameter, truncated to the millisecond like event times; now when
-/// absent.
-fn as_of(value: Option<&str>) -> Result<DateTime<Utc>, ApiError> {
+/// `as_of` from a query parameter, truncated to the millisecond like event times; `now`
+/// when absent.
+fn as_of(value: Option<&str>, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
     let Some(value) = value else {
-        return Ok(Utc::now().trunc_subsecs(3));
+        return Ok(now.trunc_subsecs(3));
     };
     storable::parse_instant(value)
         .map(|instant| instant.trunc_subsecs(3))

@@ -9,6 +9,7 @@ use sqlx::PgPool;
 
 use super::projector::{project_once, Round, CHECKPOINT_POLL_MS};
 use super::store;
+use crate::clock::Clock;
 use crate::ledger::read;
 
 /// Why [`to_head`] gave up.
@@ -37,6 +38,7 @@ impl From<sqlx::Error> for CatchUpError {
 /// Takes the ledger head and returns once the projection's checkpoint has reached it (the
 /// checkpoint read then): projecting rounds of `batch_max` events here while the checkpoint
 /// is free, waiting for the process that holds it otherwise, for at most `wait` in all.
+/// Its rounds judge reservation expiry by the system clock: a command runs in real time.
 pub async fn to_head(pool: &PgPool, batch_max: usize, wait: Duration) -> Result<i64, CatchUpError> {
     let head = read::head(pool).await?.position;
     let deadline = tokio::time::Instant::now() + wait;
@@ -50,7 +52,7 @@ pub async fn to_head(pool: &PgPool, batch_max: usize, wait: Duration) -> Result<
         }
         // A round that projects makes progress however long the backlog; only waiting on
         // another process's rounds is bounded.
-        match project_once(pool, batch_max).await? {
+        match project_once(pool, batch_max, Clock::system()).await? {
             Round::Projected { .. } | Round::CaughtUp { .. } => {}
             Round::Busy if tokio::time::Instant::now() >= deadline => {
                 return Err(CatchUpError::Lagging {

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::model::{Changes, ContainerKey, ProjectedEvent};
 use super::{notice, store};
+use crate::clock::Clock;
 use crate::ledger::Acknowledged;
 use crate::runtime::EntryKind;
 
@@ -45,6 +46,8 @@ pub struct ProjectorSettings {
     pub poll: Duration,
     /// How long to wait for more commits after being woken by one.
     pub linger: Duration,
+    /// Judges whether a reservation has expired when its container starts.
+    pub clock: Clock,
 }
 
 /// What a reader needs to see this instance's own appends in the projection: the head the
@@ -177,7 +180,7 @@ pub async fn run(
         // Commits from here on are the next round's.
         head.mark_unchanged();
         let round_started = Instant::now();
-        let round = project_once(&pool, settings.batch_max).await;
+        let round = project_once(&pool, settings.batch_max, settings.clock).await;
         let linger = linger_left(
             settings.linger,
             head.has_changed().unwrap_or(false),
@@ -231,8 +234,9 @@ pub async fn run(
     tracing::info!("projector stopped");
 }
 
-/// One round: projects up to `batch_max` events after the checkpoint, in one transaction.
-pub async fn project_once(pool: &PgPool, batch_max: usize) -> Result<Round, super::Error> {
+/// One round: projects up to `batch_max` events after the checkpoint, in one transaction;
+/// a reservation is consumed when it has not expired by `clock`.
+pub async fn project_once(pool: &PgPool, batch_max: usize, clock: Clock) -> Result<Round, super::Error> {
     let started = Instant::now();
     let mut transaction = pool.begin().await?;
     let Some(checkpoint) = store::lock_checkpoint(&mut transaction, store::LIVE).await? else {
@@ -266,7 +270,8 @@ pub async fn project_once(pool: &PgPool, batch_max: usize) -> Result<Round, supe
     store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
-    let consumed = store::consume_reservations(&mut transaction, &starts(&events)).await?;
+    let consumed =
+        store::consume_reservations(&mut transaction, &starts(&events), clock.now()).await?;
     metrics::counter!("tally_reservations_consumed_total").increment(consumed);
     // Admission facts kept in memory by every instance drop what this round changed: its
     // orgs, or everything for a plan definition (an event of no container and no account).

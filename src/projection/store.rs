@@ -1045,12 +1045,13 @@ pub async fn containers_running_since(
 }
 
 /// Admission's reservations taken up by a projector round: consumes, for each container that a `created` or `resumed` of this projector round
-/// starts, its oldest live reservation — unless that event consumed one already (it is
+/// starts, its oldest live reservation (unexpired at `now`) — unless that event consumed one already (it is
 /// projected again after a replay's swap) — and records the event's position on it.
 /// Runs in the round's transaction.
 pub async fn consume_reservations(
     connection: &mut PgConnection,
     starts: &HashMap<(String, String), (Uuid, i64)>,
+    now: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
     if starts.is_empty() {
         return Ok(0);
@@ -1073,7 +1074,7 @@ pub async fn consume_reservations(
          WHERE r.id = (SELECT x.id FROM admission_reservation x \
                        WHERE x.org_id = s.org_id AND x.container_id = s.container_id \
                          AND x.released_at IS NULL AND x.consumed_at IS NULL \
-                         AND x.expires_at > now() \
+                         AND x.expires_at > $5 \
                        ORDER BY x.created_at LIMIT 1) \
            AND NOT EXISTS (SELECT 1 FROM admission_reservation c \
                            WHERE c.consumed_by = s.event_id)",
@@ -1082,6 +1083,7 @@ pub async fn consume_reservations(
     .bind(&containers)
     .bind(&events)
     .bind(&positions)
+    .bind(now)
     .execute(connection)
     .await?;
     Ok(consumed.rows_affected())

@@ -4,13 +4,12 @@
 
 use std::time::Duration;
 
-use chrono::Utc;
 use futures::future::join_all;
 use reqwest::Method;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{ago, eventually, period_began_within, projected_to_head, TestApp, TOKEN};
+use crate::helpers::{eventually, mid_period, projected_to_head, TestApp, TOKEN};
 use crate::plans::pro_plan;
 
 async fn check(app: &TestApp, body: Value) -> Value {
@@ -36,15 +35,22 @@ pub async fn ready_org(app: &TestApp, org: &str) {
     ] {
         event(
             app,
-            json!({"id": Uuid::new_v4(), "type": event_type, "org_id": org, "occurred_at": ago(600), "data": data}),
+            json!({"id": Uuid::new_v4(), "type": event_type, "org_id": org, "occurred_at": app.ago(600), "data": data}),
         )
         .await;
     }
 }
 
-fn container_event(org: &str, container: &str, event_type: &str, seconds_ago: i64) -> Value {
+/// A container's event `seconds_ago` before `app`'s now.
+fn container_event(
+    app: &TestApp,
+    org: &str,
+    container: &str,
+    event_type: &str,
+    seconds_ago: i64,
+) -> Value {
     json!({"id": Uuid::new_v4(), "type": event_type, "org_id": org, "container_id": container,
-           "occurred_at": ago(seconds_ago)})
+           "occurred_at": app.ago(seconds_ago)})
 }
 
 async fn reservations_stored(app: &TestApp) -> i64 {
@@ -61,7 +67,7 @@ async fn an_org_never_seen_is_refused_for_its_free_plan_verification_and_eligibi
     assert_eq!(
         answer,
         json!({"position": 0, "allowed": false, "reasons": ["plan_excludes_sandbox", "not_verified", "not_billing_eligible"],
-               "plan": "free", "period": Utc::now().format("%Y-%m").to_string(), "runtime_used_ms": 0,
+               "plan": "free", "period": app.now().format("%Y-%m").to_string(), "runtime_used_ms": 0,
                "runtime_included_ms": 0, "overage": true, "running_containers": 0,
                "max_running_containers": 0})
     );
@@ -70,11 +76,8 @@ async fn an_org_never_seen_is_refused_for_its_free_plan_verification_and_eligibi
 
 #[tokio::test]
 async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writes() {
-    // Its history reaches 90 minutes back and is read as this period's usage.
-    if period_began_within(2) {
-        return;
-    }
-    let app = TestApp::spawn().await;
+    // Its history reaches 90 minutes back and is read as this period's usage: mid-period.
+    let app = TestApp::spawn_mid_period().await;
     ready_org(&app, "acme").await;
     let create = json!({"org_id": "acme", "action": "create"});
     let answer = check(&app, create.clone()).await;
@@ -85,7 +88,7 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
     // Acknowledged, then checked at once: the check sees it.
     event(
         &app,
-        container_event("acme", "c1", "container.created", 1800),
+        container_event(&app, "acme", "c1", "container.created", 1800),
     )
     .await;
     let answer = check(&app, create.clone()).await;
@@ -107,12 +110,12 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
     // An hour and a half of runtime against an hour included, overage denied.
     event(
         &app,
-        container_event("acme", "c0", "container.created", 5400),
+        container_event(&app, "acme", "c0", "container.created", 5400),
     )
     .await;
     event(
         &app,
-        container_event("acme", "c0", "container.stopped", 2000),
+        container_event(&app, "acme", "c0", "container.stopped", 2000),
     )
     .await;
     let answer = check(
@@ -131,7 +134,7 @@ async fn checks_follow_the_orgs_account_plan_usage_and_containers_read_your_writ
     // The org moved to pro ten minutes ago; before that it was on free, where nothing is
     // included, and by the time of the move it had used more than pro's hour: every
     // millisecond so far is overage, and the plan reported is pro.
-    let period = Utc::now().format("%Y-%m").to_string();
+    let period = app.now().format("%Y-%m").to_string();
     let (_, usage) = app.get_usage("acme", &format!("period={period}")).await;
     assert_eq!(usage["plan"], "pro", "{usage}");
     assert_eq!(usage["overage_ms"], usage["runtime_ms"], "{usage}");
@@ -148,7 +151,7 @@ async fn concurrent_checks_for_many_orgs_read_together_each_get_their_own_orgs_a
             ready_org(&app, org).await;
             event(
                 &app,
-                container_event(org, &format!("box-{org}"), "container.created", 60),
+                container_event(&app, org, &format!("box-{org}"), "container.created", 60),
             )
             .await;
         }
@@ -217,7 +220,7 @@ async fn a_check_after_an_append_cuts_the_projectors_linger_short_instead_of_wai
     for container in ["c1", "c2", "c3"] {
         event(
             &app,
-            container_event("acme", container, "container.created", 60),
+            container_event(&app, "acme", container, "container.created", 60),
         )
         .await;
         let answer = check(&app, create.clone()).await;
@@ -259,7 +262,11 @@ async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_s
     assert_eq!(status, 201, "{kept}");
 
     // Consumed by its container's `created`: the slot stays taken, now by the container.
-    event(&app, container_event("acme", "c1", "container.created", 5)).await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
     let reservation_id = kept["reservation_id"].as_str().unwrap().to_owned();
     eventually(10, "the reservation is consumed", || async {
         let consumed: Option<Uuid> =
@@ -282,7 +289,11 @@ async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_s
     assert_eq!(release, 409, "a consumed reservation cannot be released");
 
     // Stopped: free again. A released reservation frees its slot at once.
-    event(&app, container_event("acme", "c1", "container.stopped", 1)).await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.stopped", 1),
+    )
+    .await;
     let (status, held) = app
         .reserve(&json!({"org_id": "acme", "action": "resume", "container_id": "c1"}))
         .await;
@@ -487,6 +498,7 @@ async fn a_grant_that_finds_the_projection_moved_back_under_the_orgs_lock_waits_
         .unwrap();
     let grant = {
         let pool = app.pool.clone();
+        let clock = app.clock;
         tokio::spawn(async move {
             let request = Request {
                 org_id: OrgId::parse("acme").unwrap(),
@@ -497,6 +509,7 @@ async fn a_grant_that_finds_the_projection_moved_back_under_the_orgs_lock_waits_
                 &pool,
                 &freshness,
                 &FactsCache::default(),
+                clock,
                 &request,
                 60,
                 "test",
@@ -557,7 +570,11 @@ async fn an_event_projected_again_after_a_replay_consumes_no_second_reservation(
         .await
         .unwrap();
     }
-    event(&app, container_event("acme", "c1", "container.created", 5)).await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
     let consumed_by = |id: Uuid| {
         let pool = app.pool.clone();
         async move {
@@ -618,7 +635,11 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
         assert_eq!(status, 201, "{answer}");
         granted.push(answer["reservation_id"].as_str().unwrap().to_owned());
     }
-    event(&app, container_event("acme", "c1", "container.created", 5)).await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
     let head = projected_to_head(&app.pool, "the created is projected").await;
     let (created, consumed_position): (i64, Option<i64>) = sqlx::query_as(
         "SELECT l.position, r.consumed_position FROM ledger l \
@@ -652,6 +673,7 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
     );
     let grant = |container: &'static str| {
         let pool = app.pool.clone();
+        let clock = app.clock;
         let elsewhere = elsewhere.clone();
         async move {
             let request = Request {
@@ -663,6 +685,7 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
                 &pool,
                 &elsewhere,
                 &FactsCache::default(),
+                clock,
                 &request,
                 60,
                 "test",
@@ -701,4 +724,49 @@ async fn a_reservation_consumed_by_an_event_a_swap_took_out_of_the_projection_st
         answer.decision.reasons
     );
     app.stop().await;
+}
+
+/// The period whose runtime counts towards an org's allowance is the one the service's clock
+/// is in: ten minutes into a period, a run that began before it counts its minutes since the
+/// period began; mid-period, all of them.
+#[tokio::test]
+async fn a_check_counts_the_runtime_of_the_period_the_services_clock_is_in() {
+    let middle = mid_period();
+    let period = tally::runtime::Period::containing(middle);
+    let minutes = chrono::Duration::minutes;
+    let start = period.start();
+    for (now, created, stopped, used_ms) in [
+        (
+            start + minutes(10),
+            start - minutes(10),
+            start + minutes(5),
+            5 * 60_000,
+        ),
+        (
+            middle,
+            middle - minutes(20),
+            middle - minutes(5),
+            15 * 60_000,
+        ),
+    ] {
+        let app = TestApp::spawn_at(now).await;
+        let at = tally::event::canonical::timestamp;
+        let run = json!({"events": [
+            {"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
+             "container_id": "c1", "occurred_at": at(created)},
+            {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme",
+             "container_id": "c1", "occurred_at": at(stopped)},
+        ]});
+        event(&app, run).await;
+        let answer = check(&app, json!({"org_id": "acme", "action": "create"})).await;
+        assert_eq!(
+            (
+                answer["period"].as_str(),
+                answer["runtime_used_ms"].as_i64()
+            ),
+            (Some(period.to_string().as_str()), Some(used_ms)),
+            "at {now}: {answer}"
+        );
+        app.stop().await;
+    }
 }

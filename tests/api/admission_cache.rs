@@ -324,7 +324,7 @@ async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_be
     // what this instance drops itself changes what it keeps.
     let (_, head) = tokio::sync::watch::channel(0);
     let freshness = Freshness::new(head, Default::default());
-    let checker = Checker::new(app.pool.clone(), freshness.clone());
+    let checker = Checker::new(app.pool.clone(), freshness.clone(), app.clock);
     // It does not wait for the app's appends to be projected: wait here.
     let head = projected_to_head(&app.pool, "the app's appends are projected").await;
     checker.cache().listening(head);
@@ -342,10 +342,17 @@ async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_be
     assert_eq!(reasons_now().await, "");
     assert_eq!(checker.cache().stats().hits, 1, "the second from memory");
 
-    let (_, reservation) =
-        admission::reserve(&app.pool, &freshness, checker.cache(), &request, 60, "test")
-            .await
-            .unwrap();
+    let (_, reservation) = admission::reserve(
+        &app.pool,
+        &freshness,
+        checker.cache(),
+        app.clock,
+        &request,
+        60,
+        "test",
+    )
+    .await
+    .unwrap();
     let reservation = reservation.expect("the free slot is granted");
     assert_eq!(reasons_now().await, "concurrency_limit");
     assert_eq!(reasons_now().await, "concurrency_limit");

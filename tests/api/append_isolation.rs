@@ -275,6 +275,7 @@ async fn a_nats_message_refused_for_its_content_is_dead_lettered_once_while_the_
             fetch_max: 1_000,
             batch_events_max: 1_000,
             backdate_max: chrono::Duration::days(35),
+            clock: tally::clock::Clock::system(),
         },
         shutdown.clone(),
     ));

@@ -22,6 +22,7 @@ fn checker(app: &TestApp, queue_max: usize) -> Checker {
     Checker::with_queue_max(
         app.pool.clone(),
         Freshness::new(head, Default::default()),
+        app.clock,
         queue_max,
     )
 }

@@ -17,7 +17,7 @@ use tally::event::canonical::timestamp;
 use tally::runtime::{usage, ContainerTimeline, Period};
 use tally::startup::Service;
 
-use crate::helpers::{ago, projected_to_head, TestApp, TOKEN};
+use crate::helpers::{mid_period_clock, projected_to_head, TestApp, TOKEN};
 use crate::projection::{
     encode, expected_container, expected_timelines, month_of_events, post_all,
 };
@@ -114,9 +114,10 @@ async fn append_one(app: &TestApp, event: Value) -> i64 {
     answer["results"][0]["position"].as_i64().unwrap()
 }
 
-fn command(org: &str, container: &str) -> Value {
+/// A command `app`'s container ran 30 seconds before its now.
+fn command(app: &TestApp, org: &str, container: &str) -> Value {
     json!({"id": uuid::Uuid::new_v4(), "type": "container.command_ran", "org_id": org,
-           "container_id": container, "occurred_at": ago(30),
+           "container_id": container, "occurred_at": app.ago(30),
            "data": {"command_id": "c", "exit_code": 0, "duration_ms": 5}})
 }
 
@@ -127,14 +128,19 @@ fn command(org: &str, container: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_answers_at_once() {
     const WAIT_MS: u64 = 300;
-    let app = TestApp::spawn_with(|config| config.read_wait_ms = WAIT_MS).await;
-    let period = Period::containing(Utc::now() - Duration::seconds(30));
+    // Mid-period, so that the minute before now is all this period's.
+    let app = TestApp::spawn_with(|config| {
+        config.read_wait_ms = WAIT_MS;
+        config.clock = mid_period_clock();
+    })
+    .await;
+    let period = Period::containing(app.now() - Duration::seconds(30));
     let usage = format!("/v1/orgs/org_c/usage?period={period}");
     let container = "/v1/containers/ctr_c";
     append_one(
         &app,
         json!({"id": uuid::Uuid::new_v4(), "type": "container.created", "org_id": "org_c",
-               "container_id": "ctr_c", "occurred_at": ago(60), "data": {"name": "job"}}),
+               "container_id": "ctr_c", "occurred_at": app.ago(60), "data": {"name": "job"}}),
     )
     .await;
     let projected = projected_to_head(&app.pool, "the created event is projected").await;
@@ -144,7 +150,7 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
         .execute(&mut *hold)
         .await
         .unwrap();
-    let acknowledged = append_one(&app, command("org_c", "ctr_c")).await;
+    let acknowledged = append_one(&app, command(&app, "org_c", "ctr_c")).await;
 
     for (path, header) in [
         (usage.clone(), None),

@@ -1,7 +1,7 @@
 //! The usage export: one row per org, priced with its plan, overage rounded
 //! half-up to the currency's minor unit; the CLI prints the same.
 
-use chrono::{Duration, DurationRound, Utc};
+use chrono::{Duration, DurationRound};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -9,13 +9,10 @@ use crate::helpers::{projected_to_head, TestApp};
 
 #[tokio::test]
 async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
-    let app = TestApp::spawn().await;
-    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    // Mid-period, so that the history of the last four hours is all this period's.
+    let app = TestApp::spawn_mid_period().await;
+    let now = app.now().duration_trunc(Duration::minutes(1)).unwrap();
     let period = tally::runtime::Period::containing(now);
-    if now - period.start() < Duration::hours(5) {
-        eprintln!("skipping: the period began less than five hours ago");
-        return;
-    }
     let plan = json!({
         "sandbox_runtime": true, "included_runtime_seconds": 3600, "overage": "bill",
         "overage_price_per_hour": "0.125", "currency": "USD",

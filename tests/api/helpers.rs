@@ -8,10 +8,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use reqwest::header::HeaderMap;
 use reqwest::Method;
 use serde_json::{json, Value};
 use sqlx::PgPool;
+use tally::clock::Clock;
 use tally::config::Config;
 use tally::ledger::db;
 use tally::startup::Service;
@@ -174,11 +176,23 @@ pub struct TestApp {
     pub service: Option<Service>,
     pub nats: TestNats,
     pub db: TestDb,
+    /// The service's clock, for a test to place its events relative to the service's now.
+    pub clock: Clock,
 }
 
 impl TestApp {
     pub async fn spawn() -> TestApp {
         Self::spawn_with(|_| {}).await
+    }
+
+    /// The service with its clock at `instant` (moving on from there).
+    pub async fn spawn_at(instant: DateTime<Utc>) -> TestApp {
+        Self::spawn_with(|config| config.clock = Clock::starting_at(instant)).await
+    }
+
+    /// The service on [`mid_period_clock`].
+    pub async fn spawn_mid_period() -> TestApp {
+        Self::spawn_with(|config| config.clock = mid_period_clock()).await
     }
 
     pub async fn spawn_with(adjust: impl FnOnce(&mut Config)) -> TestApp {
@@ -197,6 +211,7 @@ impl TestApp {
     pub fn of(service: Service, pool: PgPool, nats: TestNats, db: TestDb) -> TestApp {
         let client = reqwest::Client::new();
         TestApp {
+            clock: service.clock,
             address: service.local_addr,
             api: Api::new(client.clone(), service.local_addr),
             client,
@@ -209,6 +224,16 @@ impl TestApp {
 
     pub async fn ledger_count(&self) -> i64 {
         ledger_count(&self.pool).await
+    }
+
+    /// The service's now.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+
+    /// A timestamp `seconds_ago` before the service's now, as [`ago`] writes it.
+    pub fn ago(&self, seconds_ago: i64) -> String {
+        tally::event::canonical::timestamp(self.now() - chrono::Duration::seconds(seconds_ago))
     }
 
     pub async fn stop(mut self) {
@@ -249,20 +274,24 @@ where
     }
 }
 
-/// A timestamp `seconds_ago` before now, in RFC 3339 with milliseconds.
-/// Whether the current billing period began less than `hours` ago. The service has no
-/// clock to set, so a test that dates its history that far back and reads it as this
-/// period's cannot stage it then; it says so and stops.
-pub fn period_began_within(hours: i64) -> bool {
-    let now = chrono::Utc::now();
-    let began = now - tally::runtime::Period::containing(now).start();
-    if began < chrono::Duration::hours(hours) {
-        eprintln!("skipping: the period began less than {hours} hours ago");
-        return true;
-    }
-    false
+/// The 15th of last month at 12:00 UTC: the middle of a period, so that a test whose
+/// service's clock starts there can date its history days either side of now and stay in
+/// the same period whatever the day it runs; and in the past, so that the service's times
+/// stay behind the real time that Postgres and the ledger's `recorded_at` keep.
+pub fn mid_period() -> DateTime<Utc> {
+    let this_month = tally::runtime::Period::containing(Utc::now()).start();
+    let last_month = tally::runtime::Period::containing(this_month - chrono::Duration::days(1));
+    last_month.start() + chrono::Duration::days(14) + chrono::Duration::hours(12)
 }
 
+/// One clock started at [`mid_period`] for every test of this process that wants one, so
+/// that a test's helpers can place events on it before or without a service.
+pub fn mid_period_clock() -> Clock {
+    static CLOCK: std::sync::OnceLock<Clock> = std::sync::OnceLock::new();
+    *CLOCK.get_or_init(|| Clock::starting_at(mid_period()))
+}
+
+/// A timestamp `seconds_ago` before now, in RFC 3339 with milliseconds.
 pub fn ago(seconds_ago: i64) -> String {
     tally::event::canonical::timestamp(chrono::Utc::now() - chrono::Duration::seconds(seconds_ago))
 }

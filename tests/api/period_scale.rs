@@ -5,10 +5,11 @@
 
 use chrono::Utc;
 use serde_json::{json, Value};
+use tally::clock::Clock;
 use tally::runtime::Period;
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp};
+use crate::helpers::{mid_period, projected_to_head, TestApp};
 
 /// Orgs in each test: many batches of [`BATCH_ORGS`].
 const ORGS: usize = 230;
@@ -19,9 +20,9 @@ fn org(index: usize) -> String {
     format!("org-{index:04}")
 }
 
-/// The finished period before the current one.
-fn last_period() -> (Period, Period) {
-    let current = Period::containing(Utc::now());
+/// The finished period before the service's current one, and the current one.
+fn last_period(app: &TestApp) -> (Period, Period) {
+    let current = Period::containing(app.now());
     let last = Period::containing(current.start() - chrono::Duration::days(1));
     (last, current)
 }
@@ -48,7 +49,7 @@ async fn seed(app: &TestApp, last: Period, current: Period) {
         );
         if index % 3 == 0 {
             // Any instant between the current period's start and now.
-            let after = current.start() + (Utc::now() - current.start()) / 2;
+            let after = current.start() + (app.now() - current.start()) / 2;
             let after =
                 chrono::DurationRound::duration_trunc(after, chrono::Duration::milliseconds(1))
                     .unwrap();
@@ -135,15 +136,25 @@ async fn snapshot_rows(app: &TestApp, period: Period) -> Vec<String> {
         .collect()
 }
 
+/// The service with its clock at `clock`.
+async fn spawn_on(clock: Clock) -> TestApp {
+    TestApp::spawn_with(|config| {
+        config.finance_batch_orgs = BATCH_ORGS;
+        config.clock = clock;
+    })
+    .await
+}
+
+/// The service with its clock mid-period, so that the current period has begun long ago.
 async fn spawn() -> TestApp {
-    TestApp::spawn_with(|config| config.finance_batch_orgs = BATCH_ORGS).await
+    spawn_on(Clock::starting_at(mid_period())).await
 }
 
 #[tokio::test]
 async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_later_adjusts_them()
 {
     let app = spawn().await;
-    let (last, current) = last_period();
+    let (last, current) = last_period(&app);
     seed(&app, last, current).await;
 
     let (status, location, job) = app.close_period(&last.to_string()).await;
@@ -235,7 +246,7 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
 #[tokio::test]
 async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_retried() {
     let app = spawn().await;
-    let (last, current) = last_period();
+    let (last, current) = last_period(&app);
     seed(&app, last, current).await;
 
     // A process mid-close: it holds the period's close lock and has stored its running job.
@@ -315,7 +326,7 @@ async fn a_second_close_while_one_runs_gets_that_job_and_an_abandoned_one_is_ret
 #[tokio::test]
 async fn a_close_that_fails_in_a_late_batch_stores_nothing_and_can_be_retried() {
     let app = spawn().await;
-    let (last, current) = last_period();
+    let (last, current) = last_period(&app);
     seed(&app, last, current).await;
     // The last org in org order on a plan with no version: pricing fails in the last batch,
     // after every other batch was written.
@@ -359,8 +370,9 @@ async fn a_close_that_fails_in_a_late_batch_stores_nothing_and_can_be_retried() 
 
 #[tokio::test]
 async fn the_cli_closes_a_period_of_many_batches_and_prints_it_and_then_prints_it_again() {
-    let app = spawn().await;
-    let (last, current) = last_period();
+    // The command line reads the system clock, so the service's periods are the system's.
+    let app = spawn_on(Clock::system()).await;
+    let (last, current) = last_period(&app);
     seed(&app, last, current).await;
     let close = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_tally"))

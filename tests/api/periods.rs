@@ -9,8 +9,8 @@ use crate::helpers::{projected_to_head, TestApp};
 
 #[tokio::test]
 async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_next_period() {
-    let app = TestApp::spawn().await;
-    let current = tally::runtime::Period::containing(chrono::Utc::now());
+    let app = TestApp::spawn_mid_period().await;
+    let current = tally::runtime::Period::containing(app.now());
     let closed = tally::runtime::Period::containing(current.start() - Duration::days(1));
     let at = |hours_before_end: i64| {
         tally::event::canonical::timestamp(closed.end() - Duration::hours(hours_before_end))
