@@ -9,7 +9,7 @@
 //! commands (each one a `command_while_not_running`) and every running container its
 //! `created`, then replay it with `tally replay` (nothing of that is timed) → start `tally
 //! serve` as a child process →
-//! an untimed warm-up of each kind → alternately, phases of single events from 64 connections, as `wrk` sent them: commands
+//! an untimed warm-up of each kind → alternately, phases of single events from 64 connections: commands
 //! of running containers, then commands of the stray containers; each phase is timed from
 //! its first request until the projection has taken its last event → the table, with the
 //! ratio of the two rates.

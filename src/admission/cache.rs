@@ -22,7 +22,7 @@
 //!   sent meanwhile are lost with it.
 //! - Read-your-writes: a check is answered from memory only when the notices received reach
 //!   past every event this instance has acknowledged; otherwise it reads Postgres, waiting
-//!   for the projection as before.
+//!   for the projection as an uncached check does.
 //!
 //! What a kept answer can miss is what Postgres has committed but not yet delivered to the
 //! listener: a change by another instance, for the time a notice takes to arrive (well

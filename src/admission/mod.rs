@@ -582,11 +582,9 @@ pub async fn reserve_with(
     // under the org's lock, so that a replay's swap moving the checkpoint back cannot slip
     // in between; while they are behind, the lock is let go and the projector awaited,
     // within one deadline however often the checkpoint moves.
-    let (mut transaction, now, answer) = locked_answer(pool, freshness, request, wait, clock).await?;
-    let action = serde_json::to_value(request.action)
-        .ok()
-        .and_then(|value| value.as_str().map(str::to_owned))
-        .unwrap_or_default();
+    let (mut transaction, now, answer) =
+        locked_answer(pool, freshness, request, wait, clock).await?;
+    let action = action_name(request.action);
     let container_id = request.container_id.as_ref().map(ContainerId::as_str);
     if !answer.decision.allowed {
         let reasons: Vec<&str> = answer
@@ -632,6 +630,14 @@ pub async fn reserve_with(
     transaction.commit().await?;
     cache.forget(request.org_id.as_str());
     Ok((answer, Some(reservation)))
+}
+
+/// The action as its wire name (`create`, `resume`), as the reservation tables store it.
+fn action_name(action: Action) -> String {
+    serde_json::to_value(action)
+        .ok()
+        .and_then(|value| value.as_str().map(str::to_owned))
+        .unwrap_or_default()
 }
 
 /// The answer to `request` from facts that reflect `wait`, read in a transaction that holds

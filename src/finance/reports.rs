@@ -245,10 +245,7 @@ fn parse(
             let line = record.position().map_or(0, |position| position.line());
             let parsed = header.line(&record, line)?;
             let period = parsed.report.charge_period;
-            window = Some(match window {
-                None => (period.start(), period.end()),
-                Some((start, end)) => (start.min(period.start()), end.max(period.end())),
-            });
+            window = Some(widened(window, period.start(), period.end()));
             lines += 1;
             batch.push(parsed);
             if batch.len() == IMPORT_BATCH_LINES {
@@ -281,6 +278,18 @@ fn parse(
         lines,
         window,
     })
+}
+
+/// The span of the report's lines so far, widened to take in one more line's charge period.
+fn widened(
+    window: Option<(DateTime<Utc>, DateTime<Utc>)>,
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+) -> (DateTime<Utc>, DateTime<Utc>) {
+    match window {
+        None => (start, end),
+        Some((first, last)) => (first.min(start), last.max(end)),
+    }
 }
 
 /// The columns each line is copied into, in the order [`write_copy_row`] writes them.

@@ -4,7 +4,7 @@
 //!
 //! The body is read into a `serde_json::Value` by a visitor of our own rather than
 //! serde_json's, so that the two checks serde_json cannot make — a key repeated in one
-//! object (serde_json keeps the last one, which made `{"scopes": ["audit"], "scopes":
+//! object (serde_json keeps the last one, which would make `{"scopes": ["audit"], "scopes":
 //! ["finance"]}` a finance token) and a NUL in any key or string, nested or not — happen in
 //! the one pass that parses the body.
 //!

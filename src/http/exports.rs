@@ -16,7 +16,8 @@ use utoipa_axum::routes;
 use super::auth::Principal;
 use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
-use super::query::{QueryParams, StrictQuery};
+
+use super::query::{wants_json, QueryParams, StrictQuery};
 use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::finance::export::{self, Part};
@@ -369,18 +370,6 @@ fn export_period(period: Option<&str>) -> Result<Period, ApiError> {
     })?;
     Period::parse(period)
         .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))
-}
-
-/// Whether `format` asks for JSON rather than CSV (the default).
-fn wants_json(format: Option<&str>) -> Result<bool, ApiError> {
-    match format {
-        None | Some("csv") => Ok(false),
-        Some("json") => Ok(true),
-        Some(other) => Err(ApiError::invalid(
-            ErrorCode::InvalidFormat,
-            format!("format: {other:?} is not csv or json"),
-        )),
-    }
 }
 
 /// Writes a usage export's parts as CSV lines or as the members of one JSON object.

@@ -3,8 +3,8 @@
 //! `?stream=true` also compare every row with its `TALLY_LEDGER` message.
 //!
 //! One pass runs at a time on an instance: a pass holds a pool connection and a core
-//! for as long as it walks the ledger, and twenty at once took every connection and
-//! stalled everyone's reads and writes. A request that finds a pass running is answered at
+//! for as long as it walks the ledger, and twenty at once would take every connection and
+//! stall everyone's reads and writes. A request that finds a pass running is answered at
 //! once with 503 `verify_in_progress` and `Retry-After`; see
 //! `docs/decisions/0014-org-bound-tokens.md`.
 

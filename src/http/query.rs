@@ -57,6 +57,18 @@ fn typed<T: QueryParams>(params: HashMap<String, String>) -> Result<T, ApiError>
     })
 }
 
+/// Whether `format` asks for JSON rather than CSV (the default).
+pub(super) fn wants_json(format: Option<&str>) -> Result<bool, ApiError> {
+    match format {
+        None | Some("csv") => Ok(false),
+        Some("json") => Ok(true),
+        Some(other) => Err(ApiError::invalid(
+            ErrorCode::InvalidFormat,
+            format!("format: {other:?} is not csv or json"),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

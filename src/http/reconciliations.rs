@@ -23,7 +23,8 @@ use super::body::{present, RequestBody, StrictJson};
 use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 use super::exports::POSITION_HEADER;
-use super::query::{QueryParams, StrictQuery};
+
+use super::query::{wants_json, QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
@@ -114,6 +115,39 @@ pub async fn post_reconciliation(
         .ok_or_else(|| {
             ApiError::invalid(ErrorCode::InvalidReportId, "report_id: a UUID is required")
         })?;
+    let tolerance = tolerance(&body)?;
+    // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
+    Consistency::Head.settle(&state).await?;
+    let summary = reconciliation::run(
+        &state.pool,
+        report_id,
+        tolerance,
+        state.clock.now(),
+        &principal.id,
+    )
+    .await
+    .map_err(|error| match error {
+        ReconcileError::UnknownReport(id) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::ReportNotFound,
+            format!("no report {id}"),
+        ),
+        ReconcileError::Store(error) => ApiError::from(error),
+    })?;
+    Ok((
+        StatusCode::CREATED,
+        Json(ReconciliationResponse {
+            reconciliation_id: summary.id,
+            counts: summary.counts,
+            totals: summary.totals,
+            position: summary.position,
+        }),
+    ))
+}
+
+/// The request's tolerance: the defaults, with what the request gives checked against its
+/// limits.
+fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
     let mut tolerance = Tolerance::default();
     if let Some(value) = &body.tolerance_ms {
         tolerance.min_ms = value
@@ -144,33 +178,7 @@ pub async fn post_reconciliation(
                 )
             })?;
     }
-    // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
-    Consistency::Head.settle(&state).await?;
-    let summary = reconciliation::run(
-        &state.pool,
-        report_id,
-        tolerance,
-        state.clock.now(),
-        &principal.id,
-    )
-    .await
-    .map_err(|error| match error {
-        ReconcileError::UnknownReport(id) => ApiError::new(
-            StatusCode::NOT_FOUND,
-            ErrorCode::ReportNotFound,
-            format!("no report {id}"),
-        ),
-        ReconcileError::Store(error) => ApiError::from(error),
-    })?;
-    Ok((
-        StatusCode::CREATED,
-        Json(ReconciliationResponse {
-            reconciliation_id: summary.id,
-            counts: summary.counts,
-            totals: summary.totals,
-            position: summary.position,
-        }),
-    ))
+    Ok(tolerance)
 }
 
 /// The query of a reconciliation's lines, read as text and checked by the route.
@@ -318,18 +326,6 @@ pub async fn get_lines(
         .header(POSITION_HEADER, position)
         .body(Body::from_stream(chunks))
         .map_err(|error| ApiError::internal(&error))
-}
-
-/// Whether `format` asks for JSON rather than CSV (the default).
-fn wants_json(format: Option<&str>) -> Result<bool, ApiError> {
-    match format {
-        None | Some("csv") => Ok(false),
-        Some("json") => Ok(true),
-        Some(other) => Err(ApiError::invalid(
-            ErrorCode::InvalidFormat,
-            format!("format: {other:?} is not csv or json"),
-        )),
-    }
 }
 
 /// The ledger position a stored reconciliation reflected; 404 when there is none.

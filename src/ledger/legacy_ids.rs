@@ -1,12 +1,12 @@
-//! CloudEvents stored before ids were scoped by org keep their ids (see
+//! CloudEvents stored under their unscoped (legacy) id keep it (see
 //! `docs/decisions/0003-cloudevents-ids-scoped-by-org.md`).
 //!
 //! The parser gives every CloudEvent its org-scoped id. Before such events go to the
 //! appender, one query asks whether the ledger already holds any of them under its legacy
 //! id — the same org, the same `source` and `id` — and those take the legacy id back, so
-//! that a producer retrying an event stored by an earlier version gets a duplicate (or a
-//! 409 for other content), as that version answered. No new row is ever written with a legacy id,
-//! so the answer for an event can only change from "no" to "no": the lookup is stable.
+//! that a producer retrying an event stored under its legacy id gets a duplicate (or a 409
+//! for other content), as for any event. No new row is ever written with a legacy id, so
+//! the answer for an event never changes from "no" to "yes": the lookup is stable.
 
 use std::collections::HashMap;
 

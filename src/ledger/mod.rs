@@ -1,7 +1,7 @@
 //! The Postgres ledger: the source of truth. Set-up (`db`), the single ordered writer
 //! (`append`) and the rows it writes (`rows`), reads by position (`read`) and hash-chain
-//! verification (`verify`); the ids CloudEvents kept from before they were scoped by org
-//! (`legacy_ids`).
+//! verification (`verify`); the lookup that lets CloudEvents stored under their unscoped id
+//! keep it (`legacy_ids`).
 
 pub mod append;
 pub mod db;

@@ -11,8 +11,8 @@
 //! group commits: per round, every touched container, org and period row is written once
 //! and the fixed statements are paid once. The linger counts from when the first commit
 //! not yet projected began to wait, so a busy projector, whose rounds last as long, never
-//! idles between them (a fixed pause after every round roughly doubles the lag p99 at
-//! 10 000 events/s; docs/benchmarks.md). A reader that needs this instance's
+//! idles between them (a fixed pause after every round would add itself to every event's
+//! lag under load). A reader that needs this instance's
 //! appends projected now ([`Freshness::hurry`]) ends the linger at once.
 
 use std::collections::{HashMap, HashSet};
@@ -236,7 +236,11 @@ pub async fn run(
 
 /// One round: projects up to `batch_max` events after the checkpoint, in one transaction;
 /// a reservation is consumed when it has not expired by `clock`.
-pub async fn project_once(pool: &PgPool, batch_max: usize, clock: Clock) -> Result<Round, super::Error> {
+pub async fn project_once(
+    pool: &PgPool,
+    batch_max: usize,
+    clock: Clock,
+) -> Result<Round, super::Error> {
     let started = Instant::now();
     let mut transaction = pool.begin().await?;
     let Some(checkpoint) = store::lock_checkpoint(&mut transaction, store::LIVE).await? else {
