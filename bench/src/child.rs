@@ -1,11 +1,14 @@
 //! `tally` as a child process: every part measures the binary that is deployed, in a
 //! process of its own (its own runtime, allocator and metrics recorder). A running `tally
 //! serve`'s CPU time and peak memory come from `/proc/<pid>`; those of a subcommand run to
-//! its end (`tally replay`, `tally verify`, …) from `wait4`.
+//! its end (`tally replay`, `tally verify`, …) from `wait4` (CPU) and `/proc` while it runs
+//! (peak memory).
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -193,21 +196,50 @@ pub(crate) async fn run_cli(binary: &Path, config: &Config, args: &[&str]) -> an
         .context("the subcommand's waiting task failed")?
 }
 
-/// Spawns `command`, reads its standard output to the end and reaps it with `wait4`, whose
-/// resource usage is the child's own (CPU time and `ru_maxrss`, its peak resident set).
+/// Spawns `command`, reads its standard output to the end and reaps it with `wait4` for its
+/// CPU time. Its peak memory is `VmHWM`, read from `/proc/<pid>/status` while it runs:
+/// `wait4`'s `ru_maxrss` would not do, since Linux carries the resident set of the process
+/// that forked (the bench, hundreds of MiB after building a ledger) into the child's
+/// `ru_maxrss` across `exec`.
 fn run_to_end(mut command: std::process::Command, shown: &str) -> anyhow::Result<Ran> {
     use std::io::Read as _;
     let started = Instant::now();
     let mut child = command
         .spawn()
         .with_context(|| format!("cannot start {shown}"))?;
+    let pid = libc::pid_t::try_from(child.id())?;
+    let exited = Arc::new(AtomicBool::new(false));
+    let watcher = std::thread::spawn({
+        let exited = Arc::clone(&exited);
+        move || {
+            let mut peak = 0.0f64;
+            // The last reading is taken after the child closes its output, so a child that
+            // grows just before it exits is still seen unless it grows within the last poll.
+            loop {
+                let done = exited.load(Ordering::Acquire);
+                if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                    if let Ok(mb) = peak_mb(&status) {
+                        peak = peak.max(mb);
+                    }
+                }
+                if done {
+                    return peak;
+                }
+                std::thread::sleep(Duration::from_millis(PEAK_POLL_MS));
+            }
+        }
+    });
     let mut stdout = String::new();
-    child
+    let read = child
         .stdout
         .take()
         .context("the child's standard output is piped")?
-        .read_to_string(&mut stdout)?;
-    let pid = libc::pid_t::try_from(child.id())?;
+        .read_to_string(&mut stdout);
+    exited.store(true, Ordering::Release);
+    let peak = watcher
+        .join()
+        .map_err(|_| anyhow::anyhow!("the peak-memory watcher panicked"))?;
+    read?;
     let mut status: libc::c_int = 0;
     // SAFETY: rusage is plain data, fully written by wait4 when it succeeds.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -230,11 +262,13 @@ fn run_to_end(mut command: std::process::Command, shown: &str) -> anyhow::Result
         elapsed,
         usage: ProcessUsage {
             cpu: Duration::from_secs_f64(seconds(usage.ru_utime) + seconds(usage.ru_stime)),
-            // Kilobytes on Linux.
-            peak_mb: usage.ru_maxrss as f64 / 1024.0,
+            peak_mb: peak,
         },
     })
 }
+
+/// How often the peak memory of a running subcommand is read.
+const PEAK_POLL_MS: u64 = 5;
 
 /// A port no one listens on right now, for the child to bind.
 fn free_address() -> anyhow::Result<SocketAddr> {

@@ -822,7 +822,7 @@ async fn prepare_and_measure(
             MemoryLine {
                 label: "peak RSS of tally reports import".to_owned(),
                 peak_mb: ran.usage.peak_mb,
-                note: "ru_maxrss of the whole child process, start-up included".to_owned(),
+                note: "VmHWM of the child process while it ran, start-up included".to_owned(),
             },
             MemoryLine {
                 label: "peak RSS of tally serve during the reconciliation".to_owned(),
