@@ -18,7 +18,7 @@ use tally::config::Config;
 use crate::{HttpConnection, POLL_MS, STARTUP_TIMEOUT_MS};
 
 /// How long the child may take to stop after SIGTERM (it drains its append queue first).
-const STOP_TIMEOUT_MS: u64 = 30_000;
+const STOP_TIMEOUT_MS: u64 = 120_000;
 /// Connections the bench's own pool opens on the child's database, for its checks.
 const CHECK_POOL_MAX: u32 = 4;
 /// The child's log level when `RUST_LOG` is not set: its info lines would bury the table.
@@ -149,8 +149,13 @@ impl Served {
                 std::io::Error::last_os_error()
             );
         }
+        let stopping = Instant::now();
         let stopped =
             tokio::time::timeout(Duration::from_millis(STOP_TIMEOUT_MS), self.child.wait()).await;
+        eprintln!(
+            "bench: tally serve stopped in {:.1} s",
+            stopping.elapsed().as_secs_f64()
+        );
         self.pool.close().await;
         match stopped {
             Ok(status) => anyhow::ensure!(status?.success(), "tally serve stopped with an error"),
