@@ -283,6 +283,13 @@ async fn relay(
     metrics::gauge!("tally_relay_halted").set(0.0);
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
+        // Checked between batches too, not only when caught up: a relay far behind (a
+        // restored ledger, a long NATS outage) would otherwise hold the service's stop until
+        // it had published the whole backlog. What it has not published, it publishes on
+        // its next start.
+        if shutdown.is_cancelled() {
+            return Ok(());
+        }
         let rows = next_rows(
             pool,
             committed.as_deref_mut(),

@@ -236,3 +236,37 @@ async fn with_two_instances_appending_the_stream_holds_exactly_the_ledger_in_ord
     second.stop().await;
     first.stop().await;
 }
+
+/// The relay looks for a stop between its batches, not only once it has caught up: a
+/// service whose relay is thousands of events behind stops without publishing them, and
+/// the next start publishes the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_whose_relay_is_far_behind_stops_before_publishing_the_backlog_and_the_next_start_publishes_it(
+) {
+    const EVENTS: usize = 5_000;
+    // One event per publish, each awaiting its acknowledgement: the relay falls behind.
+    let mut app = TestApp::spawn_with(|config| config.relay_batch_max = 1).await;
+    for chunk in valid_events(EVENTS).chunks(1_000) {
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    app.service.take().unwrap().stop().await;
+    let js = app.nats.jetstream().await;
+    let relayed = stream_messages(&js, "TALLY_LEDGER").await;
+    assert!(
+        relayed < EVENTS as u64,
+        "the stop waited for the relay to publish all {EVENTS} events"
+    );
+
+    let mut config = Config::new(&app.db.url, &app.nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    config.relay_poll_ms = 50;
+    let restarted = Service::start(config)
+        .await
+        .expect("restarting the service");
+    eventually(60, "the restarted relay publishes the rest", || async {
+        stream_messages(&js, "TALLY_LEDGER").await == EVENTS as u64
+    })
+    .await;
+    restarted.stop().await;
+}
