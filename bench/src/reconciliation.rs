@@ -642,6 +642,18 @@ async fn prepare_and_measure(
         copy.as_secs_f64(),
         vacuum.as_secs_f64()
     );
+    // The relay starts caught up, as the audit part's does: publishing the whole COPY-built
+    // ledger would compete with the import and the reconciliation.
+    let nats = async_nats::connect(&config.nats_url)
+        .await
+        .context("cannot connect to NATS")?;
+    crate::seed_ledger_stream(
+        &mut connection,
+        &async_nats::jetstream::new(nats),
+        scratch,
+        head,
+    )
+    .await?;
     connection.close().await?;
     let replayed = crate::replay(binary, config).await?;
     let mut connection = PgConnection::connect(&scratch.database_url).await?;
