@@ -24,7 +24,7 @@ use serde::Deserialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::{Names, HASH_HEADER, POSITION_HEADER};
+use super::{Names, StreamFailure, HASH_HEADER, POSITION_HEADER};
 use crate::event::canonical::{self, RecordFields, GENESIS_HASH};
 use crate::ledger::read::{self, LedgerRow, ROW_COLUMNS};
 use crate::ledger::verify::StreamReport;
@@ -63,25 +63,8 @@ impl std::error::Error for Mismatch {}
 pub enum Error {
     #[error(transparent)]
     Ledger(#[from] sqlx::Error),
-    #[error("{what}")]
-    Stream {
-        what: String,
-        #[source]
-        source: Option<Box<dyn std::error::Error + Send + Sync>>,
-    },
-}
-
-impl Error {
-    /// A failure to read the stream: what was being read, and why it failed.
-    fn stream<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
-        what: impl Into<String>,
-    ) -> impl FnOnce(E) -> Error {
-        let what = what.into();
-        move |error| Error::Stream {
-            what,
-            source: Some(error.into()),
-        }
-    }
+    #[error(transparent)]
+    Stream(#[from] StreamFailure),
 }
 
 /// The payload the relay publishes ([`crate::ledger::read::LedgerMessage`]), read back.
@@ -232,9 +215,9 @@ async fn message_at(
     match stream.get_raw_message(sequence).await {
         Ok(message) => Ok(Some(message)),
         Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(error) => Err(Error::stream(format!("reading stream message {sequence}"))(
-            error,
-        )),
+        Err(error) => {
+            Err(StreamFailure::doing(format!("reading stream message {sequence}"))(error).into())
+        }
     }
 }
 
@@ -246,7 +229,8 @@ pub async fn offset(
     stream: &jetstream::stream::Stream,
     first_sequence: u64,
 ) -> Result<Result<i64, Mismatch>, Error> {
-    let first = i64::try_from(first_sequence).map_err(Error::stream("the first sequence"))?;
+    let first =
+        i64::try_from(first_sequence).map_err(StreamFailure::doing("the first sequence"))?;
     let Some(message) = message_at(stream, first_sequence).await? else {
         return Ok(Err(Mismatch {
             sequence: first_sequence,
@@ -358,7 +342,7 @@ pub async fn verify_stream(
             Err(mismatch) => found = Some(mismatch),
         }
         report.first_position = i64::try_from(state.first_sequence)
-            .map_err(Error::stream("the first sequence"))?
+            .map_err(StreamFailure::doing("the first sequence"))?
             + offset;
     }
     let mut transaction = pool.begin().await?;
@@ -379,14 +363,15 @@ pub async fn verify_stream(
     }
     if found.is_none() {
         // Whatever the ledger holds past the stream has not been relayed yet.
-        let relayed =
-            i64::try_from(last_sequence).map_err(Error::stream("the last sequence"))? + offset;
+        let relayed = i64::try_from(last_sequence)
+            .map_err(StreamFailure::doing("the last sequence"))?
+            + offset;
         let unrelayed: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE position > $1")
             .bind(relayed)
             .fetch_one(&mut *transaction)
             .await?;
         report.rows_not_in_stream =
-            u64::try_from(unrelayed).map_err(Error::stream("the rows not in the stream"))?;
+            u64::try_from(unrelayed).map_err(StreamFailure::doing("the rows not in the stream"))?;
     }
     transaction.commit().await?;
     if let Some(mismatch) = found {
@@ -398,18 +383,18 @@ pub async fn verify_stream(
 }
 
 /// The ledger stream and its state now.
-async fn ledger_stream(
+pub(super) async fn ledger_stream(
     context: &jetstream::Context,
     names: &Names,
-) -> Result<(jetstream::stream::Stream, jetstream::stream::State), Error> {
+) -> Result<(jetstream::stream::Stream, jetstream::stream::State), StreamFailure> {
     let mut stream = context
         .get_stream(names.ledger_stream())
         .await
-        .map_err(Error::stream("cannot find the ledger stream"))?;
+        .map_err(StreamFailure::doing("cannot find the ledger stream"))?;
     let state = stream
         .info()
         .await
-        .map_err(Error::stream("reading the ledger stream's state"))?
+        .map_err(StreamFailure::doing("reading the ledger stream's state"))?
         .state
         .clone();
     Ok((stream, state))
@@ -442,14 +427,14 @@ async fn compare(
             ..Default::default()
         })
         .await
-        .map_err(Error::stream("cannot read the ledger stream"))?;
+        .map_err(StreamFailure::doing("cannot read the ledger stream"))?;
     let mut messages = consumer
         .messages()
         .await
-        .map_err(Error::stream("cannot read the ledger stream"))?;
+        .map_err(StreamFailure::doing("cannot read the ledger stream"))?;
     for expected in sequences {
         let position =
-            i64::try_from(expected).map_err(Error::stream("a stream sequence"))? + offset;
+            i64::try_from(expected).map_err(StreamFailure::doing("a stream sequence"))? + offset;
         let (message, sequence) = next_message(&mut messages, expected).await?;
         if sequence != expected {
             return Ok(Some(Mismatch {
@@ -489,14 +474,13 @@ async fn next_message(
     let message = messages
         .next()
         .await
-        .ok_or_else(|| Error::Stream {
-            what: "the ledger stream ended early".to_owned(),
-            source: None,
-        })?
-        .map_err(Error::stream(format!("reading stream message {expected}")))?;
+        .ok_or_else(|| StreamFailure::new("the ledger stream ended early"))?
+        .map_err(StreamFailure::doing(format!(
+            "reading stream message {expected}"
+        )))?;
     let sequence = message
         .info()
-        .map_err(Error::stream(format!("stream message {expected}")))?
+        .map_err(StreamFailure::doing(format!("stream message {expected}")))?
         .stream_sequence;
     Ok((message, sequence))
 }

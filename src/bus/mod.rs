@@ -60,6 +60,38 @@ pub enum Error {
     },
 }
 
+/// A failure to read or write a stream: what was being done, and why it failed (no cause
+/// when the stream answered but not as expected). The stream check and the relay both
+/// carry it.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}")]
+pub struct StreamFailure {
+    what: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl StreamFailure {
+    /// The stream answered, but not as expected.
+    pub fn new(what: impl Into<String>) -> StreamFailure {
+        StreamFailure {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// For `map_err`: `what` was being done when `error` happened.
+    pub fn doing<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+        what: impl Into<String>,
+    ) -> impl FnOnce(E) -> StreamFailure {
+        let what = what.into();
+        move |error| StreamFailure {
+            what,
+            source: Some(error.into()),
+        }
+    }
+}
+
 /// Stream names and subject prefixes, with the optional namespace applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {

@@ -33,7 +33,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::check::{self, Mismatch};
-use super::{Names, HASH_HEADER, POSITION_HEADER};
+use super::{Names, StreamFailure, HASH_HEADER, POSITION_HEADER};
 use crate::ledger::{read, Committed, LedgerRow};
 
 /// The session advisory lock that elects the one relaying instance.
@@ -177,25 +177,8 @@ enum Error {
     Bus(#[from] super::Error),
     #[error("cannot check the ledger stream against the ledger")]
     Check(#[from] check::Error),
-    #[error("{what}")]
-    Stream {
-        what: String,
-        #[source]
-        source: Option<Box<dyn std::error::Error + Send + Sync>>,
-    },
-}
-
-impl Error {
-    /// A failure to read or write the stream: what was done, and why it failed.
-    fn stream<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
-        what: impl Into<String>,
-    ) -> impl FnOnce(E) -> Error {
-        let what = what.into();
-        move |error| Error::Stream {
-            what,
-            source: Some(error.into()),
-        }
-    }
+    #[error(transparent)]
+    Stream(#[from] StreamFailure),
 }
 
 /// What this process knows of the stream without reading it again.
@@ -217,20 +200,11 @@ async fn resume(
     batch_max: usize,
     verified: &mut Verified,
 ) -> Result<(i64, u64), Error> {
-    let mut stream = context
-        .get_stream(names.ledger_stream())
-        .await
-        .map_err(Error::stream("cannot find the ledger stream"))?;
-    let state = stream
-        .info()
-        .await
-        .map_err(Error::stream("reading the ledger stream's state"))?
-        .state
-        .clone();
+    let (stream, state) = check::ledger_stream(context, names).await?;
     let last_sequence = state.last_sequence;
     let stored = verified.sequence;
     let position_of = |sequence: u64, offset: i64| -> Result<i64, Error> {
-        Ok(i64::try_from(sequence).map_err(Error::stream("a stream sequence"))? + offset)
+        Ok(i64::try_from(sequence).map_err(StreamFailure::doing("a stream sequence"))? + offset)
     };
     if last_sequence < stored {
         return Err(Mismatch {
@@ -363,38 +337,38 @@ async fn publish(
         );
         headers.insert(POSITION_HEADER, row.position.to_string().as_str());
         headers.insert(HASH_HEADER, hex::encode(&row.hash).as_str());
-        let payload = serde_json::to_vec(&row.to_message())
-            .map_err(Error::stream(format!("encoding position {}", row.position)))?;
+        let payload = serde_json::to_vec(&row.to_message()).map_err(StreamFailure::doing(
+            format!("encoding position {}", row.position),
+        ))?;
         let subject = names.ledger_subject(&row.org_id, &row.event_type);
         let ack = context
             .publish_with_headers(subject, headers, payload.into())
             .await
-            .map_err(Error::stream(format!(
+            .map_err(StreamFailure::doing(format!(
                 "publishing position {}",
                 row.position
             )))?;
         acks.push((row.position, ack));
     }
     for (position, ack) in acks {
-        let ack = ack
-            .await
-            .map_err(Error::stream(format!("publishing position {position}")))?;
+        let ack = ack.await.map_err(StreamFailure::doing(format!(
+            "publishing position {position}"
+        )))?;
         if ack.duplicate || ack.sequence != sequence + 1 {
-            return Err(Error::Stream {
-                what: format!(
-                    "position {position} landed at sequence {} (duplicate: {}), expected {}",
-                    ack.sequence,
-                    ack.duplicate,
-                    sequence + 1
-                ),
-                source: None,
-            });
+            return Err(StreamFailure::new(format!(
+                "position {position} landed at sequence {} (duplicate: {}), expected {}",
+                ack.sequence,
+                ack.duplicate,
+                sequence + 1
+            ))
+            .into());
         }
         sequence = ack.sequence;
         verified.sequence = sequence;
         // Its own acknowledged publish fixes the numbering as well as a checked one.
         verified.offset.get_or_insert(
-            position - i64::try_from(sequence).map_err(Error::stream("a stream sequence"))?,
+            position
+                - i64::try_from(sequence).map_err(StreamFailure::doing("a stream sequence"))?,
         );
         published = position;
     }
