@@ -33,9 +33,9 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::{
-    ledger_head, load_average, max_ms, measured_then_cleaned, percentile_ms, print_lines, verdict,
-    wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection, Line, Scratch,
-    IMAGES, PORTS, STOP_REASONS,
+    ledger_head, load_average, max_ms, measured_then_cleaned, part_finished, percentile_ms,
+    print_lines, verdict, wait_for_projection, Check, Endpoint, Figure, HttpConnection, Line,
+    Scratch, IMAGES, PORTS, STOP_REASONS,
 };
 use tally::admission::cache::CacheStats;
 use tally::admission::{Checker, Request};
@@ -146,15 +146,7 @@ pub(super) async fn run(
         args.admission_paced_seconds > 0,
         "--admission-paced-seconds must be at least 1"
     );
-    let scratch = Scratch::new(&config.database_url)?;
-    let shown_database_url = without_password(&config.database_url);
-    config.database_url = scratch.database_url.clone();
-    config.nats_namespace = scratch.namespace.clone();
-    config.bootstrap_token = Some(scratch.token.clone());
-    eprintln!(
-        "bench: admission: database {}, namespace {}",
-        scratch.database_name, scratch.namespace
-    );
+    let (scratch, shown_database_url) = Scratch::for_part("admission", &mut config)?;
 
     let report = measured_then_cleaned(
         &scratch,
@@ -163,15 +155,7 @@ pub(super) async fn run(
     )
     .await?;
     report.print(args, &shown_database_url, &scratch);
-    eprintln!(
-        "bench: removed database {} and the {} streams",
-        scratch.database_name, scratch.namespace
-    );
-    anyhow::ensure!(
-        report.checks.iter().all(|check| check.passed),
-        "an admission check failed; see the table"
-    );
-    Ok(())
+    part_finished("admission", &scratch, &report.checks)
 }
 
 /// Starts the service, measures, and stops the service whatever happened, so that nothing

@@ -29,8 +29,8 @@ use sqlx::{Connection, PgConnection};
 use crate::child::{self, Served};
 use crate::{
     checkpoint, copy_into_ledger, envelope, ledger_head, load_average, measured_then_cleaned,
-    print_lines, seed_ledger_stream, verdict, wait_for_projection, without_password, Check,
-    Endpoint, Figure, HttpConnection, Line, Scratch,
+    part_finished, print_lines, seed_ledger_stream, verdict, wait_for_projection, Check, Endpoint,
+    Figure, HttpConnection, Line, Scratch,
 };
 use tally::config::Config;
 
@@ -90,15 +90,7 @@ pub(super) async fn run(
         args.anomalies_phase_events > 0,
         "--anomalies-phase-events must be at least 1"
     );
-    let scratch = Scratch::new(&config.database_url)?;
-    let shown_database_url = without_password(&config.database_url);
-    config.database_url = scratch.database_url.clone();
-    config.nats_namespace = scratch.namespace.clone();
-    config.bootstrap_token = Some(scratch.token.clone());
-    eprintln!(
-        "bench: anomalies: database {}, namespace {}",
-        scratch.database_name, scratch.namespace
-    );
+    let (scratch, shown_database_url) = Scratch::for_part("anomalies", &mut config)?;
     let report = measured_then_cleaned(
         &scratch,
         nats,
@@ -118,15 +110,7 @@ pub(super) async fn run(
     );
     println!();
     print_lines(&report.lines, report.service, &report.checks);
-    eprintln!(
-        "bench: removed database {} and the {} streams",
-        scratch.database_name, scratch.namespace
-    );
-    anyhow::ensure!(
-        report.checks.iter().all(|check| check.passed),
-        "an anomalies check failed; see the table"
-    );
-    Ok(())
+    part_finished("anomalies", &scratch, &report.checks)
 }
 
 struct Report {

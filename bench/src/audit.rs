@@ -26,9 +26,9 @@ use sqlx::{Connection, PgConnection};
 
 use crate::{
     checkpoint, container_data, copy_into_ledger, envelope, ledger_head, load_average, max_ms,
-    measured_then_cleaned, percentile_ms, print_lines, ran_note, seed_ledger_stream, verdict,
-    verify_ledger, wait_for_projection, without_password, Check, Endpoint, Figure, HttpConnection,
-    Line, Scratch,
+    measured_then_cleaned, part_finished, percentile_ms, print_lines, ran_note, seed_ledger_stream,
+    verdict, verify_ledger, wait_for_projection, Check, Endpoint, Figure, HttpConnection, Line,
+    Scratch,
 };
 use tally::config::Config;
 use tally::ledger::read::{self, Filter};
@@ -107,15 +107,7 @@ pub(super) async fn run(
         args.audit_requests > 0,
         "--audit-requests must be at least 1"
     );
-    let scratch = Scratch::new(&config.database_url)?;
-    let shown_database_url = without_password(&config.database_url);
-    config.database_url = scratch.database_url.clone();
-    config.nats_namespace = scratch.namespace.clone();
-    config.bootstrap_token = Some(scratch.token.clone());
-    eprintln!(
-        "bench: audit: database {}, namespace {}",
-        scratch.database_name, scratch.namespace
-    );
+    let (scratch, shown_database_url) = Scratch::for_part("audit", &mut config)?;
 
     let report = measured_then_cleaned(
         &scratch,
@@ -124,15 +116,7 @@ pub(super) async fn run(
     )
     .await?;
     report.print(args, &shown_database_url, &scratch);
-    eprintln!(
-        "bench: removed database {} and the {} streams",
-        scratch.database_name, scratch.namespace
-    );
-    anyhow::ensure!(
-        report.checks.iter().all(|check| check.passed),
-        "an audit check failed; see the table"
-    );
-    Ok(())
+    part_finished("audit", &scratch, &report.checks)
 }
 
 /// Builds the ledger, then runs the service on it and stops it whatever happened, so that

@@ -335,6 +335,22 @@ impl Scratch {
         })
     }
 
+    /// A scratch database and namespace for the part named `part`, with `config` pointed at
+    /// them and their bootstrap token; said on stderr. Also the server's URL as a table
+    /// shows it (without a password).
+    fn for_part(part: &str, config: &mut Config) -> anyhow::Result<(Scratch, String)> {
+        let scratch = Scratch::new(&config.database_url)?;
+        let shown_database_url = without_password(&config.database_url);
+        config.database_url = scratch.database_url.clone();
+        config.nats_namespace = scratch.namespace.clone();
+        config.bootstrap_token = Some(scratch.token.clone());
+        eprintln!(
+            "bench: {part}: database {}, namespace {}",
+            scratch.database_name, scratch.namespace
+        );
+        Ok((scratch, shown_database_url))
+    }
+
     /// The raw-publish baseline's stream, inside the namespace like the service's own.
     fn baseline_stream(&self) -> String {
         self.names.stream("BASELINE")
@@ -1863,6 +1879,20 @@ fn percentile_ms(durations: &[Duration], fraction: f64) -> f64 {
 struct Check {
     description: String,
     passed: bool,
+}
+
+/// A part's end, once its scratch database and streams are removed: says so, and fails
+/// when one of the part's checks failed.
+fn part_finished(part: &str, scratch: &Scratch, checks: &[Check]) -> anyhow::Result<()> {
+    eprintln!(
+        "bench: removed database {} and the {} streams",
+        scratch.database_name, scratch.namespace
+    );
+    anyhow::ensure!(
+        checks.iter().all(|check| check.passed),
+        "a check of the {part} part failed; see the table"
+    );
+    Ok(())
 }
 
 /// The checks as a markdown list.

@@ -35,8 +35,8 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::{
-    checkpoint, copy_into_ledger, load_average, max_ms, measured_then_cleaned, percentile_ms,
-    print_lines, seed_ledger_stream, verdict, without_password, AbortOnDrop, Check, Figure,
+    checkpoint, copy_into_ledger, load_average, max_ms, measured_then_cleaned, part_finished,
+    percentile_ms, print_lines, seed_ledger_stream, verdict, AbortOnDrop, Check, Figure,
     HttpConnection, Line, Scratch, IMAGES, PORTS, SETTLE_TIMEOUT_MS, STOP_REASONS,
 };
 use tally::config::Config;
@@ -137,15 +137,7 @@ pub(super) async fn run(
     nats: &jetstream::Context,
 ) -> anyhow::Result<()> {
     check_args(args)?;
-    let scratch = Scratch::new(&config.database_url)?;
-    let shown_database_url = without_password(&config.database_url);
-    config.database_url = scratch.database_url.clone();
-    config.nats_namespace = scratch.namespace.clone();
-    config.bootstrap_token = Some(scratch.token.clone());
-    eprintln!(
-        "bench: projections: database {}, namespace {}",
-        scratch.database_name, scratch.namespace
-    );
+    let (scratch, shown_database_url) = Scratch::for_part("projections", &mut config)?;
 
     let report = measured_then_cleaned(
         &scratch,
@@ -154,15 +146,7 @@ pub(super) async fn run(
     )
     .await?;
     report.print(args, &shown_database_url, &scratch);
-    eprintln!(
-        "bench: removed database {} and the {} streams",
-        scratch.database_name, scratch.namespace
-    );
-    anyhow::ensure!(
-        report.checks.iter().all(|check| check.passed),
-        "a projection check failed; see the table"
-    );
-    Ok(())
+    part_finished("projection", &scratch, &report.checks)
 }
 
 fn check_args(args: &ProjectionArgs) -> anyhow::Result<()> {

@@ -33,8 +33,8 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::{
-    checkpoint, copy_into_ledger, measured_then_cleaned, print_checks, print_table, verdict,
-    without_password, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
+    checkpoint, copy_into_ledger, measured_then_cleaned, part_finished, print_checks, print_table,
+    verdict, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
 };
 use tally::billing::report;
 use tally::config::Config;
@@ -110,19 +110,10 @@ pub(super) async fn run(
         "--report-lines must be at least {GHOST_ONE_IN}, so that every kind of discrepancy \
          is planted"
     );
-    let scratch = Scratch::new(&config.database_url)?;
-    let shown_database_url = without_password(&config.database_url);
-    config.database_url = scratch.database_url.clone();
-    config.nats_namespace = scratch.namespace.clone();
-    config.bootstrap_token = Some(scratch.token.clone());
+    let (scratch, shown_database_url) = Scratch::for_part("reconciliation", &mut config)?;
     let report_file =
         ReportFile(std::env::temp_dir().join(format!("{}_report.csv", scratch.database_name)));
-    eprintln!(
-        "bench: reconciliation: database {}, namespace {}, report {}",
-        scratch.database_name,
-        scratch.namespace,
-        report_file.0.display()
-    );
+    eprintln!("bench: reconciliation: report {}", report_file.0.display());
 
     let measure = async {
         let outcome = tokio::select! {
@@ -134,15 +125,7 @@ pub(super) async fn run(
     };
     let report = measured_then_cleaned(&scratch, nats, measure).await?;
     report.print(args, &shown_database_url, &scratch);
-    eprintln!(
-        "bench: removed database {} and the report file",
-        scratch.database_name
-    );
-    anyhow::ensure!(
-        report.checks.iter().all(|check| check.passed),
-        "a reconciliation check failed; see the table"
-    );
-    Ok(())
+    part_finished("reconciliation", &scratch, &report.checks)
 }
 
 /// The report's temporary file, removed when dropped.
