@@ -80,7 +80,7 @@ impl Scrape {
     }
 
     /// The family a sample belongs to: its name, or its name less a histogram's suffix.
-    fn family_of(&self, sample: &str) -> Option<&str> {
+    fn family_of<'a>(&self, sample: &'a str) -> Option<&'a str> {
         if self.kind.contains_key(sample) {
             return Some(sample);
         }
