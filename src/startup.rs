@@ -45,6 +45,8 @@ impl Service {
     // Long: the order in which components start is the order of this function, read top to
     // bottom; split up, it would be spread over functions that each take half of it.
     pub async fn start(config: Config) -> anyhow::Result<Service> {
+        // First, so that every family is described and at zero before any component counts.
+        let metrics = telemetry::metrics_handle();
         let names = Names::new(&config.nats_namespace)?;
         let pool = db::prepare(&config)
             .await
@@ -117,7 +119,7 @@ impl Service {
             freshness: freshness.clone(),
             checker: checker.clone(),
             nats,
-            metrics: telemetry::metrics_handle(),
+            metrics,
             tokens: Tokens::new(config.bootstrap_token.as_deref()),
             body_max_bytes: config.body_max_bytes,
             batch_events_max: config.batch_events_max,

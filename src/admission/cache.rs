@@ -178,7 +178,7 @@ impl FactsCache {
             false => (&self.stats.misses, "postgres"),
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("tally_admission_check_facts_total", "source" => source).increment(1);
+        metrics::counter!(crate::telemetry::ADMISSION_CHECK_FACTS, "source" => source).increment(1);
     }
 
     /// To be taken before reading the facts of an org; `None` while not listening.
@@ -349,7 +349,7 @@ pub async fn listen_with(
         }
         if let Err(error) = result {
             if was_listening {
-                metrics::counter!("tally_admission_listener_losses_total").increment(1);
+                metrics::counter!(crate::telemetry::ADMISSION_LISTENER_LOSSES).increment(1);
             }
             tracing::warn!(error = %format!("{error:#}"), "admission listener: connection lost or not listening; checks read Postgres until it listens");
         }

@@ -190,7 +190,8 @@ impl Checker {
                 queue.waiting.drain(..taken).collect()
             },
         };
-        metrics::histogram!("tally_admission_check_group").record((lead.group.len() + 1) as f64);
+        metrics::histogram!(crate::telemetry::ADMISSION_GROUP_CHECKS)
+            .record((lead.group.len() + 1) as f64);
         let requests: Vec<&Request> = std::iter::once(request)
             .chain(lead.group.iter().map(|pending| &pending.request))
             .collect();

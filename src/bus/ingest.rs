@@ -230,7 +230,7 @@ async fn settle(
     match verdict {
         Verdict::Stored(count) => {
             message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
-            metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "stored")
+            metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "stored")
                 .increment(count as u64);
         }
         Verdict::DeadLetter {
@@ -239,7 +239,7 @@ async fn settle(
         } => {
             dead_letter(context, names, message, code, &text).await?;
             message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
-            metrics::counter!("tally_ingest_events_total", "source" => "nats", "outcome" => "dead_lettered")
+            metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "dead_lettered")
                 .increment(1);
             tracing::info!(subject = %message.subject, code, error = text, "ingest message dead-lettered");
         }

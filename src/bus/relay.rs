@@ -104,8 +104,9 @@ pub async fn run(
                     reason = %mismatch,
                     "relay halted: the ledger stream holds a message the relay did not write"
                 );
-                metrics::gauge!("tally_relay_halted").set(1.0);
-                metrics::gauge!("tally_relay_halted_position").set(mismatch.position as f64);
+                metrics::gauge!(crate::telemetry::RELAY_HALTED).set(1.0);
+                metrics::gauge!(crate::telemetry::RELAY_HALTED_POSITION)
+                    .set(mismatch.position as f64);
                 status.halt(mismatch.clone());
                 shutdown.cancelled().await;
                 break;
@@ -114,7 +115,7 @@ pub async fn run(
                 error = crate::telemetry::cause_chain(&error),
                 "relay interrupted; will resume"
             );
-            metrics::counter!("tally_relay_errors_total").increment(1);
+            metrics::counter!(crate::telemetry::RELAY_ERRORS).increment(1);
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
                 _ = shutdown.cancelled() => {}
@@ -254,7 +255,7 @@ async fn relay(
     let (mut published, mut sequence) =
         resume(pool, context, names, settings.batch_max, verified).await?;
     // Set here rather than at spawn, when the metrics recorder may not be installed yet.
-    metrics::gauge!("tally_relay_halted").set(0.0);
+    metrics::gauge!(crate::telemetry::RELAY_HALTED).set(0.0);
     tracing::info!(position = published, sequence, "relay resuming");
     loop {
         // Checked between batches too, not only when caught up: a relay far behind (a
@@ -272,7 +273,7 @@ async fn relay(
         )
         .await?;
         if rows.is_empty() {
-            metrics::gauge!("tally_relay_lag_events").set(0.0);
+            metrics::gauge!(crate::telemetry::RELAY_LAG_EVENTS).set(0.0);
             tokio::select! {
                 _ = head.changed() => {
                     tokio::time::sleep(Duration::from_millis(LINGER_MS)).await;
@@ -284,11 +285,12 @@ async fn relay(
         }
         (published, sequence) =
             publish(context, names, &rows, published, sequence, verified).await?;
-        metrics::counter!("tally_relay_published_total").increment(rows.len() as u64);
-        metrics::gauge!("tally_relay_published_position").set(published as f64);
+        metrics::counter!(crate::telemetry::RELAY_PUBLISHED).increment(rows.len() as u64);
+        metrics::gauge!(crate::telemetry::RELAY_PUBLISHED_POSITION).set(published as f64);
         // This instance's head; appends by other instances show up at the next round.
         let head_position = *head.borrow();
-        metrics::gauge!("tally_relay_lag_events").set((head_position - published).max(0) as f64);
+        metrics::gauge!(crate::telemetry::RELAY_LAG_EVENTS)
+            .set((head_position - published).max(0) as f64);
     }
 }
 
@@ -302,12 +304,13 @@ async fn next_rows(
     batch_max: usize,
 ) -> Result<Vec<LedgerRow>, Error> {
     if let Some(rows) = committed.and_then(|committed| committed.take_after(published, batch_max)) {
-        metrics::counter!("tally_relay_rows_total", "from" => "memory")
+        metrics::counter!(crate::telemetry::RELAY_ROWS, "from" => "memory")
             .increment(rows.len() as u64);
         return Ok(rows);
     }
     let rows = read::read_after(pool, published, batch_max).await?;
-    metrics::counter!("tally_relay_rows_total", "from" => "ledger").increment(rows.len() as u64);
+    metrics::counter!(crate::telemetry::RELAY_ROWS, "from" => "ledger")
+        .increment(rows.len() as u64);
     Ok(rows)
 }
 

@@ -158,7 +158,7 @@ pub async fn post_check(
         .check_with(&request, wait)
         .await
         .map_err(admission_error)?;
-    metrics::counter!("tally_admission_checks_total", "allowed" => answer.decision.allowed.to_string())
+    metrics::counter!(crate::telemetry::ADMISSION_CHECKS, "allowed" => answer.decision.allowed.to_string())
         .increment(1);
     Ok(Json(CheckResponse::from(&answer)))
 }
@@ -212,10 +212,10 @@ pub async fn post_reservation(
     .await
     .map_err(admission_error)?;
     let Some(reservation) = reservation else {
-        metrics::counter!("tally_reservations_total", "outcome" => "refused").increment(1);
+        metrics::counter!(crate::telemetry::RESERVATIONS, "outcome" => "refused").increment(1);
         return Err(refused(&answer));
     };
-    metrics::counter!("tally_reservations_total", "outcome" => "granted").increment(1);
+    metrics::counter!(crate::telemetry::RESERVATIONS, "outcome" => "granted").increment(1);
     Ok((
         StatusCode::CREATED,
         Json(ReservationResponse {
@@ -425,7 +425,7 @@ fn parse_request(
 fn admission_error(error: AdmissionError) -> ApiError {
     match error {
         AdmissionError::Stale { .. } => {
-            metrics::counter!("tally_read_lagging_total").increment(1);
+            metrics::counter!(crate::telemetry::READ_LAGGING).increment(1);
             ApiError::unavailable(ErrorCode::ProjectionLagging, error.to_string())
         }
         AdmissionError::Busy(_) => ApiError::unavailable(ErrorCode::Overloaded, error.to_string()),

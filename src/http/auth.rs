@@ -364,7 +364,7 @@ pub async fn require_token(
     // Counted before the token is looked up, so that one token's flood cannot hold the
     // pool connections of the look-ups either.
     let Some(permit) = state.token_limits.try_acquire(digest) else {
-        metrics::counter!("tally_http_token_limited_total").increment(1);
+        metrics::counter!(crate::telemetry::HTTP_TOKEN_LIMITED).increment(1);
         return Err(token_limited(state.token_limits.max));
     };
     let Some(principal) = principal(&state.tokens, &state.pool, &digest).await? else {

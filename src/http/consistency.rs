@@ -183,7 +183,7 @@ async fn wait(state: &AppState, wanted: i64, within: Duration) -> Result<i64, Ap
 }
 
 fn lagging(state: &AppState, wanted: i64, checkpoint: i64) -> ApiError {
-    metrics::counter!("tally_read_lagging_total").increment(1);
+    metrics::counter!(crate::telemetry::READ_LAGGING).increment(1);
     ApiError::unavailable(
         ErrorCode::ProjectionLagging,
         format!(

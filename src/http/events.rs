@@ -96,14 +96,14 @@ pub async fn post_events(
         backdate_max: state.backdate_max,
     };
     let mut events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {
-        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => e.code().as_str())
+        metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => e.code().as_str())
             .increment(1);
     })?;
     for event in &events {
         principal.check_org(event.org_id.as_str())?;
     }
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
-        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => ErrorCode::UnknownPlan.as_str())
+        metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => ErrorCode::UnknownPlan.as_str())
             .increment(1);
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -118,14 +118,18 @@ pub async fn post_events(
     }
     legacy_ids::adopt(&state.pool, &mut events).await?;
     let appended = state.appender.append(events).await.inspect_err(|e| {
-        let code = if e.is_retryable() { "unavailable" } else { e.code().as_str() };
-        metrics::counter!("tally_ingest_requests_total", "source" => "http", "outcome" => "rejected", "code" => code)
+        let code = if e.is_retryable() {
+            crate::telemetry::CODE_UNAVAILABLE
+        } else {
+            e.code().as_str()
+        };
+        metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => code)
             .increment(1);
     })?;
     let duplicates = appended.iter().filter(|a| a.duplicate).count() as u64;
-    metrics::counter!("tally_ingest_events_total", "source" => "http", "outcome" => "stored")
+    metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "http", "outcome" => "stored")
         .increment(appended.len() as u64 - duplicates);
-    metrics::counter!("tally_ingest_events_total", "source" => "http", "outcome" => "duplicate")
+    metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "http", "outcome" => "duplicate")
         .increment(duplicates);
     Ok(Json(EventsResponse {
         results: appended.into_iter().map(EventResult::from).collect(),

@@ -100,7 +100,7 @@ pub async fn get_verify(
         }
     };
     let Ok(pass) = state.verify_passes.clone().try_acquire_owned() else {
-        metrics::counter!("tally_verify_refused_total").increment(1);
+        metrics::counter!(crate::telemetry::VERIFY_REFUSED).increment(1);
         return Err(ApiError {
             retry_after_seconds: Some(VERIFY_RETRY_AFTER_SECONDS),
             ..ApiError::new(

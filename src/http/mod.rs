@@ -163,7 +163,7 @@ async fn method_not_allowed() -> ApiError {
 /// deadline. Both are 503 with `Retry-After`.
 async fn refused(error: BoxError) -> impl IntoResponse {
     if error.is::<tower::load_shed::error::Overloaded>() {
-        metrics::counter!("tally_http_shed_total").increment(1);
+        metrics::counter!(crate::telemetry::HTTP_SHED).increment(1);
         ApiError::unavailable(
             ErrorCode::Overloaded,
             "too many requests in progress; retry later",

@@ -122,7 +122,7 @@ pub async fn serve(
             tracing::debug!(%error, "cannot set TCP_NODELAY on a connection");
         }
         let Some(connection) = registry.admit() else {
-            metrics::counter!("tally_http_connections_refused_total").increment(1);
+            metrics::counter!(crate::telemetry::HTTP_CONNECTIONS_REFUSED).increment(1);
             // A fresh socket's send buffer is empty, so this one write does not block; if it
             // fails the client sees the connection close, which is what it would get anyway.
             let _ = stream.try_write(&refusal);
@@ -414,7 +414,7 @@ impl Registry {
                 .remove(&evicted)
                 .expect("the id was just found");
             evicted.evicted.notify_one();
-            metrics::counter!("tally_http_connections_evicted_total").increment(1);
+            metrics::counter!(crate::telemetry::HTTP_CONNECTIONS_EVICTED).increment(1);
         }
         let id = open.next_id;
         open.next_id += 1;
@@ -426,7 +426,7 @@ impl Registry {
             reader: AtomicWaker::new(),
         });
         open.connections.insert(id, connection.clone());
-        metrics::gauge!("tally_http_connections_open").set(open.connections.len() as f64);
+        metrics::gauge!(crate::telemetry::HTTP_CONNECTIONS_OPEN).set(open.connections.len() as f64);
         Some(connection)
     }
 
@@ -436,7 +436,7 @@ impl Registry {
             .lock()
             .expect("the registry lock is never poisoned");
         open.connections.remove(&connection.id);
-        metrics::gauge!("tally_http_connections_open").set(open.connections.len() as f64);
+        metrics::gauge!(crate::telemetry::HTTP_CONNECTIONS_OPEN).set(open.connections.len() as f64);
     }
 }
 
@@ -495,7 +495,7 @@ impl TimedIo {
             };
             return true;
         }
-        metrics::counter!("tally_http_request_line_refused_total").increment(1);
+        metrics::counter!(crate::telemetry::HTTP_REQUEST_LINE_REFUSED).increment(1);
         // The response to the head so far has not begun, so the send buffer is empty and
         // this one small write does not block; if it fails the client sees the connection
         // close, which is what it would get anyway.

@@ -402,8 +402,8 @@ async fn run(
         };
         match result {
             Ok(outcome) => {
-                metrics::histogram!("tally_append_batch_events").record(events as f64);
-                metrics::histogram!("tally_append_batch_seconds")
+                metrics::histogram!(crate::telemetry::APPEND_BATCH_EVENTS).record(events as f64);
+                metrics::histogram!(crate::telemetry::APPEND_BATCH_SECONDS)
                     .record(started.elapsed().as_secs_f64());
                 outlets.publish(outcome.rows, outcome.head);
                 for (request, result) in group.into_iter().zip(outcome.results) {
@@ -425,7 +425,7 @@ async fn run(
                     committed = None;
                     connection = None;
                     tracing::error!(error = %error, requests = group.len(), "group commit failed");
-                    metrics::counter!("tally_append_failures_total").increment(1);
+                    metrics::counter!(crate::telemetry::APPEND_FAILURES).increment(1);
                     AppendError::Store(Arc::new(error))
                 });
                 answer_isolated(group, isolated.results, failure);
@@ -478,7 +478,7 @@ struct Outlets {
 
 impl Outlets {
     fn publish(&self, rows: Rows, head: Head) {
-        metrics::counter!("tally_append_events_total").increment(rows.len() as u64);
+        metrics::counter!(crate::telemetry::APPEND_EVENTS).increment(rows.len() as u64);
         // Before the head moves, so that whoever it wakes finds the rows.
         if !rows.is_empty() && rows.len() <= HANDOFF_GROUP_EVENTS_MAX {
             // Full (the reader is slow, or not relaying) or dropped: the reader, if any,
@@ -536,7 +536,7 @@ async fn isolate(
     error: sqlx::Error,
 ) -> Isolated {
     assert!(is_content_error(&error));
-    metrics::counter!("tally_append_isolations_total").increment(1);
+    metrics::counter!(crate::telemetry::APPEND_ISOLATIONS).increment(1);
     tracing::warn!(error = %error, requests = group.len(), "group refused for its content; isolating");
     let attempts_max = 2 * group.len() - 2;
     let mut attempts = 0;
@@ -614,7 +614,7 @@ fn assert_follows(before: Option<Head>, outcome: &GroupOutcome) {
 
 /// The answer to a request that Postgres refuses on its own.
 fn unstorable(error: &sqlx::Error) -> AppendError {
-    metrics::counter!("tally_append_unstorable_requests_total").increment(1);
+    metrics::counter!(crate::telemetry::APPEND_UNSTORABLE_REQUESTS).increment(1);
     let (sqlstate, reason) = match error {
         sqlx::Error::Database(error) => (
             error.code().unwrap_or_default().into_owned(),
@@ -725,7 +725,7 @@ async fn commit_group(
         *committed = Some(plan.head);
         return Ok(plan);
     }
-    metrics::counter!("tally_append_locked_fallbacks_total").increment(1);
+    metrics::counter!(crate::telemetry::APPEND_LOCKED_FALLBACKS).increment(1);
     let outcome = commit_group_locked(connection, group, &prepared).await?;
     *committed = Some(outcome.head);
     Ok(outcome)

@@ -190,7 +190,7 @@ pub async fn run(
             Ok(Round::Projected { events, position }) => {
                 freshness.reached(position);
                 let head_position = *head.borrow();
-                metrics::gauge!("tally_projection_lag_positions")
+                metrics::gauge!(crate::telemetry::PROJECTION_LAG_POSITIONS)
                     .set((head_position - position).max(0) as f64);
                 if events == settings.batch_max {
                     continue;
@@ -198,8 +198,8 @@ pub async fn run(
             }
             Ok(Round::CaughtUp { position }) => {
                 freshness.reached(position);
-                metrics::gauge!("tally_projection_lag_positions").set(0.0);
-                metrics::gauge!("tally_projection_lag_ms").set(0.0);
+                metrics::gauge!(crate::telemetry::PROJECTION_LAG_POSITIONS).set(0.0);
+                metrics::gauge!(crate::telemetry::PROJECTION_LAG_SECONDS).set(0.0);
             }
             Ok(Round::Busy) => {}
             Err(error) => {
@@ -207,7 +207,7 @@ pub async fn run(
                     error = format!("{error:#}"),
                     "projection round failed; will retry"
                 );
-                metrics::counter!("tally_projection_errors_total").increment(1);
+                metrics::counter!(crate::telemetry::PROJECTION_ERRORS).increment(1);
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
                     _ = shutdown.cancelled() => {}
@@ -269,14 +269,14 @@ pub async fn project_once(
         for (key, history) in &histories {
             changes.refold(key, history);
         }
-        metrics::counter!("tally_projection_refolds_total").increment(late.len() as u64);
+        metrics::counter!(crate::telemetry::PROJECTION_REFOLDS).increment(late.len() as u64);
     }
     store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
     let consumed =
         store::consume_reservations(&mut transaction, &starts(&events), clock.now()).await?;
-    metrics::counter!("tally_reservations_consumed_total").increment(consumed);
+    metrics::counter!(crate::telemetry::RESERVATIONS_CONSUMED).increment(consumed);
     // Admission facts kept in memory by every instance drop what this round changed: its
     // orgs, or everything for a plan definition (an event of no container and no account).
     let projected = || events.iter().chain(&voided);
@@ -290,11 +290,15 @@ pub async fn project_once(
     notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
 
-    metrics::histogram!("tally_projection_round_events").record(events.len() as f64);
-    metrics::histogram!("tally_projection_round_seconds").record(started.elapsed().as_secs_f64());
-    metrics::gauge!("tally_projection_position").set(position as f64);
-    let lag = chrono::Utc::now() - recorded_at;
-    metrics::gauge!("tally_projection_lag_ms").set(lag.num_milliseconds().max(0) as f64);
+    metrics::histogram!(crate::telemetry::PROJECTION_ROUND_EVENTS).record(events.len() as f64);
+    metrics::histogram!(crate::telemetry::PROJECTION_ROUND_SECONDS)
+        .record(started.elapsed().as_secs_f64());
+    metrics::gauge!(crate::telemetry::PROJECTION_POSITION).set(position as f64);
+    // A recorded_at ahead of this clock (another instance's) is no lag.
+    let lag = (chrono::Utc::now() - recorded_at)
+        .to_std()
+        .unwrap_or_default();
+    metrics::gauge!(crate::telemetry::PROJECTION_LAG_SECONDS).set(lag.as_secs_f64());
     Ok(Round::Projected {
         events: events.len(),
         position,

@@ -1,8 +1,11 @@
 //! The operating interface: health, readiness, metrics and the OpenAPI document need no
 //! token; errors on unknown routes keep the JSON shape.
 
+use std::collections::HashMap;
+
 use reqwest::Method;
 use serde_json::json;
+use tally::telemetry::FAMILIES;
 
 use crate::helpers::*;
 
@@ -39,6 +42,96 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
         "/metrics",
     ] {
         assert!(openapi["paths"][path].is_object(), "openapi lacks {path}");
+    }
+    app.stop().await;
+}
+
+/// The families of a scrape: each `# HELP` text and `# TYPE` by name, and the name of
+/// every sample line.
+struct Scrape {
+    help: HashMap<String, String>,
+    kind: HashMap<String, String>,
+    samples: Vec<String>,
+}
+
+impl Scrape {
+    fn parse(text: &str) -> Scrape {
+        let mut scrape = Scrape {
+            help: HashMap::new(),
+            kind: HashMap::new(),
+            samples: Vec::new(),
+        };
+        for line in text.lines().filter(|line| !line.is_empty()) {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').expect("# HELP name text");
+                let before = scrape.help.insert(name.to_owned(), help.to_owned());
+                assert!(before.is_none(), "two # HELP lines for {name}");
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+                let before = scrape.kind.insert(name.to_owned(), kind.to_owned());
+                assert!(before.is_none(), "two # TYPE lines for {name}");
+            } else {
+                assert!(!line.starts_with('#'), "unexpected comment {line:?}");
+                let name = line.split(['{', ' ']).next().expect("a sample's name");
+                scrape.samples.push(name.to_owned());
+            }
+        }
+        scrape
+    }
+
+    /// The family a sample belongs to: its name, or its name less a histogram's suffix.
+    fn family_of<'a>(&self, sample: &'a str) -> Option<&'a str> {
+        if self.kind.contains_key(sample) {
+            return Some(sample);
+        }
+        ["_bucket", "_sum", "_count"]
+            .iter()
+            .filter_map(|suffix| sample.strip_suffix(suffix))
+            .find(|name| self.kind.get(*name).is_some_and(|kind| kind == "histogram"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_scrape_before_any_request_has_every_family_with_help_and_type_in_base_units() {
+    let app = TestApp::spawn().await;
+    let text = app.without_token().get("/metrics").await.text;
+    let scrape = Scrape::parse(&text);
+    for family in FAMILIES {
+        assert_eq!(
+            scrape.help.get(family.name).map(String::as_str),
+            Some(family.help),
+            "# HELP of {}",
+            family.name
+        );
+        assert_eq!(
+            scrape.kind.get(family.name).map(String::as_str),
+            Some(family.kind.as_str()),
+            "# TYPE of {}",
+            family.name
+        );
+        assert!(
+            scrape
+                .samples
+                .iter()
+                .any(|sample| scrape.family_of(sample) == Some(family.name)),
+            "{} has no series",
+            family.name
+        );
+    }
+    for (name, kind) in &scrape.kind {
+        assert!(
+            FAMILIES.iter().any(|family| family.name == name),
+            "{name} is not in the table of families"
+        );
+        assert!(!name.ends_with("_ms"), "{name} is not in seconds");
+        assert_ne!(kind, "summary", "{name} is a summary");
+        // A duration that is not a gauge's reading is a latency: a histogram.
+        if name.ends_with("_seconds") && kind != "gauge" {
+            assert_eq!(kind, "histogram", "{name}");
+        }
+    }
+    for sample in &scrape.samples {
+        assert!(scrape.family_of(sample).is_some(), "{sample} has no # TYPE");
     }
     app.stop().await;
 }

@@ -628,7 +628,10 @@ async fn events_appended_while_no_projector_runs_are_projected_once_it_starts() 
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains("tally_projection_lag_ms"), "{metrics}");
+    assert!(
+        metrics.contains("tally_projection_lag_seconds"),
+        "{metrics}"
+    );
     assert!(metrics.contains("tally_projection_lag_positions"));
     app.stop().await;
 }
