@@ -279,7 +279,9 @@ fn parameter_faults(name: &str, path: &str, parameters: &[serde_json::Value]) ->
         let (Some(parameter_name), Some(place)) =
             (parameter["name"].as_str(), parameter["in"].as_str())
         else {
-            faults.push(format!("{name}: a parameter without name or place: {parameter}"));
+            faults.push(format!(
+                "{name}: a parameter without name or place: {parameter}"
+            ));
             continue;
         };
         // Header names are case-insensitive; the others are compared as written.
@@ -300,7 +302,9 @@ fn parameter_faults(name: &str, path: &str, parameters: &[serde_json::Value]) ->
                     ));
                 }
                 if parameter["required"] != true {
-                    faults.push(format!("{name}: path parameter {parameter_name} is not required"));
+                    faults.push(format!(
+                        "{name}: path parameter {parameter_name} is not required"
+                    ));
                 }
             }
             "query" | "header" => {}
@@ -309,7 +313,9 @@ fn parameter_faults(name: &str, path: &str, parameters: &[serde_json::Value]) ->
     }
     for segment in segments {
         if !in_path.contains(&segment) {
-            faults.push(format!("{name}: the segment {{{segment}}} has no path parameter"));
+            faults.push(format!(
+                "{name}: the segment {{{segment}}} has no path parameter"
+            ));
         }
     }
     faults
@@ -409,11 +415,19 @@ fn misfits(
     match value {
         serde_json::Value::Array(items) => {
             for (index, item) in items.iter().enumerate() {
-                faults.extend(misfits(document, &schema["items"], item, &format!("{at}[{index}]")));
+                faults.extend(misfits(
+                    document,
+                    &schema["items"],
+                    item,
+                    &format!("{at}[{index}]"),
+                ));
             }
         }
         serde_json::Value::Object(members) => {
-            let properties = schema["properties"].as_object().cloned().unwrap_or_default();
+            let properties = schema["properties"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
             for (name, member) in members {
                 match properties.get(name) {
                     Some(property) => {
@@ -500,7 +514,12 @@ async fn the_csv_exports_answer_csv_or_json_as_their_documented_content_and_the_
     let current = tally::runtime::Period::containing(app.now());
     let period = format!("period={current}");
     let routes = [
-        ("/v1/exports/usage.csv", "/v1/exports/usage.csv".to_owned(), period.as_str(), "rows"),
+        (
+            "/v1/exports/usage.csv",
+            "/v1/exports/usage.csv".to_owned(),
+            period.as_str(),
+            "rows",
+        ),
         (
             "/v1/reconciliations/{reconciliation_id}/lines.csv",
             format!("/v1/reconciliations/{reconciliation}/lines.csv"),
@@ -521,20 +540,35 @@ async fn the_csv_exports_answer_csv_or_json_as_their_documented_content_and_the_
         let with_format = [query, "format=json"].join(if query.is_empty() { "" } else { "&" });
         let json = app.get(&format!("{url}?{with_format}")).await;
         assert_eq!(json.status, 200, "{url}: {}", json.text);
-        assert_eq!(json.header("content-type").as_deref(), Some("application/json"));
+        assert_eq!(
+            json.header("content-type").as_deref(),
+            Some("application/json")
+        );
         let answer = json.json();
         assert!(
-            answer[list].as_array().is_some_and(|items| !items.is_empty()),
+            answer[list]
+                .as_array()
+                .is_some_and(|items| !items.is_empty()),
             "{url}: no {list} to check: {answer}"
         );
         let schema = &document["paths"][path]["get"]["responses"]["200"]["content"]
             ["application/json"]["schema"];
-        assert_eq!(misfits(&document, schema, &answer, "answer"), Vec::<String>::new(), "{url}");
+        assert_eq!(
+            misfits(&document, schema, &answer, "answer"),
+            Vec::<String>::new(),
+            "{url}"
+        );
     }
     let (_, export) = app
-        .get_json(&format!("/v1/exports/usage.csv?period={current}&format=json"))
+        .get_json(&format!(
+            "/v1/exports/usage.csv?period={current}&format=json"
+        ))
         .await;
-    assert_eq!(export["adjustments"].as_array().map(Vec::len), Some(1), "{export}");
+    assert_eq!(
+        export["adjustments"].as_array().map(Vec::len),
+        Some(1),
+        "{export}"
+    );
     app.stop().await;
 }
 
@@ -546,7 +580,10 @@ fn the_schema_check_finds_a_wrong_type_an_undocumented_property_and_a_missing_on
     }}}});
     let schema = json!({"type": "array", "items": {"$ref": "#/components/schemas/Row"}});
     let fitting = json!([{"org_id": null, "runtime_ms": 5}, {"org_id": "acme", "runtime_ms": 0}]);
-    assert_eq!(misfits(&document, &schema, &fitting, "a"), Vec::<String>::new());
+    assert_eq!(
+        misfits(&document, &schema, &fitting, "a"),
+        Vec::<String>::new()
+    );
     let unfit = json!([{"org_id": "acme", "runtime_ms": "5", "colour": "red"}, {"org_id": "acme"}]);
     let mut faults = misfits(&document, &schema, &unfit, "a");
     faults.sort_unstable();
