@@ -1,6 +1,6 @@
 //! The command line: `tally serve | migrate | verify | replay | audit | export | reports |
-//! periods`. This module holds the clap definition and the dispatch; each subcommand is a
-//! module of its own.
+//! periods | openapi`. This module holds the clap definition and the dispatch; each
+//! subcommand is a module of its own.
 
 use std::process::ExitCode;
 
@@ -67,6 +67,9 @@ pub enum Command {
         #[command(subcommand)]
         command: PeriodsCommand,
     },
+    /// Print the OpenAPI document that `GET /openapi.json` serves, as JSON. Needs neither
+    /// Postgres nor NATS.
+    Openapi,
 }
 
 #[derive(Debug, Subcommand)]
@@ -122,7 +125,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Periods {
             command: PeriodsCommand::Close { period },
         } => periods::close(config, &period).await,
+        Command::Openapi => openapi(),
     }
+}
+
+/// `tally openapi`: the document, as the service serves it, on standard output.
+fn openapi() -> anyhow::Result<ExitCode> {
+    let document = serde_json::to_string_pretty(&crate::http::openapi())?;
+    println!("{document}");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Brings the projection to the ledger head taken now (see src/projection/catch_up.rs),

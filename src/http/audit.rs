@@ -55,6 +55,47 @@ impl QueryParams for EventsParams {
     }
 }
 
+/// The filters of one container's page: those of [`EventsParams`] but `container_id`,
+/// which the path gives.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerEventsParams {
+    org_id: Option<String>,
+    /// An event type, e.g. `container.stopped`.
+    r#type: Option<String>,
+    /// Return events after this position (the previous page's `next_after`); default 0.
+    #[param(value_type = Option<i64>)]
+    after: Option<String>,
+    /// 1–1000, default 100.
+    #[param(value_type = Option<usize>)]
+    limit: Option<String>,
+}
+
+impl QueryParams for ContainerEventsParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        if name == "container_id" {
+            return ApiError::invalid(
+                ErrorCode::UnknownParameter,
+                "container_id: is already in the path",
+            );
+        }
+        EventsParams::unknown_parameter(name)
+    }
+}
+
+impl From<ContainerEventsParams> for EventsParams {
+    fn from(params: ContainerEventsParams) -> Self {
+        EventsParams {
+            org_id: params.org_id,
+            container_id: None,
+            r#type: params.r#type,
+            after: params.after,
+            limit: params.limit,
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct EventsPage {
     /// In position order.
@@ -92,7 +133,7 @@ pub async fn get_events(
     get,
     path = "/v1/containers/{container_id}/events",
     tag = "audit",
-    params(("container_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"), EventsParams),
+    params(("container_id" = String, Path, description = "1-64 of [A-Za-z0-9_-]"), ContainerEventsParams),
     responses(
         (status = 200, body = EventsPage),
         (status = 401, body = ErrorBody),
@@ -105,15 +146,9 @@ pub async fn get_container_events(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(container_id): Path<String>,
-    StrictQuery(params): StrictQuery<EventsParams>,
+    StrictQuery(params): StrictQuery<ContainerEventsParams>,
 ) -> Result<Json<EventsPage>, ApiError> {
-    if params.container_id.is_some() {
-        return Err(ApiError::invalid(
-            ErrorCode::UnknownParameter,
-            "container_id: is already in the path",
-        ));
-    }
-    page(&state, &principal, &params, Some(container_id)).await
+    page(&state, &principal, &params.into(), Some(container_id)).await
 }
 
 async fn page(

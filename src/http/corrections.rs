@@ -202,6 +202,7 @@ pub struct AddedResponse {
     post,
     path = "/v1/corrections/events",
     tag = "corrections",
+    operation_id = "post_correction_events",
     request_body(content = AddedRequest),
     responses(
         (status = 201, body = AddedResponse),

@@ -266,7 +266,8 @@ pub struct ExportParams {
     /// YYYY-MM
     #[param(value_type = String, required = true)]
     period: Option<String>,
-    /// csv (default) or json
+    /// `csv` (the default) or `json`
+    #[param(pattern = "^(csv|json)$")]
     format: Option<String>,
     /// wait only until the projection has reached this ledger position, rather than the head
     #[param(value_type = Option<i64>, minimum = 0)]
@@ -300,7 +301,8 @@ impl QueryParams for ExportParams {
         ("Tally-Min-Position" = Option<i64>, Header, description = "as `min_position`"),
     ),
     responses(
-        (status = 200, content_type = "text/csv", body = String,
+        (status = 200, description = "CSV, one line per org and then one per adjustment; with `format=json`, one JSON object",
+         content((String = "text/csv"), (UsageExportSchema = "application/json")),
          headers(("Tally-Position" = i64, description = "the ledger position the figures reflect"))),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
@@ -361,6 +363,55 @@ pub async fn get_usage_export(
         .header(POSITION_HEADER, position)
         .body(Body::from_stream(head.chain(body)))
         .map_err(|error| ApiError::internal(&error))
+}
+
+/// The usage export as JSON (`format=json`): the CSV's lines as objects. The answer is
+/// streamed a row at a time, never built as one value; this type is its description.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct UsageExportSchema {
+    /// The ledger position the figures reflect, as the `Tally-Position` header.
+    position: i64,
+    rows: Vec<UsageRowSchema>,
+    /// Changes to closed periods whose next open period is this one.
+    adjustments: Vec<AdjustmentSchema>,
+}
+
+/// One org's figures in a period: the columns of the CSV.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct UsageRowSchema {
+    org_id: String,
+    plan: String,
+    /// `YYYY-MM`
+    period: String,
+    runtime_ms: i64,
+    included_ms: i64,
+    overage_ms: i64,
+    /// A decimal number as text, rounded to the currency's minor unit.
+    overage_amount: String,
+    currency: String,
+    commands: i64,
+    ports_published: i64,
+}
+
+/// How a closed period's figures for one org differ now from its snapshot: the columns of
+/// a row as differences (`included_ms` 0, `period` the closed one), and the events
+/// recorded after the close that made the difference.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct AdjustmentSchema {
+    org_id: String,
+    plan: String,
+    period: String,
+    runtime_ms: i64,
+    included_ms: i64,
+    overage_ms: i64,
+    overage_amount: String,
+    currency: String,
+    commands: i64,
+    ports_published: i64,
+    caused_by: Vec<uuid::Uuid>,
 }
 
 /// The export's `period`, required: `YYYY-MM`.

@@ -186,7 +186,8 @@ fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct LinesParams {
-    /// csv (default) or json
+    /// `csv` (the default) or `json`
+    #[param(pattern = "^(csv|json)$")]
     format: Option<String>,
 }
 
@@ -254,6 +255,36 @@ impl LineRow {
     }
 }
 
+/// A reconciliation's lines as JSON (`format=json`): the CSV's lines as objects. The
+/// answer is streamed a chunk at a time, never built as one value; this type is its
+/// description.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct LinesSchema {
+    /// The ledger position the reconciliation reflected, as the `Tally-Position` header.
+    position: i64,
+    lines: Vec<LineSchema>,
+}
+
+/// One line of a reconciliation: the columns of the CSV. Money is a decimal number as
+/// text in the line's currency.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct LineSchema {
+    org_id: Option<String>,
+    container_id: String,
+    charge_period_start: String,
+    charge_period_end: String,
+    ledger_runtime_ms: i64,
+    provider_runtime_ms: i64,
+    delta_ms: i64,
+    status: String,
+    provider_cost: String,
+    expected_cost: String,
+    cost_delta: String,
+    currency: String,
+}
+
 /// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. The
 /// `Tally-Position` header (and `position` in JSON) is the ledger position the
 /// reconciliation reflected. A token bound to an org gets that org's lines only.
@@ -266,7 +297,8 @@ impl LineRow {
         LinesParams,
     ),
     responses(
-        (status = 200, content_type = "text/csv", body = String,
+        (status = 200, description = "CSV, one line per reconciled line; with `format=json`, one JSON object",
+         content((String = "text/csv"), (LinesSchema = "application/json")),
          headers(("Tally-Position" = i64, description = "the ledger position the reconciliation reflected"))),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),

@@ -332,3 +332,360 @@ async fn past_the_concurrency_limit_requests_are_shed_with_503_and_retry_after_n
     .await;
     app.stop().await;
 }
+
+/// Every operation of the document: `(METHOD path, its parameters)`, those of the path item
+/// included (they apply to each of its operations).
+fn operation_parameters(document: &serde_json::Value) -> Vec<(String, Vec<serde_json::Value>)> {
+    let mut operations = Vec::new();
+    for (path, item) in document["paths"].as_object().expect("paths") {
+        let shared = item["parameters"].as_array().cloned().unwrap_or_default();
+        for (method, operation) in item.as_object().expect("operations") {
+            if method == "parameters" {
+                continue;
+            }
+            let mut parameters = shared.clone();
+            parameters.extend(
+                operation["parameters"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default(),
+            );
+            operations.push((format!("{} {path}", method.to_uppercase()), parameters));
+        }
+    }
+    operations
+}
+
+/// What is wrong with the parameters of the operation `name` on `path`: a name declared
+/// twice (in any two places: the routes never read one name from two), a place other than
+/// path, query or header, a path parameter that is not a segment of the path (a query
+/// parameter marked `in: path`) or not required, a segment without its parameter.
+fn parameter_faults(name: &str, path: &str, parameters: &[serde_json::Value]) -> Vec<String> {
+    let mut faults = Vec::new();
+    let segments: Vec<&str> = path
+        .split('/')
+        .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut in_path = Vec::new();
+    for parameter in parameters {
+        let (Some(parameter_name), Some(place)) =
+            (parameter["name"].as_str(), parameter["in"].as_str())
+        else {
+            faults.push(format!(
+                "{name}: a parameter without name or place: {parameter}"
+            ));
+            continue;
+        };
+        // Header names are case-insensitive; the others are compared as written.
+        let key = if place == "header" {
+            parameter_name.to_ascii_lowercase()
+        } else {
+            parameter_name.to_owned()
+        };
+        if !seen.insert(key) {
+            faults.push(format!("{name}: {parameter_name} is declared twice"));
+        }
+        match place {
+            "path" => {
+                in_path.push(parameter_name);
+                if !segments.contains(&parameter_name) {
+                    faults.push(format!(
+                        "{name}: {parameter_name} is in: path but not a segment of the path"
+                    ));
+                }
+                if parameter["required"] != true {
+                    faults.push(format!(
+                        "{name}: path parameter {parameter_name} is not required"
+                    ));
+                }
+            }
+            "query" | "header" => {}
+            other => faults.push(format!("{name}: {parameter_name} is in: {other}")),
+        }
+    }
+    for segment in segments {
+        if !in_path.contains(&segment) {
+            faults.push(format!(
+                "{name}: the segment {{{segment}}} has no path parameter"
+            ));
+        }
+    }
+    faults
+}
+
+#[tokio::test]
+async fn every_parameter_of_the_openapi_document_is_declared_once_and_in_the_place_the_route_reads_it(
+) {
+    let app = TestApp::spawn().await;
+    let (status, document) = app.without_token().get_json("/openapi.json").await;
+    assert_eq!(status, 200);
+    let operations = operation_parameters(&document);
+    assert!(operations.len() > 20, "{operations:?}");
+    let mut faults = Vec::new();
+    for (name, parameters) in &operations {
+        let path = name.split_once(' ').expect("METHOD path").1;
+        faults.extend(parameter_faults(name, path, parameters));
+    }
+    assert_eq!(faults, Vec::<String>::new());
+
+    // The audit pages' filters are query parameters; on the container's page the container
+    // is the path's alone.
+    let events = &operations
+        .iter()
+        .find(|(name, _)| name == "GET /v1/events")
+        .expect("GET /v1/events")
+        .1;
+    let container_id = events
+        .iter()
+        .find(|parameter| parameter["name"] == "container_id")
+        .expect("a container_id filter");
+    assert_eq!(
+        (&container_id["in"], &container_id["required"]),
+        (&json!("query"), &json!(false))
+    );
+    app.stop().await;
+}
+
+#[test]
+fn the_parameter_check_finds_a_query_parameter_marked_in_path_and_a_name_declared_twice() {
+    let parameters = [
+        json!({"name": "container_id", "in": "path", "required": true}),
+        json!({"name": "container_id", "in": "path", "required": true}),
+        json!({"name": "limit", "in": "path", "required": true}),
+        json!({"name": "Tally-Min-Position", "in": "header"}),
+        json!({"name": "tally-min-position", "in": "header"}),
+    ];
+    let path = "/v1/containers/{container_id}/events";
+    assert_eq!(
+        parameter_faults("GET path", path, &parameters),
+        [
+            "GET path: container_id is declared twice",
+            "GET path: limit is in: path but not a segment of the path",
+            "GET path: tally-min-position is declared twice",
+        ]
+    );
+    assert_eq!(
+        parameter_faults("GET path", path, &[json!({"name": "after", "in": "query"})]),
+        ["GET path: the segment {container_id} has no path parameter"]
+    );
+}
+
+/// Where `value` does not fit `schema` (resolved in `document`): a type it does not have, a
+/// property the schema does not name or a required one it lacks, at `at`.
+fn misfits(
+    document: &serde_json::Value,
+    schema: &serde_json::Value,
+    value: &serde_json::Value,
+    at: &str,
+) -> Vec<String> {
+    let schema = resolved(document, schema);
+    if let Some(parts) = schema["allOf"].as_array() {
+        return parts
+            .iter()
+            .flat_map(|part| misfits(document, part, value, at))
+            .collect();
+    }
+    let kind = match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "boolean",
+        serde_json::Value::Number(number) if number.is_i64() || number.is_u64() => "integer",
+        serde_json::Value::Number(_) => "number",
+        serde_json::Value::String(_) => "string",
+        serde_json::Value::Array(_) => "array",
+        serde_json::Value::Object(_) => "object",
+    };
+    let allowed: Vec<&str> = match &schema["type"] {
+        serde_json::Value::String(one) => vec![one.as_str()],
+        serde_json::Value::Array(many) => many.iter().filter_map(|kind| kind.as_str()).collect(),
+        _ => return vec![format!("{at}: the schema names no type: {schema}")],
+    };
+    let fits = allowed.contains(&kind) || (kind == "integer" && allowed.contains(&"number"));
+    if !fits {
+        return vec![format!("{at}: {kind} where the schema says {allowed:?}")];
+    }
+    let mut faults = Vec::new();
+    match value {
+        serde_json::Value::Array(items) => {
+            for (index, item) in items.iter().enumerate() {
+                faults.extend(misfits(
+                    document,
+                    &schema["items"],
+                    item,
+                    &format!("{at}[{index}]"),
+                ));
+            }
+        }
+        serde_json::Value::Object(members) => {
+            let properties = schema["properties"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
+            for (name, member) in members {
+                match properties.get(name) {
+                    Some(property) => {
+                        faults.extend(misfits(document, property, member, &format!("{at}.{name}")))
+                    }
+                    None => faults.push(format!("{at}.{name}: not a documented property")),
+                }
+            }
+            for required in schema["required"].as_array().into_iter().flatten() {
+                let required = required.as_str().expect("a property name");
+                if !members.contains_key(required) {
+                    faults.push(format!("{at}.{required}: required, and missing"));
+                }
+            }
+        }
+        _ => {}
+    }
+    faults
+}
+
+/// The media types the document lists for a GET's 200 answer on `path`.
+fn answer_types<'a>(document: &'a serde_json::Value, path: &str) -> Vec<&'a str> {
+    document["paths"][path]["get"]["responses"]["200"]["content"]
+        .as_object()
+        .unwrap_or_else(|| panic!("GET {path} documents no 200 content"))
+        .keys()
+        .map(String::as_str)
+        .collect()
+}
+
+/// Figures for both finance exports: a closed period with a late event (an adjustment in
+/// the current period's export), runtime in the current period, and a reconciliation of a
+/// provider report. The reconciliation's id.
+async fn finance_exports(app: &TestApp) -> String {
+    let current = tally::runtime::Period::containing(app.now());
+    let closed = tally::runtime::Period::containing(current.start() - chrono::Duration::days(1));
+    let run = |org: &str, container: &str, from: chrono::DateTime<chrono::Utc>, hours: i64| {
+        json!({"events": [
+            {"id": uuid::Uuid::new_v4(), "type": "container.created", "org_id": org, "container_id": container,
+             "occurred_at": tally::event::canonical::timestamp(from)},
+            {"id": uuid::Uuid::new_v4(), "type": "container.stopped", "org_id": org, "container_id": container,
+             "occurred_at": tally::event::canonical::timestamp(from + chrono::Duration::hours(hours))},
+        ]})
+    };
+    let in_closed = closed.end() - chrono::Duration::hours(5);
+    ok(app.post_events(&run("acme", "c1", in_closed, 2)).await);
+    projected_to_head(&app.pool, "the closed period's events are projected").await;
+    let (status, _, job) = app.close_period(&closed.to_string()).await;
+    assert_eq!(status, 202, "{job}");
+    eventually(30, "the period is closed", || async {
+        app.get_close(&closed.to_string()).await.1["status"] == "done"
+    })
+    .await;
+    ok(app.post_events(&run("acme", "c2", in_closed, 1)).await);
+    let started = app.now() - chrono::Duration::hours(3);
+    ok(app.post_events(&run("acme", "c3", started, 2)).await);
+    projected_to_head(&app.pool, "the late and current events are projected").await;
+
+    let window = |at: chrono::DateTime<chrono::Utc>| tally::event::canonical::timestamp(at);
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags\n\
+         {},{},c3,7200,Seconds,1.44,USD,\"{{\"\"org_id\"\":\"\"acme\"\"}}\"",
+        window(started - chrono::Duration::hours(1)),
+        window(started + chrono::Duration::hours(3)),
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let reconciliation = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    reconciliation["reconciliation_id"]
+        .as_str()
+        .expect("a reconciliation id")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn the_csv_exports_answer_csv_or_json_as_their_documented_content_and_the_json_fits_its_schema(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    let reconciliation = finance_exports(&app).await;
+    let (_, document) = app.without_token().get_json("/openapi.json").await;
+    let current = tally::runtime::Period::containing(app.now());
+    let period = format!("period={current}");
+    let routes = [
+        (
+            "/v1/exports/usage.csv",
+            "/v1/exports/usage.csv".to_owned(),
+            period.as_str(),
+            "rows",
+        ),
+        (
+            "/v1/reconciliations/{reconciliation_id}/lines.csv",
+            format!("/v1/reconciliations/{reconciliation}/lines.csv"),
+            "",
+            "lines",
+        ),
+    ];
+    for (path, url, query, list) in routes {
+        let mut types = answer_types(&document, path);
+        types.sort_unstable();
+        assert_eq!(types, ["application/json", "text/csv"], "{path}");
+
+        let csv = app.get(&format!("{url}?{query}")).await;
+        assert_eq!(csv.status, 200, "{url}: {}", csv.text);
+        let content_type = csv.header("content-type").expect("a content type");
+        assert_eq!(content_type.split(';').next(), Some("text/csv"), "{url}");
+
+        let with_format = [query, "format=json"].join(if query.is_empty() { "" } else { "&" });
+        let json = app.get(&format!("{url}?{with_format}")).await;
+        assert_eq!(json.status, 200, "{url}: {}", json.text);
+        assert_eq!(
+            json.header("content-type").as_deref(),
+            Some("application/json")
+        );
+        let answer = json.json();
+        assert!(
+            answer[list]
+                .as_array()
+                .is_some_and(|items| !items.is_empty()),
+            "{url}: no {list} to check: {answer}"
+        );
+        let schema = &document["paths"][path]["get"]["responses"]["200"]["content"]
+            ["application/json"]["schema"];
+        assert_eq!(
+            misfits(&document, schema, &answer, "answer"),
+            Vec::<String>::new(),
+            "{url}"
+        );
+    }
+    let (_, export) = app
+        .get_json(&format!(
+            "/v1/exports/usage.csv?period={current}&format=json"
+        ))
+        .await;
+    assert_eq!(
+        export["adjustments"].as_array().map(Vec::len),
+        Some(1),
+        "{export}"
+    );
+    app.stop().await;
+}
+
+#[test]
+fn the_schema_check_finds_a_wrong_type_an_undocumented_property_and_a_missing_one() {
+    let document = json!({"components": {"schemas": {"Row": {
+        "type": "object", "required": ["org_id", "runtime_ms"],
+        "properties": {"org_id": {"type": ["string", "null"]}, "runtime_ms": {"type": "integer"}},
+    }}}});
+    let schema = json!({"type": "array", "items": {"$ref": "#/components/schemas/Row"}});
+    let fitting = json!([{"org_id": null, "runtime_ms": 5}, {"org_id": "acme", "runtime_ms": 0}]);
+    assert_eq!(
+        misfits(&document, &schema, &fitting, "a"),
+        Vec::<String>::new()
+    );
+    let unfit = json!([{"org_id": "acme", "runtime_ms": "5", "colour": "red"}, {"org_id": "acme"}]);
+    let mut faults = misfits(&document, &schema, &unfit, "a");
+    faults.sort_unstable();
+    assert_eq!(
+        faults,
+        [
+            "a[0].colour: not a documented property",
+            "a[0].runtime_ms: string where the schema says [\"integer\"]",
+            "a[1].runtime_ms: required, and missing",
+        ]
+    );
+}
