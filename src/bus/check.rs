@@ -103,6 +103,8 @@ struct Payload {
     source: Option<String>,
     #[serde(default)]
     source_event_id: Option<String>,
+    #[serde(default)]
+    attributes: Option<serde_json::Value>,
     hash: String,
 }
 
@@ -165,6 +167,7 @@ pub fn difference(
         data: &payload.data,
         origin_source: payload.source.as_deref(),
         origin_id: payload.source_event_id.as_deref(),
+        attributes: payload.attributes.as_ref(),
     };
     let bytes = canonical::record_bytes(&fields, payload.position, recorded_at);
     let content_hash = canonical::chain_hash(prev_hash, &bytes);
@@ -521,6 +524,7 @@ mod tests {
             data: json!({"name": "n", "image": "i"}),
             source: None,
             source_event_id: None,
+            attributes: None,
             hash: Vec::new(),
         };
         let bytes = canonical::record_bytes(&row.fields(), position, row.recorded_at);
