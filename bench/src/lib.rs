@@ -737,6 +737,13 @@ fn write_csv_row(out: &mut String, rows: &Rows, row: usize) {
     text(out, Some(&rows.data[row].to_string()));
     text(out, rows.source[row].as_deref());
     text(out, rows.source_event_id[row].as_deref());
+    text(
+        out,
+        rows.attributes[row]
+            .as_ref()
+            .map(|a| a.to_string())
+            .as_deref(),
+    );
     let _ = writeln!(
         out,
         "\\x{},\\x{}",
@@ -1350,7 +1357,7 @@ async fn baseline_single_rows(
     // Built once: the loop below is measured.
     let statement: Arc<str> = format!(
         "INSERT INTO {SINGLE_BASELINE_TABLE} ({}) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         rows::COLUMNS
     )
     .into();

@@ -86,6 +86,8 @@ struct Payload {
     source: Option<String>,
     #[serde(default)]
     source_event_id: Option<String>,
+    #[serde(default)]
+    attributes: Option<serde_json::Value>,
     hash: String,
 }
 
@@ -148,6 +150,7 @@ pub fn difference(
         data: &payload.data,
         origin_source: payload.source.as_deref(),
         origin_id: payload.source_event_id.as_deref(),
+        attributes: payload.attributes.as_ref(),
     };
     let bytes = canonical::record_bytes(&fields, payload.position, recorded_at);
     let content_hash = canonical::chain_hash(prev_hash, &bytes);
@@ -505,6 +508,7 @@ mod tests {
             data: json!({"name": "n", "image": "i"}),
             source: None,
             source_event_id: None,
+            attributes: None,
             hash: Vec::new(),
         };
         let bytes = canonical::record_bytes(&row.fields(), position, row.recorded_at);

@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::Names;
 use crate::error_code::ErrorCode;
-use crate::event::parse::{parse_body, BodyKind};
+use crate::event::cloudevent;
+use crate::event::parse::{parse_envelope, BodyKind, Envelope};
 use crate::event::TimeBounds;
 use crate::ledger::{legacy_ids, plans, AppendError, Appender};
 use sqlx::PgPool;
@@ -167,22 +168,27 @@ async fn verdict(
     settings: &IngestSettings,
     bounds: TimeBounds,
 ) -> Verdict {
-    let kind = message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get("Content-Type"))
-        .map(|v| BodyKind::from_content_type(v.as_str()));
-    let kind = match kind {
-        None => BodyKind::Native,
-        Some(Some(kind)) => kind,
-        Some(None) => {
-            return Verdict::DeadLetter {
-                code: ErrorCode::UnsupportedMediaType.as_str(),
-                message: "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json".into(),
-            }
-        }
-    };
-    let mut events = match parse_body(kind, &message.payload, bounds, settings.batch_events_max) {
+    let headers = message_headers(message);
+    let content_type = headers
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        .and_then(|(_, value)| std::str::from_utf8(value).ok());
+    let parsed = Envelope::select(
+        content_type,
+        cloudevent::has_ce_header(headers.iter().map(|(name, _)| *name)),
+        Some(BodyKind::Native),
+    )
+    .and_then(|envelope| {
+        parse_envelope(
+            envelope,
+            headers.iter().copied(),
+            content_type,
+            &message.payload,
+            bounds,
+            settings.batch_events_max,
+        )
+    });
+    let mut events = match parsed {
         Ok(events) => events,
         Err(error) => {
             return Verdict::DeadLetter {
@@ -218,6 +224,24 @@ async fn verdict(
         },
         Err(error) => Verdict::Retry(error),
     }
+}
+
+/// Every header of a message as (name, value) pairs, each value of a repeated name once.
+/// NATS header names are case-insensitive, but the client keeps them as sent: readers
+/// compare names with `eq_ignore_ascii_case`.
+fn message_headers(message: &Message) -> Vec<(&str, &[u8])> {
+    let Some(headers) = &message.headers else {
+        return Vec::new();
+    };
+    headers
+        .iter()
+        .flat_map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(move |value| (name, value.as_str().as_bytes()))
+        })
+        .collect()
 }
 
 /// Acknowledges a message as its verdict says: stored, dead-lettered, or redelivered later.

@@ -10,9 +10,13 @@
 //!  "origin":null|{"id":…,"source":…},"position":N,"recorded_at":"…Z","type":"…"}
 //! ```
 //!
+//! A CloudEvent that carried optional or extension attributes (decision 0023) has one more
+//! member, `"attributes":{…}` (an object of strings), written first as sorting puts it,
+//! and only then: a record without attributes is written exactly as above.
+//!
 //! The *content* of an event (what idempotency compares) is the same object without
-//! `position` and `recorded_at`. The chain is `hash = sha256(prev_hash ‖ canonical bytes)`
-//! with 32 zero bytes before the first record. Written by hand rather than via a map type
+//! `position`, `recorded_at` and `attributes`. The chain is
+//! `hash = sha256(prev_hash ‖ canonical bytes)` with 32 zero bytes before the first record. Written by hand rather than via a map type
 //! so that no crate feature (such as `serde_json/preserve_order`) can change the bytes.
 
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -34,6 +38,9 @@ pub struct RecordFields<'a> {
     pub data: &'a Value,
     pub origin_source: Option<&'a str>,
     pub origin_id: Option<&'a str>,
+    /// A CloudEvent's kept attributes (an object of strings), or `None`: covered by the
+    /// chain, not by the content digest.
+    pub attributes: Option<&'a Value>,
 }
 
 pub fn timestamp(value: DateTime<Utc>) -> String {
@@ -83,9 +90,16 @@ fn write_optional(out: &mut Vec<u8>, value: Option<&str>) {
 }
 
 /// Writes the record; `placement` is `(position, recorded_at)` for the chain, `None` for
-/// the content digest. Keys are emitted in sorted order by construction.
+/// the content digest, which leaves the attributes out too. Keys are emitted in sorted
+/// order by construction.
 fn write_record(out: &mut Vec<u8>, fields: &RecordFields, placement: Option<(i64, DateTime<Utc>)>) {
-    out.extend_from_slice(b"{\"container_id\":");
+    out.push(b'{');
+    if let (Some(attributes), Some(_)) = (fields.attributes, placement) {
+        out.extend_from_slice(b"\"attributes\":");
+        write_value(out, attributes);
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"container_id\":");
     write_optional(out, fields.container_id);
     out.extend_from_slice(b",\"data\":");
     write_value(out, fields.data);
@@ -155,6 +169,7 @@ mod tests {
             data,
             origin_source: None,
             origin_id: None,
+            attributes: None,
         }
     }
 
@@ -222,6 +237,28 @@ mod tests {
         for variant in variants {
             assert_ne!(content_digest(&variant), digest, "{variant:?}");
         }
+    }
+
+    #[test]
+    fn attributes_are_chained_but_are_not_content() {
+        let data = json!({"name": "x"});
+        let attributes = json!({"traceparent": "00-ab-cd-01", "dataschema": "https://s"});
+        let plain = RecordFields {
+            origin_source: Some("/src"),
+            origin_id: Some("e1"),
+            ..fields(&data)
+        };
+        let with = RecordFields {
+            attributes: Some(&attributes),
+            ..plain
+        };
+        let at = "2026-11-29T10:00:01Z".parse().unwrap();
+        assert_eq!(content_digest(&with), content_digest(&plain));
+        assert_ne!(record_bytes(&with, 3, at), record_bytes(&plain, 3, at));
+        assert_eq!(
+            String::from_utf8(record_bytes(&with, 3, at)).unwrap(),
+            r#"{"attributes":{"dataschema":"https://s","traceparent":"00-ab-cd-01"},"container_id":"ctr_51x","data":{"name":"x"},"id":"0193a5f0-7c1e-7d2a-9b1e-2f0c6a1d4e55","occurred_at":"2026-11-29T10:00:00.123Z","org_id":"org_8f2k","origin":{"id":"e1","source":"/src"},"position":3,"recorded_at":"2026-11-29T10:00:01.000Z","type":"container.created"}"#
+        );
     }
 
     #[test]

@@ -1,12 +1,16 @@
 //! The event: what producers send, and the rules an event must meet before the ledger takes
 //! it (contract §2). Pure: no I/O, the clock is passed in.
 //!
-//! Flow: bytes → [`parse`] (native JSON or CloudEvents) → [`Event`] → ledger appender.
+//! Flow: bytes → [`parse`] (native JSON, or CloudEvents through [`cloudevent`]) → [`Event`]
+//! → ledger appender.
 
 pub mod canonical;
+pub mod cloudevent;
 pub mod ids;
 pub mod parse;
 pub mod storable;
+
+use std::collections::BTreeMap;
 
 use chrono::{DateTime, Duration, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
@@ -182,6 +186,26 @@ pub struct OrgBillingEligibilityChanged {
 pub struct CloudEventOrigin {
     pub source: String,
     pub id: String,
+    /// `datacontenttype`, `dataschema` and extension attributes (such as `traceparent`), as
+    /// text: kept for audit and covered by the hash chain, but not part of the event's
+    /// content, so that a retry through other middleware is still a duplicate (decision
+    /// 0023). Empty when the event carried none.
+    pub attributes: BTreeMap<String, String>,
+}
+
+impl CloudEventOrigin {
+    /// The kept attributes as the ledger stores them: a JSON object of strings, or `None`
+    /// when there are none (so that such a record's bytes are those of decision 0001).
+    pub fn attributes_json(&self) -> Option<serde_json::Value> {
+        (!self.attributes.is_empty()).then(|| {
+            serde_json::Value::Object(
+                self.attributes
+                    .iter()
+                    .map(|(name, value)| (name.clone(), serde_json::Value::String(value.clone())))
+                    .collect(),
+            )
+        })
+    }
 }
 
 /// A valid event, ready for the ledger.
@@ -203,7 +227,9 @@ impl Event {
         serde_json::to_value(&self.data).expect("event data always serializes")
     }
 
-    /// The fields the canonical encoding covers; `data` is [`Event::data_json`].
+    /// The fields the canonical encoding covers; `data` is [`Event::data_json`]. Without the
+    /// kept attributes, which are not content: the writer of a record adds them
+    /// (`ledger::rows`).
     pub fn record_fields<'a>(&'a self, data: &'a serde_json::Value) -> canonical::RecordFields<'a> {
         canonical::RecordFields {
             id: self.id.as_uuid(),
@@ -214,6 +240,7 @@ impl Event {
             data,
             origin_source: self.origin.as_ref().map(|o| o.source.as_str()),
             origin_id: self.origin.as_ref().map(|o| o.id.as_str()),
+            attributes: None,
         }
     }
 }

@@ -1,5 +1,6 @@
-//! Request bodies → events: the native JSON envelope (one event or `{"events": [...]}`) and
-//! CloudEvents 1.0 in structured mode (one event, or a batch array).
+//! Request bodies → events: the native JSON envelope (one event or `{"events": [...]}`), and
+//! CloudEvents 1.0 in structured mode (one event, or a batch array) or binary mode (`ce-`
+//! headers, the body being `data`; see [`super::cloudevent`]).
 //!
 //! Serde does the shape checks (unknown and duplicated fields are errors everywhere); the
 //! rules of contract §2 live in [`Unchecked::check`]. A body that is not JSON at all is
@@ -8,42 +9,26 @@
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use uuid::Uuid;
 
-use super::{
-    storable, CloudEventOrigin, Event, EventError, EventId, FieldNames, TimeBounds, Unchecked,
-};
+use super::cloudevent::{self, Mode};
+use super::{Event, EventError, EventId, FieldNames, TimeBounds, Unchecked};
 use crate::error_code::ErrorCode;
 
-/// The namespace under which a CloudEvent becomes its ledger id: UUIDv5 of
-/// `orgid + "\n" + source + "\n" + id` (contract §2). Fixed forever: changing it would let
-/// every retried CloudEvent in flight be stored twice. Not the legacy namespace, so that no
-/// scoped name can land on an id a legacy name already took (a legacy `id` could hold a
-/// line break, making `source + "\n" + id` spell a scoped name).
-pub const CLOUDEVENTS_ORG_NAMESPACE: Uuid =
-    Uuid::from_u128(0x2b8e_51c4_93a7_4f0d_8c62_e1f4_07a9_d35b);
-
-/// The namespace of the ids CloudEvents were given before they were scoped by org
-/// (UUIDv5 of `source + "\n" + id`). Only looked up, never written: see
-/// [`legacy_cloudevent_ledger_id`].
-pub const CLOUDEVENTS_NAMESPACE: Uuid = Uuid::from_u128(0x6f1c_2e0a_4b7d_4c59_9a3e_5d21_7c8b_0f42);
-
-/// Longest CloudEvents `id` we keep, in characters: the spec sets none, the audit trail
-/// needs one.
-pub const CLOUDEVENT_ID_LENGTH_MAX: usize = 256;
-/// Longest CloudEvents `source` we keep, in characters.
-pub const CLOUDEVENT_SOURCE_LENGTH_MAX: usize = 1024;
+pub use super::cloudevent::{
+    cloudevent_ledger_id, legacy_cloudevent_ledger_id, CLOUDEVENTS_NAMESPACE,
+    CLOUDEVENTS_ORG_NAMESPACE, CLOUDEVENT_ID_LENGTH_MAX, CLOUDEVENT_SOURCE_LENGTH_MAX,
+};
 
 const NATIVE_NAMES: FieldNames = FieldNames {
     org_id: "org_id",
     container_id: "container_id",
     occurred_at: "occurred_at",
 };
-const CLOUDEVENT_NAMES: FieldNames = FieldNames {
-    org_id: "orgid",
-    container_id: "subject",
-    occurred_at: "time",
-};
+
+/// What an ingest path says when it cannot tell which envelope a request uses.
+pub const CONTENT_TYPES_ACCEPTED: &str = "Content-Type must be application/json, \
+     application/cloudevents+json or application/cloudevents-batch+json, or the request a \
+     binary-mode CloudEvent (ce- headers) whose data is application/json";
 
 /// Which envelope a body uses, from its content type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +54,87 @@ impl BodyKind {
     }
 }
 
+/// How a request or message carries its events: a body of one of the [`BodyKind`]s, or a
+/// binary-mode CloudEvent (attributes in `ce-` headers, the body its `data`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Envelope {
+    Body(BodyKind),
+    Binary,
+}
+
+impl Envelope {
+    /// Picks the envelope from the `Content-Type` header and whether any `ce-` header came
+    /// with it. A CloudEvents media type means structured mode, whatever other headers say
+    /// (the HTTP binding's rule); otherwise a `ce-` header means binary mode. `absent` is
+    /// the kind of a body without `Content-Type` (HTTP: none, NATS: native JSON).
+    pub fn select(
+        content_type: Option<&str>,
+        has_ce_header: bool,
+        absent: Option<BodyKind>,
+    ) -> Result<Envelope, BodyError> {
+        let kind = match content_type {
+            Some(value) => BodyKind::from_content_type(value),
+            None => absent,
+        };
+        match kind {
+            Some(kind @ (BodyKind::CloudEvent | BodyKind::CloudEventBatch)) => {
+                Ok(Envelope::Body(kind))
+            }
+            _ if has_ce_header => Ok(Envelope::Binary),
+            Some(kind) => Ok(Envelope::Body(kind)),
+            None => Err(BodyError::UnsupportedMediaType(
+                CONTENT_TYPES_ACCEPTED.to_owned(),
+            )),
+        }
+    }
+}
+
+/// Parses and checks whatever `envelope` says the request holds; `headers` are the
+/// request's or message's headers (only `ce-` ones are read) and `content_type` its
+/// `Content-Type`.
+pub fn parse_envelope<'a>(
+    envelope: Envelope,
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    content_type: Option<&str>,
+    body: &[u8],
+    bounds: TimeBounds,
+    batch_events_max: usize,
+) -> Result<Vec<Event>, BodyError> {
+    match envelope {
+        Envelope::Body(kind) => parse_body(kind, body, bounds, batch_events_max),
+        Envelope::Binary => parse_binary(headers, content_type, body, bounds),
+    }
+}
+
+/// A binary-mode CloudEvent: its attributes from the `ce-` headers, its `data` the body
+/// (JSON; an empty body is no data). One event, so errors are those of event 0.
+pub fn parse_binary<'a>(
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    content_type: Option<&str>,
+    body: &[u8],
+    bounds: TimeBounds,
+) -> Result<Vec<Event>, BodyError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| BodyError::Malformed(format!("body is not valid UTF-8: {e}")))?;
+    let empty = text.trim().is_empty();
+    let json =
+        content_type.map(|value| BodyKind::from_content_type(value) == Some(BodyKind::Native));
+    if json == Some(false) || (json.is_none() && !empty) {
+        return Err(BodyError::UnsupportedMediaType(
+            "a binary-mode CloudEvent's data must be application/json (Content-Type)".to_owned(),
+        ));
+    }
+    let data = if empty {
+        None
+    } else {
+        Some(from_json::<&RawValue>(text)?)
+    };
+    let invalid = |error| BodyError::Invalid(vec![IndexedError { index: 0, error }]);
+    let attributes = cloudevent::binary_attributes(headers, content_type).map_err(invalid)?;
+    let event = cloudevent::check(attributes, data, Mode::Binary, bounds).map_err(invalid)?;
+    Ok(vec![event])
+}
+
 /// One rejected event of a body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexedError {
@@ -89,6 +155,8 @@ pub enum BodyError {
     BatchTooLarge { count: usize, max: usize },
     #[error("{} invalid event(s)", .0.len())]
     Invalid(Vec<IndexedError>),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
 }
 
 impl BodyError {
@@ -100,6 +168,7 @@ impl BodyError {
             BodyError::EmptyBatch => ErrorCode::EmptyBatch,
             BodyError::BatchTooLarge { .. } => ErrorCode::BatchTooLarge,
             BodyError::Invalid(_) => ErrorCode::InvalidEvents,
+            BodyError::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
         }
     }
 
@@ -157,7 +226,9 @@ pub fn parse_body(
     for (index, raw) in raws.into_iter().enumerate() {
         let parsed = match kind {
             BodyKind::Native => parse_native(raw.get(), bounds),
-            BodyKind::CloudEvent | BodyKind::CloudEventBatch => parse_cloudevent(raw.get(), bounds),
+            BodyKind::CloudEvent | BodyKind::CloudEventBatch => {
+                cloudevent::parse_structured(raw.get(), bounds)
+            }
         };
         match parsed {
             Ok(event) => events.push(event),
@@ -206,24 +277,6 @@ struct NativeEvent<'a> {
     data: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CloudEvent<'a> {
-    specversion: String,
-    id: String,
-    source: String,
-    #[serde(rename = "type")]
-    event_type: String,
-    time: String,
-    #[serde(default)]
-    subject: Option<String>,
-    orgid: String,
-    #[serde(default)]
-    datacontenttype: Option<String>,
-    #[serde(default, borrow)]
-    data: Option<&'a RawValue>,
-}
-
 /// Serde's messages name the field; the code says which kind of mistake it is.
 fn envelope_error(error: serde_json::Error) -> EventError {
     let message = error.to_string();
@@ -256,102 +309,14 @@ fn parse_native(text: &str, bounds: TimeBounds) -> Result<Event, EventError> {
     .check(bounds)
 }
 
-/// The ledger id of a CloudEvent: retries of the same (`orgid`, `source`, `id`) map to the
-/// same id, and one org's ids never collide with another's. Neither an org id nor a
-/// `source` can hold a line break, so the name is unambiguous.
-pub fn cloudevent_ledger_id(org_id: &str, source: &str, id: &str) -> EventId {
-    // Joined by hand: `format!` costs more than the hash on the ingest path.
-    let mut name = Vec::with_capacity(org_id.len() + source.len() + id.len() + 2);
-    for (i, part) in [org_id, source, id].into_iter().enumerate() {
-        if i > 0 {
-            name.push(b'\n');
-        }
-        name.extend_from_slice(part.as_bytes());
-    }
-    EventId::from_uuid(Uuid::new_v5(&CLOUDEVENTS_ORG_NAMESPACE, &name))
-        .expect("a v5 UUID is never nil")
-}
-
-/// The id a CloudEvent was given before ids were scoped by org. A CloudEvent stored then
-/// keeps it; the ingest path looks it up (`ledger::legacy_ids`) so that a retry of such an
-/// event still deduplicates. No new row is ever written with it.
-pub fn legacy_cloudevent_ledger_id(source: &str, id: &str) -> EventId {
-    let name = format!("{source}\n{id}");
-    EventId::from_uuid(Uuid::new_v5(&CLOUDEVENTS_NAMESPACE, name.as_bytes()))
-        .expect("a v5 UUID is never nil")
-}
-
-fn check_attribute(name: &str, value: &str, max: usize) -> Result<(), EventError> {
-    if !storable::is_storable(value) {
-        return Err(EventError::new(
-            storable::UNSTORABLE_TEXT,
-            storable::unstorable_message(name),
-        ));
-    }
-    let length = value.chars().count();
-    if length == 0 || length > max {
-        return Err(EventError::new(
-            ErrorCode::InvalidCloudevent,
-            format!("{name}: must be 1 to {max} characters, got {length}"),
-        ));
-    }
-    Ok(())
-}
-
-fn parse_cloudevent(text: &str, bounds: TimeBounds) -> Result<Event, EventError> {
-    let raw: CloudEvent = serde_json::from_str(text).map_err(envelope_error)?;
-    if raw.specversion != "1.0" {
-        return Err(EventError::new(
-            ErrorCode::InvalidCloudevent,
-            format!(
-                "specversion: only \"1.0\" is supported, got {:?}",
-                raw.specversion
-            ),
-        ));
-    }
-    check_attribute("id", &raw.id, CLOUDEVENT_ID_LENGTH_MAX)?;
-    check_attribute("source", &raw.source, CLOUDEVENT_SOURCE_LENGTH_MAX)?;
-    // A URI reference never holds control characters; refusing them keeps
-    // `source + "\n" + id` unambiguous.
-    if raw.source.chars().any(char::is_control) {
-        return Err(EventError::new(
-            ErrorCode::InvalidCloudevent,
-            "source: must not contain control characters",
-        ));
-    }
-    if let Some(content_type) = &raw.datacontenttype {
-        if BodyKind::from_content_type(content_type) != Some(BodyKind::Native) {
-            return Err(EventError::new(
-                ErrorCode::InvalidCloudevent,
-                format!(
-                    "datacontenttype: only application/json is supported, got {content_type:?}"
-                ),
-            ));
-        }
-    }
-    Unchecked {
-        id: cloudevent_ledger_id(&raw.orgid, &raw.source, &raw.id),
-        event_type: &raw.event_type,
-        org_id: &raw.orgid,
-        container_id: raw.subject.as_deref(),
-        occurred_at: &raw.time,
-        data: raw.data,
-        origin: Some(CloudEventOrigin {
-            source: raw.source,
-            id: raw.id,
-        }),
-        names: CLOUDEVENT_NAMES,
-    }
-    .check(bounds)
-}
-
 #[cfg(test)]
 mod tests {
     use chrono::{DateTime, Duration, Utc};
     use serde_json::json;
+    use uuid::Uuid;
 
     use super::*;
-    use crate::event::{ContainerCommandRan, EventData, EventType};
+    use crate::event::{CloudEventOrigin, ContainerCommandRan, EventData, EventType};
 
     fn bounds() -> TimeBounds {
         TimeBounds {
@@ -663,7 +628,8 @@ mod tests {
             e.origin,
             Some(CloudEventOrigin {
                 source: "/providers/acme".into(),
-                id: "evt-1".into()
+                id: "evt-1".into(),
+                attributes: [("datacontenttype".to_owned(), "application/json".to_owned())].into(),
             })
         );
         // The derivation is part of the contract: pin one value so it never drifts.
@@ -837,7 +803,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cloudevent_without_orgid_or_with_unknown_attributes_is_refused() {
+    fn a_cloudevent_without_orgid_or_with_malformed_attributes_is_refused() {
         let code = |body: serde_json::Value, kind| match parse_body(
             kind,
             body.to_string().as_bytes(),
@@ -851,9 +817,35 @@ mod tests {
             code(cloudevent(json!({"orgid": null})), BodyKind::CloudEvent),
             "missing_field"
         );
+        // Extension names are lower-case letters and digits, at most 20 of them.
+        for name in ["Color", "trace_parent", "abcdefghijklmnopqrstu"] {
+            assert_eq!(
+                code(cloudevent(json!({ name: "x" })), BodyKind::CloudEvent),
+                "invalid_extension",
+                "{name}"
+            );
+        }
         assert_eq!(
-            code(cloudevent(json!({"color": "red"})), BodyKind::CloudEvent),
-            "unknown_field"
+            code(
+                cloudevent(json!({"sampled": {"a": 1}})),
+                BodyKind::CloudEvent
+            ),
+            "invalid_extension"
+        );
+        assert_eq!(
+            code(cloudevent(json!({"weight": 1.5})), BodyKind::CloudEvent),
+            "invalid_extension"
+        );
+        assert_eq!(
+            code(cloudevent(json!({"subject": 7})), BodyKind::CloudEvent),
+            "invalid_cloudevent"
+        );
+        assert_eq!(
+            code(
+                cloudevent(json!({"data_base64": "AAAA"})),
+                BodyKind::CloudEvent
+            ),
+            "invalid_cloudevent"
         );
         assert_eq!(
             code(
@@ -880,6 +872,183 @@ mod tests {
             ),
             "missing_container_id"
         );
+        let twice = cloudevent(json!({})).to_string().replacen(
+            "\"orgid\"",
+            "\"traceparent\":\"a\",\"traceparent\":\"b\",\"orgid\"",
+            1,
+        );
+        match parse_body(BodyKind::CloudEvent, twice.as_bytes(), bounds(), 10) {
+            Err(BodyError::Invalid(errors)) => {
+                assert_eq!(errors[0].error.code.as_str(), "duplicate_field")
+            }
+            other => panic!("expected invalid, got {other:?}"),
+        }
+    }
+
+    fn structured(body: &serde_json::Value) -> Result<Vec<Event>, BodyError> {
+        parse_body(
+            BodyKind::CloudEvent,
+            body.to_string().as_bytes(),
+            bounds(),
+            10,
+        )
+    }
+
+    #[test]
+    fn optional_and_extension_attributes_are_kept_beside_the_identity() {
+        let plain = structured(&cloudevent(json!({"datacontenttype": null}))).unwrap();
+        let traced = structured(&cloudevent(json!({
+            "dataschema": "https://schemas.example/stopped.json",
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "congo=t61rcWkgMzE",
+            "sampled": true,
+            "hops": 3,
+            "color": null,
+        })))
+        .unwrap();
+        assert_eq!(plain[0].id, traced[0].id);
+        assert_eq!(plain[0].data, traced[0].data);
+        assert!(plain[0].origin.as_ref().unwrap().attributes.is_empty());
+        assert_eq!(plain[0].origin.as_ref().unwrap().attributes_json(), None);
+        let kept = &traced[0].origin.as_ref().unwrap().attributes;
+        let names: Vec<&str> = kept.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "datacontenttype",
+                "dataschema",
+                "hops",
+                "sampled",
+                "traceparent",
+                "tracestate"
+            ]
+        );
+        assert_eq!(kept["sampled"], "true");
+        assert_eq!(kept["hops"], "3");
+    }
+
+    #[test]
+    fn kept_attributes_past_the_limits_are_refused() {
+        let code = |overrides: serde_json::Value| match structured(&cloudevent(overrides)) {
+            Err(BodyError::Invalid(errors)) => errors[0].error.code.as_str(),
+            other => panic!("expected invalid, got {other:?}"),
+        };
+        // `datacontenttype` is one of the kept attributes: 15 extensions reach the limit.
+        let mut at_limit = serde_json::Map::new();
+        for i in 0..cloudevent::KEPT_ATTRIBUTES_MAX - 1 {
+            at_limit.insert(format!("ext{i}"), json!("v"));
+        }
+        assert!(structured(&cloudevent(json!(at_limit.clone()))).is_ok());
+        at_limit.insert("onemore".into(), json!("v"));
+        assert_eq!(code(json!(at_limit)), "extensions_too_large");
+        let long = "x".repeat(cloudevent::KEPT_ATTRIBUTES_MAX_BYTES);
+        assert_eq!(code(json!({ "tracestate": long })), "extensions_too_large");
+        assert_eq!(code(json!({ "tracestate": "a\u{0}b" })), "unstorable_text");
+    }
+
+    fn binary_headers() -> Vec<(&'static str, &'static [u8])> {
+        vec![
+            ("ce-specversion", b"1.0".as_slice()),
+            ("Ce-Id", b"evt-1"),
+            ("CE-SOURCE", b"/providers/acme"),
+            ("ce-type", b"container.stopped"),
+            ("ce-time", b"2026-11-29T10:00:00Z"),
+            ("ce-subject", b"ctr_51x"),
+            ("ce-orgid", b"org_8f2k"),
+            ("accept", b"*/*"),
+        ]
+    }
+
+    fn binary(
+        headers: Vec<(&'static str, &'static [u8])>,
+        content_type: Option<&str>,
+        body: &[u8],
+    ) -> Result<Vec<Event>, BodyError> {
+        parse_binary(headers, content_type, body, bounds())
+    }
+
+    #[test]
+    fn a_binary_mode_cloudevent_is_the_same_event_as_its_structured_form() {
+        let from_headers = binary(
+            binary_headers(),
+            Some("application/json"),
+            br#"{"reason": "user"}"#,
+        )
+        .unwrap();
+        let from_body = structured(&cloudevent(json!({}))).unwrap();
+        assert_eq!(from_headers[0].id, from_body[0].id);
+        assert_eq!(from_headers[0].data, from_body[0].data);
+        assert_eq!(from_headers[0].occurred_at, from_body[0].occurred_at);
+        assert_eq!(from_headers[0].origin, from_body[0].origin);
+        // Percent-encoded values are decoded; an empty body is no data.
+        let mut headers = binary_headers();
+        headers[2] = ("ce-source", b"/providers/acme%20eu");
+        headers.push(("ce-traceparent", b"00-ab-cd-01"));
+        let events = binary(headers, None, b"").unwrap();
+        let origin = events[0].origin.as_ref().unwrap();
+        assert_eq!(origin.source, "/providers/acme eu");
+        assert_eq!(origin.attributes["traceparent"], "00-ab-cd-01");
+    }
+
+    #[test]
+    fn a_binary_mode_cloudevent_missing_an_attribute_is_refused_naming_its_header() {
+        for missing in ["ce-specversion", "ce-id", "ce-source", "ce-type", "ce-time"] {
+            let headers: Vec<_> = binary_headers()
+                .into_iter()
+                .filter(|(name, _)| !name.eq_ignore_ascii_case(missing))
+                .collect();
+            match binary(headers, Some("application/json"), b"{}") {
+                Err(BodyError::Invalid(errors)) => {
+                    assert_eq!(errors[0].error.code.as_str(), "missing_field", "{missing}");
+                    assert!(errors[0].error.message.starts_with(missing), "{missing}");
+                }
+                other => panic!("{missing}: expected invalid, got {other:?}"),
+            }
+        }
+        let mut twice = binary_headers();
+        twice.push(("ce-ID", b"evt-2"));
+        match binary(twice, None, b"") {
+            Err(BodyError::Invalid(errors)) => {
+                assert_eq!(errors[0].error.code.as_str(), "duplicate_field")
+            }
+            other => panic!("expected invalid, got {other:?}"),
+        }
+        assert!(matches!(
+            binary(binary_headers(), Some("text/plain"), b"x"),
+            Err(BodyError::UnsupportedMediaType(_))
+        ));
+        assert!(matches!(
+            binary(binary_headers(), None, b"{}"),
+            Err(BodyError::UnsupportedMediaType(_))
+        ));
+        assert!(matches!(
+            binary(binary_headers(), Some("application/json"), b"{"),
+            Err(BodyError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn the_envelope_follows_the_content_type_then_the_ce_headers() {
+        let select = Envelope::select;
+        assert_eq!(
+            select(Some("application/cloudevents+json"), true, None),
+            Ok(Envelope::Body(BodyKind::CloudEvent))
+        );
+        assert_eq!(
+            select(Some("application/json"), true, None),
+            Ok(Envelope::Binary)
+        );
+        assert_eq!(select(None, true, None), Ok(Envelope::Binary));
+        assert_eq!(
+            select(Some("application/json"), false, None),
+            Ok(Envelope::Body(BodyKind::Native))
+        );
+        assert_eq!(
+            select(None, false, Some(BodyKind::Native)),
+            Ok(Envelope::Body(BodyKind::Native))
+        );
+        assert!(select(None, false, None).is_err());
+        assert!(select(Some("text/plain"), false, None).is_err());
     }
 
     #[test]

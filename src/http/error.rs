@@ -101,6 +101,9 @@ impl From<BodyError> for ApiError {
             BodyError::BatchTooLarge { .. } => {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, code, error.to_string())
             }
+            BodyError::UnsupportedMediaType(message) => {
+                ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, code, message)
+            }
             BodyError::Shape(_) | BodyError::EmptyBatch => {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string())
             }

@@ -14,7 +14,8 @@ use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
 use crate::error_code::ErrorCode;
-use crate::event::parse::{parse_body, BodyKind};
+use crate::event::cloudevent;
+use crate::event::parse::{parse_envelope, Envelope};
 use crate::event::TimeBounds;
 use crate::ledger::{legacy_ids, plans};
 use axum::Extension;
@@ -52,14 +53,39 @@ impl From<crate::ledger::AppendedEvent> for EventResult {
 
 /// Append events to the ledger. Acknowledged only after they are committed; a batch is
 /// atomic.
+///
+/// Four ways to send: a native event or `{"events": [...]}` (`application/json`); one
+/// CloudEvent in structured mode (`application/cloudevents+json`); a batch of them
+/// (`application/cloudevents-batch+json`); or one CloudEvent in binary mode, its attributes
+/// in `ce-` headers (names in any case, values percent-encoded) and its `data` as the body
+/// (`application/json`, or an empty body for no data). A CloudEvent has the same ledger id
+/// in every mode. Extension attributes (`ce-traceparent`, `ce-tracestate`, any
+/// `ce-<name>` of 1–20 lower-case letters or digits), `dataschema` and `datacontenttype`
+/// are kept for audit (`GET /v1/events`, `attributes`), at most 16 of 4096 bytes per event,
+/// and are not part of the event's identity.
 #[utoipa::path(
     post,
     path = "/v1/events",
     tag = "events",
+    params(
+        ("ce-specversion" = Option<String>, Header, description = "Binary mode: `1.0`. Any `ce-` header makes an `application/json` request binary mode."),
+        ("ce-id" = Option<String>, Header, description = "Binary mode, required: the event's id at its source (1–256 characters)."),
+        ("ce-source" = Option<String>, Header, description = "Binary mode, required: the producer (1–1024 characters, no control characters)."),
+        ("ce-type" = Option<String>, Header, description = "Binary mode, required: the event type, e.g. `container.created`."),
+        ("ce-time" = Option<String>, Header, description = "Binary mode, required: when it happened, RFC 3339 with an offset."),
+        ("ce-orgid" = Option<String>, Header, description = "Binary mode, required: the org."),
+        ("ce-subject" = Option<String>, Header, description = "Binary mode: the container, for `container.*` types."),
+        ("ce-dataschema" = Option<String>, Header, description = "Binary mode, optional: kept for audit."),
+        ("ce-traceparent" = Option<String>, Header, description = "Binary mode, optional extension (W3C trace context): kept for audit, like any `ce-<name>` extension."),
+        ("ce-tracestate" = Option<String>, Header, description = "Binary mode, optional extension: kept for audit."),
+    ),
     request_body(
-        content = EventInput,
-        description = "One event, `{\"events\": [...]}` (1–1000), or CloudEvents 1.0 (`application/cloudevents+json`, `application/cloudevents-batch+json`)",
-        content_type = "application/json"
+        description = "Events in one of four envelopes; see the operation's description",
+        content(
+            (JsonEventsBody = "application/json"),
+            (CloudEventInput = "application/cloudevents+json"),
+            (Vec<CloudEventInput> = "application/cloudevents-batch+json"),
+        )
     ),
     responses(
         (status = 200, body = EventsResponse, description = "stored (or already stored)"),
@@ -67,7 +93,7 @@ impl From<crate::ledger::AppendedEvent> for EventResult {
         (status = 401, body = ErrorBody),
         (status = 409, body = ErrorBody, description = "an id was stored before with other content"),
         (status = 413, body = ErrorBody, description = "body or batch too large"),
-        (status = 415, body = ErrorBody),
+        (status = 415, body = ErrorBody, description = "no envelope recognised, or binary-mode data that is not JSON"),
         (status = 422, body = ErrorBody, description = "invalid event(s), with per-index details; or `unstorable_event`, content the database refuses"),
         (status = 503, body = ErrorBody, description = "overloaded or database unavailable; retry"),
     ),
@@ -79,23 +105,30 @@ pub async fn post_events(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<EventsResponse>, ApiError> {
-    let kind = headers
+    let content_type = headers
         .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(BodyKind::from_content_type)
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                ErrorCode::UnsupportedMediaType,
-                "Content-Type must be application/json, application/cloudevents+json or application/cloudevents-batch+json",
-            )
-        })?;
+        .and_then(|v| v.to_str().ok());
+    let envelope = Envelope::select(
+        content_type,
+        cloudevent::has_ce_header(headers.keys().map(|name| name.as_str())),
+        None,
+    )?;
     let bytes = super::body::read_body(body, state.body_max_bytes).await?;
     let bounds = TimeBounds {
         now: state.clock.now(),
         backdate_max: state.backdate_max,
     };
-    let mut events = parse_body(kind, &bytes, bounds, state.batch_events_max).inspect_err(|e| {
+    let mut events = parse_envelope(
+        envelope,
+        headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_bytes())),
+        content_type,
+        &bytes,
+        bounds,
+        state.batch_events_max,
+    )
+    .inspect_err(|e| {
         metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => e.code().as_str())
             .increment(1);
     })?;
@@ -151,4 +184,83 @@ pub struct EventInput {
     /// RFC 3339 with offset.
     occurred_at: String,
     data: Option<serde_json::Value>,
+}
+
+/// A batch of native events, as the OpenAPI document shows it.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct EventBatchInput {
+    /// 1–1000 events, stored atomically.
+    events: Vec<EventInput>,
+}
+
+/// A CloudEvent in structured mode, as the OpenAPI document shows it. Any other member is
+/// an extension attribute (name of 1–20 lower-case letters or digits; a string, boolean or
+/// 32-bit integer), kept for audit.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct CloudEventInput {
+    #[schema(example = "1.0")]
+    specversion: String,
+    /// 1–256 characters; with `source` and `orgid`, it makes the ledger id.
+    id: String,
+    /// 1–1024 characters, no control characters.
+    source: String,
+    #[schema(example = "container.created")]
+    r#type: String,
+    /// RFC 3339 with offset.
+    time: String,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    orgid: String,
+    /// The container, for `container.*` types.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
+    subject: Option<String>,
+    /// Only `application/json`; kept for audit.
+    datacontenttype: Option<String>,
+    /// Kept for audit.
+    dataschema: Option<String>,
+    /// Shaped by `type`.
+    data: Option<serde_json::Value>,
+}
+
+/// The `application/json` body of `POST /v1/events`: a native event, a native batch, or —
+/// in CloudEvents binary mode, with `ce-` headers — the event's `data`, shaped by `ce-type`.
+pub struct JsonEventsBody;
+
+impl utoipa::PartialSchema for JsonEventsBody {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Schema};
+        use utoipa::openapi::{Ref, RefOr};
+        let data = ObjectBuilder::new().description(Some(
+            "binary mode: the CloudEvent's data, shaped by its `ce-type`",
+        ));
+        RefOr::T(Schema::AnyOf(
+            AnyOfBuilder::new()
+                .item(Ref::from_schema_name("EventInput"))
+                .item(Ref::from_schema_name("EventBatchInput"))
+                .item(data)
+                .description(Some(
+                    "a native event, `{\"events\": [...]}`, or (with `ce-` headers) a CloudEvent's data",
+                ))
+                .build(),
+        ))
+    }
+}
+
+impl ToSchema for JsonEventsBody {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        use utoipa::PartialSchema as _;
+        schemas.push((EventInput::name().into_owned(), EventInput::schema()));
+        EventInput::schemas(schemas);
+        schemas.push((
+            EventBatchInput::name().into_owned(),
+            EventBatchInput::schema(),
+        ));
+        EventBatchInput::schemas(schemas);
+    }
 }

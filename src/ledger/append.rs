@@ -757,7 +757,7 @@ async fn append_fast(
     rows: &Rows,
 ) -> Result<FastOutcome, sqlx::Error> {
     let query = sqlx::query(
-        "SELECT * FROM ledger_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+        "SELECT * FROM ledger_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
     )
     .bind(head.position)
     .bind(head.hash.as_slice());
@@ -930,6 +930,7 @@ mod tests {
             data: serde_json::json!({}),
             source: None,
             source_event_id: None,
+            attributes: None,
             hash: vec![0; 32],
         }
     }

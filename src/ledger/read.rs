@@ -22,12 +22,14 @@ pub struct LedgerRow {
     pub data: serde_json::Value,
     pub source: Option<String>,
     pub source_event_id: Option<String>,
+    /// A CloudEvent's kept attributes (decision 0023): chained, not content.
+    pub attributes: Option<serde_json::Value>,
     pub hash: Vec<u8>,
 }
 
 /// The columns of [`LedgerRow`], in one place for every query that reads rows.
 pub const ROW_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
-     recorded_at, data, source, source_event_id, hash";
+     recorded_at, data, source, source_event_id, attributes, hash";
 
 impl LedgerRow {
     pub fn fields(&self) -> RecordFields<'_> {
@@ -40,6 +42,7 @@ impl LedgerRow {
             data: &self.data,
             origin_source: self.source.as_deref(),
             origin_id: self.source_event_id.as_deref(),
+            attributes: self.attributes.as_ref(),
         }
     }
 
@@ -56,6 +59,7 @@ impl LedgerRow {
             data: &self.data,
             source: self.source.as_deref(),
             source_event_id: self.source_event_id.as_deref(),
+            attributes: self.attributes.as_ref(),
             hash: hex::encode(&self.hash),
         }
     }
@@ -76,6 +80,9 @@ pub struct LedgerMessage<'a> {
     pub source: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub source_event_id: Option<&'a str>,
+    /// A CloudEvent's `datacontenttype`, `dataschema` and extensions, when it had any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attributes: Option<&'a serde_json::Value>,
     pub hash: String,
 }
 

@@ -14,7 +14,7 @@ use crate::event::Event;
 
 /// The ledger's columns in the order [`Rows::bind`] binds them.
 pub const COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, recorded_at, \
-     data, source, source_event_id, content_digest, hash";
+     data, source, source_event_id, attributes, content_digest, hash";
 
 #[derive(Debug, Default)]
 pub struct Rows {
@@ -28,6 +28,7 @@ pub struct Rows {
     pub data: Vec<serde_json::Value>,
     pub source: Vec<Option<String>>,
     pub source_event_id: Vec<Option<String>>,
+    pub attributes: Vec<Option<serde_json::Value>>,
     pub content_digest: Vec<Vec<u8>>,
     pub hash: Vec<Vec<u8>>,
 }
@@ -52,7 +53,12 @@ impl Rows {
         recorded_at: DateTime<Utc>,
         prev_hash: &[u8; 32],
     ) -> [u8; 32] {
-        let bytes = canonical::record_bytes(&event.record_fields(&data), position, recorded_at);
+        let attributes = event.origin.as_ref().and_then(|o| o.attributes_json());
+        let fields = canonical::RecordFields {
+            attributes: attributes.as_ref(),
+            ..event.record_fields(&data)
+        };
+        let bytes = canonical::record_bytes(&fields, position, recorded_at);
         let hash = canonical::chain_hash(prev_hash, &bytes);
         self.position.push(position);
         self.id.push(event.id.as_uuid());
@@ -67,6 +73,7 @@ impl Rows {
             .push(event.origin.as_ref().map(|o| o.source.clone()));
         self.source_event_id
             .push(event.origin.as_ref().map(|o| o.id.clone()));
+        self.attributes.push(attributes);
         self.content_digest.push(digest.to_vec());
         self.hash.push(hash.to_vec());
         hash
@@ -89,12 +96,13 @@ impl Rows {
                 data: self.data[i].take(),
                 source: self.source[i].take(),
                 source_event_id: self.source_event_id[i].take(),
+                attributes: self.attributes[i].take(),
                 hash: std::mem::take(&mut self.hash[i]),
             })
             .collect()
     }
 
-    /// Binds the twelve column arrays, in [`COLUMNS`] order, as the next parameters.
+    /// Binds the thirteen column arrays, in [`COLUMNS`] order, as the next parameters.
     pub fn bind<'q>(
         &'q self,
         query: Query<'q, Postgres, PgArguments>,
@@ -110,11 +118,12 @@ impl Rows {
             .bind(&self.data)
             .bind(&self.source)
             .bind(&self.source_event_id)
+            .bind(&self.attributes)
             .bind(&self.content_digest)
             .bind(&self.hash)
     }
 
-    /// Binds row `row`'s twelve values, in [`COLUMNS`] order, as the next parameters.
+    /// Binds row `row`'s thirteen values, in [`COLUMNS`] order, as the next parameters.
     pub fn bind_row<'q>(
         &'q self,
         query: Query<'q, Postgres, PgArguments>,
@@ -131,6 +140,7 @@ impl Rows {
             .bind(&self.data[row])
             .bind(&self.source[row])
             .bind(&self.source_event_id[row])
+            .bind(&self.attributes[row])
             .bind(&self.content_digest[row])
             .bind(&self.hash[row])
     }
@@ -147,7 +157,7 @@ impl Rows {
             "INSERT INTO {table} ({COLUMNS}) \
              SELECT * FROM UNNEST($1::bigint[], $2::uuid[], $3::text[], $4::text[], \
              $5::text[], $6::timestamptz[], $7::timestamptz[], $8::jsonb[], $9::text[], \
-             $10::text[], $11::bytea[], $12::bytea[])"
+             $10::text[], $11::jsonb[], $12::bytea[], $13::bytea[])"
         );
         Ok(self
             .bind(sqlx::query(&statement))

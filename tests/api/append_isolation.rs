@@ -77,6 +77,7 @@ fn poisoned_event(org: &str, container: &str, in_source: bool) -> Event {
         event.origin = Some(CloudEventOrigin {
             source: "/producer\u{0}x".to_owned(),
             id: "1".to_owned(),
+            attributes: Default::default(),
         });
     } else {
         event.data = EventData::ContainerCreated(ContainerCreated {

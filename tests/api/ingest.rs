@@ -499,3 +499,212 @@ async fn past_the_append_queue_limit_a_request_gets_503_with_retry_after_and_not
     assert_eq!(app.ledger_count().await, 5);
     app.stop().await;
 }
+
+/// A CloudEvent whose `data` is JSON, as the official SDKs send it.
+fn stopped_cloudevent(id: &str) -> Value {
+    json!({
+        "specversion": "1.0", "id": id, "source": "/providers/acme eu", "type": "container.stopped",
+        "time": ago(30), "subject": "ctr_ce", "orgid": "org_ce",
+        "datacontenttype": "application/json", "data": {"reason": "user"}
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_cloudevent_sent_structured_batch_and_binary_is_one_ledger_row() {
+    let app = TestApp::spawn().await;
+    let expected = tally::event::parse::cloudevent_ledger_id("org_ce", "/providers/acme eu", "e-1");
+    let cloudevent = stopped_cloudevent("e-1");
+    let mut without_type = cloudevent.clone();
+    without_type
+        .as_object_mut()
+        .unwrap()
+        .remove("datacontenttype");
+    let (headers, body) = binary_mode(&without_type, "Ce-");
+    let (status, first) = app
+        .post_raw(
+            "application/cloudevents+json",
+            cloudevent.to_string().into_bytes(),
+        )
+        .await;
+    assert_eq!(status, 200, "{first}");
+    let (status, batch) = app
+        .post_raw(
+            "application/cloudevents-batch+json",
+            json!([cloudevent]).to_string().into_bytes(),
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let (status, binary) = app
+        .post_binary(&headers, Some("application/json"), body.clone())
+        .await;
+    assert_eq!(status, 200, "{binary}");
+    for answer in [&first, &batch, &binary] {
+        assert_eq!(answer["results"][0]["id"], json!(expected.to_string()));
+        assert_eq!(answer["results"][0]["position"], 1);
+    }
+    assert_eq!(first["results"][0]["duplicate"], false);
+    assert_eq!(batch["results"][0]["duplicate"], true);
+    assert_eq!(binary["results"][0]["duplicate"], true);
+
+    // Binary first this time, then structured: the same single row.
+    let second = stopped_cloudevent("e-2");
+    let mut without_type = second.clone();
+    without_type
+        .as_object_mut()
+        .unwrap()
+        .remove("datacontenttype");
+    let (headers, body) = binary_mode(&without_type, "ce-");
+    let (status, binary) = app
+        .post_binary(&headers, Some("application/json"), body)
+        .await;
+    assert_eq!(status, 200, "{binary}");
+    assert_eq!(binary["results"][0]["duplicate"], false);
+    let (status, structured) = app
+        .post_raw(
+            "application/cloudevents+json",
+            second.to_string().into_bytes(),
+        )
+        .await;
+    assert_eq!(status, 200, "{structured}");
+    assert_eq!(structured["results"][0]["duplicate"], true);
+    assert_eq!(structured["results"][0]["id"], binary["results"][0]["id"]);
+    assert_eq!(app.ledger_count().await, 2);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binary_cloudevent_with_tracing_extensions_is_stored_and_they_are_read_back() {
+    let app = TestApp::spawn().await;
+    let mut cloudevent = stopped_cloudevent("e-traced");
+    cloudevent
+        .as_object_mut()
+        .unwrap()
+        .remove("datacontenttype");
+    cloudevent["dataschema"] = json!("https://schemas.example/container-stopped.json");
+    cloudevent["traceparent"] = json!("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    cloudevent["tracestate"] = json!("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7");
+    let (headers, body) = binary_mode(&cloudevent, "ce-");
+    let (status, answer) = app
+        .post_binary(&headers, Some("application/json; charset=utf-8"), body)
+        .await;
+    assert_eq!(status, 200, "{answer}");
+
+    let (status, page) = app.get_json("/v1/events?org_id=org_ce").await;
+    assert_eq!(status, 200, "{page}");
+    let stored = &page["events"][0];
+    assert_eq!(stored["source"], "/providers/acme eu");
+    assert_eq!(stored["source_event_id"], "e-traced");
+    assert_eq!(
+        stored["attributes"],
+        json!({
+            "datacontenttype": "application/json; charset=utf-8",
+            "dataschema": "https://schemas.example/container-stopped.json",
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7",
+        })
+    );
+    assert_eq!(stored["data"], json!({"reason": "user"}));
+
+    // Another hop's trace context is no new content: a duplicate, the first one's kept.
+    cloudevent["traceparent"] = json!("00-11111111111111111111111111111111-2222222222222222-01");
+    let (headers, body) = binary_mode(&cloudevent, "ce-");
+    let (status, again) = app
+        .post_binary(&headers, Some("application/json"), body)
+        .await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["results"][0]["duplicate"], true);
+    let (_, page) = app.get_json("/v1/events?org_id=org_ce").await;
+    assert_eq!(page["events"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        page["events"][0]["attributes"]["traceparent"],
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    );
+
+    // The attributes are chained: the chain recomputed from the rows holds.
+    let (code, report, stderr) = run_verify(&app.db.url);
+    assert_eq!(code, 0, "{report} {stderr}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extension_attributes_past_their_limits_are_refused_and_nothing_is_stored() {
+    let app = TestApp::spawn().await;
+    let mut too_many = stopped_cloudevent("e-many");
+    for i in 0..16 {
+        too_many[format!("ext{i}")] = json!("v");
+    }
+    let mut too_long = stopped_cloudevent("e-long");
+    too_long["tracestate"] = json!("x".repeat(4096));
+    let mut badly_named = stopped_cloudevent("e-name");
+    badly_named["Trace_Parent"] = json!("x");
+    let cases = [
+        (too_many.clone(), "extensions_too_large"),
+        (too_long, "extensions_too_large"),
+        (badly_named, "invalid_extension"),
+    ];
+    for (cloudevent, code) in cases {
+        let (status, body) = app
+            .post_raw(
+                "application/cloudevents+json",
+                cloudevent.to_string().into_bytes(),
+            )
+            .await;
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_events", "{body}");
+        assert_eq!(body["error"]["details"][0]["code"], code, "{body}");
+    }
+    // The same limit in binary mode.
+    too_many.as_object_mut().unwrap().remove("datacontenttype");
+    let (headers, body) = binary_mode(&too_many, "ce-");
+    let (status, answer) = app
+        .post_binary(&headers, Some("application/json"), body)
+        .await;
+    assert_eq!(status, 422, "{answer}");
+    assert_eq!(
+        answer["error"]["details"][0]["code"],
+        "extensions_too_large"
+    );
+    assert_eq!(app.ledger_count().await, 0);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binary_cloudevent_missing_a_required_attribute_is_refused_naming_its_header() {
+    let app = TestApp::spawn().await;
+    for missing in ["source", "specversion", "orgid"] {
+        let mut cloudevent = stopped_cloudevent("e-missing");
+        cloudevent
+            .as_object_mut()
+            .unwrap()
+            .remove("datacontenttype");
+        cloudevent.as_object_mut().unwrap().remove(missing);
+        let (headers, body) = binary_mode(&cloudevent, "ce-");
+        let (status, answer) = app
+            .post_binary(&headers, Some("application/json"), body)
+            .await;
+        assert_eq!(status, 422, "{answer}");
+        let detail = &answer["error"]["details"][0];
+        assert_eq!(detail["code"], "missing_field", "{answer}");
+        assert!(
+            detail["message"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("ce-{missing}:")),
+            "{answer}"
+        );
+    }
+    // Data that is not JSON is not taken for an event at all.
+    let mut cloudevent = stopped_cloudevent("e-text");
+    cloudevent
+        .as_object_mut()
+        .unwrap()
+        .remove("datacontenttype");
+    let (headers, _) = binary_mode(&cloudevent, "ce-");
+    let (status, answer) = app
+        .post_binary(&headers, Some("text/plain"), b"user".to_vec())
+        .await;
+    assert_eq!(status, 415, "{answer}");
+    assert_eq!(answer["error"]["code"], "unsupported_media_type");
+    assert_eq!(app.ledger_count().await, 0);
+    app.stop().await;
+}

@@ -722,7 +722,8 @@ impl Generated {
                 .collect();
             let event = json!({"specversion": "1.0", "id": self.first,
                 "source": format!("/src/{source}"), "type": event_type, "time": at,
-                "subject": "ctr_p", "orgid": "org_p", "data": data});
+                "subject": "ctr_p", "orgid": "org_p", "tracestate": self.second,
+                "data": data});
             (BodyKind::CloudEvent, event.to_string())
         } else {
             let event = json!({"id": uuid::Uuid::new_v4().to_string(), "type": event_type,
@@ -734,7 +735,7 @@ impl Generated {
     /// The texts this event carries into the ledger.
     fn texts(&self) -> Vec<&str> {
         match (self.cloudevent, self.kind) {
-            // The CloudEvents id and source, or the name and image.
+            // The CloudEvents id, and the source and an extension; or the name and image.
             (true, _) | (false, 0) => vec![&self.first, &self.second],
             (false, 1) => vec![&self.first],
             (false, _) => vec![],
@@ -809,8 +810,12 @@ fn every_accepted_event_reads_back_from_postgres_as_the_bytes_hashed_at_ingest()
             prop_assert_eq!(row.position, position);
             let event = &events[0];
             let data = event.data_json();
-            let at_ingest =
-                canonical::record_bytes(&event.record_fields(&data), row.position, row.recorded_at);
+            let attributes = event.origin.as_ref().and_then(|o| o.attributes_json());
+            let fields = canonical::RecordFields {
+                attributes: attributes.as_ref(),
+                ..event.record_fields(&data)
+            };
+            let at_ingest = canonical::record_bytes(&fields, row.position, row.recorded_at);
             let from_row = canonical::record_bytes(&row.fields(), row.position, row.recorded_at);
             prop_assert_eq!(
                 String::from_utf8(at_ingest).unwrap(),

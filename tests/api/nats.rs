@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::helpers::*;
 
@@ -161,6 +161,134 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
     assert_eq!(info.num_ack_pending, 0);
     assert_eq!(info.num_redelivered, 0);
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 2);
+    assert_eq!(app.ledger_count().await, 0);
+    app.stop().await;
+}
+
+/// Publishes `payload` to `subject` with `headers` (names as given) and waits for the ack.
+async fn publish_with(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    headers: &[(String, String)],
+    payload: Vec<u8>,
+) {
+    let mut map = HeaderMap::new();
+    for (name, value) in headers {
+        map.append(name.as_str(), value.as_str());
+    }
+    js.publish_with_headers(subject.to_owned(), map, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+fn header(name: &str, value: &str) -> (String, String) {
+    (name.to_owned(), value.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_cloudevent_sent_in_every_mode_over_http_and_nats_is_one_ledger_row() {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    let cloudevent = json!({
+        "specversion": "1.0", "id": "every-mode", "source": "/nats/modes", "type": "container.created",
+        "time": ago(20), "subject": "ctr_modes", "orgid": "org_modes", "data": {"name": "n"}
+    });
+    let text = cloudevent.to_string().into_bytes();
+    let batch = json!([cloudevent]).to_string().into_bytes();
+    let (binary_headers, data) = binary_mode(&cloudevent, "Ce-");
+
+    // Over NATS, with the header names in every case producers use.
+    let structured = [header("content-type", "application/cloudevents+json")];
+    publish_with(&js, "tally.ingest.modes", &structured, text.clone()).await;
+    let batched = [header("CONTENT-TYPE", "application/cloudevents-batch+json")];
+    publish_with(&js, "tally.ingest.modes", &batched, batch.clone()).await;
+    let mut binary = binary_headers.clone();
+    binary.push(header("Content-Type", "application/json"));
+    publish_with(&js, "tally.ingest.modes", &binary, data.clone()).await;
+    let lower: Vec<_> = binary_headers
+        .iter()
+        .map(|(name, value)| (name.to_lowercase(), value.clone()))
+        .chain([header("content-type", "application/json")])
+        .collect();
+    publish_with(&js, "tally.ingest.modes", &lower, data.clone()).await;
+    eventually(10, "the ingest work queue is empty", || async {
+        stream_messages(&js, "TALLY_INGEST").await == 0
+    })
+    .await;
+
+    // Over HTTP, each answered with the row NATS stored.
+    let expected =
+        tally::event::parse::cloudevent_ledger_id("org_modes", "/nats/modes", "every-mode");
+    for (status, answer) in [
+        app.post_raw("application/cloudevents+json", text).await,
+        app.post_raw("application/cloudevents-batch+json", batch)
+            .await,
+        app.post_binary(&binary_headers, Some("application/json"), data)
+            .await,
+    ] {
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["results"][0]["id"], json!(expected.to_string()));
+        assert_eq!(answer["results"][0]["duplicate"], true, "{answer}");
+    }
+    assert_eq!(app.ledger_count().await, 1);
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 0);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_case_content_type_header_over_nats_is_recognised() {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    let cloudevent = json!({"specversion": "1.0", "id": "lower", "source": "/nats", "type": "container.resumed",
+        "time": ago(5), "subject": "ctr_9", "orgid": "org_ce", "traceparent": "00-ab-cd-01"});
+    let headers = [header("content-type", "application/cloudevents+json")];
+    publish_with(
+        &js,
+        "tally.ingest.ce",
+        &headers,
+        cloudevent.to_string().into_bytes(),
+    )
+    .await;
+    wait_for_ledger_count(&app.pool, 1).await;
+    let attributes: Value = sqlx::query_scalar("SELECT attributes FROM ledger")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(attributes, json!({"traceparent": "00-ab-cd-01"}));
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 0);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binary_message_missing_an_attribute_is_dead_lettered_naming_its_header() {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    let cloudevent = json!({"specversion": "1.0", "id": "no-source", "type": "container.resumed",
+        "time": ago(5), "subject": "ctr_9", "orgid": "org_ce"});
+    let (headers, _) = binary_mode(&cloudevent, "ce-");
+    publish_with(&js, "tally.ingest.bin", &headers, Vec::new()).await;
+    eventually(10, "the message is dead-lettered", || async {
+        stream_messages(&js, "TALLY_DLQ").await == 1
+    })
+    .await;
+    let dead = js
+        .get_stream("TALLY_DLQ")
+        .await
+        .unwrap()
+        .get_raw_message(1)
+        .await
+        .unwrap();
+    assert_eq!(
+        dead.headers.get("Tally-Error-Code").unwrap().as_str(),
+        "invalid_events"
+    );
+    let error = dead.headers.get("Tally-Error").unwrap().as_str().to_owned();
+    assert!(error.contains("missing_field: ce-source"), "{error}");
     assert_eq!(app.ledger_count().await, 0);
     app.stop().await;
 }
