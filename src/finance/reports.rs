@@ -68,6 +68,9 @@ pub struct Limits {
     pub max_inflated_bytes: u64,
 }
 
+/// The span of a report's lines: the first start, the last end.
+type Window = (DateTime<Utc>, DateTime<Utc>);
+
 /// What the parser reports at the end.
 struct Parsed {
     sha256: [u8; 32],
@@ -232,7 +235,7 @@ fn parse(
 fn read_lines(
     text: &mut CsvText,
     batches: mpsc::Sender<Vec<ParsedLine>>,
-) -> Result<(i64, (DateTime<Utc>, DateTime<Utc>)), ReadError> {
+) -> Result<(i64, Window), ReadError> {
     let stopped = || {
         ReadError::Input(std::io::Error::other(InputError::Read(
             "the import stopped".into(),

@@ -4,7 +4,7 @@
 use reqwest::Method;
 use serde_json::Value;
 
-use crate::helpers::TestApp;
+use crate::helpers::{Api, TestApp};
 
 const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ProviderName";
 
@@ -176,7 +176,7 @@ async fn post_with(app: &TestApp, headers: &[(&str, &str)], body: Vec<u8>) -> (u
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
-    TestApp::reply(request.body(body)).await.status_json()
+    Api::reply(request.body(body)).await.status_json()
 }
 
 /// `count` good lines, each for its own container.
