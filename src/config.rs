@@ -36,6 +36,11 @@ pub const HTTP_CONCURRENCY_MAX: usize = 1_024;
 /// The largest audit page (`limit`); contract §6 caps it at 1000, so this may only lower it.
 pub const PAGE_EVENTS_MAX: usize = 1_000;
 pub const REPORT_MAX_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+/// The largest CSV text a gzip report may inflate to, in bytes: eight times the largest
+/// report, above what exports compress to (CSV gzips about 5 to 10 to 1), and a bound on
+/// the disk and time a small compressed body can take. Memory does not grow with it:
+/// inflating streams.
+pub const REPORT_MAX_INFLATED_BYTES: u64 = 8 * REPORT_MAX_BYTES;
 /// Default backdate bound (contract §2).
 pub const BACKDATE_DAYS: u32 = 35;
 /// Ledger rows the relay reads and publishes per round.
@@ -160,6 +165,9 @@ pub struct Config {
     #[arg(long, env = "TALLY_REPORT_MAX_BYTES", default_value_t = REPORT_MAX_BYTES)]
     pub report_max_bytes: u64,
 
+    #[arg(long, env = "TALLY_REPORT_MAX_INFLATED_BYTES", default_value_t = REPORT_MAX_INFLATED_BYTES)]
+    pub report_max_inflated_bytes: u64,
+
     #[arg(long, env = "TALLY_PAGE_EVENTS_MAX", default_value_t = PAGE_EVENTS_MAX, value_parser = page_events_max)]
     pub page_events_max: usize,
 
@@ -240,6 +248,7 @@ impl Config {
             request_timeout_ms: REQUEST_TIMEOUT_MS,
             http_concurrency_max: HTTP_CONCURRENCY_MAX,
             report_max_bytes: REPORT_MAX_BYTES,
+            report_max_inflated_bytes: REPORT_MAX_INFLATED_BYTES,
             page_events_max: PAGE_EVENTS_MAX,
             relay_batch_max: RELAY_BATCH_MAX,
             relay_poll_ms: RELAY_POLL_MS,

@@ -104,6 +104,7 @@ error_codes! {
     InvalidType = "invalid_type",
     LeapSecond = "leap_second",
     MalformedCsv = "malformed_csv",
+    MalformedGzip = "malformed_gzip",
     MalformedJson = "malformed_json",
     MethodNotAllowed = "method_not_allowed",
     MissingColumn = "missing_column",
@@ -128,6 +129,8 @@ error_codes! {
     PriceNotAString = "price_not_a_string",
     ProjectionLagging = "projection_lagging",
     ReconciliationNotFound = "reconciliation_not_found",
+    RecordTooLong = "record_too_long",
+    ReportInflatedTooLarge = "report_inflated_too_large",
     ReportNotFound = "report_not_found",
     ReportTooLarge = "report_too_large",
     ReservationConsumed = "reservation_consumed",
@@ -151,9 +154,11 @@ error_codes! {
     UnreadableBody = "unreadable_body",
     UnstorableEvent = "unstorable_event",
     UnstorableText = "unstorable_text",
+    UnsupportedContentEncoding = "unsupported_content_encoding",
     UnsupportedMediaType = "unsupported_media_type",
     UriTooLong = "uri_too_long",
     VerifyInProgress = "verify_in_progress",
+    WrongFieldCount = "wrong_field_count",
 }
 
 impl std::fmt::Display for ErrorCode {
@@ -237,6 +242,7 @@ mod tests {
         "invalid_type",
         "leap_second",
         "malformed_csv",
+        "malformed_gzip",
         "malformed_json",
         "method_not_allowed",
         "missing_column",
@@ -261,6 +267,8 @@ mod tests {
         "price_not_a_string",
         "projection_lagging",
         "reconciliation_not_found",
+        "record_too_long",
+        "report_inflated_too_large",
         "report_not_found",
         "report_too_large",
         "reservation_consumed",
@@ -284,9 +292,11 @@ mod tests {
         "unreadable_body",
         "unstorable_event",
         "unstorable_text",
+        "unsupported_content_encoding",
         "unsupported_media_type",
         "uri_too_long",
         "verify_in_progress",
+        "wrong_field_count",
     ];
 
     #[test]

@@ -126,7 +126,10 @@ impl Service {
             backdate_max: config.backdate_max(),
             request_timeout: config.request_timeout(),
             concurrency_max: config.http_concurrency_max,
-            report_max_bytes: config.report_max_bytes,
+            report_limits: crate::finance::reports::Limits {
+                max_bytes: config.report_max_bytes,
+                max_inflated_bytes: config.report_max_inflated_bytes,
+            },
             page_events_max: config.page_events_max,
             relay_status,
             nats_names: names,

@@ -97,10 +97,12 @@ pub enum ExportCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum ReportsCommand {
-    /// Import a FOCUS CSV report (streamed; all-or-nothing; the same bytes again find the
-    /// same report). Prints the report as JSON.
+    /// Import a FOCUS CSV report, plain or gzipped (streamed; all-or-nothing; the same
+    /// CSV text again finds the same report). Prints the report as JSON; a refused report
+    /// prints every bad line (up to 100) and the count of the rest on standard error.
     Import {
-        /// The CSV file; `-` reads standard input.
+        /// The CSV file (gzip when its name ends in `.gz` or its bytes begin as gzip
+        /// does); `-` reads standard input.
         file: std::path::PathBuf,
     },
 }

@@ -6,6 +6,7 @@ pub mod export;
 pub mod periods;
 pub mod pricing;
 pub mod reconciliation;
+pub mod report_input;
 pub mod reports;
 
 /// A finance read or write that failed: the database, the projection or the ledger it

@@ -1,22 +1,28 @@
 //! Provider report import (contract §5): streamed, all-or-nothing, stored immutably by the
-//! sha256 of its bytes.
+//! sha256 of its CSV text.
 //!
-//! The bytes arrive in chunks (an HTTP body, a file). A blocking task reads them as CSV —
-//! hashing them as it goes — and hands parsed lines over in batches to the async side,
-//! which inserts each batch inside one transaction. Memory holds a few batches, whatever
-//! the report's size. Any bad line aborts the transaction: nothing of the report is
-//! stored. At the end, a report whose sha256 is already stored is the same report: the
-//! transaction is rolled back and the stored one returned.
+//! The bytes arrive in chunks (an HTTP body, a file). A blocking task inflates them when
+//! they are gzip and reads them as CSV — hashing the text as it goes
+//! ([`report_input`](super::report_input)) — and hands parsed lines over in batches to the
+//! async side, which inserts each batch inside one transaction. Memory holds a few batches,
+//! whatever the report's size. A bad line refuses the report: the parser stops handing
+//! lines over, reads on to list every bad line (up to
+//! [`REPORT_ERRORS_MAX`](crate::billing::report::reader::REPORT_ERRORS_MAX)), and the
+//! transaction is rolled back: nothing of the report is stored. At the end, a report whose
+//! sha256 is already stored is the same report: the transaction is rolled back and the
+//! stored one returned.
 
 use chrono::{DateTime, Utc};
-use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use super::report_input::{ChunkReader, CsvText, InputError};
 use crate::billing::reconcile::Unit;
-use crate::billing::report::{self, Header, ParsedLine, ReportError};
-use crate::error_code::ErrorCode;
+use crate::billing::report::reader::{ReadError, Records, Refusal};
+use crate::billing::report::ParsedLine;
+
+pub use super::report_input::Encoding;
 
 /// Lines per insert.
 pub const IMPORT_BATCH_LINES: usize = 5_000;
@@ -37,47 +43,33 @@ pub struct StoredReport {
 pub enum Imported {
     /// A new report.
     Created(StoredReport),
-    /// The same bytes were imported before.
+    /// The same CSV text was imported before (compressed or not).
     Existing(StoredReport),
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
+    /// The report's text is refused: its header, or every bad line.
     #[error(transparent)]
-    Invalid(#[from] ReportError),
-    #[error("the report is larger than {0} bytes")]
-    TooLarge(u64),
-    #[error("reading the report failed: {0}")]
-    Read(String),
+    Invalid(#[from] Refusal),
+    /// Its bytes could not be read to their end: too many, bad gzip, a failed read.
+    #[error(transparent)]
+    Input(#[from] InputError),
     #[error(transparent)]
     Store(#[from] sqlx::Error),
 }
 
-/// A `Read` over chunks sent from async code; hashes and counts what it reads.
-struct ChunkReader {
-    chunks: mpsc::Receiver<Result<bytes::Bytes, String>>,
-    current: bytes::Bytes,
-    hasher: Sha256,
+/// The sizes an import refuses past.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes received, compressed or not.
+    pub max_bytes: u64,
+    /// CSV text inflated from a gzip report.
+    pub max_inflated_bytes: u64,
 }
 
-impl std::io::Read for ChunkReader {
-    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
-        while self.current.is_empty() {
-            match self.chunks.blocking_recv() {
-                None => return Ok(0),
-                Some(Ok(chunk)) => {
-                    self.hasher.update(&chunk);
-                    self.current = chunk;
-                }
-                Some(Err(message)) => return Err(std::io::Error::other(message)),
-            }
-        }
-        let n = buffer.len().min(self.current.len());
-        buffer[..n].copy_from_slice(&self.current[..n]);
-        self.current = self.current.slice(n..);
-        Ok(n)
-    }
-}
+/// The span of a report's lines: the first start, the last end.
+type Window = (DateTime<Utc>, DateTime<Utc>);
 
 /// What the parser reports at the end.
 struct Parsed {
@@ -86,11 +78,12 @@ struct Parsed {
     window: (DateTime<Utc>, DateTime<Utc>),
 }
 
-/// Imports the report whose bytes `chunks` yields, refusing more than `max_bytes`.
+/// Imports the report whose bytes, in `encoding`, `chunks` yields, within `limits`.
 pub async fn import<S, E>(
     pool: &PgPool,
     chunks: S,
-    max_bytes: u64,
+    encoding: Encoding,
+    limits: Limits,
     actor: &str,
 ) -> Result<Imported, ImportError>
 where
@@ -99,14 +92,18 @@ where
 {
     let (chunk_sender, chunk_receiver) = mpsc::channel(CHANNEL_DEPTH);
     let (batch_sender, mut batches) = mpsc::channel::<Vec<ParsedLine>>(CHANNEL_DEPTH);
-    let parser = tokio::task::spawn_blocking(move || parse(chunk_receiver, batch_sender));
+    let max_inflated_bytes = limits.max_inflated_bytes;
+    let parser = tokio::task::spawn_blocking(move || {
+        let chunks = ChunkReader::new(chunk_receiver);
+        parse(chunks, encoding, max_inflated_bytes, batch_sender)
+    });
 
     let report_id = Uuid::now_v7();
     let mut transaction = pool.begin().await?;
     // Feeding the parser and inserting run side by side, not in turns: while Postgres
     // inserts one batch, the parser reads and checks the next lines, instead of stopping
     // once the few chunks in its channel are used up.
-    let feed = feed(chunks, chunk_sender, max_bytes);
+    let feed = feed(chunks, chunk_sender, limits.max_bytes);
     let store = async {
         while let Some(batch) = batches.recv().await {
             insert(&mut transaction, report_id, &batch).await?;
@@ -117,9 +114,9 @@ where
     let (too_large, ()) = tokio::try_join!(feed, store)?;
     let parsed = parser
         .await
-        .map_err(|error| ImportError::Read(error.to_string()))?;
+        .map_err(|error| InputError::Read(error.to_string()))?;
     if too_large {
-        return Err(ImportError::TooLarge(max_bytes));
+        return Err(InputError::TooLarge(limits.max_bytes).into());
     }
     let parsed = parsed?;
 
@@ -135,7 +132,7 @@ where
 /// parser's input.
 async fn feed<S, E>(
     mut chunks: S,
-    sender: mpsc::Sender<Result<bytes::Bytes, String>>,
+    sender: mpsc::Sender<Result<bytes::Bytes, InputError>>,
     max_bytes: u64,
 ) -> Result<bool, ImportError>
 where
@@ -155,7 +152,7 @@ where
             Some(Ok(chunk)) => {
                 read += chunk.len() as u64;
                 if read > max_bytes {
-                    let _ = sender.send(Err("the report is too large".into())).await;
+                    let _ = sender.send(Err(InputError::TooLarge(max_bytes))).await;
                     return Ok(true);
                 }
                 if sender.send(Ok(chunk)).await.is_err() {
@@ -163,7 +160,7 @@ where
                 }
             }
             Some(Err(error)) => {
-                let _ = sender.send(Err(error.to_string())).await;
+                let _ = sender.send(Err(InputError::Read(error.to_string()))).await;
                 return Ok(false);
             }
             None => return Ok(false),
@@ -203,7 +200,7 @@ async fn store_report(
         // The same bytes were imported concurrently and committed first.
         transaction.rollback().await?;
         let existing = find(pool, &parsed.sha256).await?.ok_or_else(|| {
-            ImportError::Read("a concurrent import of the same report vanished".into())
+            InputError::Read("a concurrent import of the same report vanished".into())
         })?;
         return Ok(Imported::Existing(existing));
     }
@@ -211,73 +208,68 @@ async fn store_report(
     Ok(Imported::Created(stored))
 }
 
+/// Reads the report's text, handing its lines over in batches; its sha256, line count and
+/// window at the end.
 fn parse(
-    chunks: mpsc::Receiver<Result<bytes::Bytes, String>>,
+    chunks: ChunkReader,
+    encoding: Encoding,
+    max_inflated_bytes: u64,
     batches: mpsc::Sender<Vec<ParsedLine>>,
 ) -> Result<Parsed, ImportError> {
-    let mut reader = ChunkReader {
-        chunks,
-        current: bytes::Bytes::new(),
-        hasher: Sha256::new(),
+    let mut text = CsvText::new(chunks, encoding, max_inflated_bytes)?;
+    let read = read_lines(&mut text, batches);
+    let (lines, window) = match read {
+        Ok(read) => read,
+        Err(ReadError::Refused(refusal)) => return Err(refusal.into()),
+        Err(ReadError::Input(error)) => return Err(text.error(error).into()),
     };
-    let (lines, window) = {
-        let mut csv = csv::ReaderBuilder::new()
-            .has_headers(false)
-            .flexible(true)
-            .from_reader(&mut reader);
-        let mut record = csv::StringRecord::new();
-        let read = |csv: &mut csv::Reader<&mut ChunkReader>, record: &mut csv::StringRecord| {
-            csv.read_record(record).map_err(|error| match error.kind() {
-                csv::ErrorKind::Io(io) => ImportError::Read(io.to_string()),
-                _ => ImportError::Invalid(report::csv_error(&error)),
-            })
-        };
-        if !read(&mut csv, &mut record)? {
-            return Err(
-                ReportError::new(1, None, ErrorCode::EmptyReport, "the report is empty").into(),
-            );
-        }
-        let header = Header::parse(&record)?;
-        let mut batch = Vec::with_capacity(IMPORT_BATCH_LINES);
-        let mut lines = 0i64;
-        let mut window: Option<(DateTime<Utc>, DateTime<Utc>)> = None;
-        while read(&mut csv, &mut record)? {
-            let line = record.position().map_or(0, |position| position.line());
-            let parsed = header.line(&record, line)?;
-            let period = parsed.report.charge_period;
-            window = Some(widened(window, period.start(), period.end()));
-            lines += 1;
-            batch.push(parsed);
-            if batch.len() == IMPORT_BATCH_LINES {
-                let full = std::mem::replace(&mut batch, Vec::with_capacity(IMPORT_BATCH_LINES));
-                if batches.blocking_send(full).is_err() {
-                    return Err(ImportError::Read("the import stopped".into()));
-                }
-            }
-        }
-        if !batch.is_empty() && batches.blocking_send(batch).is_err() {
-            return Err(ImportError::Read("the import stopped".into()));
-        }
-        let Some(window) = window else {
-            return Err(ReportError::new(
-                2,
-                None,
-                ErrorCode::EmptyReport,
-                "the report has a header and no lines",
-            )
-            .into());
-        };
-        (lines, window)
-    };
-    // Whatever follows the last record (nothing, normally) is part of the bytes too.
-    let mut rest = Vec::new();
-    std::io::Read::read_to_end(&mut reader, &mut rest)
-        .map_err(|error| ImportError::Read(error.to_string()))?;
     Ok(Parsed {
-        sha256: reader.hasher.finalize().into(),
+        sha256: text.finish()?,
         lines,
         window,
     })
+}
+
+/// Reads every record of `text`, handing the good lines over in batches until a bad one
+/// is seen; the count and window of the lines at the end, or the refusal.
+fn read_lines(
+    text: &mut CsvText,
+    batches: mpsc::Sender<Vec<ParsedLine>>,
+) -> Result<(i64, Window), ReadError> {
+    let stopped = || {
+        ReadError::Input(std::io::Error::other(InputError::Read(
+            "the import stopped".into(),
+        )))
+    };
+    let mut records = Records::new(&mut *text)?;
+    // Dropped at the first bad line: the inserts stop, the reading goes on.
+    let mut batches = Some(batches);
+    let mut batch = Vec::with_capacity(IMPORT_BATCH_LINES);
+    let mut lines = 0i64;
+    let mut window: Option<(DateTime<Utc>, DateTime<Utc>)> = None;
+    while let Some(parsed) = records.next_line()? {
+        if records.is_refused() {
+            batches = None;
+            batch.clear();
+            continue;
+        }
+        let period = parsed.report.charge_period;
+        window = Some(widened(window, period.start(), period.end()));
+        lines += 1;
+        batch.push(parsed);
+        if batch.len() == IMPORT_BATCH_LINES {
+            let full = std::mem::replace(&mut batch, Vec::with_capacity(IMPORT_BATCH_LINES));
+            let sender = batches.as_ref().expect("batches are sent until a bad line");
+            sender.blocking_send(full).map_err(|_| stopped())?;
+        }
+    }
+    records.finish()?;
+    let window = window.expect("a report without a bad line has a line");
+    if !batch.is_empty() {
+        let sender = batches.expect("batches are sent until a bad line");
+        sender.blocking_send(batch).map_err(|_| stopped())?;
+    }
+    Ok((lines, window))
 }
 
 /// The span of the report's lines so far, widened to take in one more line's charge period.

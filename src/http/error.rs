@@ -21,6 +21,8 @@ pub struct ApiError {
     pub code: ErrorCode,
     pub message: String,
     pub details: Vec<Value>,
+    /// For a refused provider report: its bad lines beyond those in `details`.
+    pub more_errors: Option<u64>,
     /// Seconds, for 503s that a client should retry.
     pub retry_after_seconds: Option<u64>,
 }
@@ -35,8 +37,14 @@ pub struct ErrorContent {
     /// Stable, snake_case; the same list as the `code` of each entry of `details`.
     pub code: ErrorCode,
     pub message: String,
-    /// For batches: `{"index", "code", "message"}` per offending event.
+    /// For batches: `{"index", "code", "message"}` per offending event. For a refused
+    /// provider report: `{"line", "column", "code", "message"}` per bad line, in file
+    /// order, at most 100; the first is the one `code` and `message` describe.
     pub details: Vec<Value>,
+    /// Only for a refused provider report: how many more bad lines it has than `details`
+    /// lists (0 when `details` lists them all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub more_errors: Option<u64>,
 }
 
 impl ApiError {
@@ -46,6 +54,7 @@ impl ApiError {
             code,
             message: message.into(),
             details: Vec::new(),
+            more_errors: None,
             retry_after_seconds: None,
         }
     }
@@ -81,8 +90,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body =
+        let mut body =
             json!({"error": {"code": self.code, "message": self.message, "details": self.details}});
+        if let Some(more) = self.more_errors {
+            body["error"]["more_errors"] = Value::from(more);
+        }
         let mut response = (self.status, Json(body)).into_response();
         if let Some(seconds) = self.retry_after_seconds {
             response

@@ -60,8 +60,8 @@ pub struct Inner {
     pub request_timeout: Duration,
     /// Requests in progress at once before new ones are shed with 503.
     pub concurrency_max: usize,
-    /// The largest provider report accepted.
-    pub report_max_bytes: u64,
+    /// The largest provider report accepted, as sent and inflated.
+    pub report_limits: crate::finance::reports::Limits,
     /// The largest audit page.
     pub page_events_max: usize,
     /// Whether the relay halted on a stream message that is not the ledger (`/readyz`).

@@ -1,5 +1,6 @@
-//! `POST /v1/provider-reports` (contract §5, §6): a FOCUS CSV report, streamed into the
-//! database all-or-nothing; the same bytes again answer 200 with the same report.
+//! `POST /v1/provider-reports` (contract §5, §6): a FOCUS CSV report, plain or gzipped,
+//! streamed into the database all-or-nothing; the same CSV text again answers 200 with the
+//! same report.
 
 use axum::body::Body;
 use axum::extract::State;
@@ -15,9 +16,11 @@ use uuid::Uuid;
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
+use crate::billing::report::reader::Refusal;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
-use crate::finance::reports::{self, ImportError, Imported, StoredReport};
+use crate::finance::report_input::InputError;
+use crate::finance::reports::{self, Encoding, ImportError, Imported, StoredReport};
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(post_report))
@@ -44,22 +47,37 @@ impl From<StoredReport> for ReportResponse {
     }
 }
 
-/// Import a provider usage report (FOCUS 1.x columns, `text/csv`). Global (a report spans
-/// orgs): a token bound to an org gets 403 `org_bound_token`.
+/// Import a provider usage report (FOCUS 1.x columns): CSV text (`text/csv`), or CSV
+/// gzipped, sent either as `application/gzip` (`application/x-gzip`) or as `text/csv` with
+/// `Content-Encoding: gzip`. The report is identified by the sha256 of its CSV text, so
+/// the same report gzipped or not is one report. Global (a report spans orgs): a token
+/// bound to an org gets 403 `org_bound_token`. A refused report lists its bad lines in
+/// `details` (`{"line", "column", "code", "message"}`, at most 100, the first being the one
+/// the top-level `code` and `message` describe) and counts the rest in `more_errors`.
 #[utoipa::path(
     post,
     path = "/v1/provider-reports",
     tag = "finance",
-    request_body(content = String, content_type = "text/csv", description = "FOCUS columns: ChargePeriodStart, ChargePeriodEnd, ResourceId, ConsumedQuantity, ConsumedUnit, BilledCost, BillingCurrency; optional Tags, ProviderName, ChargeCategory"),
+    params(
+        ("Content-Encoding" = Option<String>, Header, description = "`gzip` (or `x-gzip`) for a gzipped `text/csv` body; absent or `identity` for plain text; any other is 415 `unsupported_content_encoding`"),
+    ),
+    request_body(
+        description = "FOCUS columns: ChargePeriodStart, ChargePeriodEnd, ResourceId, ConsumedQuantity, ConsumedUnit, BilledCost, BillingCurrency; optional Tags, ProviderName, ChargeCategory. Every record has as many fields as the header",
+        content(
+            (String = "text/csv"),
+            ("application/gzip"),
+            ("application/x-gzip"),
+        )
+    ),
     responses(
         (status = 201, body = ReportResponse, description = "a new report"),
-        (status = 200, body = ReportResponse, description = "the same bytes were imported before"),
-        (status = 400, body = ErrorBody),
+        (status = 200, body = ReportResponse, description = "the same CSV text was imported before"),
+        (status = 400, body = ErrorBody, description = "`malformed_gzip`: the body is not valid gzip; `unreadable_body`"),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
-        (status = 413, body = ErrorBody),
-        (status = 415, body = ErrorBody),
-        (status = 422, body = ErrorBody, description = "details name the line and column"),
+        (status = 413, body = ErrorBody, description = "`report_too_large` (bytes sent, `TALLY_REPORT_MAX_BYTES`) or `report_inflated_too_large` (CSV text inflated from gzip, `TALLY_REPORT_MAX_INFLATED_BYTES`); nothing stored"),
+        (status = 415, body = ErrorBody, description = "`unsupported_media_type` or `unsupported_content_encoding`"),
+        (status = 422, body = ErrorBody, description = "the report is refused and nothing stored: `details` lists every bad line up to 100 (`line`, the header being line 1; `column`; `code`; `message`), `more_errors` counts the rest"),
         (status = 503, body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -70,21 +88,12 @@ pub async fn post_report(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ReportResponse>), ApiError> {
-    let is_csv = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.split(';').next().map(str::trim) == Some("text/csv"));
-    if !is_csv {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ErrorCode::UnsupportedMediaType,
-            "Content-Type must be text/csv",
-        ));
-    }
+    let encoding = encoding(&headers)?;
     let imported = reports::import(
         &state.pool,
         body.into_data_stream(),
-        state.report_max_bytes,
+        encoding,
+        state.report_limits,
         &principal.id,
     )
     .await
@@ -95,29 +104,109 @@ pub async fn post_report(
     })
 }
 
+/// The body's encoding, from its `Content-Type` and `Content-Encoding`: 415 for any other
+/// media type or coding, and for gzip named by both (which would mean gzip twice).
+fn encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
+    let media_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .map(|value| value.trim().to_ascii_lowercase());
+    let gzip_type = match media_type.as_deref() {
+        Some("text/csv") => false,
+        Some("application/gzip" | "application/x-gzip") => true,
+        _ => {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                ErrorCode::UnsupportedMediaType,
+                "Content-Type must be text/csv or application/gzip",
+            ))
+        }
+    };
+    let unsupported = |message: String| {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::UnsupportedContentEncoding,
+            message,
+        )
+    };
+    let mut codings = Vec::new();
+    for value in headers.get_all(header::CONTENT_ENCODING) {
+        let value = value
+            .to_str()
+            .map_err(|_| unsupported("Content-Encoding is not text".into()))?;
+        codings.extend(
+            value
+                .split(',')
+                .map(|coding| coding.trim().to_ascii_lowercase())
+                .filter(|coding| !coding.is_empty() && coding != "identity"),
+        );
+    }
+    match (codings.as_slice(), gzip_type) {
+        ([], false) => Ok(Encoding::Plain),
+        ([], true) => Ok(Encoding::Gzip),
+        ([coding], false) if coding == "gzip" || coding == "x-gzip" => Ok(Encoding::Gzip),
+        ([_], true) => Err(unsupported(
+            "an application/gzip body with a Content-Encoding would be compressed twice: \
+             send gzip as application/gzip, or as text/csv with Content-Encoding: gzip"
+                .into(),
+        )),
+        _ => Err(unsupported(format!(
+            "Content-Encoding {:?} is not supported: send gzip, or none",
+            codings.join(", ")
+        ))),
+    }
+}
+
 pub fn import_error(error: ImportError) -> ApiError {
     match error {
-        ImportError::Invalid(error) => ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            error.code,
-            format!("{error}; nothing was stored"),
-        )
-        .with_details(vec![json!({
-            "line": error.line,
-            "column": error.column,
-            "code": error.code,
-            "message": error.message,
-        })]),
-        ImportError::TooLarge(max) => ApiError::new(
+        ImportError::Invalid(refusal) => refused(&refusal),
+        ImportError::Input(InputError::TooLarge(max)) => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::ReportTooLarge,
             format!("the report is larger than {max} bytes; nothing was stored"),
         ),
-        ImportError::Read(message) => ApiError::new(
+        ImportError::Input(InputError::InflatedTooLarge(max)) => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::ReportInflatedTooLarge,
+            format!("the report inflates to more than {max} bytes of CSV; nothing was stored"),
+        ),
+        ImportError::Input(InputError::Gzip(message)) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::MalformedGzip,
+            format!("the body is not valid gzip ({message}); nothing was stored"),
+        ),
+        ImportError::Input(InputError::Read(message)) => ApiError::new(
             StatusCode::BAD_REQUEST,
             ErrorCode::UnreadableBody,
             format!("the report could not be read: {message}"),
         ),
         ImportError::Store(error) => ApiError::from(error),
+    }
+}
+
+/// 422 with every listed bad line in `details` and the count of the rest in
+/// `more_errors`; the code and message are the first line's.
+fn refused(refusal: &Refusal) -> ApiError {
+    let details = refusal
+        .errors()
+        .iter()
+        .map(|error| {
+            json!({
+                "line": error.line,
+                "column": error.column,
+                "code": error.code,
+                "message": error.message,
+            })
+        })
+        .collect();
+    ApiError {
+        details,
+        more_errors: Some(refusal.more_errors()),
+        ..ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            refusal.first().code,
+            format!("{refusal}; nothing was stored"),
+        )
     }
 }

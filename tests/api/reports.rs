@@ -4,7 +4,7 @@
 use reqwest::Method;
 use serde_json::Value;
 
-use crate::helpers::TestApp;
+use crate::helpers::{Api, TestApp};
 
 const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ProviderName";
 
@@ -124,6 +124,7 @@ async fn broken_reports_are_refused_naming_line_and_column_and_store_nothing() {
         let (status, error) = app.post_report(body.clone()).await;
         assert_eq!(status, 422, "{body:?}: {error}");
         assert_eq!(error["error"]["code"], code, "{body:?}");
+        assert_eq!(error["error"]["more_errors"], 0, "{body:?}");
         assert_eq!(error["error"]["details"][0]["line"], line, "{body:?}");
         assert_eq!(
             error["error"]["details"][0]["column"].as_str(),
@@ -152,6 +153,406 @@ async fn a_report_past_the_size_limit_is_413_and_stores_nothing() {
     let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
     let (status, error) = app.post_report(report(&refs)).await;
     assert_eq!(status, 413, "{error}");
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+fn gzipped(text: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(text).unwrap();
+    encoder.finish().unwrap()
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
+/// POST a report body with these headers: status and JSON answer.
+async fn post_with(app: &TestApp, headers: &[(&str, &str)], body: Vec<u8>) -> (u16, Value) {
+    let mut request = app.request(Method::POST, "/v1/provider-reports");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    Api::reply(request.body(body)).await.status_json()
+}
+
+/// `count` good lines, each for its own container.
+fn good_lines(count: usize) -> Vec<String> {
+    (0..count)
+        .map(|n| format!("2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c{n},3600,Seconds,0.5,USD,,"))
+        .collect()
+}
+
+/// Runs `tally reports import FILE` against the app's database: exit status, stdout, stderr.
+fn cli_import(app: &TestApp, file: &std::path::Path) -> (bool, String, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["reports", "import"])
+        .arg(file)
+        .env("DATABASE_URL", &app.db.url)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// 6 000 good lines (more than one insert batch, so lines reach the transaction before the
+/// first bad one), then 150 bad ones, one in two a bad number and one in two short a field.
+fn report_with_150_bad_lines() -> String {
+    let mut lines = good_lines(6_000);
+    for n in 0..150 {
+        lines.push(if n % 2 == 0 {
+            format!("2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,b{n},many,Seconds,0.5,USD,,")
+        } else {
+            format!("2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,b{n},3600,Seconds,0.5,USD,")
+        });
+    }
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    report(&refs)
+}
+
+#[tokio::test]
+async fn a_report_with_150_bad_lines_lists_the_first_100_counts_the_other_50_and_stores_nothing() {
+    let app = TestApp::spawn().await;
+    let (status, error) = app.post_report(report_with_150_bad_lines()).await;
+    assert_eq!(status, 422, "{error}");
+    let error = &error["error"];
+    let details = error["details"].as_array().unwrap();
+    assert_eq!(details.len(), 100);
+    assert_eq!(error["more_errors"], 50);
+    // The header is line 1 and the good lines 2 to 6 001: the bad ones start at 6 002.
+    let listed: Vec<(u64, &str)> = details
+        .iter()
+        .map(|detail| {
+            (
+                detail["line"].as_u64().unwrap(),
+                detail["code"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let expected: Vec<(u64, &str)> = (0..100)
+        .map(|n| {
+            let code = if n % 2 == 0 {
+                "invalid_number"
+            } else {
+                "wrong_field_count"
+            };
+            (6_002 + n, code)
+        })
+        .collect();
+    assert_eq!(listed, expected);
+    assert_eq!(details[0]["column"], "ConsumedQuantity");
+    assert_eq!(details[1]["column"], Value::Null);
+    assert_eq!(
+        details[1]["message"],
+        "expected 9 fields, as the header has, found 8"
+    );
+    // The top level still describes the first bad line, as it did before the list.
+    assert_eq!(error["code"], "invalid_number");
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("line 6002, column ConsumedQuantity: "),
+        "{message}"
+    );
+    assert!(message.contains("149 more bad lines"), "{message}");
+    assert_eq!(stored(&app).await, (0, 0), "nothing stored");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_refused_report_with_one_bad_line_has_no_more_errors() {
+    let app = TestApp::spawn().await;
+    let mut lines = good_lines(3);
+    lines.insert(
+        1,
+        "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c9,3600,Minutes,0.5,USD,,".into(),
+    );
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let (status, error) = app.post_report(report(&refs)).await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(error["error"]["code"], "unknown_unit");
+    assert_eq!(error["error"]["details"].as_array().unwrap().len(), 1);
+    assert_eq!(error["error"]["details"][0]["line"], 3);
+    assert_eq!(error["error"]["more_errors"], 0);
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn rows_with_too_few_or_too_many_fields_are_refused_naming_the_line_and_both_counts() {
+    let app = TestApp::spawn().await;
+    let good = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,";
+    // Before, a short row imported with its missing cells read as empty.
+    let short = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c2,3600,Seconds,0.5,USD";
+    let long = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c3,3600,Seconds,0.5,USD,,acme,extra";
+    for (lines, found) in [([good, short], 7), ([good, long], 10)] {
+        let (status, error) = app.post_report(report(&lines)).await;
+        assert_eq!(status, 422, "{error}");
+        assert_eq!(error["error"]["code"], "wrong_field_count");
+        assert_eq!(error["error"]["details"][0]["line"], 3);
+        assert_eq!(
+            error["error"]["details"][0]["message"],
+            format!("expected 9 fields, as the header has, found {found}")
+        );
+    }
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gzipped_report_is_the_same_report_as_its_text_by_content_encoding_or_content_type() {
+    let app = TestApp::spawn().await;
+    let lines = good_lines(7_000);
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let text = report(&refs);
+    let compressed = gzipped(text.as_bytes());
+    let (status, first) = post_with(
+        &app,
+        &[("content-type", "text/csv"), ("content-encoding", "gzip")],
+        compressed.clone(),
+    )
+    .await;
+    assert_eq!(status, 201, "{first}");
+    assert_eq!(first["lines"], 7_000);
+    assert_eq!(
+        first["sha256"],
+        sha256_hex(text.as_bytes()),
+        "identified by its CSV text, not by the bytes sent"
+    );
+    for headers in [
+        &[("content-type", "application/gzip")][..],
+        &[("content-type", "application/x-gzip")][..],
+        &[
+            ("content-type", "text/csv; charset=utf-8"),
+            ("content-encoding", "x-gzip"),
+        ][..],
+    ] {
+        let (status, again) = post_with(&app, headers, compressed.clone()).await;
+        assert_eq!(status, 200, "{headers:?}: {again}");
+        assert_eq!(again["report_id"], first["report_id"], "{headers:?}");
+    }
+    let (status, plain) = app.post_report(text).await;
+    assert_eq!(status, 200, "{plain}");
+    assert_eq!(plain["report_id"], first["report_id"]);
+    assert_eq!(stored(&app).await, (1, 7_000));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gzipped_report_with_bad_lines_lists_them_as_the_plain_one_does() {
+    let app = TestApp::spawn().await;
+    let text = report_with_150_bad_lines();
+    let (status, error) = post_with(
+        &app,
+        &[("content-type", "application/gzip")],
+        gzipped(text.as_bytes()),
+    )
+    .await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(error["error"]["details"].as_array().unwrap().len(), 100);
+    assert_eq!(error["error"]["more_errors"], 50);
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gzip_bomb_past_the_inflated_limit_is_413_and_stores_nothing() {
+    // Sent bytes up to 100 kB, inflated text up to 2 MB.
+    let app = TestApp::spawn_with(|config| {
+        config.report_max_bytes = 100_000;
+        config.report_max_inflated_bytes = 2_000_000;
+    })
+    .await;
+    let line = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,";
+    // 20 000 lines, about 1.4 MB of text: inside the inflated limit, though the text is
+    // past the limit on sent bytes.
+    let within: Vec<&str> = vec![line; 20_000];
+    let text = report(&within);
+    assert!(text.len() > 1_000_000 && text.len() < 2_000_000);
+    let (status, answer) = post_with(
+        &app,
+        &[("content-type", "application/gzip")],
+        gzipped(text.as_bytes()),
+    )
+    .await;
+    assert_eq!(status, 201, "{answer}");
+    // 200 000 lines, about 14 MB of text, in a body of a few tens of kilobytes.
+    let bomb = gzipped(report(&vec![line; 200_000]).as_bytes());
+    assert!(bomb.len() < 50_000, "{} bytes", bomb.len());
+    let (status, error) = post_with(&app, &[("content-type", "application/gzip")], bomb).await;
+    assert_eq!(status, 413, "{error}");
+    assert_eq!(error["error"]["code"], "report_inflated_too_large");
+    assert_eq!(stored(&app).await, (1, 20_000), "nothing more stored");
+    // A plain body is held to the limit on sent bytes.
+    let (status, error) = app.post_report(text).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (413, Some("report_too_large"))
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_endless_line_inflated_from_gzip_is_refused_at_the_record_limit() {
+    let app = TestApp::spawn().await;
+    // One line of 64 MiB of zeros after the header: about 64 kB gzipped.
+    let mut text = HEADER.as_bytes().to_vec();
+    text.push(b'\n');
+    text.resize(text.len() + 64 * 1024 * 1024, b'0');
+    let (status, error) = post_with(
+        &app,
+        &[("content-type", "text/csv"), ("content-encoding", "gzip")],
+        gzipped(&text),
+    )
+    .await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(error["error"]["code"], "record_too_long");
+    assert_eq!(error["error"]["details"][0]["line"], 2);
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_corrupt_gzip_body_is_400_malformed_gzip_and_stores_nothing() {
+    let app = TestApp::spawn().await;
+    let lines = good_lines(2_000);
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let text = report(&refs);
+    let compressed = gzipped(text.as_bytes());
+    let mut flipped = compressed.clone();
+    let middle = flipped.len() / 2;
+    flipped[middle..].iter_mut().for_each(|byte| *byte ^= 0x5a);
+    let truncated = compressed[..compressed.len() - 100].to_vec();
+    for body in [flipped, truncated, text.into_bytes()] {
+        let (status, error) = post_with(
+            &app,
+            &[("content-type", "text/csv"), ("content-encoding", "gzip")],
+            body,
+        )
+        .await;
+        assert_eq!(status, 400, "{error}");
+        assert_eq!(error["error"]["code"], "malformed_gzip");
+    }
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_unknown_content_encoding_is_415_and_stores_nothing() {
+    let app = TestApp::spawn().await;
+    let body = report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,"]);
+    for headers in [
+        &[("content-type", "text/csv"), ("content-encoding", "br")][..],
+        &[
+            ("content-type", "text/csv"),
+            ("content-encoding", "gzip, br"),
+        ][..],
+        &[
+            ("content-type", "text/csv"),
+            ("content-encoding", "deflate"),
+        ][..],
+        // Gzip named twice would mean gzip inside gzip.
+        &[
+            ("content-type", "application/gzip"),
+            ("content-encoding", "gzip"),
+        ][..],
+    ] {
+        let (status, error) = post_with(&app, headers, body.clone().into_bytes()).await;
+        assert_eq!(status, 415, "{headers:?}: {error}");
+        assert_eq!(
+            error["error"]["code"], "unsupported_content_encoding",
+            "{headers:?}"
+        );
+    }
+    let (status, error) = post_with(
+        &app,
+        &[("content-type", "application/zip")],
+        body.into_bytes(),
+    )
+    .await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (415, Some("unsupported_media_type"))
+    );
+    assert_eq!(stored(&app).await, (0, 0));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gz_file_imports_through_the_cli_as_the_same_report_as_its_text() {
+    let app = TestApp::spawn().await;
+    let text = report(&["2026-11-02T00:00:00Z,2026-11-02T01:00:00Z,c1,1,Hours,2.5,EUR,,"]);
+    let folder = tempfile::tempdir().unwrap();
+    let gz = folder.path().join("report.csv.gz");
+    std::fs::write(&gz, gzipped(text.as_bytes())).unwrap();
+    let (ok, stdout, stderr) = cli_import(&app, &gz);
+    assert!(ok, "{stderr}");
+    let first: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (first["lines"].clone(), first["new"].clone()),
+        (1.into(), true.into())
+    );
+    assert_eq!(first["sha256"], sha256_hex(text.as_bytes()));
+    // Gzip under another name is known by its first bytes; the text is the same report.
+    let unnamed = folder.path().join("report.export");
+    std::fs::write(&unnamed, gzipped(text.as_bytes())).unwrap();
+    let plain = folder.path().join("report.csv");
+    std::fs::write(&plain, &text).unwrap();
+    for file in [&unnamed, &plain] {
+        let (ok, stdout, stderr) = cli_import(&app, file);
+        assert!(ok, "{file:?}: {stderr}");
+        let again: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(again["report_id"], first["report_id"], "{file:?}");
+        assert_eq!(again["new"], false, "{file:?}");
+    }
+    // A file named .gz that is not gzip is refused as such.
+    let fake = folder.path().join("fake.csv.gz");
+    std::fs::write(&fake, &text).unwrap();
+    let (ok, _, stderr) = cli_import(&app, &fake);
+    assert!(!ok);
+    assert!(stderr.contains("not valid gzip"), "{stderr}");
+    assert_eq!(stored(&app).await, (1, 1));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_cli_prints_every_bad_line_up_to_100_and_the_count_of_the_rest() {
+    let app = TestApp::spawn().await;
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), report_with_150_bad_lines()).unwrap();
+    let (ok, stdout, stderr) = cli_import(&app, file.path());
+    assert!(!ok, "{stdout}");
+    let listed: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.starts_with("  line "))
+        .collect();
+    assert_eq!(listed.len(), 100, "{stderr}");
+    assert!(
+        listed[0].starts_with("  line 6002, column ConsumedQuantity: "),
+        "{}",
+        listed[0]
+    );
+    assert!(
+        listed[1].contains("found 8 [wrong_field_count]"),
+        "{}",
+        listed[1]
+    );
+    assert!(
+        stderr
+            .lines()
+            .any(|line| line == "  and 50 more bad lines, not listed"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.starts_with("import refused, nothing stored: line 6002"),
+        "{stderr}"
+    );
     assert_eq!(stored(&app).await, (0, 0));
     app.stop().await;
 }
