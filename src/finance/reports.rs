@@ -14,7 +14,6 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::billing::reconcile::Unit;
 use crate::billing::report::{self, Header, ParsedLine, ReportError};
 use crate::error_code::ErrorCode;
 
@@ -244,8 +243,8 @@ fn parse(
         while read(&mut csv, &mut record)? {
             let line = record.position().map_or(0, |position| position.line());
             let parsed = header.line(&record, line)?;
-            let period = parsed.report.charge_period;
-            window = Some(widened(window, period.start(), period.end()));
+            let (start, end) = parsed.span();
+            window = Some(widened(window, start, end));
             lines += 1;
             batch.push(parsed);
             if batch.len() == IMPORT_BATCH_LINES {
@@ -280,7 +279,8 @@ fn parse(
     })
 }
 
-/// The span of the report's lines so far, widened to take in one more line's charge period.
+/// The report's window so far, widened to take in one more line's span: its billing
+/// period (the lines of an export normally share one) and its charge period.
 fn widened(
     window: Option<(DateTime<Utc>, DateTime<Utc>)>,
     start: DateTime<Utc>,
@@ -294,8 +294,8 @@ fn widened(
 
 /// The columns each line is copied into, in the order [`write_copy_row`] writes them.
 const LINE_COLUMNS: &str = "report_id, line, charge_period_start, charge_period_end, \
-     container_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
-     provider_name, charge_category";
+     resource_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
+     provider_name, charge_category, charge_class, billing_period_start, billing_period_end";
 
 /// Inserts a batch with one `COPY`: Postgres takes CSV rows several times faster than it
 /// takes the same rows bound as arrays to `INSERT … UNNEST`, which made import half as fast
@@ -353,19 +353,31 @@ fn write_copy_row(out: &mut String, report_id: &str, line: &ParsedLine) {
     out.push(',');
     instant(out, report.charge_period.end());
     out.push(',');
-    text(out, Some(&report.container_id));
+    text(out, report.resource_id.as_deref());
     out.push(',');
     text(out, report.org_id.as_deref());
-    let unit = match report.unit {
-        Unit::Seconds => "Seconds",
-        Unit::Hours => "Hours",
-    };
-    let _ = write!(out, ",{},{unit},{},", report.quantity, report.billed_cost);
+    out.push(',');
+    if let Some(quantity) = report.quantity {
+        let _ = write!(out, "{quantity}");
+    }
+    out.push(',');
+    text(out, report.unit.as_deref());
+    let _ = write!(out, ",{},", report.billed_cost);
     text(out, Some(&report.currency));
     out.push(',');
     text(out, line.provider_name.as_deref());
     out.push(',');
-    text(out, line.charge_category.as_deref());
+    text(out, Some(&report.charge_category));
+    out.push(',');
+    text(out, report.charge_class.as_deref());
+    out.push(',');
+    if let Some(billing) = line.billing_period {
+        instant(out, billing.start());
+        out.push(',');
+        instant(out, billing.end());
+    } else {
+        out.push(',');
+    }
     out.push('\n');
 }
 

@@ -44,13 +44,14 @@ impl From<StoredReport> for ReportResponse {
     }
 }
 
-/// Import a provider usage report (FOCUS 1.x columns, `text/csv`). Global (a report spans
+/// Import a provider cost and usage report (a FOCUS 1.0–1.2 export, `text/csv`): every
+/// line is kept, runtime or not. Global (a report spans
 /// orgs): a token bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/provider-reports",
     tag = "finance",
-    request_body(content = String, content_type = "text/csv", description = "FOCUS columns: ChargePeriodStart, ChargePeriodEnd, ResourceId, ConsumedQuantity, ConsumedUnit, BilledCost, BillingCurrency; optional Tags, ProviderName, ChargeCategory"),
+    request_body(content = String, content_type = "text/csv", description = "A FOCUS 1.0-1.2 export. Required columns: ChargePeriodStart, ChargePeriodEnd, ChargeCategory, BilledCost, BillingCurrency; read when present: ResourceId, ConsumedQuantity, ConsumedUnit, BillingPeriodStart, BillingPeriodEnd, ChargeClass, Tags, ProviderName. Every line is kept"),
     responses(
         (status = 201, body = ReportResponse, description = "a new report"),
         (status = 200, body = ReportResponse, description = "the same bytes were imported before"),
