@@ -407,6 +407,7 @@ async fn missing_in_provider(
     Ok(missing)
 }
 
+// Long: one bound array per column of a stored line (seventeen), in the INSERT's order.
 async fn insert(
     transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     id: Uuid,
