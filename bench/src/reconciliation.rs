@@ -802,7 +802,7 @@ async fn prepare_and_measure(
             "to tally serve, a child process; every line against the projection, then the \
              containers the report leaves out; {} lines stored; matched provider cost {} USD",
             stored_lines,
-            summary.totals["by_status"]["matched"]["provider_cost"]
+            summary.totals["currencies"]["USD"]["by_status"]["matched"]["provider_cost"]
                 .as_str()
                 .unwrap_or("?")
         )),

@@ -5,6 +5,7 @@
 use chrono::{DateTime, Utc};
 use rust_decimal::{Decimal, RoundingStrategy};
 
+use crate::event::ContainerId;
 use crate::runtime::{Lifecycle, Window};
 
 /// How far the provider may be from the ledger and still match: at most the larger of
@@ -47,9 +48,23 @@ pub enum Status {
     MissingInLedger,
     OrgMismatch,
     MissingInProvider,
+    /// A line that is not container runtime (tax, credit, purchase, adjustment, another
+    /// unit, a resource that cannot be a container): counted with its money, not compared.
+    NotRuntime,
 }
 
 impl Status {
+    /// Every status, in the order counts are listed.
+    pub const ALL: [Status; 7] = [
+        Status::Matched,
+        Status::ProviderOver,
+        Status::ProviderUnder,
+        Status::MissingInLedger,
+        Status::OrgMismatch,
+        Status::MissingInProvider,
+        Status::NotRuntime,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Status::Matched => "matched",
@@ -58,39 +73,113 @@ impl Status {
             Status::MissingInLedger => "missing_in_ledger",
             Status::OrgMismatch => "org_mismatch",
             Status::MissingInProvider => "missing_in_provider",
+            Status::NotRuntime => "not_runtime",
         }
     }
 }
 
+/// A unit of time a runtime line may be counted in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unit {
     Seconds,
+    Minutes,
     Hours,
+    Days,
 }
 
-/// One line of a provider report, parsed.
+impl Unit {
+    /// The spellings read as a unit of time, compared without regard to case (decision
+    /// 0021). A compound unit (`vCPU-Hours`, `GB Hours`, `Units/Hour`) or one with a count
+    /// (`10 Hours`) is not a time unit; neither is `m` (minute, month or metre) nor a month
+    /// or a year, whose lengths vary.
+    pub const SPELLINGS: [(&'static str, Unit); 17] = [
+        ("s", Unit::Seconds),
+        ("sec", Unit::Seconds),
+        ("secs", Unit::Seconds),
+        ("second", Unit::Seconds),
+        ("seconds", Unit::Seconds),
+        ("min", Unit::Minutes),
+        ("mins", Unit::Minutes),
+        ("minute", Unit::Minutes),
+        ("minutes", Unit::Minutes),
+        ("h", Unit::Hours),
+        ("hr", Unit::Hours),
+        ("hrs", Unit::Hours),
+        ("hour", Unit::Hours),
+        ("hours", Unit::Hours),
+        ("d", Unit::Days),
+        ("day", Unit::Days),
+        ("days", Unit::Days),
+    ];
+
+    /// The time unit `spelling` names (surrounding spaces ignored), if it names one.
+    pub fn parse(spelling: &str) -> Option<Unit> {
+        let spelling = spelling.trim();
+        Unit::SPELLINGS
+            .iter()
+            .find(|(known, _)| known.eq_ignore_ascii_case(spelling))
+            .map(|(_, unit)| *unit)
+    }
+
+    fn ms(self) -> i64 {
+        match self {
+            Unit::Seconds => 1_000,
+            Unit::Minutes => 60_000,
+            Unit::Hours => 3_600_000,
+            Unit::Days => 86_400_000,
+        }
+    }
+}
+
+/// One line of a provider report, as the report gives it: every line, runtime or not.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReportLine {
     pub charge_period: Window,
-    pub container_id: String,
+    /// `ChargeCategory` as written (`Usage`, `Tax`, `Credit`, `Purchase`, `Adjustment`).
+    pub charge_category: String,
+    /// `ChargeClass` (`Correction` or absent).
+    pub charge_class: Option<String>,
+    /// `ResourceId`: the container id on a runtime line; any provider id otherwise.
+    pub resource_id: Option<String>,
     /// The org the provider attributes the line to (`Tags.org_id`), if any.
     pub org_id: Option<String>,
-    pub quantity: Decimal,
-    pub unit: Unit,
+    pub quantity: Option<Decimal>,
+    /// `ConsumedUnit` as written.
+    pub unit: Option<String>,
     pub billed_cost: Decimal,
     pub currency: String,
 }
 
 impl ReportLine {
-    /// The provider's runtime in ms, rounded half-up to the millisecond.
-    pub fn provider_runtime_ms(&self) -> i64 {
-        let per_unit = match self.unit {
-            Unit::Seconds => Decimal::from(1_000),
-            Unit::Hours => Decimal::from(3_600_000),
-        };
-        let ms = (self.quantity * per_unit)
+    /// The container and the provider's runtime in ms (rounded half-up to the millisecond)
+    /// when the line is container runtime: a `Usage` line, not a correction, of a
+    /// non-negative quantity in a time unit, whose resource id can be a container id.
+    pub fn runtime(&self) -> Option<(&str, i64)> {
+        if !self.charge_category.trim().eq_ignore_ascii_case("usage")
+            || self
+                .charge_class
+                .as_deref()
+                .is_some_and(|class| class.trim().eq_ignore_ascii_case("correction"))
+        {
+            return None;
+        }
+        let unit = Unit::parse(self.unit.as_deref()?)?;
+        let quantity = self
+            .quantity
+            .filter(|quantity| !quantity.is_sign_negative())?;
+        let container_id = self.resource_id.as_deref()?;
+        ContainerId::parse(container_id).ok()?;
+        let ms = (quantity * Decimal::from(unit.ms()))
             .round_dp_with_strategy(0, RoundingStrategy::MidpointAwayFromZero);
-        i64::try_from(ms).unwrap_or(i64::MAX)
+        Some((container_id, i64::try_from(ms).unwrap_or(i64::MAX)))
+    }
+
+    /// The precision money derived from this line is kept at: the line's own `BilledCost`
+    /// scale, and never less than the currency's minor unit.
+    fn money_scale(&self) -> u32 {
+        self.billed_cost
+            .scale()
+            .max(crate::billing::overage::minor_unit_digits(&self.currency))
     }
 }
 
@@ -102,35 +191,66 @@ pub struct LedgerContainer<'a> {
     pub lifecycle: &'a Lifecycle,
 }
 
-/// A reconciled line (or a `missing_in_provider` line, which has no provider figures).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reconciled {
-    /// The ledger's org for the container; the report's for `missing_in_ledger`.
-    pub org_id: Option<String>,
-    pub container_id: String,
-    pub charge_period: Window,
+/// The figures of a compared line (a runtime line or a `missing_in_provider` one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compared {
     pub ledger_runtime_ms: i64,
     pub provider_runtime_ms: i64,
     /// provider − ledger.
     pub delta_ms: i64,
-    pub status: Status,
-    pub provider_cost: Decimal,
-    /// Ledger hours × the line's own unit price (BilledCost / provider hours).
+    /// Ledger hours × the line's own unit price (BilledCost / provider hours), at the
+    /// line's money precision.
     pub expected_cost: Decimal,
     /// provider − expected.
     pub cost_delta: Decimal,
+}
+
+/// A reconciled line (or a `missing_in_provider` line, which has no provider figures).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconciled {
+    /// The line of the report (header = 1); `None` for `missing_in_provider`.
+    pub report_line: Option<i64>,
+    /// The ledger's org for the container; the provider's tag when the ledger has none.
+    pub org_id: Option<String>,
+    /// The org the provider tagged the line with (`Tags.org_id`).
+    pub provider_org_id: Option<String>,
+    /// The container id, or the provider's resource id on a `not_runtime` line.
+    pub container_id: Option<String>,
+    pub charge_period: Window,
+    pub charge_category: Option<String>,
+    /// `None` on a `not_runtime` line: nothing was compared.
+    pub compared: Option<Compared>,
+    pub status: Status,
+    /// The line's `BilledCost`, exactly as the report gave it.
+    pub provider_cost: Decimal,
     pub currency: String,
 }
 
-/// Reconciles one line against the ledger's records of its container id, counting the
-/// ledger's runtime over the line's charge period up to `as_of`.
+/// Reconciles one line (file line `report_line`) against the ledger's records of its
+/// container id, counting the ledger's runtime over the line's charge period up to `as_of`.
+/// A line that is not runtime is `not_runtime`, whatever the ledger holds.
 pub fn reconcile_line(
+    report_line: i64,
     line: &ReportLine,
     ledger: &[LedgerContainer<'_>],
     tolerance: Tolerance,
     as_of: DateTime<Utc>,
 ) -> Reconciled {
-    let provider_runtime_ms = line.provider_runtime_ms();
+    let mut reconciled = Reconciled {
+        report_line: Some(report_line),
+        org_id: line.org_id.clone(),
+        provider_org_id: line.org_id.clone(),
+        container_id: line.resource_id.clone(),
+        charge_period: line.charge_period,
+        charge_category: Some(line.charge_category.clone()),
+        compared: None,
+        status: Status::NotRuntime,
+        provider_cost: line.billed_cost,
+        currency: line.currency.clone(),
+    };
+    let Some((_, provider_runtime_ms)) = line.runtime() else {
+        return reconciled;
+    };
     let window = line.charge_period.until(as_of);
     // The container the line is about: the tagged org's, else the only one.
     let own = match &line.org_id {
@@ -138,7 +258,7 @@ pub fn reconcile_line(
         None if ledger.len() == 1 => ledger.first(),
         None => None,
     };
-    let (org_id, ledger_runtime_ms, status) = match own {
+    let (ledger_runtime_ms, status) = match own {
         Some(known) => {
             let ledger_ms = known.lifecycle.runtime_ms(window);
             let delta = provider_runtime_ms - ledger_ms;
@@ -149,43 +269,42 @@ pub fn reconcile_line(
             } else {
                 Status::ProviderUnder
             };
-            (Some(known.org_id.to_owned()), ledger_ms, status)
+            reconciled.org_id = Some(known.org_id.to_owned());
+            (ledger_ms, status)
         }
         // Known, but to another org (or to several, with no tag to choose): the provider
         // bills the wrong tenant, or the ledger does.
         None if !ledger.is_empty() => {
             let first = ledger[0];
-            (
-                Some(first.org_id.to_owned()),
-                first.lifecycle.runtime_ms(window),
-                Status::OrgMismatch,
-            )
+            reconciled.org_id = Some(first.org_id.to_owned());
+            (first.lifecycle.runtime_ms(window), Status::OrgMismatch)
         }
-        None => (line.org_id.clone(), 0, Status::MissingInLedger),
+        None => (0, Status::MissingInLedger),
     };
     let expected_cost = expected_cost(line, ledger_runtime_ms, provider_runtime_ms);
-    Reconciled {
-        org_id,
-        container_id: line.container_id.clone(),
-        charge_period: line.charge_period,
+    reconciled.status = status;
+    reconciled.compared = Some(Compared {
         ledger_runtime_ms,
         provider_runtime_ms,
         delta_ms: provider_runtime_ms - ledger_runtime_ms,
-        status,
-        provider_cost: line.billed_cost,
         expected_cost,
         cost_delta: line.billed_cost - expected_cost,
-        currency: line.currency.clone(),
-    }
+    });
+    reconciled
 }
 
-/// Ledger hours × (BilledCost / provider hours); a line with no provider quantity carries
-/// no unit price, so nothing is expected from it.
+/// Ledger hours × (BilledCost / provider hours), rounded half-up to the line's money
+/// precision (so that lines and the exact totals of their figures agree); a line with no
+/// provider quantity carries no unit price, so nothing is expected from it.
 fn expected_cost(line: &ReportLine, ledger_ms: i64, provider_ms: i64) -> Decimal {
+    let scale = line.money_scale();
     if provider_ms == 0 {
-        return Decimal::ZERO;
+        return Decimal::new(0, scale);
     }
-    line.billed_cost * Decimal::from(ledger_ms) / Decimal::from(provider_ms)
+    let mut expected = (line.billed_cost * Decimal::from(ledger_ms) / Decimal::from(provider_ms))
+        .round_dp_with_strategy(scale, RoundingStrategy::MidpointAwayFromZero);
+    expected.rescale(scale);
+    expected
 }
 
 /// The line for a container the report does not mention although the ledger has it
@@ -203,17 +322,23 @@ pub fn missing_in_provider(
     if tolerance.allows(ledger_runtime_ms, ledger_runtime_ms) {
         return None;
     }
+    let zero = Decimal::new(0, crate::billing::overage::minor_unit_digits(currency));
     Some(Reconciled {
+        report_line: None,
         org_id: Some(org_id.to_owned()),
-        container_id: container_id.to_owned(),
+        provider_org_id: None,
+        container_id: Some(container_id.to_owned()),
         charge_period: report_window,
-        ledger_runtime_ms,
-        provider_runtime_ms: 0,
-        delta_ms: -ledger_runtime_ms,
+        charge_category: None,
+        compared: Some(Compared {
+            ledger_runtime_ms,
+            provider_runtime_ms: 0,
+            delta_ms: -ledger_runtime_ms,
+            expected_cost: zero,
+            cost_delta: zero,
+        }),
         status: Status::MissingInProvider,
-        provider_cost: Decimal::ZERO,
-        expected_cost: Decimal::ZERO,
-        cost_delta: Decimal::ZERO,
+        provider_cost: zero,
         currency: currency.to_owned(),
     })
 }
@@ -253,13 +378,27 @@ mod tests {
     fn line(start: i64, end: i64, seconds: &str, cost: &str) -> ReportLine {
         ReportLine {
             charge_period: Window::new(at(start), at(end)),
-            container_id: "c1".into(),
+            charge_category: "Usage".into(),
+            charge_class: None,
+            resource_id: Some("c1".into()),
             org_id: Some("acme".into()),
-            quantity: seconds.parse().unwrap(),
-            unit: Unit::Seconds,
+            quantity: Some(seconds.parse().unwrap()),
+            unit: Some("Seconds".into()),
             billed_cost: cost.parse().unwrap(),
             currency: "USD".into(),
         }
+    }
+
+    fn reconcile(
+        line: &ReportLine,
+        ledger: &[LedgerContainer],
+        as_of: DateTime<Utc>,
+    ) -> Reconciled {
+        reconcile_line(2, line, ledger, Tolerance::default(), as_of)
+    }
+
+    fn compared(reconciled: &Reconciled) -> Compared {
+        reconciled.compared.expect("a compared line")
     }
 
     fn known(lifecycle: &Lifecycle) -> [LedgerContainer<'_>; 1] {
@@ -274,10 +413,7 @@ mod tests {
         let ran = lifecycle(&[(0, Some(10))]);
         let as_of = at(100);
         let check = |line: ReportLine, ledger: &[LedgerContainer], expected: Status| {
-            assert_eq!(
-                reconcile_line(&line, ledger, Tolerance::default(), as_of).status,
-                expected
-            );
+            assert_eq!(reconcile(&line, ledger, as_of).status, expected);
         };
         check(line(0, 10, "36000", "1"), &known(&ran), Status::Matched);
         check(
@@ -308,7 +444,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (missing.status, missing.delta_ms),
+            (missing.status, compared(&missing).delta_ms),
             (Status::MissingInProvider, -36_000_000)
         );
     }
@@ -319,29 +455,43 @@ mod tests {
         let tolerance = Tolerance::default();
         assert_eq!(tolerance.allowed_ms(36_000_000), 180_000);
         let as_of = at(100);
-        let at_edge = reconcile_line(&line(0, 10, "36180", "1"), &known(&ran), tolerance, as_of);
+        let at_edge = reconcile_line(
+            2,
+            &line(0, 10, "36180", "1"),
+            &known(&ran),
+            tolerance,
+            as_of,
+        );
         assert_eq!(
-            (at_edge.status, at_edge.delta_ms),
+            (at_edge.status, compared(&at_edge).delta_ms),
             (Status::Matched, 180_000)
         );
         let past = reconcile_line(
+            2,
             &line(0, 10, "36180.001", "1"),
             &known(&ran),
             tolerance,
             as_of,
         );
         assert_eq!(
-            (past.status, past.delta_ms),
+            (past.status, compared(&past).delta_ms),
             (Status::ProviderOver, 180_001)
         );
         // For short runtimes the 2 s floor applies.
         let short = lifecycle(&[(0, Some(0))]);
         assert_eq!(
-            reconcile_line(&line(0, 1, "2", "0"), &known(&short), tolerance, as_of).status,
+            reconcile_line(2, &line(0, 1, "2", "0"), &known(&short), tolerance, as_of).status,
             Status::Matched
         );
         assert_eq!(
-            reconcile_line(&line(0, 1, "2.001", "0"), &known(&short), tolerance, as_of).status,
+            reconcile_line(
+                2,
+                &line(0, 1, "2.001", "0"),
+                &known(&short),
+                tolerance,
+                as_of
+            )
+            .status,
             Status::ProviderOver
         );
     }
@@ -351,24 +501,14 @@ mod tests {
         let ran = lifecycle(&[(0, Some(10)), (12, None)]);
         let as_of = at(20);
         // 05:00–14:00: 5 h of the first interval and 2 h of the open one.
-        let cut = reconcile_line(
-            &line(5, 14, "25200", "7"),
-            &known(&ran),
-            Tolerance::default(),
-            as_of,
-        );
+        let cut = reconcile(&line(5, 14, "25200", "7"), &known(&ran), as_of);
         assert_eq!(
-            (cut.status, cut.ledger_runtime_ms),
+            (cut.status, compared(&cut).ledger_runtime_ms),
             (Status::Matched, 7 * 3_600_000)
         );
         // An open interval counts up to as_of: 12:00–20:00 of a period ending at 30:00.
-        let open = reconcile_line(
-            &line(11, 30, "28800", "8"),
-            &known(&ran),
-            Tolerance::default(),
-            as_of,
-        );
-        assert_eq!(open.ledger_runtime_ms, 8 * 3_600_000);
+        let open = reconcile(&line(11, 30, "28800", "8"), &known(&ran), as_of);
+        assert_eq!(compared(&open).ledger_runtime_ms, 8 * 3_600_000);
         assert_eq!(open.status, Status::Matched);
     }
 
@@ -377,23 +517,137 @@ mod tests {
         let ran = lifecycle(&[(0, Some(3))]);
         // The provider bills 4 h for 10.00: 2.50 an hour; the ledger has 3 h: 7.50 expected.
         let mut hours = line(0, 10, "4", "10.00");
-        hours.unit = Unit::Hours;
-        let result = reconcile_line(&hours, &known(&ran), Tolerance::default(), at(100));
+        hours.unit = Some("Hours".into());
+        let result = reconcile(&hours, &known(&ran), at(100));
         assert_eq!(result.status, Status::ProviderOver);
-        assert_eq!(result.expected_cost, Decimal::new(750, 2));
-        assert_eq!(result.cost_delta, Decimal::new(250, 2));
-        // Thirds stay exact enough to round to the cent correctly.
-        let third = reconcile_line(
-            &line(0, 10, "32400", "1.00"),
-            &known(&ran),
-            Tolerance::default(),
-            at(100),
-        );
+        assert_eq!(compared(&result).expected_cost, Decimal::new(750, 2));
+        assert_eq!(compared(&result).cost_delta, Decimal::new(250, 2));
+        // A third, at the line's precision (cents here) and never below the minor unit.
+        let third = reconcile(&line(0, 10, "32400", "1.00"), &known(&ran), at(100));
+        assert_eq!(compared(&third).expected_cost.to_string(), "0.33");
+        let fine = reconcile(&line(0, 10, "32400", "1.0000000"), &known(&ran), at(100));
+        assert_eq!(compared(&fine).expected_cost.to_string(), "0.3333333");
+        let whole = reconcile(&line(0, 10, "32400", "1"), &known(&ran), at(100));
+        assert_eq!(compared(&whole).expected_cost.to_string(), "0.33");
+    }
+}
+
+#[cfg(test)]
+mod runtime_tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn usage(category: &str, unit: Option<&str>, resource: Option<&str>) -> ReportLine {
+        let start = Utc.with_ymd_and_hms(2024, 9, 18, 22, 0, 0).unwrap();
+        ReportLine {
+            charge_period: Window::new(start, start + chrono::Duration::hours(1)),
+            charge_category: category.into(),
+            charge_class: None,
+            resource_id: resource.map(str::to_owned),
+            org_id: None,
+            quantity: Some(Decimal::new(15, 1)),
+            unit: unit.map(str::to_owned),
+            billed_cost: Decimal::new(-261_370, 5),
+            currency: "USD".into(),
+        }
+    }
+
+    #[test]
+    fn every_listed_time_unit_spelling_is_read_in_any_case_and_nothing_else_is() {
+        for (spelling, unit) in Unit::SPELLINGS {
+            for written in [
+                spelling.to_owned(),
+                spelling.to_uppercase(),
+                format!(" {spelling} "),
+            ] {
+                assert_eq!(Unit::parse(&written), Some(unit), "{written:?}");
+            }
+        }
+        for other in [
+            "GB",
+            "Requests",
+            "vCPU-Hours",
+            "GB Hours",
+            "Units/Hour",
+            "1 Hour",
+            "10 Hours",
+            "m",
+            "Months",
+            "Month",
+            "Years",
+            "ms",
+            "",
+            "Hourss",
+        ] {
+            assert_eq!(Unit::parse(other), None, "{other:?}");
+        }
+    }
+
+    #[test]
+    fn runtime_is_usage_of_a_time_unit_on_a_container_id_and_in_milliseconds() {
+        let runtime = |line: &ReportLine| line.runtime().map(|(id, ms)| (id.to_owned(), ms));
+        for (unit, ms) in [
+            ("Seconds", 1_500),
+            ("secs", 1_500),
+            ("MIN", 90_000),
+            ("Hrs", 5_400_000),
+            ("h", 5_400_000),
+            ("days", 129_600_000),
+        ] {
+            assert_eq!(
+                runtime(&usage("Usage", Some(unit), Some("ctr_1"))),
+                Some(("ctr_1".into(), ms)),
+                "{unit}"
+            );
+        }
+        assert!(usage("usage", Some("Hours"), Some("ctr_1"))
+            .runtime()
+            .is_some());
+        for category in ["Tax", "Credit", "Purchase", "Adjustment", "Usages"] {
+            assert_eq!(
+                usage(category, Some("Hours"), Some("ctr_1")).runtime(),
+                None,
+                "{category}"
+            );
+        }
+        assert_eq!(usage("Usage", Some("GB"), Some("ctr_1")).runtime(), None);
+        assert_eq!(usage("Usage", None, Some("ctr_1")).runtime(), None);
+        assert_eq!(usage("Usage", Some("Hours"), None).runtime(), None);
+        for provider_id in [
+            "arn:aws:ec2:us-east-1:123:instance/i-1",
+            "/subscriptions/x/vm",
+            "ocid1.instance.oc1",
+        ] {
+            assert_eq!(
+                usage("Usage", Some("Hours"), Some(provider_id)).runtime(),
+                None,
+                "{provider_id}"
+            );
+        }
+        let mut correction = usage("Usage", Some("Hours"), Some("ctr_1"));
+        correction.charge_class = Some("Correction".into());
+        assert_eq!(correction.runtime(), None);
+        let mut reversal = usage("Usage", Some("Hours"), Some("ctr_1"));
+        reversal.quantity = Some(Decimal::new(-1, 0));
+        assert_eq!(reversal.runtime(), None);
+        reversal.quantity = None;
+        assert_eq!(reversal.runtime(), None);
+    }
+
+    #[test]
+    fn a_credit_is_not_runtime_whatever_the_ledger_holds_and_keeps_its_cost() {
+        let lifecycle = crate::runtime::ContainerTimeline::fold(&[]).into_lifecycle();
+        let ledger = [LedgerContainer {
+            org_id: "acme",
+            lifecycle: &lifecycle,
+        }];
+        let credit = usage("Credit", Some("Hours"), Some("ctr_1"));
+        let result = reconcile_line(7, &credit, &ledger, Tolerance::default(), Utc::now());
+        assert_eq!(result.status, Status::NotRuntime);
+        assert_eq!(result.compared, None);
         assert_eq!(
-            third
-                .expected_cost
-                .round_dp_with_strategy(2, RoundingStrategy::MidpointAwayFromZero),
-            Decimal::new(33, 2)
+            (result.report_line, result.provider_cost.to_string()),
+            (Some(7), "-2.61370".to_owned())
         );
     }
 }

@@ -1,9 +1,10 @@
-//! Provider reports in FOCUS 1.x columns (contract §5): the header and each record, checked
-//! and parsed into [`ReportLine`]s. Pure: the caller feeds records from any reader.
+//! Provider reports in FOCUS 1.0–1.2 columns (contract §5): the header and each record,
+//! checked and parsed into [`ReportLine`]s. Pure: the caller feeds records from any reader.
 //!
 //! Columns are found by name in any order; unknown columns are ignored; a required column
-//! missing or any column named twice refuses the whole report. Every error names its line
-//! (the header is line 1) and column.
+//! missing or any column named twice refuses the whole report. Every line is kept, runtime
+//! or not (decision 0021). An empty cell and `NULL` are absent; an instant without an
+//! offset is UTC. Every error names its line (the header is line 1) and column.
 
 pub mod reader;
 
@@ -14,23 +15,36 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde_json::Value;
 
-use super::reconcile::{ReportLine, Unit};
+use super::reconcile::ReportLine;
 use crate::error_code::ErrorCode;
-use crate::event::{storable, ContainerId, OrgId};
+use crate::event::{storable, OrgId};
 use crate::runtime::Window;
 
-const REQUIRED: [&str; 7] = [
+/// The columns every FOCUS 1.x export has and a line cannot be accounted for without.
+pub const REQUIRED: [&str; 5] = [
     "ChargePeriodStart",
     "ChargePeriodEnd",
-    "ResourceId",
-    "ConsumedQuantity",
-    "ConsumedUnit",
+    "ChargeCategory",
     "BilledCost",
     "BillingCurrency",
 ];
-const OPTIONAL: [&str; 3] = ["Tags", "ProviderName", "ChargeCategory"];
-/// The longest free-text field kept (provider name, charge category).
+/// Read when present; a report without them has no runtime lines (no resource, quantity or
+/// unit) or no billing period (its window is its lines' span).
+pub const OPTIONAL: [&str; 8] = [
+    "ResourceId",
+    "ConsumedQuantity",
+    "ConsumedUnit",
+    "BillingPeriodStart",
+    "BillingPeriodEnd",
+    "ChargeClass",
+    "Tags",
+    "ProviderName",
+];
+/// The longest free-text field kept (provider name, charge category and class, unit).
 const TEXT_MAX: usize = 256;
+/// The longest resource id kept: provider ids (ARNs, Azure resource paths) run to about a
+/// thousand characters.
+pub const RESOURCE_ID_MAX: usize = 2_048;
 
 /// Why a report is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,7 +78,23 @@ pub struct ParsedLine {
     pub line: u64,
     pub report: ReportLine,
     pub provider_name: Option<String>,
-    pub charge_category: Option<String>,
+    /// `BillingPeriodStart`/`End`, when the line has them.
+    pub billing_period: Option<Window>,
+}
+
+impl ParsedLine {
+    /// The span this line gives the report's window: its billing period and its charge
+    /// period together (a provider may date a charge outside its billing period).
+    pub fn span(&self) -> (DateTime<Utc>, DateTime<Utc>) {
+        let charge = self.report.charge_period;
+        match self.billing_period {
+            Some(billing) => (
+                billing.start().min(charge.start()),
+                billing.end().max(charge.end()),
+            ),
+            None => (charge.start(), charge.end()),
+        }
+    }
 }
 
 /// Where each known column is.
@@ -131,56 +161,78 @@ impl Header {
             line,
         };
         cells.storable()?;
-        let start = cells.instant("ChargePeriodStart")?;
-        let end = cells.instant("ChargePeriodEnd")?;
-        if end <= start {
-            return Err(cells.error(
-                "ChargePeriodEnd",
-                ErrorCode::EndBeforeStart,
-                format!("the charge period ends at {end}, not after its start {start}"),
-            ));
-        }
-        let container_id = cells.required("ResourceId")?;
-        ContainerId::parse(container_id).map_err(|error| {
+        let charge_period = cells.period("ChargePeriodStart", "ChargePeriodEnd")?;
+        let charge_period = charge_period.ok_or_else(|| {
             cells.error(
-                "ResourceId",
-                ErrorCode::InvalidResourceId,
-                error.to_string(),
+                "ChargePeriodStart",
+                ErrorCode::MissingValue,
+                "ChargePeriodStart is empty",
             )
         })?;
-        let quantity = cells.decimal("ConsumedQuantity")?;
-        if quantity.is_sign_negative() {
-            return Err(cells.error(
-                "ConsumedQuantity",
-                ErrorCode::InvalidNumber,
-                "a quantity cannot be negative",
-            ));
-        }
-        let unit = cells.unit()?;
+        let billing_period = cells.period("BillingPeriodStart", "BillingPeriodEnd")?;
+        let charge_category = cells.text("ChargeCategory", TEXT_MAX)?.ok_or_else(|| {
+            cells.error(
+                "ChargeCategory",
+                ErrorCode::MissingValue,
+                "ChargeCategory is empty",
+            )
+        })?;
+        let resource_id = cells.text("ResourceId", RESOURCE_ID_MAX)?;
+        let quantity = cells.optional_decimal("ConsumedQuantity")?;
+        let unit = cells.text("ConsumedUnit", TEXT_MAX)?;
         let billed_cost = cells.decimal("BilledCost")?;
         let currency = cells.currency()?.to_owned();
         let org_id = cells.org_id()?;
+        let provider_name = cells.text("ProviderName", TEXT_MAX)?;
         Ok(ParsedLine {
             line,
             report: ReportLine {
-                charge_period: Window::new(start, end),
-                container_id: container_id.to_owned(),
+                charge_period,
+                charge_category,
+                charge_class: cells.text("ChargeClass", TEXT_MAX)?,
+                resource_id,
                 org_id,
                 quantity,
                 unit,
                 billed_cost,
                 currency,
             },
-            provider_name: cells.text("ProviderName")?,
-            charge_category: cells.text("ChargeCategory")?,
+            provider_name,
+            billing_period,
         })
     }
 }
 
+/// Reads a report's instant: RFC 3339 with an offset, or a date and time without one
+/// (`2024-09-18 22:00:00`, `2024-09-18T22:00:00.000`, `2024-09-18 22:00:00 UTC`), which
+/// FOCUS defines as UTC. Leap seconds and years outside 0001–9999 are refused either way.
+pub fn parse_instant(value: &str) -> Result<DateTime<Utc>, storable::InstantError> {
+    let error = match storable::parse_instant(value) {
+        Ok(instant) => return Ok(instant),
+        Err(error) => error,
+    };
+    if !matches!(error, storable::InstantError::Malformed { .. }) {
+        return Err(error);
+    }
+    let bare = value.strip_suffix(" UTC").unwrap_or(value);
+    let (date, time) = match bare.split_at_checked(10) {
+        Some((date, time)) if time.starts_with([' ', 'T']) => (date, &time[1..]),
+        _ => return Err(error),
+    };
+    // Without an offset, the time ends in a digit; `Z` or `+01:00` were refused above.
+    if !time.ends_with(|c: char| c.is_ascii_digit()) {
+        return Err(error);
+    }
+    storable::parse_instant(&format!("{date}T{time}Z")).map_err(|utc| match utc {
+        storable::InstantError::Malformed { .. } => error,
+        other => other,
+    })
+}
+
 /// One record's cells, read by column name; every error names the record's line and the
 /// column. Checks are made in the order of the columns' meaning (the charge period, the
-/// resource, the quantity, the unit, the cost, the currency, the tags), so that a line with
-/// several faults is reported by its first.
+/// billing period, the category, the resource, the quantity, the unit, the cost, the
+/// currency, the tags), so that a line with several faults is reported by its first.
 struct Cells<'a> {
     header: &'a Header,
     record: &'a csv::StringRecord,
@@ -193,14 +245,14 @@ impl<'a> Cells<'a> {
     }
 
     /// The trimmed cell of a known column; `None` when the column is absent or the cell
-    /// empty.
+    /// empty or `NULL` (in any case), as exports write an absent value.
     fn field(&self, name: &'static str) -> Option<&'a str> {
         self.header
             .positions
             .get(name)
             .and_then(|index| self.record.get(*index))
             .map(str::trim)
-            .filter(|value| !value.is_empty())
+            .filter(|value| !value.is_empty() && !value.eq_ignore_ascii_case("null"))
     }
 
     fn required(&self, name: &'static str) -> Result<&'a str, ReportError> {
@@ -230,13 +282,36 @@ impl<'a> Cells<'a> {
         ))
     }
 
+    /// A period from two columns: both absent is `None`; one without the other, or an end
+    /// not after the start, is an error.
+    fn period(
+        &self,
+        start: &'static str,
+        end: &'static str,
+    ) -> Result<Option<Window>, ReportError> {
+        let (from, to) = match (self.field(start), self.field(end)) {
+            (None, None) => return Ok(None),
+            (Some(_), None) => return Err(self.required(end).unwrap_err()),
+            (None, Some(_)) => return Err(self.required(start).unwrap_err()),
+            (Some(_), Some(_)) => (self.instant(start)?, self.instant(end)?),
+        };
+        if to <= from {
+            return Err(self.error(
+                end,
+                ErrorCode::EndBeforeStart,
+                format!("{end} is {to}, not after {start} {from}"),
+            ));
+        }
+        Ok(Some(Window::new(from, to)))
+    }
+
     fn instant(&self, name: &'static str) -> Result<DateTime<Utc>, ReportError> {
         let value = self.required(name)?;
-        storable::parse_instant(value).map_err(|error| {
+        parse_instant(value).map_err(|error| {
             let message = match error {
-                storable::InstantError::Malformed { .. } => {
-                    format!("{value:?} is not an ISO 8601 instant with an offset")
-                }
+                storable::InstantError::Malformed { .. } => format!(
+                    "{value:?} is not an ISO 8601 instant (with an offset, or without one for UTC)"
+                ),
                 _ => error.to_string(),
             };
             self.error(name, error.code_or(ErrorCode::InvalidTimestamp), message)
@@ -260,15 +335,10 @@ impl<'a> Cells<'a> {
             })
     }
 
-    fn unit(&self) -> Result<Unit, ReportError> {
-        match self.required("ConsumedUnit")? {
-            "Seconds" => Ok(Unit::Seconds),
-            "Hours" => Ok(Unit::Hours),
-            other => Err(self.error(
-                "ConsumedUnit",
-                ErrorCode::UnknownUnit,
-                format!("{other:?}: the unit must be Seconds or Hours"),
-            )),
+    fn optional_decimal(&self, name: &'static str) -> Result<Option<Decimal>, ReportError> {
+        match self.field(name) {
+            None => Ok(None),
+            Some(_) => self.decimal(name).map(Some),
         }
     }
 
@@ -303,12 +373,12 @@ impl<'a> Cells<'a> {
         }
     }
 
-    fn text(&self, name: &'static str) -> Result<Option<String>, ReportError> {
+    fn text(&self, name: &'static str, max: usize) -> Result<Option<String>, ReportError> {
         match self.field(name) {
-            Some(value) if value.chars().count() > TEXT_MAX => Err(self.error(
+            Some(value) if value.chars().count() > max => Err(self.error(
                 name,
                 ErrorCode::TooLong,
-                format!("at most {TEXT_MAX} characters"),
+                format!("at most {max} characters"),
             )),
             value => Ok(value.map(str::to_owned)),
         }
@@ -349,7 +419,7 @@ pub fn csv_error(error: &csv::Error) -> ReportError {
 mod tests {
     use super::*;
 
-    const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,Extra";
+    const HEADER: &str = "ChargeCategory,ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,Extra";
 
     fn report(lines: &[&str]) -> String {
         std::iter::once(HEADER)
@@ -365,20 +435,20 @@ mod tests {
 
     #[test]
     fn a_report_parses_in_any_column_order_with_unknown_columns_ignored() {
-        let text = "BillingCurrency,ConsumedUnit,ResourceId,ChargePeriodEnd,ChargePeriodStart,BilledCost,ConsumedQuantity,Whatever\n\
-                    EUR,Hours,c1,2026-11-02T00:00:00Z,2026-11-01T00:00:00Z,1.250000,24,x\n";
+        let text = "BillingCurrency,ConsumedUnit,ResourceId,ChargePeriodEnd,ChargePeriodStart,BilledCost,ConsumedQuantity,Whatever,ChargeCategory\n\
+                    EUR,Hours,c1,2026-11-02T00:00:00Z,2026-11-01T00:00:00Z,1.250000,24,x,Usage\n";
         let lines = parse_all(text.as_bytes()).unwrap();
         assert_eq!(lines.len(), 1);
         assert_eq!(lines[0].line, 2);
-        assert_eq!(lines[0].report.quantity, Decimal::from(24));
+        assert_eq!(lines[0].report.quantity, Some(Decimal::from(24)));
         assert_eq!(lines[0].report.billed_cost, Decimal::new(125, 2));
-        assert_eq!(lines[0].report.provider_runtime_ms(), 86_400_000);
+        assert_eq!(lines[0].report.runtime(), Some(("c1", 86_400_000)));
     }
 
     #[test]
     fn tags_carry_the_org() {
         let text = report(&[
-            r#"2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,"{""org_id"":""acme""}",y"#,
+            r#"Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,"{""org_id"":""acme""}",y"#,
         ]);
         let lines = parse_all(text.as_bytes()).unwrap();
         assert_eq!(lines[0].report.org_id.as_deref(), Some("acme"));
@@ -386,12 +456,12 @@ mod tests {
 
     #[test]
     fn broken_reports_name_the_line_and_column() {
-        let good = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,";
+        let good = "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,";
         assert!(parse_all(report(&[good]).as_bytes()).is_ok());
-        let missing = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,BilledCost,BillingCurrency\n";
+        let missing = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency\n";
         assert_eq!(
             error_of(missing),
-            (1, Some("ConsumedUnit".into()), "missing_column")
+            (1, Some("ChargeCategory".into()), "missing_column")
         );
         let twice = "ResourceId,ResourceId,ChargePeriodStart,ChargePeriodEnd,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency\n";
         assert_eq!(
@@ -400,27 +470,29 @@ mod tests {
         );
         let bad_number = report(&[
             good,
-            "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,12abc,Seconds,0.5,USD,,",
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,12abc,Seconds,0.5,USD,,",
         ]);
         assert_eq!(
             error_of(&bad_number),
             (3, Some("ConsumedQuantity".into()), "invalid_number")
         );
         let float_cost =
-            report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1e3,USD,,"]);
+            report(&["Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1e3,USD,,"]);
         assert_eq!(
             error_of(&float_cost),
             (2, Some("BilledCost".into()), "invalid_number")
         );
-        let backwards = report(&["2026-11-01T01:00:00Z,2026-11-01T00:00:00Z,c1,1,Seconds,1,USD,,"]);
+        let backwards =
+            report(&["Usage,2026-11-01T01:00:00Z,2026-11-01T00:00:00Z,c1,1,Seconds,1,USD,,"]);
         assert_eq!(
             error_of(&backwards),
             (2, Some("ChargePeriodEnd".into()), "end_before_start")
         );
-        let unit = report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Minutes,1,USD,,"]);
+        let no_category =
+            report(&["NULL,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Hours,1,USD,,"]);
         assert_eq!(
-            error_of(&unit),
-            (2, Some("ConsumedUnit".into()), "unknown_unit")
+            error_of(&no_category),
+            (2, Some("ChargeCategory".into()), "missing_value")
         );
         assert_eq!(error_of(""), (1, None, "empty_report"));
         assert_eq!(error_of(HEADER), (2, None, "empty_report"));
@@ -429,13 +501,14 @@ mod tests {
         let year_zero = report(&[
             good,
             good,
-            "0000-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,",
+            "Usage,0000-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,",
         ]);
         assert_eq!(
             error_of(&year_zero),
             (4, Some("ChargePeriodStart".into()), "invalid_timestamp")
         );
-        let leap = report(&["2026-11-01T00:00:00Z,2026-11-01T00:59:60Z,c1,1,Seconds,1,USD,,"]);
+        let leap =
+            report(&["Usage,2026-11-01T00:00:00Z,2026-11-01T00:59:60Z,c1,1,Seconds,1,USD,,"]);
         assert_eq!(
             error_of(&leap),
             (2, Some("ChargePeriodEnd".into()), "leap_second")
@@ -443,11 +516,11 @@ mod tests {
         // Any cell, read or not: a NUL is named by its column.
         for (line, column) in [
             (
-                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,a\u{0}b",
+                "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,a\u{0}b",
                 "Extra",
             ),
             (
-                "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c\u{0}1,1,Seconds,1,USD,,",
+                "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c\u{0}1,1,Seconds,1,USD,,",
                 "ResourceId",
             ),
         ] {
@@ -466,5 +539,158 @@ mod tests {
             parse_all(&not_utf8[..]).unwrap_err().code,
             ErrorCode::MalformedCsv
         );
+    }
+
+    /// The columns of the FOCUS 1.0 sample that matter, in its order and its spelling.
+    const FOCUS: &str = "BilledCost,BillingCurrency,BillingPeriodEnd,BillingPeriodStart,ChargeCategory,ChargeClass,ChargePeriodEnd,ChargePeriodStart,ConsumedQuantity,ConsumedUnit,ProviderName,ResourceId,Tags";
+
+    #[test]
+    fn instants_without_an_offset_are_utc_and_keep_every_other_check() {
+        let utc = |text: &str| parse_instant(text).map(|instant| instant.to_rfc3339());
+        for text in [
+            "2024-09-18 22:00:00",
+            "2024-09-18T22:00:00",
+            "2024-09-18 22:00:00 UTC",
+            "2024-09-18T22:00:00Z",
+            "2024-09-19T00:00:00+02:00",
+        ] {
+            assert_eq!(
+                utc(text),
+                Ok("2024-09-18T22:00:00+00:00".to_owned()),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            utc("2024-09-18 22:00:00.250"),
+            Ok("2024-09-18T22:00:00.250+00:00".to_owned())
+        );
+        for text in [
+            "2024-09-18",
+            "2024-09-18 22:00",
+            "2024-09-18 22:00:00 CET",
+            "2024-09-18  22:00:00",
+            "18/09/2024 22:00:00",
+            "2024-09-18 22:00:00Z UTC",
+        ] {
+            assert!(
+                matches!(
+                    parse_instant(text),
+                    Err(storable::InstantError::Malformed { .. })
+                ),
+                "{text}"
+            );
+        }
+        assert!(matches!(
+            parse_instant("2024-12-31 23:59:60"),
+            Err(storable::InstantError::LeapSecond { .. })
+        ));
+        assert!(matches!(
+            parse_instant("0000-09-18 22:00:00"),
+            Err(storable::InstantError::YearOutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn null_and_empty_cells_are_absent_and_a_tax_row_needs_no_resource_or_quantity() {
+        let text = [
+            FOCUS,
+            r#"0.0000008,USD,2024-10-01 00:00:00,2024-09-01 00:00:00,Usage,NULL,2024-09-18 23:00:00,2024-09-18 22:00:00,NULL,Requests,AWS,arn:aws:sqs:us-west-2:1:q,NULL"#,
+            r#"1.20,USD,2024-10-01 00:00:00,2024-09-01 00:00:00,Tax,,2024-10-01 00:00:00,2024-09-01 00:00:00,,,AWS,,"#,
+            r#"-2.6137,USD,null,NULL,Credit,NULL,2024-09-24 04:00:00,2024-09-24 03:00:00,NULL,NULL,NULL,NULL,"{""org_id"": ""acme""}""#,
+        ]
+        .join("\n");
+        let lines = parse_all(text.as_bytes()).unwrap();
+        let usage = &lines[0];
+        assert_eq!(
+            (
+                usage.report.quantity,
+                usage.report.charge_class.as_deref(),
+                usage.report.org_id.as_deref()
+            ),
+            (None, None, None)
+        );
+        assert_eq!(
+            usage.report.resource_id.as_deref(),
+            Some("arn:aws:sqs:us-west-2:1:q")
+        );
+        assert_eq!(usage.provider_name.as_deref(), Some("AWS"));
+        let september = Window::new(
+            "2024-09-01T00:00:00Z".parse().unwrap(),
+            "2024-10-01T00:00:00Z".parse().unwrap(),
+        );
+        assert_eq!(usage.billing_period, Some(september));
+        assert_eq!(usage.span(), (september.start(), september.end()));
+        let tax = &lines[1].report;
+        assert_eq!(
+            (
+                tax.charge_category.as_str(),
+                tax.resource_id.as_deref(),
+                tax.unit.as_deref()
+            ),
+            ("Tax", None, None)
+        );
+        let credit = &lines[2];
+        assert_eq!(credit.billing_period, None);
+        assert_eq!(credit.report.billed_cost.to_string(), "-2.6137");
+        assert_eq!(credit.report.org_id.as_deref(), Some("acme"));
+        assert_eq!(credit.provider_name, None);
+        assert!(lines.iter().all(|line| line.report.runtime().is_none()));
+    }
+
+    #[test]
+    fn a_billing_period_needs_both_ends_in_order_and_the_charge_period_widens_the_span() {
+        let line = |billing_end: &str, billing_start: &str| {
+            format!("{FOCUS}\n1,USD,{billing_end},{billing_start},Usage,,2024-10-01 01:00:00,2024-09-30 22:00:00,3,Hours,OCI,vm1,")
+        };
+        let lines =
+            parse_all(line("2024-11-01 00:00:00", "2024-10-01 00:00:00").as_bytes()).unwrap();
+        assert_eq!(
+            lines[0].span(),
+            (
+                "2024-09-30T22:00:00Z".parse().unwrap(),
+                "2024-11-01T00:00:00Z".parse().unwrap()
+            )
+        );
+        assert_eq!(lines[0].report.runtime(), Some(("vm1", 10_800_000)));
+        assert_eq!(
+            error_of(&line("NULL", "2024-10-01 00:00:00")),
+            (2, Some("BillingPeriodEnd".into()), "missing_value")
+        );
+        assert_eq!(
+            error_of(&line("2024-10-01 00:00:00", "")),
+            (2, Some("BillingPeriodStart".into()), "missing_value")
+        );
+        assert_eq!(
+            error_of(&line("2024-10-01 00:00:00", "2024-10-01 00:00:00")),
+            (2, Some("BillingPeriodEnd".into()), "end_before_start")
+        );
+        assert_eq!(
+            error_of(&line("2024-10-01", "2024-09-01 00:00:00")),
+            (2, Some("BillingPeriodEnd".into()), "invalid_timestamp")
+        );
+    }
+
+    #[test]
+    fn a_resource_id_past_its_limit_is_too_long_and_one_at_it_is_kept() {
+        let line = |id: &str| {
+            format!(
+                "{FOCUS}\n1,USD,,,Usage,,2024-09-18 23:00:00,2024-09-18 22:00:00,1,GB,Azure,{id},"
+            )
+        };
+        let at_limit = format!("/subscriptions/{}", "a".repeat(RESOURCE_ID_MAX - 15));
+        assert_eq!(at_limit.chars().count(), RESOURCE_ID_MAX);
+        let lines = parse_all(line(&at_limit).as_bytes()).unwrap();
+        assert_eq!(
+            lines[0].report.resource_id.as_deref(),
+            Some(at_limit.as_str())
+        );
+        assert_eq!(
+            error_of(&line(&format!("{at_limit}b"))),
+            (2, Some("ResourceId".into()), "too_long")
+        );
+        let negative = format!("{FOCUS}\n-0.1,USD,,,Usage,,2024-09-18 23:00:00,2024-09-18 22:00:00,-1.0,Hours,AWS,i-0ab,");
+        let lines = parse_all(negative.as_bytes()).unwrap();
+        assert_eq!(lines[0].report.quantity, Some(Decimal::new(-10, 1)));
+        assert_eq!(lines[0].report.runtime(), None, "a reversal is not runtime");
     }
 }

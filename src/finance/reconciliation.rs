@@ -3,6 +3,7 @@
 //! results, counts and money totals stored together in one transaction.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::str::FromStr;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use rust_decimal::Decimal;
@@ -10,9 +11,9 @@ use serde_json::{json, Value};
 use sqlx::{FromRow, PgPool};
 use uuid::Uuid;
 
-use crate::billing::overage::round_amount;
+use crate::billing::overage::{minor_unit_digits, round_amount};
 use crate::billing::reconcile::{
-    self, LedgerContainer, Reconciled, ReportLine, Status, Tolerance, Unit,
+    self, Compared, LedgerContainer, Reconciled, ReportLine, Status, Tolerance,
 };
 use crate::projection::store::{self, StoredContainer, LIVE};
 use crate::runtime::Window;
@@ -55,57 +56,88 @@ struct LineRow {
     line: i64,
     charge_period_start: DateTime<Utc>,
     charge_period_end: DateTime<Utc>,
-    container_id: String,
+    charge_category: String,
+    charge_class: Option<String>,
+    resource_id: Option<String>,
     org_id: Option<String>,
-    consumed_quantity: Decimal,
-    consumed_unit: String,
-    billed_cost: Decimal,
+    consumed_quantity: Option<Decimal>,
+    consumed_unit: Option<String>,
+    /// As text: a `NUMERIC` zero read as a `Decimal` loses its scale.
+    billed_cost: String,
     billing_currency: String,
 }
 
 impl LineRow {
-    fn report_line(&self) -> ReportLine {
+    fn report_line(self) -> ReportLine {
         ReportLine {
             charge_period: Window::new(self.charge_period_start, self.charge_period_end),
-            container_id: self.container_id.clone(),
-            org_id: self.org_id.clone(),
+            charge_category: self.charge_category,
+            charge_class: self.charge_class,
+            resource_id: self.resource_id,
+            org_id: self.org_id,
             quantity: self.consumed_quantity,
-            unit: if self.consumed_unit == "Hours" {
-                Unit::Hours
-            } else {
-                Unit::Seconds
-            },
-            billed_cost: self.billed_cost,
-            currency: self.billing_currency.clone(),
+            unit: self.consumed_unit,
+            billed_cost: Decimal::from_str(&self.billed_cost)
+                .expect("a stored NUMERIC is a decimal"),
+            currency: self.billing_currency,
         }
     }
 }
 
+/// The money of a set of lines, summed exactly (at the report's precision); rounded only
+/// when shown.
 #[derive(Default)]
 struct Tally {
     count: u64,
     provider_cost: Decimal,
-    expected_cost: Decimal,
-    cost_delta: Decimal,
+    /// `None` while no line of the set was compared (`not_runtime` lines carry no
+    /// expectation).
+    expected_cost: Option<Decimal>,
+    cost_delta: Option<Decimal>,
 }
 
 impl Tally {
     fn add(&mut self, line: &Reconciled) {
         self.count += 1;
         self.provider_cost += line.provider_cost;
-        self.expected_cost += line.expected_cost;
-        self.cost_delta += line.cost_delta;
+        if let Some(compared) = &line.compared {
+            *self.expected_cost.get_or_insert(Decimal::ZERO) += compared.expected_cost;
+            *self.cost_delta.get_or_insert(Decimal::ZERO) += compared.cost_delta;
+        }
     }
 
+    /// Each figure rounded once to the currency's minor unit, and exactly as summed.
     fn json(&self, currency: &str) -> Value {
+        let rounded = |amount: Option<Decimal>| {
+            amount.map(|amount| {
+                let mut rounded = round_amount(amount, currency);
+                rounded.rescale(minor_unit_digits(currency));
+                rounded.to_string()
+            })
+        };
+        let exact = |amount: Option<Decimal>| amount.map(|amount| amount.to_string());
         json!({
             "lines": self.count,
-            "provider_cost": round_amount(self.provider_cost, currency).to_string(),
-            "expected_cost": round_amount(self.expected_cost, currency).to_string(),
-            "cost_delta": round_amount(self.cost_delta, currency).to_string(),
+            "provider_cost": rounded(Some(self.provider_cost)),
+            "expected_cost": rounded(self.expected_cost),
+            "cost_delta": rounded(self.cost_delta),
+            "provider_cost_exact": exact(Some(self.provider_cost)),
+            "expected_cost_exact": exact(self.expected_cost),
+            "cost_delta_exact": exact(self.cost_delta),
         })
     }
 }
+
+/// The tallies of one currency: overall, by status and by org.
+#[derive(Default)]
+struct CurrencyTally {
+    total: Tally,
+    by_status: BTreeMap<&'static str, Tally>,
+    by_org: BTreeMap<String, Tally>,
+}
+
+/// How totals are rounded, named in every summary.
+pub const ROUNDING: &str = "half_away_from_zero_to_minor_unit_once_per_total";
 
 /// Reconciles report `report_id` with `tolerance`, counting ledger runtime up to `now`.
 pub async fn run(
@@ -168,15 +200,17 @@ pub async fn run(
     })
 }
 
-/// What a run has gathered: the lines stored so far, their tallies by status and by org,
-/// the containers the report mentions and the report's currency.
+/// What a run has gathered: the lines stored so far, their tallies per currency, the
+/// containers the report's runtime lines name and the report's currency.
 struct Progress {
     id: Uuid,
     seq: i64,
-    by_status: BTreeMap<&'static str, Tally>,
-    by_org: BTreeMap<String, Tally>,
+    counts: BTreeMap<Status, u64>,
+    currencies: BTreeMap<String, CurrencyTally>,
     mentioned: HashSet<String>,
-    currency: String,
+    /// The first line's currency: `missing_in_provider` lines, which carry no money, are
+    /// listed in it.
+    currency: Option<String>,
 }
 
 impl Progress {
@@ -184,10 +218,10 @@ impl Progress {
         Progress {
             id,
             seq: 0,
-            by_status: BTreeMap::new(),
-            by_org: BTreeMap::new(),
+            counts: BTreeMap::new(),
+            currencies: BTreeMap::new(),
             mentioned: HashSet::new(),
-            currency: String::from("USD"),
+            currency: None,
         }
     }
 
@@ -197,45 +231,68 @@ impl Progress {
         transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
         lines: &[Reconciled],
     ) -> Result<(), sqlx::Error> {
-        tally(lines, &mut self.by_status, &mut self.by_org);
+        for line in lines {
+            *self.counts.entry(line.status).or_default() += 1;
+            let tally = self.currencies.entry(line.currency.clone()).or_default();
+            tally.total.add(line);
+            tally
+                .by_status
+                .entry(line.status.as_str())
+                .or_default()
+                .add(line);
+            tally
+                .by_org
+                .entry(line.org_id.clone().unwrap_or_default())
+                .or_default()
+                .add(line);
+        }
         insert(transaction, self.id, &mut self.seq, lines).await
     }
 
     /// The number of lines of every status, zeros included.
     fn counts(&self) -> Value {
-        [
-            Status::Matched,
-            Status::ProviderOver,
-            Status::ProviderUnder,
-            Status::MissingInLedger,
-            Status::OrgMismatch,
-            Status::MissingInProvider,
-        ]
-        .iter()
-        .map(|status| {
-            let count = self
-                .by_status
-                .get(status.as_str())
-                .map_or(0, |tally| tally.count);
-            (status.as_str().to_owned(), json!(count))
-        })
-        .collect::<serde_json::Map<_, _>>()
-        .into()
+        Status::ALL
+            .iter()
+            .map(|status| {
+                let count = self.counts.get(status).copied().unwrap_or(0);
+                (status.as_str().to_owned(), json!(count))
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into()
     }
 
-    /// Money by status and by org, each rounded once to the currency's minor unit.
+    /// Money per currency, overall, by status and by org: each figure exact and rounded
+    /// once to the currency's minor unit.
     fn totals(&self) -> Value {
-        let currency = &self.currency;
-        json!({
-            "currency": currency,
-            "by_status": self.by_status.iter().map(|(status, tally)| ((*status).to_owned(), tally.json(currency))).collect::<serde_json::Map<_, _>>(),
-            "by_org": self.by_org.iter().map(|(org, tally)| (org.clone(), tally.json(currency))).collect::<serde_json::Map<_, _>>(),
-        })
+        let currencies: serde_json::Map<_, _> = self
+            .currencies
+            .iter()
+            .map(|(currency, tally)| {
+                let by_status: serde_json::Map<_, _> = tally
+                    .by_status
+                    .iter()
+                    .map(|(status, tally)| ((*status).to_owned(), tally.json(currency)))
+                    .collect();
+                let by_org: serde_json::Map<_, _> = tally
+                    .by_org
+                    .iter()
+                    .map(|(org, tally)| (org.clone(), tally.json(currency)))
+                    .collect();
+                let figures = json!({
+                    "minor_unit_digits": minor_unit_digits(currency),
+                    "total": tally.total.json(currency),
+                    "by_status": by_status,
+                    "by_org": by_org,
+                });
+                (currency.clone(), figures)
+            })
+            .collect();
+        json!({"rounding": ROUNDING, "currencies": currencies})
     }
 }
 
 /// Every line of the report, a round of [`LINES_PER_ROUND`] at a time, against the
-/// lifecycles of the containers it names.
+/// lifecycles of the containers its runtime lines name.
 async fn reconcile_lines(
     transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     report_id: Uuid,
@@ -245,9 +302,13 @@ async fn reconcile_lines(
 ) -> Result<(), ReconcileError> {
     let mut after = 0i64;
     loop {
+        // A line stored without a category predates its requirement: it is container
+        // runtime (see the migration that made the other columns optional).
         let rows: Vec<LineRow> = sqlx::query_as(
-            "SELECT line, charge_period_start, charge_period_end, container_id, org_id, \
-                    consumed_quantity, consumed_unit, billed_cost, billing_currency \
+            "SELECT line, charge_period_start, charge_period_end, \
+                    COALESCE(charge_category, 'Usage') AS charge_category, charge_class, \
+                    resource_id, org_id, consumed_quantity, consumed_unit, billed_cost::TEXT, \
+                    billing_currency \
              FROM provider_report_line WHERE report_id = $1 AND line > $2 ORDER BY line LIMIT $3",
         )
         .bind(report_id)
@@ -259,9 +320,13 @@ async fn reconcile_lines(
             return Ok(());
         };
         after = last.line;
-        let ids: Vec<&str> = rows
+        let lines: Vec<(i64, ReportLine)> = rows
+            .into_iter()
+            .map(|row| (row.line, row.report_line()))
+            .collect();
+        let ids: Vec<&str> = lines
             .iter()
-            .map(|row| row.container_id.as_str())
+            .filter_map(|(_, line)| line.runtime().map(|(id, _)| id))
             .collect::<HashSet<_>>()
             .into_iter()
             .collect();
@@ -272,31 +337,46 @@ async fn reconcile_lines(
                 .or_default()
                 .push(stored);
         }
-        let mut results = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let ledger: Vec<LedgerContainer> = known
-                .get(&row.container_id)
-                .map(|stored| {
-                    stored
-                        .iter()
-                        .map(|stored| LedgerContainer {
-                            org_id: &stored.org_id,
-                            lifecycle: &stored.lifecycle,
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            progress.currency.clone_from(&row.billing_currency);
-            progress.mentioned.insert(row.container_id.clone());
-            results.push(reconcile::reconcile_line(
-                &row.report_line(),
-                &ledger,
-                tolerance,
-                as_of,
-            ));
-        }
+        let results = reconcile_round(&lines, &known, tolerance, as_of, progress);
         progress.record(transaction, &results).await?;
     }
+}
+
+/// One round's lines against the ledger's containers they name (`known`), noting the
+/// containers mentioned and the report's first currency.
+fn reconcile_round(
+    lines: &[(i64, ReportLine)],
+    known: &HashMap<String, Vec<StoredContainer>>,
+    tolerance: Tolerance,
+    as_of: DateTime<Utc>,
+    progress: &mut Progress,
+) -> Vec<Reconciled> {
+    let mut results = Vec::with_capacity(lines.len());
+    for (number, line) in lines {
+        let container = line.runtime().map(|(id, _)| id);
+        let ledger: Vec<LedgerContainer> = container
+            .and_then(|id| known.get(id))
+            .map(|stored| {
+                stored
+                    .iter()
+                    .map(|stored| LedgerContainer {
+                        org_id: &stored.org_id,
+                        lifecycle: &stored.lifecycle,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if progress.currency.is_none() {
+            progress.currency = Some(line.currency.clone());
+        }
+        if let Some(id) = container {
+            progress.mentioned.insert(id.to_owned());
+        }
+        results.push(reconcile::reconcile_line(
+            *number, line, &ledger, tolerance, as_of,
+        ));
+    }
+    results
 }
 
 /// One `missing_in_provider` line for each container that ran in the report's window
@@ -320,27 +400,14 @@ async fn missing_in_provider(
             window,
             tolerance,
             as_of,
-            &progress.currency,
+            progress.currency.as_deref().unwrap_or("USD"),
         ));
     }
     missing.sort_by(|a, b| (&a.org_id, &a.container_id).cmp(&(&b.org_id, &b.container_id)));
     Ok(missing)
 }
 
-fn tally(
-    lines: &[Reconciled],
-    by_status: &mut BTreeMap<&'static str, Tally>,
-    by_org: &mut BTreeMap<String, Tally>,
-) {
-    for line in lines {
-        by_status.entry(line.status.as_str()).or_default().add(line);
-        by_org
-            .entry(line.org_id.clone().unwrap_or_default())
-            .or_default()
-            .add(line);
-    }
-}
-
+// Long: one bound array per column of a stored line (seventeen), in the INSERT's order.
 async fn insert(
     transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     id: Uuid,
@@ -355,36 +422,67 @@ async fn insert(
     let text = |pick: fn(&Reconciled) -> Option<String>| -> Vec<Option<String>> {
         lines.iter().map(pick).collect()
     };
-    let number = |pick: fn(&Reconciled) -> i64| -> Vec<i64> { lines.iter().map(pick).collect() };
-    let money =
-        |pick: fn(&Reconciled) -> Decimal| -> Vec<Decimal> { lines.iter().map(pick).collect() };
+    let number = |pick: fn(&Compared) -> i64| -> Vec<Option<i64>> {
+        lines
+            .iter()
+            .map(|line| line.compared.as_ref().map(pick))
+            .collect()
+    };
+    // Money travels as decimal text: a `Decimal` bound as `NUMERIC` loses the scale of a
+    // zero (`0.00000000000` would be stored as `0`), and lines keep the report's precision.
+    let money = |pick: fn(&Compared) -> Decimal| -> Vec<Option<String>> {
+        lines
+            .iter()
+            .map(|line| {
+                line.compared
+                    .as_ref()
+                    .map(|compared| pick(compared).to_string())
+            })
+            .collect()
+    };
     let starts: Vec<DateTime<Utc>> = lines
         .iter()
         .map(|line| line.charge_period.start())
         .collect();
     let ends: Vec<DateTime<Utc>> = lines.iter().map(|line| line.charge_period.end()).collect();
+    let costs: Vec<String> = lines
+        .iter()
+        .map(|line| line.provider_cost.to_string())
+        .collect();
+    let report_lines: Vec<Option<i64>> = lines.iter().map(|line| line.report_line).collect();
     sqlx::query(
         "INSERT INTO reconciliation_line (reconciliation_id, seq, org_id, container_id, \
              charge_period_start, charge_period_end, ledger_runtime_ms, provider_runtime_ms, \
-             delta_ms, status, provider_cost, expected_cost, cost_delta, currency) \
-         SELECT $1, * FROM UNNEST($2::BIGINT[], $3::TEXT[], $4::TEXT[], $5::TIMESTAMPTZ[], \
+             delta_ms, status, provider_cost, expected_cost, cost_delta, currency, \
+             provider_org_id, report_line, charge_category) \
+         SELECT $1, seq, org, container, period_start, period_end, ledger_ms, provider_ms, \
+             delta, status, cost::NUMERIC, expected::NUMERIC, cost_delta::NUMERIC, currency, \
+             provider_org, report_line, category \
+         FROM UNNEST($2::BIGINT[], $3::TEXT[], $4::TEXT[], $5::TIMESTAMPTZ[], \
              $6::TIMESTAMPTZ[], $7::BIGINT[], $8::BIGINT[], $9::BIGINT[], $10::TEXT[], \
-             $11::NUMERIC[], $12::NUMERIC[], $13::NUMERIC[], $14::TEXT[])",
+             $11::TEXT[], $12::TEXT[], $13::TEXT[], $14::TEXT[], $15::TEXT[], \
+             $16::BIGINT[], $17::TEXT[]) \
+             AS line (seq, org, container, period_start, period_end, ledger_ms, provider_ms, \
+                 delta, status, cost, expected, cost_delta, currency, provider_org, report_line, \
+                 category)",
     )
     .bind(id)
     .bind(&seqs)
     .bind(text(|line| line.org_id.clone()))
-    .bind(text(|line| Some(line.container_id.clone())))
+    .bind(text(|line| line.container_id.clone()))
     .bind(&starts)
     .bind(&ends)
-    .bind(number(|line| line.ledger_runtime_ms))
-    .bind(number(|line| line.provider_runtime_ms))
-    .bind(number(|line| line.delta_ms))
+    .bind(number(|compared| compared.ledger_runtime_ms))
+    .bind(number(|compared| compared.provider_runtime_ms))
+    .bind(number(|compared| compared.delta_ms))
     .bind(text(|line| Some(line.status.as_str().to_owned())))
-    .bind(money(|line| line.provider_cost))
-    .bind(money(|line| line.expected_cost))
-    .bind(money(|line| line.cost_delta))
+    .bind(&costs)
+    .bind(money(|compared| compared.expected_cost))
+    .bind(money(|compared| compared.cost_delta))
     .bind(text(|line| Some(line.currency.clone())))
+    .bind(text(|line| line.provider_org_id.clone()))
+    .bind(&report_lines)
+    .bind(text(|line| line.charge_category.clone()))
     .execute(&mut **transaction)
     .await?;
     Ok(())
@@ -392,4 +490,5 @@ async fn insert(
 
 /// The header of `lines.csv` (contract §6).
 pub const LINES_CSV_HEADER: &str = "org_id,container_id,charge_period_start,charge_period_end,\
-     ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency";
+     ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency,\
+     provider_org_id,report_line,charge_category";

@@ -18,7 +18,6 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::report_input::{ChunkReader, CsvText, InputError};
-use crate::billing::reconcile::Unit;
 use crate::billing::report::reader::{ReadError, Records, Refusal};
 use crate::billing::report::ParsedLine;
 
@@ -253,8 +252,8 @@ fn read_lines(
             batch.clear();
             continue;
         }
-        let period = parsed.report.charge_period;
-        window = Some(widened(window, period.start(), period.end()));
+        let (start, end) = parsed.span();
+        window = Some(widened(window, start, end));
         lines += 1;
         batch.push(parsed);
         if batch.len() == IMPORT_BATCH_LINES {
@@ -272,7 +271,8 @@ fn read_lines(
     Ok((lines, window))
 }
 
-/// The span of the report's lines so far, widened to take in one more line's charge period.
+/// The report's window so far, widened to take in one more line's span: its billing
+/// period (the lines of an export normally share one) and its charge period.
 fn widened(
     window: Option<(DateTime<Utc>, DateTime<Utc>)>,
     start: DateTime<Utc>,
@@ -286,8 +286,8 @@ fn widened(
 
 /// The columns each line is copied into, in the order [`write_copy_row`] writes them.
 const LINE_COLUMNS: &str = "report_id, line, charge_period_start, charge_period_end, \
-     container_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
-     provider_name, charge_category";
+     resource_id, org_id, consumed_quantity, consumed_unit, billed_cost, billing_currency, \
+     provider_name, charge_category, charge_class, billing_period_start, billing_period_end";
 
 /// Inserts a batch with one `COPY`: Postgres takes CSV rows several times faster than it
 /// takes the same rows bound as arrays to `INSERT … UNNEST`, which made import half as fast
@@ -345,19 +345,31 @@ fn write_copy_row(out: &mut String, report_id: &str, line: &ParsedLine) {
     out.push(',');
     instant(out, report.charge_period.end());
     out.push(',');
-    text(out, Some(&report.container_id));
+    text(out, report.resource_id.as_deref());
     out.push(',');
     text(out, report.org_id.as_deref());
-    let unit = match report.unit {
-        Unit::Seconds => "Seconds",
-        Unit::Hours => "Hours",
-    };
-    let _ = write!(out, ",{},{unit},{},", report.quantity, report.billed_cost);
+    out.push(',');
+    if let Some(quantity) = report.quantity {
+        let _ = write!(out, "{quantity}");
+    }
+    out.push(',');
+    text(out, report.unit.as_deref());
+    let _ = write!(out, ",{},", report.billed_cost);
     text(out, Some(&report.currency));
     out.push(',');
     text(out, line.provider_name.as_deref());
     out.push(',');
-    text(out, line.charge_category.as_deref());
+    text(out, Some(&report.charge_category));
+    out.push(',');
+    text(out, report.charge_class.as_deref());
+    out.push(',');
+    if let Some(billing) = line.billing_period {
+        instant(out, billing.start());
+        out.push(',');
+        instant(out, billing.end());
+    } else {
+        out.push(',');
+    }
     out.push('\n');
 }
 

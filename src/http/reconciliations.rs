@@ -26,7 +26,6 @@ use super::exports::POSITION_HEADER;
 
 use super::query::{wants_json, QueryParams, StrictQuery};
 use super::AppState;
-use crate::billing::overage::minor_unit_digits;
 use crate::billing::reconcile::Tolerance;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
@@ -72,7 +71,9 @@ pub struct ReconciliationResponse {
     /// Lines per status.
     #[schema(value_type = Object)]
     counts: Value,
-    /// Money per status and per org, as decimal strings rounded to the currency's minor unit.
+    /// Money per currency (`currencies`), overall, per status and per org: each figure
+    /// rounded once to the currency's minor unit, and exactly (`*_exact`); `rounding` names
+    /// the rule.
     #[schema(value_type = Object)]
     totals: Value,
     /// The ledger position the ledger figures reflect: every event acknowledged before the
@@ -204,41 +205,57 @@ impl QueryParams for LinesParams {
 struct LineRow {
     seq: i64,
     org_id: Option<String>,
-    container_id: String,
+    container_id: Option<String>,
     charge_period_start: DateTime<Utc>,
     charge_period_end: DateTime<Utc>,
-    ledger_runtime_ms: i64,
-    provider_runtime_ms: i64,
-    delta_ms: i64,
+    ledger_runtime_ms: Option<i64>,
+    provider_runtime_ms: Option<i64>,
+    delta_ms: Option<i64>,
     status: String,
-    provider_cost: Decimal,
-    expected_cost: Decimal,
-    cost_delta: Decimal,
+    /// Money as Postgres writes the stored `NUMERIC`: with its scale, zeros included
+    /// (`0.00000000000`), which a `Decimal` read from the row would drop.
+    provider_cost: String,
+    expected_cost: Option<String>,
+    cost_delta: Option<String>,
     currency: String,
+    provider_org_id: Option<String>,
+    report_line: Option<i64>,
+    charge_category: Option<String>,
+}
+
+/// A text cell of `lines.csv`: quoted when it holds a comma, a quote or a line break
+/// (resource ids and categories are the provider's text, kept as given).
+fn csv_text(value: Option<&str>) -> String {
+    let Some(value) = value else {
+        return String::new();
+    };
+    if value.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", value.replace('"', "\"\""))
+    } else {
+        value.to_owned()
+    }
 }
 
 impl LineRow {
-    fn money(&self, amount: Decimal) -> String {
-        let digits = minor_unit_digits(&self.currency) as usize;
-        let rounded = crate::billing::overage::round_amount(amount, &self.currency);
-        format!("{rounded:.digits$}")
-    }
-
     fn csv(&self) -> String {
+        let number = |value: Option<i64>| value.map(|value| value.to_string()).unwrap_or_default();
         format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{}\n",
-            self.org_id.as_deref().unwrap_or_default(),
-            self.container_id,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            csv_text(self.org_id.as_deref()),
+            csv_text(self.container_id.as_deref()),
             canonical::timestamp(self.charge_period_start),
             canonical::timestamp(self.charge_period_end),
-            self.ledger_runtime_ms,
-            self.provider_runtime_ms,
-            self.delta_ms,
+            number(self.ledger_runtime_ms),
+            number(self.provider_runtime_ms),
+            number(self.delta_ms),
             self.status,
-            self.money(self.provider_cost),
-            self.money(self.expected_cost),
-            self.money(self.cost_delta),
+            self.provider_cost,
+            self.expected_cost.as_deref().unwrap_or_default(),
+            self.cost_delta.as_deref().unwrap_or_default(),
             self.currency,
+            csv_text(self.provider_org_id.as_deref()),
+            number(self.report_line),
+            csv_text(self.charge_category.as_deref()),
         )
     }
 
@@ -249,8 +266,10 @@ impl LineRow {
             "charge_period_end": canonical::timestamp(self.charge_period_end),
             "ledger_runtime_ms": self.ledger_runtime_ms, "provider_runtime_ms": self.provider_runtime_ms,
             "delta_ms": self.delta_ms, "status": self.status,
-            "provider_cost": self.money(self.provider_cost), "expected_cost": self.money(self.expected_cost),
-            "cost_delta": self.money(self.cost_delta), "currency": self.currency,
+            "provider_cost": self.provider_cost, "expected_cost": self.expected_cost,
+            "cost_delta": self.cost_delta, "currency": self.currency,
+            "provider_org_id": self.provider_org_id, "report_line": self.report_line,
+            "charge_category": self.charge_category,
         })
     }
 }
@@ -418,7 +437,8 @@ async fn read_lines(
 ) -> Result<Vec<LineRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT seq, org_id, container_id, charge_period_start, charge_period_end, ledger_runtime_ms, \
-                provider_runtime_ms, delta_ms, status, provider_cost, expected_cost, cost_delta, currency \
+                provider_runtime_ms, delta_ms, status, provider_cost::TEXT, expected_cost::TEXT, \
+                cost_delta::TEXT, currency, provider_org_id, report_line, charge_category \
          FROM reconciliation_line WHERE reconciliation_id = $1 AND seq > $2 \
            AND ($4::text IS NULL OR org_id = $4) ORDER BY seq LIMIT $3",
     )
@@ -428,4 +448,49 @@ async fn read_lines(
     .bind(org_id)
     .fetch_all(pool)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_provider_text_cell_is_quoted_only_when_csv_needs_it() {
+        assert_eq!(csv_text(None), "");
+        assert_eq!(csv_text(Some("ctr_1")), "ctr_1");
+        assert_eq!(
+            csv_text(Some("arn:aws:s3:::bucket/a,b")),
+            "\"arn:aws:s3:::bucket/a,b\""
+        );
+        assert_eq!(csv_text(Some("say \"hi\"")), "\"say \"\"hi\"\"\"");
+        assert_eq!(csv_text(Some("two\nlines")), "\"two\nlines\"");
+    }
+
+    #[test]
+    fn a_not_runtime_line_has_empty_figures_and_its_cost_as_the_report_wrote_it() {
+        let row = LineRow {
+            seq: 1,
+            org_id: None,
+            container_id: None,
+            charge_period_start: "2024-09-01T00:00:00Z".parse().unwrap(),
+            charge_period_end: "2024-10-01T00:00:00Z".parse().unwrap(),
+            ledger_runtime_ms: None,
+            provider_runtime_ms: None,
+            delta_ms: None,
+            status: "not_runtime".into(),
+            provider_cost: "-2.61370000000".into(),
+            expected_cost: None,
+            cost_delta: None,
+            currency: "USD".into(),
+            provider_org_id: Some("acme".into()),
+            report_line: Some(7),
+            charge_category: Some("Credit".into()),
+        };
+        assert_eq!(
+            row.csv(),
+            ",,2024-09-01T00:00:00.000Z,2024-10-01T00:00:00.000Z,,,,not_runtime,-2.61370000000,,,USD,acme,7,Credit\n"
+        );
+        assert_eq!(row.json()["expected_cost"], Value::Null);
+        assert_eq!(row.json()["provider_cost"], "-2.61370000000");
+    }
 }

@@ -47,13 +47,14 @@ impl From<StoredReport> for ReportResponse {
     }
 }
 
-/// Import a provider usage report (FOCUS 1.x columns): CSV text (`text/csv`), or CSV
-/// gzipped, sent either as `application/gzip` (`application/x-gzip`) or as `text/csv` with
-/// `Content-Encoding: gzip`. The report is identified by the sha256 of its CSV text, so
-/// the same report gzipped or not is one report. Global (a report spans orgs): a token
-/// bound to an org gets 403 `org_bound_token`. A refused report lists its bad lines in
-/// `details` (`{"line", "column", "code", "message"}`, at most 100, the first being the one
-/// the top-level `code` and `message` describe) and counts the rest in `more_errors`.
+/// Import a provider cost and usage report (a FOCUS 1.0–1.2 export): CSV text
+/// (`text/csv`), or CSV gzipped, sent either as `application/gzip` (`application/x-gzip`)
+/// or as `text/csv` with `Content-Encoding: gzip`. Every line is kept, runtime or not. The
+/// report is identified by the sha256 of its CSV text, so the same report gzipped or not
+/// is one report. Global (a report spans orgs): a token bound to an org gets 403
+/// `org_bound_token`. A refused report lists its bad lines in `details` (`{"line",
+/// "column", "code", "message"}`, at most 100, the first being the one the top-level
+/// `code` and `message` describe) and counts the rest in `more_errors`.
 #[utoipa::path(
     post,
     path = "/v1/provider-reports",
@@ -62,7 +63,7 @@ impl From<StoredReport> for ReportResponse {
         ("Content-Encoding" = Option<String>, Header, description = "`gzip` (or `x-gzip`) for a gzipped `text/csv` body; absent or `identity` for plain text; any other is 415 `unsupported_content_encoding`"),
     ),
     request_body(
-        description = "FOCUS columns: ChargePeriodStart, ChargePeriodEnd, ResourceId, ConsumedQuantity, ConsumedUnit, BilledCost, BillingCurrency; optional Tags, ProviderName, ChargeCategory. Every record has as many fields as the header",
+        description = "A FOCUS 1.0-1.2 export. Required columns: ChargePeriodStart, ChargePeriodEnd, ChargeCategory, BilledCost, BillingCurrency; read when present: ResourceId, ConsumedQuantity, ConsumedUnit, BillingPeriodStart, BillingPeriodEnd, ChargeClass, Tags, ProviderName. Every line is kept; every record has as many fields as the header",
         content(
             (String = "text/csv"),
             ("application/gzip"),

@@ -165,11 +165,11 @@ async fn a_reconciliation_right_after_its_containers_events_finds_them_matched()
         .collect();
     let (start, end) = (timestamp(at(6)), timestamp(at(2)));
     let mut report = vec![
-        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned(),
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory".to_owned(),
     ];
     for (org, container) in &containers {
         report.push(format!(
-            r#"{start},{end},{container},7200,Seconds,1.44,USD,"{{""org_id"":""{org}""}}""#
+            r#"{start},{end},{container},7200,Seconds,1.44,USD,"{{""org_id"":""{org}""}}",Usage"#
         ));
     }
     let (status, report) = first.post_report(report.join("\n")).await;
@@ -189,7 +189,7 @@ async fn a_reconciliation_right_after_its_containers_events_finds_them_matched()
     assert_eq!(
         result["counts"],
         json!({"matched": 4, "provider_over": 0, "provider_under": 0, "missing_in_ledger": 0,
-               "org_mismatch": 0, "missing_in_provider": 0}),
+               "org_mismatch": 0, "missing_in_provider": 0, "not_runtime": 0}),
         "{result}"
     );
     let position = result["position"].as_i64().unwrap();

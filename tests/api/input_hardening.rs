@@ -181,9 +181,9 @@ async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
             post.clone(),
             "/v1/provider-reports",
             "text/csv",
-            "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ProviderName\n\
-             2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,acme\n\
-             2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c2,3600,Seconds,0.5,USD,ac\u{0}me\n"
+            "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ProviderName,ChargeCategory\n\
+             2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,acme,Usage\n\
+             2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c2,3600,Seconds,0.5,USD,ac\u{0}me,Usage\n"
                 .to_owned(),
             "ProviderName",
         ),
@@ -440,15 +440,15 @@ async fn data_that_is_not_an_object_is_refused_and_null_data_is_absent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_with_year_zero_or_a_leap_second_is_a_422_naming_its_line() {
     let app = TestApp::spawn().await;
-    let header = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency";
-    let good = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD";
+    let header = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory";
+    let good = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,Usage";
     for (bad, code) in [
         (
-            "0000-11-01T00:00:00Z,2026-11-01T01:00:00Z,c2,3600,Seconds,0.5,USD",
+            "0000-11-01T00:00:00Z,2026-11-01T01:00:00Z,c2,3600,Seconds,0.5,USD,Usage",
             "invalid_timestamp",
         ),
         (
-            "2026-11-01T00:00:00Z,2026-11-01T00:59:60Z,c2,3600,Seconds,0.5,USD",
+            "2026-11-01T00:00:00Z,2026-11-01T00:59:60Z,c2,3600,Seconds,0.5,USD,Usage",
             "leap_second",
         ),
     ] {

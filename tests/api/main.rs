@@ -27,6 +27,7 @@ mod periods;
 mod plans;
 mod projection;
 mod reconciliation;
+mod reconciliation_focus;
 mod relay;
 mod reports;
 mod server_limits;

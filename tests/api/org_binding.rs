@@ -346,10 +346,12 @@ async fn fixture(app: &TestApp) -> Fixture {
 
     let (start, end) = (app.ago(1800), app.ago(600));
     let line = |container: &str, org: &str| {
-        format!(r#"{start},{end},{container},1200,Seconds,0.10,USD,"{{""org_id"":""{org}""}}""#)
+        format!(
+            r#"{start},{end},{container},1200,Seconds,0.10,USD,"{{""org_id"":""{org}""}}",Usage"#
+        )
     };
     let report_csv = [
-        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned(),
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory".to_owned(),
         line("ca1", ORG_A),
         line("cb1", ORG_B),
         line("shared", ORG_B),

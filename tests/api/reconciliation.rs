@@ -31,11 +31,11 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     let (start, end) = (at(6), at(2));
     let line = |container: &str, org: &str, quantity: &str, unit: &str, cost: &str| {
         format!(
-            r#"{start},{end},{container},{quantity},{unit},{cost},USD,"{{""org_id"":""{org}""}}""#
+            r#"{start},{end},{container},{quantity},{unit},{cost},USD,"{{""org_id"":""{org}""}}",Usage"#
         )
     };
     let csv = [
-        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned(),
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory".to_owned(),
         line("c_match", "acme", "7200", "Seconds", "1.44"),
         line("c_over", "acme", "3660", "Seconds", "0.61"),
         line("c_under", "beta", "1.5", "Hours", "3.00"),
@@ -52,10 +52,10 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     assert_eq!(
         result["counts"],
         json!({"matched": 1, "provider_over": 1, "provider_under": 1, "missing_in_ledger": 1,
-               "org_mismatch": 1, "missing_in_provider": 1})
+               "org_mismatch": 1, "missing_in_provider": 1, "not_runtime": 0})
     );
     assert_eq!(
-        result["totals"]["by_status"]["provider_under"]["cost_delta"],
+        result["totals"]["currencies"]["USD"]["by_status"]["provider_under"]["cost_delta"],
         "-1.00"
     );
 
@@ -64,14 +64,17 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     let mut lines = csv.lines();
     assert_eq!(
         lines.next().unwrap(),
-        "org_id,container_id,charge_period_start,charge_period_end,ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency"
+        "org_id,container_id,charge_period_start,charge_period_end,ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency,provider_org_id,report_line,charge_category"
     );
     let rows: Vec<Vec<&str>> = lines.map(|line| line.split(',').collect()).collect();
     assert_eq!(rows.len(), 6);
     let row = |container: &str| rows.iter().find(|row| row[1] == container).unwrap().clone();
     assert_eq!(
         row("c_match")[4..],
-        ["7200000", "7200000", "0", "matched", "1.44", "1.44", "0.00", "USD"]
+        [
+            "7200000", "7200000", "0", "matched", "1.44", "1.44", "0.00", "USD", "acme", "2",
+            "Usage"
+        ]
     );
     assert_eq!(
         row("c_over")[4..],
@@ -83,7 +86,10 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "0.61",
             "0.60",
             "0.01",
-            "USD"
+            "USD",
+            "acme",
+            "3",
+            "Usage"
         ]
     );
     assert_eq!(
@@ -96,13 +102,17 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "3.00",
             "4.00",
             "-1.00",
-            "USD"
+            "USD",
+            "beta",
+            "4",
+            "Usage"
         ]
     );
     assert_eq!(row("c_ghost")[7], "missing_in_ledger");
     assert_eq!(
-        (row("c_wrong")[0], row("c_wrong")[7]),
-        ("beta", "org_mismatch")
+        (row("c_wrong")[0], row("c_wrong")[7], row("c_wrong")[12]),
+        ("beta", "org_mismatch", "acme"),
+        "the ledger's org and the org the provider tagged"
     );
     assert_eq!(row("c_silent")[0..1], ["acme"]);
     assert_eq!(
@@ -114,6 +124,16 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
         .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
         .await;
     assert_eq!(json_lines["lines"].as_array().unwrap().len(), 6);
+    let wrong = json_lines["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|line| line["status"] == "org_mismatch")
+        .unwrap();
+    assert_eq!(
+        (&wrong["org_id"], &wrong["provider_org_id"]),
+        (&json!("beta"), &json!("acme"))
+    );
 
     for (body, status, code) in [
         (
@@ -205,7 +225,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
     let price = Decimal::new(36, 2);
     let cost = |seconds: i64| (Decimal::from(seconds) * price / Decimal::from(3600)).round_dp(2);
     let stamp = tally::event::canonical::timestamp;
-    let mut lines = vec!["ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags".to_owned()];
+    let mut lines = vec!["ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory".to_owned()];
     let mut planted = std::collections::HashMap::new();
     for (index, s) in sessions.iter().enumerate() {
         if s.container == "c09_0" {
@@ -224,7 +244,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
             );
         }
         lines.push(format!(
-            r#"{},{},{},{seconds},Seconds,{},USD,"{{""org_id"":""{tag}""}}""#,
+            r#"{},{},{},{seconds},Seconds,{},USD,"{{""org_id"":""{tag}""}}",Usage"#,
             stamp(s.day),
             stamp(s.day + Duration::days(1)),
             s.container,
@@ -232,7 +252,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
         ));
     }
     lines.push(format!(
-        r#"{},{},ghost,100,Seconds,0.01,USD,"{{""org_id"":""org_00""}}""#,
+        r#"{},{},ghost,100,Seconds,0.01,USD,"{{""org_id"":""org_00""}}",Usage"#,
         stamp(today - Duration::days(2)),
         stamp(today - Duration::days(1))
     ));
@@ -246,7 +266,7 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
     assert_eq!(
         result["counts"],
         json!({"matched": report_lines - 4, "provider_over": 1, "provider_under": 1,
-               "missing_in_ledger": 1, "org_mismatch": 1, "missing_in_provider": 1})
+               "missing_in_ledger": 1, "org_mismatch": 1, "missing_in_provider": 1, "not_runtime": 0})
     );
     let id = result["reconciliation_id"].as_str().unwrap();
     let (_, csv) = app.get_lines(id).await;

@@ -6,11 +6,12 @@ use serde_json::Value;
 
 use crate::helpers::{Api, TestApp};
 
-const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ProviderName";
+const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ProviderName,ChargeCategory";
 
+/// A report of usage lines: each line gets its `ChargeCategory`.
 fn report(lines: &[&str]) -> String {
-    std::iter::once(HEADER)
-        .chain(lines.iter().copied())
+    std::iter::once(HEADER.to_owned())
+        .chain(lines.iter().map(|line| format!("{line},Usage")))
         .collect::<Vec<_>>()
         .join("\n")
         + "\n"
@@ -104,12 +105,12 @@ async fn broken_reports_are_refused_naming_line_and_column_and_store_nothing() {
         (
             "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,BilledCost,BillingCurrency\n".into(),
             1,
-            Some("ConsumedUnit"),
+            Some("ChargeCategory"),
             "missing_column",
         ),
         (report(&[good, "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,ten,Seconds,0.5,USD,,"]), 3, Some("ConsumedQuantity"), "invalid_number"),
         (report(&[good, "2026-11-01T02:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,0.5,USD,,"]), 3, Some("ChargePeriodEnd"), "end_before_start"),
-        (report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Minutes,0.5,USD,,"]), 2, Some("ConsumedUnit"), "unknown_unit"),
+        (report(&["2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Minutes,NULL,USD,,"]), 2, Some("BilledCost"), "missing_value"),
         (
             "ResourceId,ChargePeriodStart,ChargePeriodEnd,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,BilledCost\n".into(),
             1,
