@@ -529,7 +529,7 @@ mod tests {
             assert_eq!(named.as_deref(), Some(column));
         }
         // A cell past the header's last column is refused for its count, NUL or not.
-        let past = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,,\u{0}";
+        let past = "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD,,,\u{0}";
         assert_eq!(
             error_of(&report(&[good, past])),
             (3, None, "wrong_field_count")

@@ -316,9 +316,10 @@ impl<R: Read> Records<R> {
 mod tests {
     use super::*;
 
-    const HEADER: &str = "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency";
-    const GOOD: &str = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD";
-    const BAD_NUMBER: &str = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,ten,Seconds,0.5,USD";
+    const HEADER: &str = "ChargeCategory,ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency";
+    const GOOD: &str = "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD";
+    const BAD_NUMBER: &str =
+        "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,ten,Seconds,0.5,USD";
 
     /// Every good line, or the refusal.
     fn read_all(text: &[u8]) -> Result<Vec<ParsedLine>, Refusal> {
@@ -364,7 +365,8 @@ mod tests {
 
     #[test]
     fn a_record_with_too_few_or_too_many_fields_is_refused_naming_both_counts() {
-        let short = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5".to_owned();
+        let short =
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5".to_owned();
         let long = format!("{GOOD},extra");
         let refusal =
             read_all(report(&[GOOD.into(), short, GOOD.into(), long]).as_bytes()).unwrap_err();
@@ -379,12 +381,12 @@ mod tests {
                 (
                     3,
                     ErrorCode::WrongFieldCount,
-                    "expected 7 fields, as the header has, found 6"
+                    "expected 8 fields, as the header has, found 7"
                 ),
                 (
                     5,
                     ErrorCode::WrongFieldCount,
-                    "expected 7 fields, as the header has, found 8"
+                    "expected 8 fields, as the header has, found 9"
                 ),
             ]
         );
@@ -401,7 +403,7 @@ mod tests {
     #[test]
     fn a_line_that_is_not_utf8_is_listed_and_reading_goes_on() {
         let mut text = format!("{HEADER}\n{GOOD}\n").into_bytes();
-        text.extend_from_slice(b"\xff\xfe,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD\n");
+        text.extend_from_slice(b"Usage,\xff\xfe,2026-11-01T01:00:00Z,c1,1,Seconds,1,USD\n");
         text.extend_from_slice(format!("{BAD_NUMBER}\n").as_bytes());
         let refusal = read_all(&text).unwrap_err();
         let found: Vec<(u64, ErrorCode)> = refusal
@@ -443,7 +445,8 @@ mod tests {
     #[test]
     fn a_long_message_is_cut_in_the_list() {
         let cell = "9".repeat(10_000) + "x";
-        let line = format!("2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,{cell},Seconds,0.5,USD");
+        let line =
+            format!("Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,{cell},Seconds,0.5,USD");
         let refusal = read_all(report(&[line]).as_bytes()).unwrap_err();
         let message = &refusal.first().message;
         assert_eq!(message.chars().count(), MESSAGE_MAX_CHARS + 1, "{message}");
