@@ -286,22 +286,29 @@ pub struct LinesSchema {
 }
 
 /// One line of a reconciliation: the columns of the CSV. Money is a decimal number as
-/// text in the line's currency.
+/// text in the line's currency, at the report's precision. `org_id` is the ledger's org,
+/// `provider_org_id` the org the report tagged; `container_id` is the line's `ResourceId`;
+/// the runtime figures and expected cost are null on a `not_runtime` line.
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct LineSchema {
     org_id: Option<String>,
-    container_id: String,
+    container_id: Option<String>,
     charge_period_start: String,
     charge_period_end: String,
-    ledger_runtime_ms: i64,
-    provider_runtime_ms: i64,
-    delta_ms: i64,
+    ledger_runtime_ms: Option<i64>,
+    provider_runtime_ms: Option<i64>,
+    delta_ms: Option<i64>,
     status: String,
     provider_cost: String,
-    expected_cost: String,
-    cost_delta: String,
+    expected_cost: Option<String>,
+    cost_delta: Option<String>,
     currency: String,
+    provider_org_id: Option<String>,
+    /// The line's number in the report (the header is line 1); null on a
+    /// `missing_in_provider` line, which no report line names.
+    report_line: Option<i64>,
+    charge_category: Option<String>,
 }
 
 /// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. The

@@ -581,8 +581,8 @@ async fn finance_exports(app: &TestApp) -> String {
 
     let window = |at: chrono::DateTime<chrono::Utc>| tally::event::canonical::timestamp(at);
     let csv = format!(
-        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags\n\
-         {},{},c3,7200,Seconds,1.44,USD,\"{{\"\"org_id\"\":\"\"acme\"\"}}\"",
+        "ChargeCategory,ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags\n\
+         Usage,{},{},c3,7200,Seconds,1.44,USD,\"{{\"\"org_id\"\":\"\"acme\"\"}}\"",
         window(started - chrono::Duration::hours(1)),
         window(started + chrono::Duration::hours(3)),
     );
