@@ -2,6 +2,7 @@
 //! the usage export, and period close. Depends on the projection and the ledger; nothing
 //! below it depends on finance.
 
+pub mod catalog;
 pub mod export;
 pub mod periods;
 pub mod pricing;

@@ -166,6 +166,21 @@ pub const ROUTES: &[RouteRule] = {
         ),
         route("POST", "/v1/corrections/voids", Admin, Global),
         route("POST", "/v1/corrections/events", Admin, Global),
+        route("GET", "/v1/periods", Finance, Global),
+        route("GET", "/v1/provider-reports", Finance, Global),
+        route("GET", "/v1/reconciliations", Finance, Global),
+        route(
+            "GET",
+            "/v1/reconciliations/{reconciliation_id}",
+            Finance,
+            Global,
+        ),
+        route(
+            "GET",
+            "/v1/reconciliations/{reconciliation_id}/lines",
+            Finance,
+            FilteredToOrg,
+        ),
     ]
 };
 

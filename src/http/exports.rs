@@ -33,6 +33,7 @@ pub(super) fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get_usage_export))
         .routes(routes!(post_close, get_close))
         .routes(routes!(get_period))
+        .routes(routes!(list_periods))
 }
 
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
@@ -256,6 +257,94 @@ pub async fn get_period(
             format!("period {period} is not closed"),
         )),
     }
+}
+
+/// Periods listed when `limit` is not given: two years.
+pub const PERIODS_DEFAULT: usize = 24;
+/// The most periods one answer lists: ten years, a bounded answer whatever the ledger's
+/// age.
+pub const PERIODS_MAX: usize = 120;
+
+/// The query of the period list, read as text and checked by the route.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct PeriodsParams {
+    /// 1–120, default 24.
+    #[param(value_type = Option<usize>, minimum = 1, maximum = 120)]
+    limit: Option<String>,
+}
+
+impl QueryParams for PeriodsParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            ErrorCode::UnknownParameter,
+            format!("{name}: is not a parameter of this list"),
+        )
+    }
+}
+
+/// One period and where it stands.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct PeriodEntryResponse {
+    /// `YYYY-MM`
+    period: String,
+    /// `open` (no close asked for, or the month still runs), `closing` (a close job runs),
+    /// `closed`, or `failed` (the latest close failed or its process stopped; nothing of
+    /// it was stored).
+    #[schema(pattern = "^(open|closing|closed|failed)$")]
+    state: &'static str,
+    /// When `closed`.
+    closed_at: Option<String>,
+    /// When `closed`: the orgs in its snapshot.
+    orgs: Option<i64>,
+    /// When `closed`: the sha256 of the snapshot's usage-export bytes, as stored (verify
+    /// it with `GET /v1/periods/{period}`).
+    sha256: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct PeriodsResponse {
+    /// Newest first.
+    periods: Vec<PeriodEntryResponse>,
+}
+
+/// The periods and their close states, newest first: every month from that of the earliest
+/// ledger event (the current month when the ledger is empty) to the current month, and any
+/// period whose close was asked for; the newest `limit` of them. Reads stored closes and
+/// jobs only, no derived figure, so it has no position and does not wait for the
+/// projection. Global: a token bound to an org gets 403 `org_bound_token`.
+#[utoipa::path(
+    get,
+    path = "/v1/periods",
+    tag = "finance",
+    params(PeriodsParams),
+    responses(
+        (status = 200, body = PeriodsResponse),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn list_periods(
+    State(state): State<AppState>,
+    StrictQuery(params): StrictQuery<PeriodsParams>,
+) -> Result<Json<PeriodsResponse>, ApiError> {
+    let limit = super::listing::limit(params.limit.as_deref(), PERIODS_DEFAULT, PERIODS_MAX)?;
+    let entries = crate::finance::catalog::periods(&state.pool, state.clock.now(), limit).await?;
+    let periods = entries
+        .into_iter()
+        .map(|entry| PeriodEntryResponse {
+            period: entry.period.to_string(),
+            state: entry.state.as_str(),
+            closed_at: entry.closed_at.map(crate::event::canonical::timestamp),
+            orgs: entry.orgs,
+            sha256: entry.sha256,
+        })
+        .collect();
+    Ok(Json(PeriodsResponse { periods }))
 }
 
 /// The query of the usage export, read as text and checked by the route.

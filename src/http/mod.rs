@@ -13,9 +13,11 @@ pub mod error;
 pub mod events;
 pub mod exports;
 pub mod ledger;
+pub mod listing;
 pub mod ops;
 pub mod plans;
 pub mod query;
+pub mod reconciliation_lines;
 pub mod reconciliations;
 pub mod reports;
 pub mod tokens;
@@ -106,6 +108,7 @@ fn v1() -> OpenApiRouter<AppState> {
         .merge(corrections::router())
         .merge(reports::router())
         .merge(reconciliations::router())
+        .merge(reconciliation_lines::router())
         .merge(exports::router())
 }
 

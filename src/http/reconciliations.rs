@@ -11,7 +11,7 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::{FromRow, PgPool};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -23,12 +23,14 @@ use super::body::{present, RequestBody, StrictJson};
 use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 use super::exports::POSITION_HEADER;
+use super::listing;
 
 use super::query::{wants_json, QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::reconcile::Tolerance;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
+use crate::finance::catalog::{self, ReconciliationEntry};
 use crate::finance::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
 
 /// Lines read per query while streaming an export.
@@ -38,9 +40,15 @@ const TOLERANCE_MS_MAX: u64 = 86_400_000;
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(post_reconciliation))
+        .routes(routes!(post_reconciliation, list_reconciliations))
+        .routes(routes!(get_reconciliation))
         .routes(routes!(get_lines))
 }
+
+/// Reconciliations listed when `limit` is not given.
+pub const RECONCILIATIONS_DEFAULT: usize = 100;
+/// The most reconciliations one page lists.
+pub const RECONCILIATIONS_MAX: usize = 1_000;
 
 /// The body of a reconciliation. Each field is checked by the route, with its own code.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -146,6 +154,207 @@ pub async fn post_reconciliation(
     ))
 }
 
+/// The query of the reconciliation list, read as text and checked by the route.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ReconciliationsParams {
+    /// Only this report's reconciliations.
+    #[param(value_type = Option<String>, format = Uuid)]
+    report_id: Option<String>,
+    /// List the reconciliations after this one (the page before's `next_after`).
+    #[param(value_type = Option<String>, format = Uuid)]
+    after: Option<String>,
+    /// 1–1000, default 100.
+    #[param(value_type = Option<usize>, minimum = 1, maximum = 1000)]
+    limit: Option<String>,
+}
+
+impl QueryParams for ReconciliationsParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            ErrorCode::UnknownParameter,
+            format!("{name}: is not a parameter of this list"),
+        )
+    }
+}
+
+/// A stored reconciliation in a list: how it was run and its lines per status.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReconciliationEntryResponse {
+    reconciliation_id: Uuid,
+    report_id: Uuid,
+    created_at: String,
+    /// The ledger position its ledger figures reflect.
+    position: i64,
+    tolerance_ms: i64,
+    /// A decimal number as text.
+    #[schema(value_type = String, example = "0.005")]
+    tolerance_ratio: String,
+    /// Lines per status.
+    #[schema(value_type = Object)]
+    counts: Value,
+}
+
+impl From<ReconciliationEntry> for ReconciliationEntryResponse {
+    fn from(entry: ReconciliationEntry) -> Self {
+        ReconciliationEntryResponse {
+            reconciliation_id: entry.id,
+            report_id: entry.report_id,
+            created_at: canonical::timestamp(entry.created_at),
+            position: entry.ledger_position,
+            tolerance_ms: entry.tolerance_ms,
+            tolerance_ratio: entry.tolerance_ratio.to_string(),
+            counts: entry.counts,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReconciliationsPage {
+    /// Newest first.
+    reconciliations: Vec<ReconciliationEntryResponse>,
+    /// Pass as `after` for the next page; null when this page is the last.
+    next_after: Option<Uuid>,
+}
+
+/// The stored reconciliations, newest first, a page at a time; only one report's with
+/// `report_id`. Each names the ledger position its figures reflect; the list reads what
+/// the runs stored and does not wait for the projection. Global: a token bound to an org
+/// gets 403 `org_bound_token`.
+#[utoipa::path(
+    get,
+    path = "/v1/reconciliations",
+    tag = "finance",
+    params(ReconciliationsParams),
+    responses(
+        (status = 200, body = ReconciliationsPage),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "`invalid_limit`, `invalid_after` (not a UUID, or no such reconciliation), `invalid_report_id`, `unknown_parameter`"),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn list_reconciliations(
+    State(state): State<AppState>,
+    StrictQuery(params): StrictQuery<ReconciliationsParams>,
+) -> Result<Json<ReconciliationsPage>, ApiError> {
+    let limit = listing::limit(
+        params.limit.as_deref(),
+        RECONCILIATIONS_DEFAULT,
+        RECONCILIATIONS_MAX,
+    )?;
+    let report_id = params
+        .report_id
+        .as_deref()
+        .map(|id| {
+            Uuid::try_parse(id).map_err(|_| {
+                ApiError::invalid(ErrorCode::InvalidReportId, "report_id: must be a UUID")
+            })
+        })
+        .transpose()?;
+    let after = match listing::after_id(params.after.as_deref())? {
+        None => None,
+        Some(id) => Some(
+            catalog::reconciliation_cursor(&state.pool, id)
+                .await?
+                .ok_or_else(|| listing::unknown_after(id))?,
+        ),
+    };
+    // One row past the page tells whether another page follows.
+    let mut rows =
+        catalog::reconciliations(&state.pool, report_id, after, limit as i64 + 1).await?;
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    let next_after = more.then(|| rows.last().map(|row| row.id)).flatten();
+    Ok(Json(ReconciliationsPage {
+        reconciliations: rows.into_iter().map(Into::into).collect(),
+        next_after,
+    }))
+}
+
+/// A stored reconciliation: what `POST /v1/reconciliations` answered, and how it was run.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReconciliationSummary {
+    reconciliation_id: Uuid,
+    /// Lines per status.
+    #[schema(value_type = Object)]
+    counts: Value,
+    /// As `POST /v1/reconciliations` answered them.
+    #[schema(value_type = Object)]
+    totals: Value,
+    /// The ledger position its ledger figures reflect.
+    position: i64,
+    report_id: Uuid,
+    created_at: String,
+    tolerance_ms: i64,
+    /// A decimal number as text.
+    #[schema(value_type = String, example = "0.005")]
+    tolerance_ratio: String,
+    /// How many lines it has: the sum of `counts`.
+    lines: i64,
+}
+
+/// The id of a reconciliation in a path: not a UUID is 422 `invalid_reconciliation_id`.
+pub(super) fn reconciliation_id(value: &str) -> Result<Uuid, ApiError> {
+    Uuid::try_parse(value).map_err(|_| {
+        ApiError::invalid(
+            ErrorCode::InvalidReconciliationId,
+            "reconciliation_id: must be a UUID",
+        )
+    })
+}
+
+/// 404 for a reconciliation that was never stored.
+pub(super) fn not_found(id: Uuid) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        ErrorCode::ReconciliationNotFound,
+        format!("no reconciliation {id}"),
+    )
+}
+
+/// A stored reconciliation: its counts and totals as its run answered them, its report,
+/// tolerance and size. Reads what the run stored (its `position` is the one it
+/// reflected); it does not wait for the projection. Global: a token bound to an org gets
+/// 403 `org_bound_token`.
+#[utoipa::path(
+    get,
+    path = "/v1/reconciliations/{reconciliation_id}",
+    tag = "finance",
+    params(("reconciliation_id" = String, Path, description = "the id a reconciliation returned")),
+    responses(
+        (status = 200, body = ReconciliationSummary),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody, description = "`reconciliation_not_found`"),
+        (status = 422, body = ErrorBody, description = "`invalid_reconciliation_id`"),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get_reconciliation(
+    State(state): State<AppState>,
+    Path(reconciliation_id): Path<String>,
+) -> Result<Json<ReconciliationSummary>, ApiError> {
+    let id = self::reconciliation_id(&reconciliation_id)?;
+    let entry = catalog::reconciliation(&state.pool, id)
+        .await?
+        .ok_or_else(|| not_found(id))?;
+    Ok(Json(ReconciliationSummary {
+        reconciliation_id: entry.id,
+        lines: entry.lines(),
+        report_id: entry.report_id,
+        created_at: canonical::timestamp(entry.created_at),
+        position: entry.ledger_position,
+        tolerance_ms: entry.tolerance_ms,
+        tolerance_ratio: entry.tolerance_ratio.to_string(),
+        counts: entry.counts,
+        totals: entry.totals,
+    }))
+}
+
 /// The request's tolerance: the defaults, with what the request gives checked against its
 /// limits.
 fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
@@ -201,12 +410,25 @@ impl QueryParams for LinesParams {
     }
 }
 
-#[derive(FromRow)]
-struct LineRow {
-    seq: i64,
+/// One line of a reconciliation: the columns of the CSV, and the object of its JSON (the
+/// same object in `lines.csv?format=json` and in a page of `GET .../lines`). Money is a
+/// decimal number as text in the line's currency, at the report's precision. `org_id` is
+/// the ledger's org, `provider_org_id` the org the report tagged; `container_id` is the
+/// line's `ResourceId`; the runtime figures and expected cost are null on a `not_runtime`
+/// line.
+#[derive(FromRow, Serialize, ToSchema)]
+#[schema(as = LineSchema)]
+pub(super) struct LineRow {
+    /// The line's place in the stored reconciliation: not on the wire.
+    #[serde(skip)]
+    pub(super) seq: i64,
     org_id: Option<String>,
     container_id: Option<String>,
+    #[serde(serialize_with = "instant")]
+    #[schema(value_type = String)]
     charge_period_start: DateTime<Utc>,
+    #[serde(serialize_with = "instant")]
+    #[schema(value_type = String)]
     charge_period_end: DateTime<Utc>,
     ledger_runtime_ms: Option<i64>,
     provider_runtime_ms: Option<i64>,
@@ -219,8 +441,21 @@ struct LineRow {
     cost_delta: Option<String>,
     currency: String,
     provider_org_id: Option<String>,
+    /// The line's number in the report (the header is line 1); null on a
+    /// `missing_in_provider` line, which no report line names.
     report_line: Option<i64>,
     charge_category: Option<String>,
+}
+
+/// The columns of [`LineRow`], for a statement on `reconciliation_line`.
+pub(super) const LINE_COLUMNS: &str = "seq, org_id, container_id, charge_period_start, \
+     charge_period_end, ledger_runtime_ms, provider_runtime_ms, delta_ms, status, \
+     provider_cost::TEXT, expected_cost::TEXT, cost_delta::TEXT, currency, provider_org_id, \
+     report_line, charge_category";
+
+/// An instant as every answer writes it: RFC 3339 UTC with milliseconds.
+fn instant<S: serde::Serializer>(value: &DateTime<Utc>, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&canonical::timestamp(*value))
 }
 
 /// A text cell of `lines.csv`: quoted when it holds a comma, a quote or a line break
@@ -258,20 +493,6 @@ impl LineRow {
             csv_text(self.charge_category.as_deref()),
         )
     }
-
-    fn json(&self) -> Value {
-        json!({
-            "org_id": self.org_id, "container_id": self.container_id,
-            "charge_period_start": canonical::timestamp(self.charge_period_start),
-            "charge_period_end": canonical::timestamp(self.charge_period_end),
-            "ledger_runtime_ms": self.ledger_runtime_ms, "provider_runtime_ms": self.provider_runtime_ms,
-            "delta_ms": self.delta_ms, "status": self.status,
-            "provider_cost": self.provider_cost, "expected_cost": self.expected_cost,
-            "cost_delta": self.cost_delta, "currency": self.currency,
-            "provider_org_id": self.provider_org_id, "report_line": self.report_line,
-            "charge_category": self.charge_category,
-        })
-    }
 }
 
 /// A reconciliation's lines as JSON (`format=json`): the CSV's lines as objects. The
@@ -282,33 +503,7 @@ impl LineRow {
 pub struct LinesSchema {
     /// The ledger position the reconciliation reflected, as the `Tally-Position` header.
     position: i64,
-    lines: Vec<LineSchema>,
-}
-
-/// One line of a reconciliation: the columns of the CSV. Money is a decimal number as
-/// text in the line's currency, at the report's precision. `org_id` is the ledger's org,
-/// `provider_org_id` the org the report tagged; `container_id` is the line's `ResourceId`;
-/// the runtime figures and expected cost are null on a `not_runtime` line.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-pub struct LineSchema {
-    org_id: Option<String>,
-    container_id: Option<String>,
-    charge_period_start: String,
-    charge_period_end: String,
-    ledger_runtime_ms: Option<i64>,
-    provider_runtime_ms: Option<i64>,
-    delta_ms: Option<i64>,
-    status: String,
-    provider_cost: String,
-    expected_cost: Option<String>,
-    cost_delta: Option<String>,
-    currency: String,
-    provider_org_id: Option<String>,
-    /// The line's number in the report (the header is line 1); null on a
-    /// `missing_in_provider` line, which no report line names.
-    report_line: Option<i64>,
-    charge_category: Option<String>,
+    lines: Vec<LineRow>,
 }
 
 /// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. The
@@ -341,12 +536,7 @@ pub async fn get_lines(
     StrictQuery(params): StrictQuery<LinesParams>,
 ) -> Result<Response, ApiError> {
     let json_format = wants_json(params.format.as_deref())?;
-    let id = Uuid::try_parse(&reconciliation_id).map_err(|_| {
-        ApiError::invalid(
-            ErrorCode::InvalidReconciliationId,
-            "reconciliation_id: must be a UUID",
-        )
-    })?;
+    let id = self::reconciliation_id(&reconciliation_id)?;
     let position = reconciliation_position(&state.pool, id).await?;
     let pool = state.pool.clone();
     // A token bound to one org reads only the lines of that org.
@@ -387,18 +577,12 @@ pub async fn get_lines(
 }
 
 /// The ledger position a stored reconciliation reflected; 404 when there is none.
-async fn reconciliation_position(pool: &PgPool, id: Uuid) -> Result<i64, ApiError> {
+pub(super) async fn reconciliation_position(pool: &PgPool, id: Uuid) -> Result<i64, ApiError> {
     sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
         .bind(id)
         .fetch_optional(pool)
         .await?
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                ErrorCode::ReconciliationNotFound,
-                format!("no reconciliation {id}"),
-            )
-        })
+        .ok_or_else(|| not_found(id))
 }
 
 /// One chunk of lines as text: the header (or the JSON opening) before the first chunk,
@@ -424,7 +608,7 @@ fn lines_text(
             if written + index as u64 > 0 {
                 text.push(',');
             }
-            text.push_str(&row.json().to_string());
+            text.push_str(&serde_json::to_string(row).expect("a line serializes"));
         } else {
             text.push_str(&row.csv());
         }
@@ -442,13 +626,10 @@ async fn read_lines(
     after: i64,
     org_id: Option<&str>,
 ) -> Result<Vec<LineRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT seq, org_id, container_id, charge_period_start, charge_period_end, ledger_runtime_ms, \
-                provider_runtime_ms, delta_ms, status, provider_cost::TEXT, expected_cost::TEXT, \
-                cost_delta::TEXT, currency, provider_org_id, report_line, charge_category \
-         FROM reconciliation_line WHERE reconciliation_id = $1 AND seq > $2 \
-           AND ($4::text IS NULL OR org_id = $4) ORDER BY seq LIMIT $3",
-    )
+    sqlx::query_as(&format!(
+        "SELECT {LINE_COLUMNS} FROM reconciliation_line WHERE reconciliation_id = $1 AND seq > $2 \
+           AND ($4::text IS NULL OR org_id = $4) ORDER BY seq LIMIT $3"
+    ))
     .bind(id)
     .bind(after)
     .bind(EXPORT_CHUNK_LINES)
@@ -497,7 +678,10 @@ mod tests {
             row.csv(),
             ",,2024-09-01T00:00:00.000Z,2024-10-01T00:00:00.000Z,,,,not_runtime,-2.61370000000,,,USD,acme,7,Credit\n"
         );
-        assert_eq!(row.json()["expected_cost"], Value::Null);
-        assert_eq!(row.json()["provider_cost"], "-2.61370000000");
+        let json = serde_json::to_value(&row).unwrap();
+        assert_eq!(json["expected_cost"], Value::Null);
+        assert_eq!(json["provider_cost"], "-2.61370000000");
+        assert_eq!(json["charge_period_start"], "2024-09-01T00:00:00.000Z");
+        assert_eq!(json.get("seq"), None, "the stored order is not on the wire");
     }
 }

@@ -6,8 +6,10 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::{Extension, Json};
+use serde::Deserialize;
 use serde::Serialize;
 use serde_json::json;
+use utoipa::IntoParams;
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -15,16 +17,24 @@ use uuid::Uuid;
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
+use super::listing;
+use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::report::reader::Refusal;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
+use crate::finance::catalog;
 use crate::finance::report_input::InputError;
 use crate::finance::reports::{self, Encoding, ImportError, Imported, StoredReport};
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::new().routes(routes!(post_report))
+    OpenApiRouter::new().routes(routes!(post_report, list_reports))
 }
+
+/// Reports listed when `limit` is not given.
+pub const REPORTS_DEFAULT: usize = 100;
+/// The most reports one page lists.
+pub const REPORTS_MAX: usize = 1_000;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReportResponse {
@@ -103,6 +113,100 @@ pub async fn post_report(
         Imported::Created(report) => (StatusCode::CREATED, Json(report.into())),
         Imported::Existing(report) => (StatusCode::OK, Json(report.into())),
     })
+}
+
+/// The query of the report list, read as text and checked by the route.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ReportsParams {
+    /// List the reports after this one (the page before's `next_after`).
+    #[param(value_type = Option<String>, format = Uuid)]
+    after: Option<String>,
+    /// 1–1000, default 100.
+    #[param(value_type = Option<usize>, minimum = 1, maximum = 1000)]
+    limit: Option<String>,
+}
+
+impl QueryParams for ReportsParams {
+    fn unknown_parameter(name: &str) -> ApiError {
+        ApiError::invalid(
+            ErrorCode::UnknownParameter,
+            format!("{name}: is not a parameter of this list"),
+        )
+    }
+}
+
+/// An imported report, as the import answered it, and when it was imported.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReportEntryResponse {
+    report_id: Uuid,
+    sha256: String,
+    lines: i64,
+    window_start: String,
+    window_end: String,
+    imported_at: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReportsPage {
+    /// Newest import first.
+    reports: Vec<ReportEntryResponse>,
+    /// Pass as `after` for the next page; null when this page is the last.
+    next_after: Option<Uuid>,
+}
+
+/// The imported provider reports, newest import first, a page at a time. Reads what the
+/// imports stored, no derived figure, so it has no position and does not wait for the
+/// projection. Global (a report spans orgs): a token bound to an org gets 403
+/// `org_bound_token`.
+#[utoipa::path(
+    get,
+    path = "/v1/provider-reports",
+    tag = "finance",
+    params(ReportsParams),
+    responses(
+        (status = 200, body = ReportsPage),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "`invalid_limit`, `invalid_after` (not a UUID, or no such report), `unknown_parameter`"),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn list_reports(
+    State(state): State<AppState>,
+    StrictQuery(params): StrictQuery<ReportsParams>,
+) -> Result<Json<ReportsPage>, ApiError> {
+    let limit = listing::limit(params.limit.as_deref(), REPORTS_DEFAULT, REPORTS_MAX)?;
+    let after = match listing::after_id(params.after.as_deref())? {
+        None => None,
+        Some(id) => Some(
+            catalog::report_cursor(&state.pool, id)
+                .await?
+                .ok_or_else(|| listing::unknown_after(id))?,
+        ),
+    };
+    // One row past the page tells whether another page follows.
+    let mut rows = catalog::reports(&state.pool, after, limit as i64 + 1).await?;
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    let next_after = more.then(|| rows.last().map(|row| row.id)).flatten();
+    let reports = rows
+        .into_iter()
+        .map(|row| ReportEntryResponse {
+            report_id: row.id,
+            sha256: hex::encode(&row.sha256),
+            lines: row.lines,
+            window_start: canonical::timestamp(row.window_start),
+            window_end: canonical::timestamp(row.window_end),
+            imported_at: canonical::timestamp(row.imported_at),
+        })
+        .collect();
+    Ok(Json(ReportsPage {
+        reports,
+        next_after,
+    }))
 }
 
 /// The body's encoding, from its `Content-Type` and `Content-Encoding`: 415 for any other

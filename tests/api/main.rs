@@ -16,6 +16,7 @@ mod crash;
 mod exports;
 mod faults;
 mod finance_consistency;
+mod finance_lists;
 mod immutability;
 mod ingest;
 mod input_hardening;

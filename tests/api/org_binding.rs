@@ -299,6 +299,54 @@ fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
                 }),
             ),
         ],
+        ("GET", "/v1/reconciliations/{reconciliation_id}/lines") => vec![
+            probe(
+                Method::GET,
+                format!(
+                    "/v1/reconciliations/{}/lines?sort=abs_cost_delta",
+                    fixture.reconciliation
+                ),
+                None,
+                Expect::OrgARowsOnly(|body| {
+                    let page: Value = serde_json::from_str(body).unwrap();
+                    let lines = page["lines"].as_array().unwrap();
+                    assert_eq!(page["total"], lines.len(), "the total counts its org only");
+                    lines
+                        .iter()
+                        .map(|line| line["org_id"].as_str().unwrap_or("").to_owned())
+                        .collect()
+                }),
+            ),
+            probe(
+                Method::GET,
+                format!(
+                    "/v1/reconciliations/{}/lines?org_id={ORG_B}",
+                    fixture.reconciliation
+                ),
+                None,
+                Expect::Refused("org_not_allowed"),
+            ),
+        ],
+        ("GET", "/v1/reconciliations/{reconciliation_id}") => one(
+            format!("/v1/reconciliations/{}", fixture.reconciliation),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
+        ("GET", "/v1/reconciliations") => one(
+            "/v1/reconciliations".into(),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
+        ("GET", "/v1/provider-reports") => one(
+            "/v1/provider-reports".into(),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
+        ("GET", "/v1/periods") => one(
+            "/v1/periods".into(),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
         ("POST", "/v1/corrections/voids") => one(
             "/v1/corrections/voids".into(),
             json_body(json!({"event_id": Uuid::new_v4(), "reason": "test"})),
