@@ -1,6 +1,8 @@
 //! Who sees what: an org-bound token is its org's page and nothing else; a pasted address
 //! opened without a token asks for one and then shows that page.
 
+use serde_json::Value;
+
 use crate::browser::Browser;
 use crate::helpers::TOKEN;
 use crate::month::{self, ALPHA, ORG, OTHER_ORG};
@@ -76,6 +78,6 @@ async fn a_deep_link_opened_without_a_token_asks_for_one_and_then_shows_that_pag
             vec![TOKEN.into()],
         )
         .await;
-    assert_eq!(kept, false, "no token left in sessionStorage or a cookie");
+    assert_eq!(kept, Value::Bool(false), "no token left in sessionStorage or a cookie");
     browser.close().await;
 }

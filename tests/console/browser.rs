@@ -121,7 +121,7 @@ pub struct Browser {
     pub client: Client,
     base: String,
     // Declared after `client`, so that it is dropped (killed) after the session's handle.
-    _driver: Driver,
+    driver: Driver,
 }
 
 impl Browser {
@@ -150,17 +150,15 @@ impl Browser {
         Browser {
             client,
             base: format!("http://{address}"),
-            _driver: driver,
+            driver,
         }
     }
 
     /// Ends the WebDriver session (chromium quits); the drop kills whatever is left.
     pub async fn close(self) {
-        let Browser {
-            client, _driver, ..
-        } = self;
+        let Browser { client, driver, .. } = self;
         let _ = client.close().await;
-        drop(_driver);
+        drop(driver);
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -62,8 +62,8 @@ fn record(what: &str, ms: f64) {
     writeln!(file, "{} {line}", chrono::Utc::now().to_rfc3339()).unwrap();
 }
 
-// Long: one scenario from loading the data to the last page check, read top to bottom.
 #[tokio::test]
+// Long: one scenario from loading the data to the last page check, read top to bottom.
 async fn an_org_of_ten_thousand_containers_and_a_reconciliation_of_a_hundred_thousand_lines_are_shown_a_page_at_a_time(
 ) {
     let started = Instant::now();

@@ -211,7 +211,7 @@ async fn the_org_page_still_shows_the_org_figures_on_a_phone() {
             )
             .await;
         let [left, right, width, height, viewport] =
-            [0, 1, 2, 3, 4].map(|index| rect[index].as_f64().unwrap());
+            [0usize, 1, 2, 3, 4].map(|index| rect[index].as_f64().unwrap());
         assert_eq!(viewport, f64::from(PHONE.0), "the viewport is a phone's");
         assert!(width > 0.0 && height > 0.0, "{name} is drawn: {rect}");
         assert!(left >= 0.0 && right <= viewport, "{name} fits the width: {rect}");
