@@ -14,10 +14,12 @@ pub mod events;
 pub mod exports;
 pub mod ledger;
 pub mod ops;
+pub mod orgs;
 pub mod plans;
 pub mod query;
 pub mod reconciliations;
 pub mod reports;
+pub mod status;
 pub mod tokens;
 pub mod usage;
 
@@ -107,6 +109,8 @@ fn v1() -> OpenApiRouter<AppState> {
         .merge(reports::router())
         .merge(reconciliations::router())
         .merge(exports::router())
+        .merge(orgs::router())
+        .merge(status::router())
 }
 
 /// Every route the service answers, under the document's top level ([`ops::ApiDoc`]).
