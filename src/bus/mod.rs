@@ -5,6 +5,7 @@
 pub mod check;
 pub mod ingest;
 pub mod relay;
+pub mod status;
 
 use std::time::Duration;
 

@@ -103,7 +103,8 @@ pub struct RouteRule {
     pub method: &'static str,
     /// As the router spells it (axum's `MatchedPath`).
     pub path: &'static str,
-    pub scope: Scope,
+    /// The scope it needs; `None` for a route any valid token may use (`/v1/whoami`).
+    pub scope: Option<Scope>,
     pub org: OrgRule,
 }
 
@@ -111,7 +112,17 @@ const fn route(method: &'static str, path: &'static str, scope: Scope, org: OrgR
     RouteRule {
         method,
         path,
-        scope,
+        scope: Some(scope),
+        org,
+    }
+}
+
+/// A route any valid token may use, whatever its scopes.
+const fn any_token_route(method: &'static str, path: &'static str, org: OrgRule) -> RouteRule {
+    RouteRule {
+        method,
+        path,
+        scope: None,
         org,
     }
 }
@@ -181,6 +192,10 @@ pub const ROUTES: &[RouteRule] = {
             Finance,
             FilteredToOrg,
         ),
+        any_token_route("GET", "/v1/whoami", NoOrgData),
+        route("GET", "/v1/orgs/{org_id}", UsageRead, PathOrg),
+        route("GET", "/v1/orgs/{org_id}/containers", UsageRead, PathOrg),
+        route("GET", "/v1/status", Audit, Global),
     ]
 };
 
@@ -191,9 +206,9 @@ pub fn route_rule(method: &Method, route: &str) -> Option<&'static RouteRule> {
         .find(|rule| rule.method == method.as_str() && rule.path == route)
 }
 
-/// The scope a route needs; admin for a route not listed.
-pub fn required_scope(method: &Method, route: &str) -> Scope {
-    route_rule(method, route).map_or(Scope::Admin, |rule| rule.scope)
+/// The scope a route needs (`None`: any valid token); admin for a route not listed.
+pub fn required_scope(method: &Method, route: &str) -> Option<Scope> {
+    route_rule(method, route).map_or(Some(Scope::Admin), |rule| rule.scope)
 }
 
 /// A route's org rule; global (refused to a bound token) for a route not listed.
@@ -394,8 +409,7 @@ pub async fn require_token(
         .get::<MatchedPath>()
         .map(|path| path.as_str().to_owned())
         .unwrap_or_default();
-    let needed = required_scope(request.method(), &route);
-    if !principal.has(needed) {
+    if let Some(needed) = required_scope(request.method(), &route).filter(|needed| !principal.has(*needed)) {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             ErrorCode::ForbiddenScope,

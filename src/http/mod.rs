@@ -15,11 +15,13 @@ pub mod exports;
 pub mod ledger;
 pub mod listing;
 pub mod ops;
+pub mod orgs;
 pub mod plans;
 pub mod query;
 pub mod reconciliation_lines;
 pub mod reconciliations;
 pub mod reports;
+pub mod status;
 pub mod tokens;
 pub mod usage;
 
@@ -110,6 +112,8 @@ fn v1() -> OpenApiRouter<AppState> {
         .merge(reconciliations::router())
         .merge(reconciliation_lines::router())
         .merge(exports::router())
+        .merge(orgs::router())
+        .merge(status::router())
 }
 
 /// Every route the service answers, under the document's top level ([`ops::ApiDoc`]).

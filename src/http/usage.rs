@@ -19,7 +19,9 @@ use crate::error_code::ErrorCode;
 use crate::event::{canonical, storable};
 use crate::event::{ContainerId, OrgId};
 use crate::projection::model::ANOMALIES_KEPT_MAX;
-use crate::projection::query::{self, AtPosition, ContainerFound};
+use crate::billing::overage::{minor_unit_digits, round_amount};
+use crate::projection::org::{self, DayUsage};
+use crate::projection::query::{self, AtPosition, ContainerFound, PricedUsage};
 use crate::projection::store::{AnomalyCursor, StoredContainer};
 use crate::runtime::{Anomaly, ContainerState, Period, Window};
 use axum::Extension;
@@ -39,6 +41,9 @@ pub struct UsageParams {
     period: Option<String>,
     /// RFC 3339 with an offset; default now. Runtime is counted up to it.
     as_of: Option<String>,
+    /// `day`: also split the figures by UTC day (`days`).
+    #[param(pattern = "^day$")]
+    window: Option<String>,
     /// As [`ConsistencyParams`], which the document lists.
     #[param(ignore)]
     min_position: Option<String>,
@@ -68,6 +73,30 @@ pub struct UsageResponse {
     overage_ms: i64,
     /// The plan in effect at the end of the window.
     plan: String,
+    /// The allowance of that plan, in milliseconds.
+    included_ms: i64,
+    /// The overage priced, rounded half-up once to the currency's minor unit, as the usage
+    /// export computes it: a decimal string.
+    #[schema(example = "1.25")]
+    overage_amount: String,
+    /// ISO 4217: the currency of that plan.
+    #[schema(example = "USD")]
+    currency: String,
+    /// With `window=day`: one entry per UTC day of the period that starts before `as_of`,
+    /// in date order, the figures cut to that day (and to `as_of`). They add up exactly to
+    /// `runtime_ms`, `commands` and `command_ms`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    days: Option<Vec<DayResponse>>,
+}
+
+/// One UTC day of an org's usage.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DayResponse {
+    #[schema(example = "2026-12-01")]
+    date: String,
+    runtime_ms: i64,
+    commands: u64,
+    command_ms: i64,
 }
 
 /// An org's usage in one period, as of an instant.
@@ -111,16 +140,56 @@ pub async fn get_usage(
             Period::parse(period).map_err(|error| invalid(ErrorCode::InvalidPeriod, error))
         })?;
     let as_of = as_of(params.as_of.as_deref(), state.clock.now())?;
-    let AtPosition {
-        position,
-        figures: priced,
-    } = consistency
-        .read(&state, || {
-            query::priced_usage(&state.pool, org_id.as_str(), period, as_of)
-        })
-        .await?;
+    let by_day = match params.window.as_deref() {
+        None => false,
+        Some("day") => true,
+        Some(other) => {
+            return Err(invalid(
+                ErrorCode::InvalidWindow,
+                format!("window: {other:?} is not day"),
+            ))
+        }
+    };
+    let (position, priced, days) = if by_day {
+        let AtPosition {
+            position,
+            figures: (priced, days),
+        } = consistency
+            .read(&state, || {
+                org::priced_usage_by_day(&state.pool, org_id.as_str(), period, as_of)
+            })
+            .await?;
+        (position, priced, Some(days))
+    } else {
+        let AtPosition { position, figures } = consistency
+            .read(&state, || {
+                query::priced_usage(&state.pool, org_id.as_str(), period, as_of)
+            })
+            .await?;
+        (position, figures, None)
+    };
+    Ok(Json(usage_response(
+        position, &org_id, period, as_of, &priced, days,
+    )))
+}
+
+/// The answer for an org's usage, priced, and split by day when asked.
+fn usage_response(
+    position: i64,
+    org_id: &OrgId,
+    period: Period,
+    as_of: DateTime<Utc>,
+    priced: &PricedUsage,
+    days: Option<Vec<DayUsage>>,
+) -> UsageResponse {
     let usage = priced.usage;
-    Ok(Json(UsageResponse {
+    let currency = priced.plan.currency.clone();
+    let digits = minor_unit_digits(&currency) as usize;
+    let overage_amount = format!(
+        "{:.digits$}",
+        round_amount(priced.overage.amount, &currency)
+    );
+    UsageResponse {
         position,
         org_id: org_id.as_str().to_owned(),
         period: period.to_string(),
@@ -132,7 +201,20 @@ pub async fn get_usage(
         running_containers: usage.running_containers,
         overage_ms: priced.overage.overage_ms,
         plan: priced.plan.id.as_str().to_owned(),
-    }))
+        included_ms: priced.plan.included_runtime_ms(),
+        overage_amount,
+        currency,
+        days: days.map(|days| {
+            days.iter()
+                .map(|day| DayResponse {
+                    date: day.day.date.to_string(),
+                    runtime_ms: day.runtime_ms,
+                    commands: day.commands,
+                    command_ms: day.command_ms,
+                })
+                .collect()
+        }),
+    }
 }
 
 /// Anomalies in one answer when `anomalies_limit` is not given: every anomaly of a
@@ -417,7 +499,7 @@ fn anomalies_limit(value: Option<&str>) -> Result<usize, ApiError> {
 
 /// `as_of` from a query parameter, truncated to the millisecond like event times; `now`
 /// when absent.
-fn as_of(value: Option<&str>, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
+pub(super) fn as_of(value: Option<&str>, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
     let Some(value) = value else {
         return Ok(now.trunc_subsecs(3));
     };
@@ -432,13 +514,13 @@ fn as_of(value: Option<&str>, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiEr
 }
 
 /// The refusal of a query parameter the route does not know.
-fn unknown_parameter(name: &str) -> ApiError {
+pub(super) fn unknown_parameter(name: &str) -> ApiError {
     ApiError::invalid(
         ErrorCode::UnknownParameter,
         format!("{name}: is not a parameter of this route"),
     )
 }
 
-fn invalid(code: ErrorCode, error: impl ToString) -> ApiError {
+pub(super) fn invalid(code: ErrorCode, error: impl ToString) -> ApiError {
     ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string())
 }

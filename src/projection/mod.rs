@@ -3,11 +3,12 @@
 //! `model` decides what a run of events changes (pure), `store` reads and writes the
 //! projection tables, `projector` keeps them current as the ledger grows, `replay` rebuilds
 //! them from scratch, `catch_up` brings it to the head in a process that runs no projector,
-//! and `query` answers the API's reads.
+//! and `query` answers the API's reads (`org`: the console's reads of one org).
 
 pub mod catch_up;
 pub mod model;
 pub mod notice;
+pub mod org;
 pub mod projector;
 pub mod query;
 pub mod replay;

@@ -242,10 +242,25 @@ pub async fn priced_usage(
 ) -> Result<AtPosition<PricedUsage>, Error> {
     let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
-    let usage = usage_on(&mut transaction, org_id, period, as_of).await?;
-    let account = AccountTimeline::fold(&store::account_entries(&mut transaction, org_id).await?);
-    let priced = price(
-        &mut transaction,
+    let priced = priced_usage_on(&mut transaction, org_id, period, as_of).await?;
+    transaction.commit().await?;
+    Ok(AtPosition {
+        position,
+        figures: priced,
+    })
+}
+
+/// [`priced_usage`] on a connection the caller holds (and a snapshot it runs).
+pub async fn priced_usage_on(
+    connection: &mut PgConnection,
+    org_id: &str,
+    period: Period,
+    as_of: DateTime<Utc>,
+) -> Result<PricedUsage, Error> {
+    let usage = usage_on(&mut *connection, org_id, period, as_of).await?;
+    let account = AccountTimeline::fold(&store::account_entries(&mut *connection, org_id).await?);
+    price(
+        connection,
         org_id,
         period,
         as_of,
@@ -253,12 +268,7 @@ pub async fn priced_usage(
         &account,
         &mut PlanVersions::default(),
     )
-    .await?;
-    transaction.commit().await?;
-    Ok(AtPosition {
-        position,
-        figures: priced,
-    })
+    .await
 }
 
 /// Plan versions as read, by plan id: a batch of orgs on a few plans reads each plan once.

@@ -13,6 +13,7 @@
 
 mod account;
 mod container;
+mod day;
 mod period;
 #[cfg(test)]
 mod properties;
@@ -30,6 +31,7 @@ pub use container::{
     Anomaly, AnomalyKind, CommandRun, ContainerEntry, ContainerState, ContainerTimeline, EntryKind,
     Interval, Late, Lifecycle, PortPublication,
 };
+pub use day::{days, runtime_by_day, Day, DAYS_MAX};
 pub use period::{Period, PeriodError, Window};
 
 /// What one org used in one period, as of an instant (contract §6 usage).

@@ -357,6 +357,22 @@ fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
             json_body(json!({"events": [], "reason": "test"})),
             Expect::Refused("org_bound_token"),
         ),
+        ("GET", "/v1/whoami") => one("/v1/whoami".into(), None, Expect::Served),
+        ("GET", "/v1/orgs/{org_id}") => one(
+            format!("/v1/orgs/{ORG_B}"),
+            None,
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("GET", "/v1/orgs/{org_id}/containers") => one(
+            format!("/v1/orgs/{ORG_B}/containers?state=running"),
+            None,
+            Expect::Refused("org_not_allowed"),
+        ),
+        ("GET", "/v1/status") => one(
+            "/v1/status".into(),
+            None,
+            Expect::Refused("org_bound_token"),
+        ),
         (method, path) => panic!(
             "{method} {path} has no org-binding case: give it an org rule in ROUTES and a case here"
         ),
@@ -488,8 +504,12 @@ async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route(
         // The token as an operator would make it: only the route's scope (an admin token
         // cannot be bound), and the one that has every scope.
         let mut tokens = vec![("every scope", every_scope.clone())];
-        if rule.scope != tally::http::auth::Scope::Admin {
-            let scope = rule.scope.as_str();
+        // A route any token may use (`scope` None) is probed with the first alone.
+        if let Some(scope) = rule
+            .scope
+            .filter(|scope| *scope != tally::http::auth::Scope::Admin)
+        {
+            let scope = scope.as_str();
             tokens.push((
                 scope,
                 create_token(&app, json!({"scopes": [scope], "org_id": ORG_A})).await,
