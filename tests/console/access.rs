@@ -25,7 +25,10 @@ async fn an_org_bound_token_signs_in_to_its_org_and_cannot_open_another_org() {
     assert_eq!(path, format!("/console/orgs/{ORG}").as_str());
 
     browser
-        .goto(&format!("/console/orgs/{ORG}?period={}", month::period_text()))
+        .goto(&format!(
+            "/console/orgs/{ORG}?period={}",
+            month::period_text()
+        ))
         .await;
     browser.wait_ready("org").await;
     assert_eq!(
@@ -34,7 +37,10 @@ async fn an_org_bound_token_signs_in_to_its_org_and_cannot_open_another_org() {
     );
 
     browser
-        .goto(&format!("/console/orgs/{OTHER_ORG}?period={}", month::period_text()))
+        .goto(&format!(
+            "/console/orgs/{OTHER_ORG}?period={}",
+            month::period_text()
+        ))
         .await;
     let notices = browser.wait_ready("org").await;
     assert!(
@@ -78,6 +84,10 @@ async fn a_deep_link_opened_without_a_token_asks_for_one_and_then_shows_that_pag
             vec![TOKEN.into()],
         )
         .await;
-    assert_eq!(kept, Value::Bool(false), "no token left in sessionStorage or a cookie");
+    assert_eq!(
+        kept,
+        Value::Bool(false),
+        "no token left in sessionStorage or a cookie"
+    );
     browser.close().await;
 }

@@ -87,9 +87,11 @@ impl Driver {
         };
         let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err()
-        {
-            assert!(Instant::now() < deadline, "chromedriver did not start on {port}");
+        while std::net::TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "chromedriver did not start on {port}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         driver
@@ -128,7 +130,13 @@ impl Browser {
     /// A new browser at 1280×800 for the service at `address`.
     pub async fn open(address: SocketAddr) -> Browser {
         let driver = Driver::start();
-        let profile = driver.profile.as_ref().unwrap().path().display().to_string();
+        let profile = driver
+            .profile
+            .as_ref()
+            .unwrap()
+            .path()
+            .display()
+            .to_string();
         let mut options = json!({
             "args": [
                 "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,800",
@@ -213,8 +221,11 @@ impl Browser {
                     .collect();
             }
             if Instant::now() > deadline {
+                self.screenshot(&format!("failed-{page}")).await;
                 let url = self.client.current_url().await.map(|u| u.to_string());
-                panic!("#page never became {page} and ready within {READY_WAIT:?}: {state} at {url:?}");
+                panic!(
+                    "#page never became {page} and ready within {READY_WAIT:?}: {state} at {url:?}"
+                );
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }

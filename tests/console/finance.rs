@@ -65,7 +65,10 @@ pub async fn wait_for_query(browser: &Browser, needle: &str, page: &str) {
         if search.as_str().unwrap_or("").contains(needle) {
             break;
         }
-        assert!(Instant::now() < deadline, "the address never had {needle}: {search}");
+        assert!(
+            Instant::now() < deadline,
+            "the address never had {needle}: {search}"
+        );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     browser.wait_ready(page).await;
@@ -86,7 +89,8 @@ pub async fn wait_for_new_address(browser: &Browser, before: &Value, page: &str)
 }
 
 #[tokio::test]
-async fn a_reconciliation_page_shows_each_planted_status_sorts_by_money_and_links_to_the_timeline() {
+async fn a_reconciliation_page_shows_each_planted_status_sorts_by_money_and_links_to_the_timeline()
+{
     let app = month::service().await;
     month::load(&app).await;
     let result = reconcile(&app, report()).await;
@@ -103,7 +107,9 @@ async fn a_reconciliation_page_shows_each_planted_status_sorts_by_money_and_link
     assert!(notices.is_empty(), "{notices:?}");
     browser.screenshot("reconciliations").await;
 
-    browser.goto(&format!("/console/reconciliations/{id}")).await;
+    browser
+        .goto(&format!("/console/reconciliations/{id}"))
+        .await;
     let notices = browser.wait_ready("reconciliation").await;
     assert!(notices.is_empty(), "{notices:?}");
     for (status, count) in result["counts"].as_object().unwrap() {
@@ -117,7 +123,11 @@ async fn a_reconciliation_page_shows_each_planted_status_sorts_by_money_and_link
     assert_eq!(browser.count("#lines tr[data-status]").await, 6);
     for (status, container) in PLANTED {
         let row = format!("#lines tr[data-status=\"{status}\"][data-container-id=\"{container}\"]");
-        assert_eq!(browser.count(&row).await, 1, "the {status} line of {container}");
+        assert_eq!(
+            browser.count(&row).await,
+            1,
+            "the {status} line of {container}"
+        );
     }
     browser.screenshot("reconciliation").await;
 
@@ -132,14 +142,20 @@ async fn a_reconciliation_page_shows_each_planted_status_sorts_by_money_and_link
     assert_eq!(first["container_id"], GAMMA, "{sorted}");
     browser.click("button[data-sort=\"abs_cost_delta\"]").await;
     wait_for_query(&browser, "sort=abs_cost_delta", "reconciliation").await;
-    let rows = browser.attrs("#lines tr[data-status]", "data-container-id").await;
+    let rows = browser
+        .attrs("#lines tr[data-status]", "data-container-id")
+        .await;
     assert_eq!(rows.first(), Some(&Value::from(GAMMA)), "{rows:?}");
-    let report_lines = browser.attrs("#lines tr[data-status]", "data-report-line").await;
+    let report_lines = browser
+        .attrs("#lines tr[data-status]", "data-report-line")
+        .await;
     assert_eq!(report_lines[0], Value::from(raw(&first["report_line"])));
 
     // From the line to the container's timeline over its charge period, the provider's
     // figure beside the ledger's.
-    browser.click("#lines tr[data-status] a.timeline-link").await;
+    browser
+        .click("#lines tr[data-status] a.timeline-link")
+        .await;
     browser.wait_ready("container").await;
     let search = browser.js("return location.search;", vec![]).await;
     let search = search.as_str().unwrap();
@@ -203,26 +219,45 @@ async fn the_periods_audit_and_operator_pages_show_their_figures() {
     let notices = browser.wait_ready("periods").await;
     assert!(notices.is_empty(), "{notices:?}");
     let state = browser
-        .attrs(&format!("#periods tr[data-period=\"{period}\"]"), "data-state")
+        .attrs(
+            &format!("#periods tr[data-period=\"{period}\"]"),
+            "data-state",
+        )
         .await;
     assert_eq!(state, vec![Value::from("closed")], "the closed month");
-    assert!(browser.count("#periods tr[data-period][data-state=open]").await >= 1);
+    assert!(
+        browser
+            .count("#periods tr[data-period][data-state=open]")
+            .await
+            >= 1
+    );
     browser.screenshot("periods").await;
 
     browser.goto(&format!("/console/periods/{period}")).await;
     browser.wait_ready("period").await;
     assert_eq!(browser.figure("#page", "verified").await, "true");
-    assert_eq!(browser.figure("#page", "sha256").await, raw(&closed["sha256"]));
-    let export_orgs = browser.attrs("#export tr[data-org-id]", "data-org-id").await;
+    assert_eq!(
+        browser.figure("#page", "sha256").await,
+        raw(&closed["sha256"])
+    );
+    let export_orgs = browser
+        .attrs("#export tr[data-org-id]", "data-org-id")
+        .await;
     assert!(export_orgs.contains(&Value::from(ORG)), "{export_orgs:?}");
-    assert!(export_orgs.contains(&Value::from(OTHER_ORG)), "{export_orgs:?}");
+    assert!(
+        export_orgs.contains(&Value::from(OTHER_ORG)),
+        "{export_orgs:?}"
+    );
     assert_eq!(browser.count("a#export-download").await, 1);
     browser.screenshot("period").await;
 
     browser.goto(&format!("/console/audit?org_id={ORG}")).await;
     browser.wait_ready("audit").await;
     let first_page = positions(&browser).await;
-    assert!(!first_page.is_empty() && first_page.len() <= 1000, "one page");
+    assert!(
+        !first_page.is_empty() && first_page.len() <= 1000,
+        "one page"
+    );
     assert_eq!(browser.count("form#audit-form").await, 1);
     browser.screenshot("audit").await;
     browser.click("a#audit-next").await;
@@ -238,7 +273,6 @@ async fn the_periods_audit_and_operator_pages_show_their_figures() {
     // All of the org's events, once each, on the two pages (or more).
     assert!(first_page.len() + second_page.len() <= 1018);
 
-    let (_, verify) = app.verify("").await;
     let (status, status_body) = app.get_json("/v1/status").await;
     assert_eq!(status, 200, "{status_body}");
     browser.goto("/console/operator").await;
@@ -247,11 +281,12 @@ async fn the_periods_audit_and_operator_pages_show_their_figures() {
         browser.figure("#page", "head_position").await,
         raw(&status_body["ledger"]["head_position"])
     );
-    assert_eq!(browser.figure("#page", "verify_ok").await, raw(&verify["ok"]));
+    // The page's verify is the service's first: it checks the chain from the start.
     assert_eq!(browser.figure("#page", "verify_ok").await, "true");
     assert_eq!(
         browser.figure("#page", "events_checked").await,
-        raw(&verify["events_checked"])
+        raw(&status_body["ledger"]["head_position"]),
+        "every event, from the first"
     );
     assert_eq!(
         browser.figure("#page", "projection_lag_events").await,

@@ -102,7 +102,9 @@ async fn an_org_of_ten_thousand_containers_and_a_reconciliation_of_a_hundred_tho
     record(&format!("org page, {CONTAINERS} running containers"), ms);
     let running = browser.figure("#page", "running_containers").await;
     assert_eq!(running, CONTAINERS.to_string());
-    let first = browser.count("#running-containers tr[data-container-id]").await;
+    let first = browser
+        .count("#running-containers tr[data-container-id]")
+        .await;
     assert!(
         (1..=PAGE_MAX).contains(&first) && first < CONTAINERS,
         "one page of running containers, not all: {first}"
@@ -111,24 +113,38 @@ async fn an_org_of_ten_thousand_containers_and_a_reconciliation_of_a_hundred_tho
     browser.click("button#running-more").await;
     let deadline = Instant::now() + crate::browser::READY_WAIT;
     let more = loop {
-        let rows = browser.count("#running-containers tr[data-container-id]").await;
+        let rows = browser
+            .count("#running-containers tr[data-container-id]")
+            .await;
         if rows > first {
             break rows;
         }
-        assert!(Instant::now() < deadline, "#running-more showed no more rows");
+        assert!(
+            Instant::now() < deadline,
+            "#running-more showed no more rows"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(25)).await;
     };
     let ids = browser
-        .attrs("#running-containers tr[data-container-id]", "data-container-id")
+        .attrs(
+            "#running-containers tr[data-container-id]",
+            "data-container-id",
+        )
         .await;
     let expected: Vec<Value> = (0..ids.len()).map(|n| Value::from(container(n))).collect();
-    assert_eq!(ids, expected, "the next page follows on, in container order: {more} rows");
+    assert_eq!(
+        ids, expected,
+        "the next page follows on, in container order: {more} rows"
+    );
 
     let ms = browser
         .load_time(&format!("/console/reconciliations/{id}"), "reconciliation")
         .await;
     record(&format!("reconciliation page, {LINES} lines"), ms);
-    assert_eq!(browser.figure("#page", "lines_total").await, LINES.to_string());
+    assert_eq!(
+        browser.figure("#page", "lines_total").await,
+        LINES.to_string()
+    );
     let lines = browser.count("#lines tr[data-status]").await;
     assert!(
         (1..=PAGE_MAX).contains(&lines),
@@ -136,7 +152,10 @@ async fn an_org_of_ten_thousand_containers_and_a_reconciliation_of_a_hundred_tho
     );
     assert_eq!(
         browser
-            .figure("#status-counts tr[data-status=\"missing_in_ledger\"]", "count")
+            .figure(
+                "#status-counts tr[data-status=\"missing_in_ledger\"]",
+                "count"
+            )
             .await,
         (LINES - CONTAINERS).to_string()
     );
@@ -144,7 +163,10 @@ async fn an_org_of_ten_thousand_containers_and_a_reconciliation_of_a_hundred_tho
     let before = browser.js("return location.search;", vec![]).await;
     browser.click("#lines-next").await;
     crate::finance::wait_for_new_address(&browser, &before, "reconciliation").await;
-    assert!(browser.count("#lines tr[data-status]").await >= 1, "a second page");
+    assert!(
+        browser.count("#lines tr[data-status]").await >= 1,
+        "a second page"
+    );
     browser.close().await;
     println!("the large case took {:?}", started.elapsed());
 }

@@ -77,29 +77,60 @@ fn command(container: &str, when: DateTime<Utc>, id: &str, exit: i64, ms: i64) -
 
 /// The month's events, in time order.
 pub fn events() -> Vec<Value> {
-    let lifecycle = |kind: &str, container: &str, when| event(kind, Some(container), when, Value::Null);
+    let lifecycle =
+        |kind: &str, container: &str, when| event(kind, Some(container), when, Value::Null);
     vec![
         event("org.plan_changed", None, at(1, 0, 0), json!({"plan": PLAN})),
-        event("org.verification_changed", None, at(1, 0, 1), json!({"verified": true})),
-        event("org.billing_eligibility_changed", None, at(1, 0, 2), json!({"eligible": true})),
+        event(
+            "org.verification_changed",
+            None,
+            at(1, 0, 1),
+            json!({"verified": true}),
+        ),
+        event(
+            "org.billing_eligibility_changed",
+            None,
+            at(1, 0, 2),
+            json!({"eligible": true}),
+        ),
         // ALPHA: 22:00 on the 3rd to 02:00 on the 4th (across midnight), then the 10th
         // 10:00-18:00; a second stop, a command while stopped, a resume while running.
-        event("container.created", Some(ALPHA), at(3, 22, 0), json!({"name": "alpha", "image": "python:3.12"})),
+        event(
+            "container.created",
+            Some(ALPHA),
+            at(3, 22, 0),
+            json!({"name": "alpha", "image": "python:3.12"}),
+        ),
         command(ALPHA, at(3, 23, 0), "a-1", 0, 1200),
         command(ALPHA, at(4, 0, 30), "a-2", 1, 300),
         lifecycle("container.stopped", ALPHA, at(4, 2, 0)),
         lifecycle("container.stopped", ALPHA, at(5, 9, 0)),
         command(ALPHA, at(6, 12, 0), "a-3", 0, 50),
         lifecycle("container.resumed", ALPHA, at(10, 10, 0)),
-        event("container.port_published", Some(ALPHA), at(10, 10, 5), json!({"port": 8080, "url": "https://alpha.example.com/"})),
+        event(
+            "container.port_published",
+            Some(ALPHA),
+            at(10, 10, 5),
+            json!({"port": 8080, "url": "https://alpha.example.com/"}),
+        ),
         lifecycle("container.resumed", ALPHA, at(10, 12, 0)),
         lifecycle("container.stopped", ALPHA, at(10, 18, 0)),
         // BETA: 20:00 on the 15th to 04:00 on the 17th.
-        event("container.created", Some(BETA), at(15, 20, 0), json!({"name": "beta", "image": "node:22"})),
+        event(
+            "container.created",
+            Some(BETA),
+            at(15, 20, 0),
+            json!({"name": "beta", "image": "node:22"}),
+        ),
         command(BETA, at(16, 8, 0), "b-1", 137, 90_000),
         lifecycle("container.stopped", BETA, at(17, 4, 0)),
         // GAMMA: from 23:30 three days before the month's last day, still running.
-        event("container.created", Some(GAMMA), period().end() - Duration::days(3) - Duration::minutes(30), json!({"name": "gamma", "image": "rust:1"})),
+        event(
+            "container.created",
+            Some(GAMMA),
+            period().end() - Duration::days(3) - Duration::minutes(30),
+            json!({"name": "gamma", "image": "rust:1"}),
+        ),
     ]
 }
 

@@ -26,7 +26,13 @@ fn org_path() -> String {
 
 /// The org figures on the page equal the API's usage for the month.
 async fn assert_org_figures(browser: &Browser, usage: &Value) {
-    for name in ["runtime_ms", "included_ms", "overage_ms", "overage_amount", "currency"] {
+    for name in [
+        "runtime_ms",
+        "included_ms",
+        "overage_ms",
+        "overage_amount",
+        "currency",
+    ] {
         assert_eq!(
             browser.figure("#page", name).await,
             raw(&usage[name]),
@@ -52,29 +58,43 @@ async fn the_org_page_shows_the_months_runtime_overage_and_every_day_as_the_api_
     browser.screenshot("home").await;
     browser.goto(&org_path()).await;
     let notices = browser.wait_ready("org").await;
-    assert!(notices.is_empty(), "the admin sees every section: {notices:?}");
+    assert!(
+        notices.is_empty(),
+        "the admin sees every section: {notices:?}"
+    );
     assert_org_figures(&browser, &usage).await;
-    let positions = browser.attrs("#page [data-figure=position]", "data-value").await;
+    let positions = browser
+        .attrs("#page [data-figure=position]", "data-value")
+        .await;
     assert!(
         positions.contains(&usage["position"].to_string().into()),
         "the usage's position {} is on the page: {positions:?}",
         usage["position"]
     );
     assert!(
-        browser.count("meter#allowance, #allowance[role=img][aria-label]").await == 1,
+        browser
+            .count("meter#allowance, #allowance[role=img][aria-label]")
+            .await
+            == 1,
         "the allowance gauge"
     );
     assert_eq!(browser.count("figure#days-chart").await, 1, "the chart");
 
     let days = usage["days"].as_array().expect("the API's days");
-    assert_eq!(days.len(), month::period().window().length_ms() as usize / 86_400_000);
+    assert_eq!(
+        days.len(),
+        month::period().window().length_ms() as usize / 86_400_000
+    );
     assert_eq!(
         browser.count("#days-table tr[data-day]").await,
         days.len(),
         "one row per API day"
     );
     for day in days {
-        let row = format!("#days-table tr[data-day=\"{}\"]", day["date"].as_str().unwrap());
+        let row = format!(
+            "#days-table tr[data-day=\"{}\"]",
+            day["date"].as_str().unwrap()
+        );
         for name in ["runtime_ms", "commands"] {
             assert_eq!(
                 browser.figure(&row, name).await,
@@ -86,13 +106,23 @@ async fn the_org_page_shows_the_months_runtime_overage_and_every_day_as_the_api_
     }
     // Gamma still runs; alpha and beta stopped.
     assert_eq!(
-        browser.attrs("#running-containers tr[data-container-id]", "data-container-id").await,
+        browser
+            .attrs(
+                "#running-containers tr[data-container-id]",
+                "data-container-id"
+            )
+            .await,
         vec![Value::from(month::GAMMA)]
     );
     assert_eq!(browser.figure("#page", "plan").await, month::PLAN);
     assert_eq!(browser.figure("#page", "verified").await, "true");
     assert_eq!(browser.figure("#page", "billing_eligible").await, "true");
-    assert!(browser.count("#admission tr[data-action][data-allowed]").await >= 2);
+    assert!(
+        browser
+            .count("#admission tr[data-action][data-allowed]")
+            .await
+            >= 2
+    );
     assert!(browser.count("#plan-history tr").await >= 1);
     browser.screenshot("org").await;
     browser.close().await;
@@ -113,7 +143,9 @@ async fn the_container_page_draws_each_planted_interval_anomaly_command_and_port
 
     assert_eq!(browser.count("svg#timeline[role=img][aria-label]").await, 1);
     assert_eq!(
-        browser.count("#timeline rect.interval[data-start][data-end]").await,
+        browser
+            .count("#timeline rect.interval[data-start][data-end]")
+            .await,
         month::ALPHA_INTERVALS,
         "interval bars"
     );
@@ -122,7 +154,11 @@ async fn the_container_page_draws_each_planted_interval_anomaly_command_and_port
     kinds.sort_unstable();
     assert_eq!(
         kinds,
-        ["command_while_not_running", "resume_while_running", "stop_while_not_running"],
+        [
+            "command_while_not_running",
+            "resume_while_running",
+            "stop_while_not_running"
+        ],
         "one mark per planted anomaly"
     );
     assert_eq!(kinds.len(), month::ALPHA_ANOMALIES);
@@ -131,7 +167,9 @@ async fn the_container_page_draws_each_planted_interval_anomaly_command_and_port
     let mut exits: Vec<&str> = exits.iter().map(|code| code.as_str().unwrap()).collect();
     exits.sort_unstable();
     assert_eq!(exits, ["0", "0", "1"]);
-    let durations = browser.attrs("#timeline .command", "data-duration-ms").await;
+    let durations = browser
+        .attrs("#timeline .command", "data-duration-ms")
+        .await;
     let mut durations: Vec<&str> = durations.iter().map(|ms| ms.as_str().unwrap()).collect();
     durations.sort_unstable();
     assert_eq!(durations, ["1200", "300", "50"]);
@@ -181,7 +219,9 @@ async fn the_container_page_draws_each_planted_interval_anomaly_command_and_port
         .collect();
     assert_eq!(page_positions, api_positions);
     assert_eq!(
-        browser.count("#container-events tr[data-position][data-hash]").await,
+        browser
+            .count("#container-events tr[data-position][data-hash]")
+            .await,
         api_positions.len()
     );
     browser.screenshot("container").await;
@@ -214,7 +254,10 @@ async fn the_org_page_still_shows_the_org_figures_on_a_phone() {
             [0usize, 1, 2, 3, 4].map(|index| rect[index].as_f64().unwrap());
         assert_eq!(viewport, f64::from(PHONE.0), "the viewport is a phone's");
         assert!(width > 0.0 && height > 0.0, "{name} is drawn: {rect}");
-        assert!(left >= 0.0 && right <= viewport, "{name} fits the width: {rect}");
+        assert!(
+            left >= 0.0 && right <= viewport,
+            "{name} fits the width: {rect}"
+        );
     }
     browser.screenshot("org-phone").await;
     browser.close().await;
