@@ -17,13 +17,14 @@ pub async fn ledger_stream_last_position(
     if state.messages == 0 {
         return Ok(0);
     }
-    let message = stream
-        .get_raw_message(state.last_sequence)
-        .await
-        .map_err(StreamFailure::doing(format!(
-            "reading stream message {}",
-            state.last_sequence
-        )))?;
+    let message =
+        stream
+            .get_raw_message(state.last_sequence)
+            .await
+            .map_err(StreamFailure::doing(format!(
+                "reading stream message {}",
+                state.last_sequence
+            )))?;
     message
         .headers
         .get(POSITION_HEADER)
@@ -45,9 +46,8 @@ pub async fn dlq_messages(
         .get_stream(names.dlq_stream())
         .await
         .map_err(StreamFailure::doing("cannot find the dead-letter stream"))?;
-    let info = stream
-        .info()
-        .await
-        .map_err(StreamFailure::doing("reading the dead-letter stream's state"))?;
+    let info = stream.info().await.map_err(StreamFailure::doing(
+        "reading the dead-letter stream's state",
+    ))?;
     Ok(info.state.messages)
 }

@@ -409,7 +409,9 @@ pub async fn require_token(
         .get::<MatchedPath>()
         .map(|path| path.as_str().to_owned())
         .unwrap_or_default();
-    if let Some(needed) = required_scope(request.method(), &route).filter(|needed| !principal.has(*needed)) {
+    if let Some(needed) =
+        required_scope(request.method(), &route).filter(|needed| !principal.has(*needed))
+    {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             ErrorCode::ForbiddenScope,

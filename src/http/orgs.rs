@@ -148,7 +148,9 @@ pub async fn get_org(
             .iter()
             .map(|entry| {
                 let (change, value) = match &entry.change {
-                    AccountChange::Plan(plan) => ("plan", HistoryValue::Plan(plan.as_str().to_owned())),
+                    AccountChange::Plan(plan) => {
+                        ("plan", HistoryValue::Plan(plan.as_str().to_owned()))
+                    }
                     AccountChange::Verified(value) => ("verified", HistoryValue::Flag(*value)),
                     AccountChange::BillingEligible(value) => {
                         ("billing_eligible", HistoryValue::Flag(*value))
@@ -278,11 +280,7 @@ pub async fn get_containers(
         .await?;
     let next_after = (containers.len() > limit).then(|| {
         containers.truncate(limit);
-        containers
-            .last()
-            .expect("a full page")
-            .container_id
-            .clone()
+        containers.last().expect("a full page").container_id.clone()
     });
     Ok(Json(ContainersResponse {
         position,

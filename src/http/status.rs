@@ -75,7 +75,11 @@ pub async fn get_whoami(
 ) -> Json<WhoamiResponse> {
     Json(WhoamiResponse {
         token_id: principal.id,
-        scopes: principal.scopes.iter().map(|scope| Scope::as_str(*scope)).collect(),
+        scopes: principal
+            .scopes
+            .iter()
+            .map(|scope| Scope::as_str(*scope))
+            .collect(),
         org_id: principal.org_id,
     })
 }
@@ -150,10 +154,7 @@ pub async fn get_status(
     context.set_timeout(bound);
     let names = &state.nats_names;
     let (last_position, dlq) = tokio::join!(
-        within(
-            bound,
-            streams::ledger_stream_last_position(&context, names)
-        ),
+        within(bound, streams::ledger_stream_last_position(&context, names)),
         within(bound, streams::dlq_messages(&context, names)),
     );
     Ok(Json(StatusResponse {

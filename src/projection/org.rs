@@ -127,9 +127,9 @@ pub async fn containers(
         .map(|row| {
             let running_since = match (row.running, row.since_ms) {
                 (false, _) => None,
-                (true, Some(ms)) => Some(DateTime::from_timestamp_millis(ms).ok_or_else(
-                    || Error::Corrupt(format!("container {}: {ms} ms", row.container_id)),
-                )?),
+                (true, Some(ms)) => Some(DateTime::from_timestamp_millis(ms).ok_or_else(|| {
+                    Error::Corrupt(format!("container {}: {ms} ms", row.container_id))
+                })?),
                 (true, None) => {
                     return Err(Error::Corrupt(format!(
                         "container {} runs from no start",
@@ -210,7 +210,9 @@ async fn usage_by_day(
     };
     let lifecycles = store::org_lifecycles(&mut *connection, org_id).await?;
     let runtime_ms = runtime::runtime_by_day(
-        lifecycles.iter().flat_map(|lifecycle| lifecycle.intervals()),
+        lifecycles
+            .iter()
+            .flat_map(|lifecycle| lifecycle.intervals()),
         &days,
     );
     let commands: Vec<(NaiveDate, i64, i64)> = sqlx::query_as(
@@ -243,8 +245,7 @@ async fn usage_by_day(
             .ok()
             .filter(|index| *index < by_day.len())
             .ok_or_else(|| Error::Corrupt(format!("commands on {date}, outside {period}")))?;
-        by_day[index].commands =
-            u64::try_from(count).map_err(|e| Error::corrupt("commands", e))?;
+        by_day[index].commands = u64::try_from(count).map_err(|e| Error::corrupt("commands", e))?;
         by_day[index].command_ms = command_ms;
     }
     Ok(by_day)

@@ -108,7 +108,10 @@ async fn whoami_names_the_bootstrap_a_scoped_and_an_org_bound_token() {
 
     let (status, _) = app.without_token().get_json("/v1/whoami").await;
     assert_eq!(status, 401);
-    let (status, _) = app.with_token("tly_not-a-token").get_json("/v1/whoami").await;
+    let (status, _) = app
+        .with_token("tly_not-a-token")
+        .get_json("/v1/whoami")
+        .await;
     assert_eq!(status, 401);
     assert_eq!(
         refused(422, app.get_json("/v1/whoami?verbose=1").await),
@@ -120,7 +123,7 @@ async fn whoami_names_the_bootstrap_a_scoped_and_an_org_bound_token() {
 #[tokio::test]
 async fn an_org_shows_its_account_as_of_an_instant_and_its_history_newest_first() {
     let app = spawn().await;
-    ok(app.put_plan("pro", &crate::plans::pro_plan()).await);
+    answered(201, app.put_plan("pro", &crate::plans::pro_plan()).await);
     let now = app.now();
     let (t1, t2, t3) = (
         now - Duration::hours(3),
@@ -131,7 +134,12 @@ async fn an_org_shows_its_account_as_of_an_instant_and_its_history_newest_first(
         &app,
         vec![
             org_event(ORG, "org.plan_changed", t1, json!({"plan": "pro"})),
-            org_event(ORG, "org.verification_changed", t2, json!({"verified": true})),
+            org_event(
+                ORG,
+                "org.verification_changed",
+                t2,
+                json!({"verified": true}),
+            ),
             org_event(
                 ORG,
                 "org.billing_eligibility_changed",
@@ -146,12 +154,18 @@ async fn an_org_shows_its_account_as_of_an_instant_and_its_history_newest_first(
     let org = ok(app.get_json(&format!("/v1/orgs/{ORG}")).await);
     assert_eq!(org["position"], head);
     assert_eq!(org["org_id"], ORG);
-    assert!(org["as_of"].as_str().unwrap() >= timestamp(now).as_str(), "{org}");
+    assert!(
+        org["as_of"].as_str().unwrap() >= timestamp(now).as_str(),
+        "{org}"
+    );
     assert_eq!(org["plan"]["id"], "pro");
     assert_eq!(org["plan"]["included_runtime_seconds"], 3600);
     assert_eq!(org["plan"]["overage_price_per_hour"], "0.125");
     assert_eq!(org["plan"]["version"], 1);
-    assert_eq!((org["verified"].clone(), org["billing_eligible"].clone()), (json!(true), json!(true)));
+    assert_eq!(
+        (org["verified"].clone(), org["billing_eligible"].clone()),
+        (json!(true), json!(true))
+    );
     let changes: Vec<(String, Value, String)> = org["history"]
         .as_array()
         .unwrap()
@@ -185,14 +199,26 @@ async fn an_org_shows_its_account_as_of_an_instant_and_its_history_newest_first(
         .await);
     assert_eq!(org["as_of"], between);
     assert_eq!(org["plan"]["id"], "pro");
-    assert_eq!((org["verified"].clone(), org["billing_eligible"].clone()), (json!(false), json!(false)));
+    assert_eq!(
+        (org["verified"].clone(), org["billing_eligible"].clone()),
+        (json!(false), json!(false))
+    );
     assert_eq!(org["history_total"], 3, "the history is every event: {org}");
 
     // An org with no event: free, unverified, not eligible, no history; not a 404.
     let unknown = ok(app.get_json("/v1/orgs/org_nobody").await);
     assert_eq!(unknown["plan"]["id"], "free");
-    assert_eq!((unknown["verified"].clone(), unknown["billing_eligible"].clone()), (json!(false), json!(false)));
-    assert_eq!((unknown["history"].clone(), unknown["history_total"].clone()), (json!([]), json!(0)));
+    assert_eq!(
+        (
+            unknown["verified"].clone(),
+            unknown["billing_eligible"].clone()
+        ),
+        (json!(false), json!(false))
+    );
+    assert_eq!(
+        (unknown["history"].clone(), unknown["history_total"].clone()),
+        (json!([]), json!(0))
+    );
 
     for (query, code) in [
         ("as_of=yesterday", "invalid_as_of"),
@@ -228,14 +254,23 @@ async fn an_orgs_history_lists_the_newest_500_of_its_account_events_and_counts_t
     let history = org["history"].as_array().unwrap();
     assert_eq!(history.len(), 500);
     assert_eq!(org["history_total"], 502);
-    assert_eq!(history[0]["occurred_at"], timestamp(start + Duration::minutes(501)));
+    assert_eq!(
+        history[0]["occurred_at"],
+        timestamp(start + Duration::minutes(501))
+    );
     assert_eq!(history[0]["value"], true);
-    assert_eq!(history[499]["occurred_at"], timestamp(start + Duration::minutes(2)));
+    assert_eq!(
+        history[499]["occurred_at"],
+        timestamp(start + Duration::minutes(2))
+    );
     let instants: Vec<&str> = history
         .iter()
         .map(|entry| entry["occurred_at"].as_str().unwrap())
         .collect();
-    assert!(instants.windows(2).all(|pair| pair[0] > pair[1]), "newest first");
+    assert!(
+        instants.windows(2).all(|pair| pair[0] > pair[1]),
+        "newest first"
+    );
     assert_eq!(org["verified"], true);
     app.stop().await;
 }
@@ -247,11 +282,16 @@ async fn billed_org(app: &TestApp, period: Period) {
         "overage_price_per_hour": "0.10", "currency": "USD",
         "max_running_containers": 100, "max_published_ports": 100,
     });
-    ok(app.put_plan("metered", &plan).await);
+    answered(201, app.put_plan("metered", &plan).await);
     let before = period.start() - Duration::hours(1);
     post(
         app,
-        vec![org_event(ORG, "org.plan_changed", before, json!({"plan": "metered"}))],
+        vec![org_event(
+            ORG,
+            "org.plan_changed",
+            before,
+            json!({"plan": "metered"}),
+        )],
     )
     .await;
 }
@@ -264,7 +304,11 @@ fn month_of_history(period: Period) -> Vec<Value> {
     let at = |n: i64, hours: i64| day(n) + Duration::hours(hours);
     vec![
         // From the month before into day 0 (2 h of it).
-        container_event("c_before", "container.created", period.start() - Duration::hours(5)),
+        container_event(
+            "c_before",
+            "container.created",
+            period.start() - Duration::hours(5),
+        ),
         container_event("c_before", "container.stopped", at(0, 2)),
         // Within day 2: 3 h.
         container_event("c_day", "container.created", at(2, 9)),
@@ -275,7 +319,11 @@ fn month_of_history(period: Period) -> Vec<Value> {
         // Resumed on day 10 at 05:00, still running at and past the period's end.
         container_event("c_night", "container.resumed", at(10, 5)),
         // From the last day's 20:00 on: 4 h of this period.
-        container_event("c_last", "container.created", period.end() - Duration::hours(4)),
+        container_event(
+            "c_last",
+            "container.created",
+            period.end() - Duration::hours(4),
+        ),
         command("c_day", at(2, 10), 1_500),
         command("c_night", at(9, 23), 250),
         command("c_night", at(10, 1), 750),
@@ -306,9 +354,21 @@ fn days_of(usage: &Value) -> Vec<(String, i64, i64, i64)> {
 fn assert_days_add_up(usage: &Value) {
     let days = days_of(usage);
     let sum = |pick: fn(&(String, i64, i64, i64)) -> i64| days.iter().map(pick).sum::<i64>();
-    assert_eq!(sum(|day| day.1), usage["runtime_ms"].as_i64().unwrap(), "{usage}");
-    assert_eq!(sum(|day| day.2), usage["commands"].as_i64().unwrap(), "{usage}");
-    assert_eq!(sum(|day| day.3), usage["command_ms"].as_i64().unwrap(), "{usage}");
+    assert_eq!(
+        sum(|day| day.1),
+        usage["runtime_ms"].as_i64().unwrap(),
+        "{usage}"
+    );
+    assert_eq!(
+        sum(|day| day.2),
+        usage["commands"].as_i64().unwrap(),
+        "{usage}"
+    );
+    assert_eq!(
+        sum(|day| day.3),
+        usage["command_ms"].as_i64().unwrap(),
+        "{usage}"
+    );
 }
 
 #[tokio::test]
@@ -319,11 +379,17 @@ async fn usage_by_day_adds_up_exactly_over_a_month_with_intervals_over_midnight_
     billed_org(&app, period).await;
     post(&app, month_of_history(period)).await;
 
-    let usage = ok(app.get_usage(ORG, &format!("period={period}&window=day")).await);
+    let usage = ok(app
+        .get_usage(ORG, &format!("period={period}&window=day"))
+        .await);
     let days = days_of(&usage);
     let month_days = (period.end() - period.start()).num_days();
     assert_eq!(days.len() as i64, month_days, "one entry per day: {usage}");
-    let date = |n: i64| (period.start() + Duration::days(n)).date_naive().to_string();
+    let date = |n: i64| {
+        (period.start() + Duration::days(n))
+            .date_naive()
+            .to_string()
+    };
     for (index, day) in days.iter().enumerate() {
         assert_eq!(day.0, date(index as i64), "in date order");
     }
@@ -359,8 +425,8 @@ async fn usage_by_day_adds_up_exactly_over_a_month_with_intervals_over_midnight_
     );
     assert_eq!(usage["included_ms"], HOUR_MS);
     assert_eq!(usage["overage_ms"], runtime_ms - HOUR_MS);
-    let hours_over = rust_decimal::Decimal::from(runtime_ms - HOUR_MS)
-        / rust_decimal::Decimal::from(HOUR_MS);
+    let hours_over =
+        rust_decimal::Decimal::from(runtime_ms - HOUR_MS) / rust_decimal::Decimal::from(HOUR_MS);
     let expected = (hours_over * rust_decimal::Decimal::new(10, 2)).round_dp(2);
     assert_eq!(usage["overage_amount"], format!("{expected:.2}"));
     assert_eq!(usage["currency"], "USD");
@@ -369,7 +435,15 @@ async fn usage_by_day_adds_up_exactly_over_a_month_with_intervals_over_midnight_
     // The same figures without `window`, and no days.
     let plain = ok(app.get_usage(ORG, &format!("period={period}")).await);
     assert!(plain.get("days").is_none(), "{plain}");
-    for field in ["runtime_ms", "commands", "command_ms", "overage_amount", "included_ms", "currency", "position"] {
+    for field in [
+        "runtime_ms",
+        "commands",
+        "command_ms",
+        "overage_amount",
+        "included_ms",
+        "currency",
+        "position",
+    ] {
         assert_eq!(plain[field], usage[field], "{field}");
     }
     app.stop().await;
@@ -465,13 +539,19 @@ async fn an_orgs_containers_are_paged_in_id_order_and_filtered_by_state() {
         let created = start + Duration::minutes(n as i64);
         events.push(container_event(id, "container.created", created));
         if id.ends_with(['1', '3', '5', '7']) {
-            events.push(container_event(id, "container.stopped", created + Duration::hours(1)));
+            events.push(container_event(
+                id,
+                "container.stopped",
+                created + Duration::hours(1),
+            ));
         }
     }
     // Another org's container: never listed here.
-    events.push(json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "org_other",
+    events.push(
+        json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "org_other",
                        "container_id": "c0", "occurred_at": timestamp(start),
-                       "data": {"name": "job"}}));
+                       "data": {"name": "job"}}),
+    );
     post(&app, events).await;
     let head = projected_to_head(&app.pool, "projected").await;
 
@@ -504,7 +584,10 @@ async fn an_orgs_containers_are_paged_in_id_order_and_filtered_by_state() {
         (c5["state"].clone(), c5["running_since"].clone()),
         (json!("stopped"), json!(null))
     );
-    assert_eq!(c5["last_event_at"], timestamp(start + Duration::minutes(63)));
+    assert_eq!(
+        c5["last_event_at"],
+        timestamp(start + Duration::minutes(63))
+    );
     // The default page holds them all, and says no more follow.
     let page = ok(app.get_json(&format!("/v1/orgs/{ORG}/containers")).await);
     assert_eq!(page_ids(&page).len(), 8);
@@ -557,7 +640,10 @@ async fn ten_thousand_containers_of_one_org_are_listed_in_pages_of_a_thousand() 
     assert_eq!(running, 10_000 - 3_333);
     let stopped = all_pages(&app, "org_big", "stopped", 1_000).await;
     assert_eq!(stopped.concat().len(), 3_333);
-    assert!(stopped.concat().iter().all(|id| id[1..].parse::<u32>().unwrap() % 3 == 0));
+    assert!(stopped
+        .concat()
+        .iter()
+        .all(|id| id[1..].parse::<u32>().unwrap() % 3 == 0));
 
     // A page reads the org's containers of that state from the cursor on, by an index of
     // its own, not the whole table: the planner matches the migration's indexes.
@@ -597,7 +683,10 @@ async fn status_gives_the_ledger_head_the_projection_checkpoint_and_the_streams_
     let mut app = TestApp::spawn().await;
     let (status, body) = app.get_json("/v1/status").await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["ledger"], json!({"head_position": 0, "head_recorded_at": null}));
+    assert_eq!(
+        body["ledger"],
+        json!({"head_position": 0, "head_recorded_at": null})
+    );
 
     post(&app, crate::helpers::valid_events(30)).await;
     let js = app.nats.jetstream().await;
@@ -605,12 +694,11 @@ async fn status_gives_the_ledger_head_the_projection_checkpoint_and_the_streams_
         stream_messages(&js, "TALLY_LEDGER").await == 30
     })
     .await;
-    let (head, recorded_at): (i64, DateTime<Utc>) = sqlx::query_as(
-        "SELECT position, recorded_at FROM ledger ORDER BY position DESC LIMIT 1",
-    )
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
+    let (head, recorded_at): (i64, DateTime<Utc>) =
+        sqlx::query_as("SELECT position, recorded_at FROM ledger ORDER BY position DESC LIMIT 1")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
     let checkpoint: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
         .fetch_one(&app.pool)
         .await
@@ -630,7 +718,10 @@ async fn status_gives_the_ledger_head_the_projection_checkpoint_and_the_streams_
         refused(422, app.get_json("/v1/status?verbose=1").await),
         "unknown_parameter"
     );
-    let usage_only = answered(201, app.post_token(&json!({"scopes": ["usage:read"]})).await);
+    let usage_only = answered(
+        201,
+        app.post_token(&json!({"scopes": ["usage:read"]})).await,
+    );
     let answer = app
         .with_token(usage_only["token"].as_str().unwrap())
         .get_json("/v1/status")
@@ -670,7 +761,11 @@ async fn an_org_bound_token_reads_only_its_own_org_and_not_the_status() {
         "/v1/orgs/org_other/containers".to_owned(),
         format!("/v1/orgs/org_other/usage?period={period}&window=day"),
     ] {
-        assert_eq!(refused(403, bound.get_json(&path).await), "org_not_allowed", "{path}");
+        assert_eq!(
+            refused(403, bound.get_json(&path).await),
+            "org_not_allowed",
+            "{path}"
+        );
     }
     assert_eq!(
         refused(403, bound.get_json("/v1/status").await),
