@@ -81,16 +81,18 @@ impl Sort {
             })
     }
 
-    /// The `ORDER BY` of the order; `seq` is unique within a reconciliation, so the order
-    /// is total and a page never repeats or skips a line.
+    /// The `ORDER BY` of the order, on the table named `line`; `seq` is unique within a
+    /// reconciliation, so the order is total and a page never repeats or skips a line. The
+    /// columns are qualified: unqualified, `cost_delta` would name the output column
+    /// `cost_delta::TEXT` and sort as text.
     fn order_by(self) -> &'static str {
         match self {
-            Sort::ReportLine => "seq",
-            Sort::CostDelta => "cost_delta ASC NULLS LAST, seq",
-            Sort::CostDeltaDescending => "cost_delta DESC NULLS LAST, seq",
-            Sort::DeltaMs => "delta_ms ASC NULLS LAST, seq",
-            Sort::DeltaMsDescending => "delta_ms DESC NULLS LAST, seq",
-            Sort::AbsCostDelta => "abs(cost_delta) DESC NULLS LAST, seq",
+            Sort::ReportLine => "line.seq",
+            Sort::CostDelta => "line.cost_delta ASC NULLS LAST, line.seq",
+            Sort::CostDeltaDescending => "line.cost_delta DESC NULLS LAST, line.seq",
+            Sort::DeltaMs => "line.delta_ms ASC NULLS LAST, line.seq",
+            Sort::DeltaMsDescending => "line.delta_ms DESC NULLS LAST, line.seq",
+            Sort::AbsCostDelta => "abs(line.cost_delta) DESC NULLS LAST, line.seq",
         }
     }
 }
@@ -362,9 +364,9 @@ async fn page(
 ) -> Result<Vec<LineRow>, sqlx::Error> {
     let (condition, order_by) = (filters.condition(), sort.order_by());
     let statement = format!(
-        "SELECT {LINE_COLUMNS} FROM reconciliation_line \
+        "SELECT {LINE_COLUMNS} FROM reconciliation_line line \
          WHERE reconciliation_id = $1 AND seq IN ( \
-             SELECT seq FROM reconciliation_line WHERE {condition} \
+             SELECT seq FROM reconciliation_line line WHERE {condition} \
              ORDER BY {order_by} LIMIT $6 OFFSET $7) \
          ORDER BY {order_by}"
     );

@@ -151,7 +151,7 @@ async fn the_period_list_runs_from_the_first_events_month_to_now_with_each_close
     ] {
         let (status, body) = app.get_json(&format!("/v1/periods?{query}")).await;
         assert_eq!(
-            (status, body["code"].as_str()),
+            (status, body["error"]["code"].as_str()),
             (422, Some(code)),
             "{query}"
         );
@@ -236,7 +236,7 @@ async fn provider_reports_are_listed_newest_import_first_a_page_at_a_time() {
     ] {
         let (status, body) = app.get_json(&format!("/v1/provider-reports?{query}")).await;
         assert_eq!(
-            (status, body["code"].as_str()),
+            (status, body["error"]["code"].as_str()),
             (422, Some(code)),
             "{query}"
         );
@@ -325,12 +325,12 @@ async fn reconciliations_are_listed_newest_first_by_report_and_each_reads_as_its
         .get_json(&format!("/v1/reconciliations/{}", Uuid::new_v4()))
         .await;
     assert_eq!(
-        (status, body["code"].as_str()),
+        (status, body["error"]["code"].as_str()),
         (404, Some("reconciliation_not_found"))
     );
     let (status, body) = app.get_json("/v1/reconciliations/nope").await;
     assert_eq!(
-        (status, body["code"].as_str()),
+        (status, body["error"]["code"].as_str()),
         (422, Some("invalid_reconciliation_id"))
     );
     for (query, code) in [
@@ -346,7 +346,7 @@ async fn reconciliations_are_listed_newest_first_by_report_and_each_reads_as_its
     ] {
         let (status, body) = app.get_json(&format!("/v1/reconciliations?{query}")).await;
         assert_eq!(
-            (status, body["code"].as_str()),
+            (status, body["error"]["code"].as_str()),
             (422, Some(code)),
             "{query}"
         );
@@ -628,7 +628,7 @@ async fn a_page_of_lines_is_filtered_sorted_and_counted_as_the_lines_export_says
             .get_json(&format!("/v1/reconciliations/{id}/lines?{query}"))
             .await;
         assert_eq!(
-            (status, body["code"].as_str()),
+            (status, body["error"]["code"].as_str()),
             (422, Some(code)),
             "{query}"
         );
@@ -643,7 +643,7 @@ async fn a_page_of_lines_is_filtered_sorted_and_counted_as_the_lines_export_says
         .get_json(&format!("/v1/reconciliations/{}/lines", Uuid::new_v4()))
         .await;
     assert_eq!(
-        (status, body["code"].as_str()),
+        (status, body["error"]["code"].as_str()),
         (404, Some("reconciliation_not_found"))
     );
 
@@ -683,7 +683,7 @@ async fn a_page_of_lines_is_filtered_sorted_and_counted_as_the_lines_export_says
         .get_json(&format!("/v1/reconciliations/{id}/lines?org_id=beta"))
         .await;
     assert_eq!(
-        (status, body["code"].as_str()),
+        (status, body["error"]["code"].as_str()),
         (403, Some("org_not_allowed"))
     );
     for path in [
@@ -694,7 +694,7 @@ async fn a_page_of_lines_is_filtered_sorted_and_counted_as_the_lines_export_says
     ] {
         let (status, body) = bound.get_json(&path).await;
         assert_eq!(
-            (status, body["code"].as_str()),
+            (status, body["error"]["code"].as_str()),
             (403, Some("org_bound_token")),
             "{path}"
         );
