@@ -11,6 +11,7 @@ mod audit;
 mod checker;
 mod concurrency;
 mod consistency;
+mod console_assets;
 mod corrections;
 mod crash;
 mod exports;
