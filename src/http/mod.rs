@@ -8,6 +8,7 @@ pub mod audit;
 pub mod auth;
 pub mod body;
 pub mod consistency;
+pub mod console;
 pub mod corrections;
 pub mod error;
 pub mod events;
@@ -137,6 +138,9 @@ pub fn app(state: AppState) -> Router {
     let timeout = state.request_timeout;
     let concurrency_max = state.concurrency_max.max(1);
     routes
+        // The console is HTML, not API: beside `/v1`, outside its token check and outside
+        // the OpenAPI document.
+        .merge(console::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(

@@ -12,6 +12,7 @@ mod checker;
 mod concurrency;
 mod consistency;
 mod console_api;
+mod console_assets;
 mod corrections;
 mod crash;
 mod exports;
