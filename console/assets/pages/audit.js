@@ -34,7 +34,7 @@ export async function render({ view, query: search, navigate }) {
       h('td', {}, event.container_id
         ? h('a', { href: address(`/console/containers/${encodeURIComponent(event.container_id)}`, { org_id: event.org_id }) }, event.container_id)
         : '—'),
-      h('td', {}, h('code', { class: 'data' }, JSON.stringify(event.data ?? {}))),
+      h('td', {}, h('code', { class: 'data', title: JSON.stringify(event.data ?? {}) }, JSON.stringify(event.data ?? {}))),
       h('td', {}, shortHex(event.hash)),
     ));
     const first = answer.events[0]?.position;

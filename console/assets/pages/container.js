@@ -239,7 +239,7 @@ export function eventRow(event) {
     h('td', {}, time(event.occurred_at)),
     h('td', {}, time(event.recorded_at)),
     h('td', {}, event.type),
-    h('td', {}, h('code', { class: 'data' }, JSON.stringify(event.data ?? {}))),
+    h('td', {}, h('code', { class: 'data', title: JSON.stringify(event.data ?? {}) }, JSON.stringify(event.data ?? {}))),
     h('td', {}, shortHex(event.hash)),
   );
 }

@@ -26,7 +26,7 @@ function shiftPeriod(period, months) {
 
 /** A section's body replaced: its heading stays. */
 function fill(element, ...children) {
-  element.replaceChildren(element.firstElementChild, ...children);
+  element.replaceChildren(element.firstElementChild, ...children.filter(Boolean));
 }
 
 /** A refusal in place of a section's figures. */

@@ -94,7 +94,9 @@ async function loadExport(element, period) {
     h('td', {}, String((row.caused_by || []).length)),
   ));
   const columns = ['Org', 'Plan', 'Runtime', 'Included', 'Overage', 'Amount', 'Currency', 'Commands', 'Ports'];
-  element.append(
+  element.append(h(
+    'div',
+    {},
     h('p', { class: 'position' }, 'Position ', figure('position', answer.position)),
     h('p', {}, downloadLink(path, `usage-${period}.csv`)),
     table('export', `Usage per org in ${period}`, columns, rows),
@@ -102,7 +104,7 @@ async function loadExport(element, period) {
     adjustments.length
       ? table('adjustments', 'Adjustments to closed periods, due in this one', ['Org', 'Closed period', 'Runtime', 'Amount', 'Currency', 'Events'], adjustments)
       : null,
-  );
+  ));
 }
 
 /**
