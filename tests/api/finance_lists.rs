@@ -361,7 +361,7 @@ async fn varied_reconciliation(app: &TestApp) -> String {
     let now = app.now().duration_trunc(Duration::minutes(1)).unwrap();
     let at =
         |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
-    let org = |i: usize| if i % 3 == 0 { "beta" } else { "acme" };
+    let org = |i: usize| if i.is_multiple_of(3) { "beta" } else { "acme" };
     let runtime_minutes = |i: usize| 10 + (i as i64 % 7) * 5;
     let mut events = Vec::new();
     for i in 0..24 {
