@@ -82,6 +82,7 @@ async fn a_month_posted_to_one_instance_reads_at_once_from_another_as_the_pure_f
                     "command_ms": expected.command_ms, "ports_published": expected.ports_published,
                     "running_containers": expected.running_containers,
                     "overage_ms": expected.runtime_ms, "plan": "free",
+                    "included_ms": 0, "overage_amount": "0.00", "currency": "USD",
                 }),
                 "{path}"
             );

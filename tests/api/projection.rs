@@ -312,6 +312,7 @@ async fn a_shuffled_month_with_duplicates_projects_to_the_pure_figures_and_repla
                         "running_containers": expected.running_containers,
                         // On the free plan nothing is included: all runtime is overage.
                         "overage_ms": expected.runtime_ms, "plan": "free",
+                        "included_ms": 0, "overage_amount": "0.00", "currency": "USD",
                     }),
                     "{path}"
                 );
@@ -470,7 +471,8 @@ async fn usage_of_an_unknown_org_is_zero_and_bad_parameters_are_refused_with_422
         zero,
         json!({"org_id": "nobody", "period": "2026-11", "as_of": "2026-11-15T00:00:00.000Z",
                "runtime_ms": 0, "commands": 0, "command_ms": 0, "ports_published": 0,
-               "running_containers": 0, "overage_ms": 0, "plan": "free"})
+               "running_containers": 0, "overage_ms": 0, "plan": "free",
+               "included_ms": 0, "overage_amount": "0.00", "currency": "USD"})
     );
     let cases = [
         ("/v1/orgs/acme/usage", 422, "invalid_period"),
