@@ -11,6 +11,7 @@ use utoipa_axum::routes;
 
 use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
+use super::listing;
 use super::query::{QueryParams, StrictQuery};
 use super::AppState;
 use crate::error_code::ErrorCode;
@@ -183,7 +184,7 @@ async fn page(
         })
         .transpose()?;
     let after = page_after(params.after.as_deref())?;
-    let limit = page_limit(params.limit.as_deref(), state.page_events_max)?;
+    let limit = listing::limit(params.limit.as_deref(), PAGE_DEFAULT, state.page_events_max)?;
     let filter = Filter {
         org_id: org_id.as_ref().map(OrgId::as_str),
         container_id: container_id.as_ref().map(ContainerId::as_str),
@@ -232,24 +233,6 @@ fn page_after(after: Option<&str>) -> Result<i64, ApiError> {
                 ApiError::invalid(
                     ErrorCode::InvalidAfter,
                     "after: must be a position, a whole number from 0",
-                )
-            }),
-    }
-}
-
-/// How many events the page holds: from 1 to `max`, [`PAGE_DEFAULT`] (at most `max`)
-/// unless given.
-fn page_limit(limit: Option<&str>, max: usize) -> Result<usize, ApiError> {
-    match limit {
-        None => Ok(PAGE_DEFAULT.min(max)),
-        Some(value) => value
-            .parse::<usize>()
-            .ok()
-            .filter(|limit| (1..=max).contains(limit))
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    ErrorCode::InvalidLimit,
-                    format!("limit: must be a whole number from 1 to {max}"),
                 )
             }),
     }

@@ -1,4 +1,4 @@
-//! The query values every finance list reads the same way: a page size within its bounds
+//! The query values every list reads the same way: a page size within its bounds
 //! and a cursor naming the last row of the page before (`after`), each refused with its
 //! own code.
 

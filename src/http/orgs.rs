@@ -14,6 +14,7 @@ use utoipa_axum::routes;
 use super::auth::Principal;
 use super::consistency::{Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
+use super::listing;
 use super::plans::PlanResponse;
 use super::query::{QueryParams, StrictQuery};
 use super::usage::{as_of, invalid, unknown_parameter};
@@ -262,7 +263,11 @@ pub async fn get_containers(
         .map(ContainerId::parse)
         .transpose()
         .map_err(|error| invalid(ErrorCode::InvalidAfter, format!("after: {error}")))?;
-    let limit = page_limit(params.limit.as_deref())?;
+    let limit = listing::limit(
+        params.limit.as_deref(),
+        CONTAINERS_PAGE_DEFAULT,
+        CONTAINERS_PAGE_MAX,
+    )?;
     // One more than the page, to know whether another follows.
     let AtPosition {
         position,
@@ -313,20 +318,4 @@ fn state_filter(value: Option<&str>) -> Result<StateFilter, ApiError> {
             format!("state: {other:?} is not running, stopped or all"),
         )),
     }
-}
-
-fn page_limit(value: Option<&str>) -> Result<usize, ApiError> {
-    let Some(value) = value else {
-        return Ok(CONTAINERS_PAGE_DEFAULT);
-    };
-    value
-        .parse::<usize>()
-        .ok()
-        .filter(|limit| (1..=CONTAINERS_PAGE_MAX).contains(limit))
-        .ok_or_else(|| {
-            invalid(
-                ErrorCode::InvalidLimit,
-                format!("limit: must be a whole number from 1 to {CONTAINERS_PAGE_MAX}"),
-            )
-        })
 }
