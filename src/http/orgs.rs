@@ -17,10 +17,10 @@ use super::error::{ApiError, ErrorBody};
 use super::listing;
 use super::plans::PlanResponse;
 use super::query::{QueryParams, StrictQuery};
-use super::usage::{as_of, invalid, unknown_parameter};
+use super::usage::{as_of, invalid, path_org, unknown_parameter};
 use super::AppState;
 use crate::error_code::ErrorCode;
-use crate::event::{canonical, ContainerId, OrgId};
+use crate::event::{canonical, ContainerId};
 use crate::projection::org::{self, ContainerSummary, StateFilter};
 use crate::projection::query::AtPosition;
 use crate::runtime::AccountChange;
@@ -121,8 +121,7 @@ pub async fn get_org(
     headers: HeaderMap,
     StrictQuery(params): StrictQuery<OrgParams>,
 ) -> Result<Json<OrgResponse>, ApiError> {
-    let org_id = OrgId::parse(&org_id).map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?;
-    principal.check_org(org_id.as_str())?;
+    let org_id = path_org(&principal, &org_id)?;
     let consistency = Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),
@@ -249,8 +248,7 @@ pub async fn get_containers(
     headers: HeaderMap,
     StrictQuery(params): StrictQuery<ContainersParams>,
 ) -> Result<Json<ContainersResponse>, ApiError> {
-    let org_id = OrgId::parse(&org_id).map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?;
-    principal.check_org(org_id.as_str())?;
+    let org_id = path_org(&principal, &org_id)?;
     let consistency = Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),

@@ -99,6 +99,14 @@ pub struct DayResponse {
     command_ms: i64,
 }
 
+/// The org a `/v1/orgs/{org_id}` read names: a valid id (else 422 `invalid_org_id`) that
+/// the token may read (else 403 `org_not_allowed`).
+pub(super) fn path_org(principal: &Principal, org_id: &str) -> Result<OrgId, ApiError> {
+    let org_id = OrgId::parse(org_id).map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?;
+    principal.check_org(org_id.as_str())?;
+    Ok(org_id)
+}
+
 /// An org's usage in one period, as of an instant.
 #[utoipa::path(
     get,
@@ -125,8 +133,7 @@ pub async fn get_usage(
     headers: HeaderMap,
     StrictQuery(params): StrictQuery<UsageParams>,
 ) -> Result<Json<UsageResponse>, ApiError> {
-    let org_id = OrgId::parse(&org_id).map_err(|error| invalid(ErrorCode::InvalidOrgId, error))?;
-    principal.check_org(org_id.as_str())?;
+    let org_id = path_org(&principal, &org_id)?;
     let consistency = Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),
