@@ -86,20 +86,29 @@ fn nats_server_binary() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
-/// The `tally` binary of this workspace, built if needed (`cargo build -p tally --bin
-/// tally`), for the parts that start `tally serve` as a child process.
+/// The `tally` binary of this workspace, built if needed, for the parts that start `tally
+/// serve` as a child process. Built as `cargo test --workspace --all-targets` builds it
+/// (scripts/test does that first), so that here it is already fresh: a narrower build
+/// (`-p tally`, or without the test targets) unifies dependency features differently and
+/// would compile every dependency a second time.
 pub fn tally_binary() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let output = Command::new(cargo)
-        .args(["build", "--quiet", "-p", "tally", "--bin", "tally"])
+        .args(["build", "--quiet", "--workspace", "--all-targets"])
         .args(["--message-format", "json"])
         .stderr(Stdio::inherit())
         .output()
         .expect("running cargo build");
-    assert!(output.status.success(), "cargo build -p tally failed");
+    assert!(output.status.success(), "cargo build --workspace failed");
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["target"]["name"] == "tally")
+        .filter(|message| {
+            message["target"]["kind"]
+                .as_array()
+                .is_some_and(|kinds| kinds.iter().any(|kind| kind == "bin"))
+        })
         .find_map(|message| Some(PathBuf::from(message["executable"].as_str()?)))
         .expect("cargo build names the tally executable")
 }
