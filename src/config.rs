@@ -231,15 +231,16 @@ pub struct Config {
 
 /// One copy of each stream: what a single nats-server can hold.
 pub const STREAM_REPLICAS: usize = 1;
+/// The most copies JetStream keeps of a stream (its own limit on `num_replicas`).
+pub const STREAM_REPLICAS_MAX: usize = 5;
 
 /// 1 to 5: JetStream keeps no more copies of a stream.
 fn stream_replicas(value: &str) -> Result<usize, String> {
-    let max = crate::bus::STREAM_REPLICAS_MAX;
     value
         .parse::<usize>()
         .ok()
-        .filter(|replicas| (1..=max).contains(replicas))
-        .ok_or_else(|| format!("{value:?}: a whole number from 1 to {max}"))
+        .filter(|replicas| (1..=STREAM_REPLICAS_MAX).contains(replicas))
+        .ok_or_else(|| format!("{value:?}: a whole number from 1 to {STREAM_REPLICAS_MAX}"))
 }
 
 /// 1 to 1000: contract §6 allows no larger page.

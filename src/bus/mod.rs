@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 
+use crate::config::STREAM_REPLICAS_MAX;
+
 /// The stream definitions, in the `nats stream add --config` format, built into the binary
 /// so that what runs is what was reviewed.
 const STREAM_FILES: [(&str, &str); 3] = [
@@ -92,9 +94,6 @@ impl StreamFailure {
         }
     }
 }
-
-/// The most copies JetStream keeps of a stream (its own limit on `num_replicas`).
-pub const STREAM_REPLICAS_MAX: usize = 5;
 
 /// Tally's streams as this deployment has them: their names and subject prefixes, with the
 /// optional namespace applied, and the copies the cluster keeps of each.
