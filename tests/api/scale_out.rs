@@ -740,6 +740,39 @@ async fn assert_ledger_holds_every_acknowledged_event_once(pool: &PgPool, record
     total
 }
 
+/// The ids of the stream's first `count` messages, in order. Creating the consumer that
+/// reads them can time out for a while after a node died (the cluster may place it on the
+/// dead node); a read that failed is started again.
+async fn stream_ids(stream: &async_nats::jetstream::stream::Stream, count: usize) -> Vec<Uuid> {
+    let deadline = Instant::now() + Duration::from_secs(FAILOVER_BOUND_S);
+    loop {
+        let read = async {
+            let consumer = stream
+                .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
+                .await?;
+            let mut messages = consumer.messages().await?;
+            let mut ids = Vec::with_capacity(count);
+            while ids.len() < count {
+                let message = messages.next().await.ok_or("the stream ended early")??;
+                let id = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Msg-Id"))
+                    .expect("every ledger message has an id");
+                ids.push(id.as_str().parse::<Uuid>().unwrap());
+            }
+            Ok::<_, async_nats::Error>(ids)
+        };
+        match read.await {
+            Ok(ids) => return ids,
+            Err(error) => {
+                assert!(Instant::now() < deadline, "cannot read the stream: {error}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
 /// The stream holds the ledger: as many messages, the same ids in position order, each
 /// message equal to its row (`verify --stream`, through a surviving instance).
 async fn assert_stream_is_the_ledger(
@@ -748,27 +781,24 @@ async fn assert_stream_is_the_ledger(
     api: &Api,
     total: i64,
 ) {
-    let mut stream = js.get_stream("TALLY_LEDGER").await.unwrap();
-    let state = stream.info().await.unwrap().state.clone();
+    let deadline = Instant::now() + Duration::from_secs(FAILOVER_BOUND_S);
+    let (stream, state) = loop {
+        let read = async {
+            let mut stream = js.get_stream("TALLY_LEDGER").await?;
+            let state = stream.info().await?.state.clone();
+            Ok::<_, async_nats::Error>((stream, state))
+        };
+        match read.await {
+            Ok(found) => break found,
+            Err(error) => assert!(Instant::now() < deadline, "{error}"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
     assert_eq!(
         (state.messages, state.first_sequence, state.last_sequence),
         (total as u64, 1, total as u64)
     );
-    let consumer = stream
-        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
-        .await
-        .unwrap();
-    let mut messages = consumer.messages().await.unwrap();
-    let mut relayed = Vec::with_capacity(total as usize);
-    while relayed.len() < total as usize {
-        let message = messages.next().await.expect("a message").unwrap();
-        let id = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Nats-Msg-Id"))
-            .unwrap();
-        relayed.push(id.as_str().parse::<Uuid>().unwrap());
-    }
+    let relayed = stream_ids(&stream, total as usize).await;
     let ledger: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM ledger ORDER BY position")
         .fetch_all(pool)
         .await
