@@ -826,6 +826,7 @@ pub struct ClusterNode {
 }
 
 impl TestNatsCluster {
+    /// The nodes `cluster-node.conf` names routes for.
     pub const NODES: usize = 3;
 
     pub fn start() -> TestNatsCluster {

@@ -61,11 +61,12 @@ struct Instance {
 }
 
 /// Three instances on one database and the cluster, their logs in a directory of their own
-/// (printed when the test fails).
+/// (printed when the test fails). Dropped in field order: the instances are killed before
+/// the cluster and the database go.
 struct Fleet {
-    db: TestDb,
-    cluster: TestNatsCluster,
     instances: Vec<Instance>,
+    cluster: TestNatsCluster,
+    db: TestDb,
     logs: tempfile::TempDir,
 }
 
@@ -115,9 +116,9 @@ impl Fleet {
         let db = TestDb::new().await;
         let logs = tempfile::tempdir().expect("a temporary directory");
         let mut fleet = Fleet {
-            db,
-            cluster,
             instances: Vec::new(),
+            cluster,
+            db,
             logs,
         };
         for index in 0..INSTANCES {
