@@ -2,12 +2,13 @@
 //! JetStream cluster that keeps every stream three times (`TALLY_STREAM_REPLICAS=3`).
 //! Events are posted to every instance and published to the ingest subject, and the one
 //! running slot of an org is reserved through every instance, while the instance holding
-//! the relay is killed (-9) and then the node leading `TALLY_LEDGER`. Afterwards the ledger
-//! holds every acknowledged event once at gap-free positions, the stream is the ledger, the
-//! projection is what a replay folds from the ledger, no slot was granted twice, ingest and
-//! the dead-letter stream carried on, and a read on one instance saw what another had just
-//! acknowledged. Also: the streams follow `TALLY_STREAM_REPLICAS` when it changes, and bad
-//! `NATS_URL` lists and replica counts stop start-up with a message naming them.
+//! the relay is killed (-9), then the node leading `TALLY_LEDGER`, and then the instance
+//! returns. Afterwards the ledger holds every acknowledged event once at gap-free
+//! positions, the stream is the ledger, the projection is what a replay folds from the
+//! ledger, no slot was granted twice, ingest and the dead-letter stream carried on, and a
+//! read on one instance saw what another had just acknowledged, the returned one included.
+//! Also: the streams follow `TALLY_STREAM_REPLICAS` when it changes, and bad `NATS_URL`
+//! lists and replica counts stop start-up with a message naming them.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -145,6 +146,20 @@ impl Fleet {
             .await;
         }
         fleet
+    }
+
+    /// Starts a killed instance again, as it was (same database session name, address and
+    /// settings), and waits until it is ready.
+    async fn restart(&mut self, index: usize) {
+        let url = format!("{}?application_name={}", self.db.url, instance_name(index));
+        let log = self
+            .logs
+            .path()
+            .join(format!("{}-returned.log", instance_name(index)));
+        let instance = &mut self.instances[index];
+        assert!(instance.child.is_none(), "only a killed instance returns");
+        instance.child = Some(spawn_tally(&url, &self.cluster.url, &instance.listen, &log));
+        wait_ready(&instance.api).await;
     }
 
     /// kill -9 of one instance.
@@ -909,6 +924,10 @@ async fn three_instances_on_a_three_node_cluster_lose_and_double_nothing_when_th
     load.wait_for_more(1_000).await;
     let (node, node_killed_at, failover) =
         kill_the_ledger_stream_leader(&mut fleet, &pool, &js).await;
+    // The killed instance returns and takes its share of the load again.
+    fleet.restart(killed).await;
+    let returned_at = Instant::now();
+    targets.alive[killed].store(true, Ordering::SeqCst);
     load.wait_for_more(1_000).await;
     let record = load.stop().await;
     eprintln!(
@@ -960,8 +979,7 @@ async fn three_instances_on_a_three_node_cluster_lose_and_double_nothing_when_th
         record.nats_acked.iter().any(|(_, at)| *at > node_killed_at),
         "events published after the leader died were acknowledged (and so ingested)"
     );
-    let survivor = (0..INSTANCES).find(|&index| index != killed).unwrap();
-    assert_stream_is_the_ledger(&js, &pool, &fleet.api(survivor), total).await;
+    assert_stream_is_the_ledger(&js, &pool, &fleet.api(killed), total).await;
     let dlq = js.get_stream("TALLY_DLQ").await.unwrap();
     let dead = dlq
         .get_raw_message(1)
@@ -1002,6 +1020,16 @@ async fn three_instances_on_a_three_node_cluster_lose_and_double_nothing_when_th
             .any(|(at, writer, reader)| *at > instance_killed_at && writer != reader),
         "reads on one instance saw what another acknowledged after the kill: {:?}",
         record.reads.len()
+    );
+    assert!(
+        record
+            .reads
+            .iter()
+            .any(|(at, writer, reader)| *at > returned_at
+                && writer != reader
+                && (*writer == killed || *reader == killed)),
+        "reads through the instance that returned saw what another acknowledged, and the \
+         other way round"
     );
 
     for index in 0..INSTANCES {
