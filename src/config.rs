@@ -114,7 +114,9 @@ pub struct Config {
     )]
     pub database_url: String,
 
-    /// NATS server URL (JetStream enabled).
+    /// NATS server URL (JetStream enabled), or several separated by commas
+    /// (`nats://a:4222,nats://b:4222`, at most 16): tally connects to any and reconnects to
+    /// any other when it loses one.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
 
@@ -217,6 +219,28 @@ pub struct Config {
     /// What "now" is for the service's rules: the system clock, unless a test sets it.
     #[arg(skip)]
     pub clock: crate::clock::Clock,
+
+    // Scale-out: streams replicated over a JetStream cluster.
+    /// Copies a JetStream cluster keeps of each of tally's streams, 1 to 5; overrides the
+    /// `num_replicas` of `streams/*.json` when tally creates or updates them. 3 on a
+    /// 3-node cluster; 1 on a single server, which refuses more (decision 0030).
+    #[arg(long, env = "TALLY_STREAM_REPLICAS", default_value_t = STREAM_REPLICAS,
+          value_parser = stream_replicas)]
+    pub stream_replicas: usize,
+}
+
+/// One copy of each stream: what a single nats-server can hold.
+pub const STREAM_REPLICAS: usize = 1;
+/// The most copies JetStream keeps of a stream (its own limit on `num_replicas`).
+pub const STREAM_REPLICAS_MAX: usize = 5;
+
+/// 1 to 5: JetStream keeps no more copies of a stream.
+fn stream_replicas(value: &str) -> Result<usize, String> {
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|replicas| (1..=STREAM_REPLICAS_MAX).contains(replicas))
+        .ok_or_else(|| format!("{value:?}: a whole number from 1 to {STREAM_REPLICAS_MAX}"))
 }
 
 /// 1 to 1000: contract §6 allows no larger page.
@@ -265,6 +289,8 @@ impl Config {
             finance_batch_orgs: FINANCE_BATCH_ORGS,
             read_wait_ms: READ_WAIT_MS,
             clock: crate::clock::Clock::system(),
+            // Scale-out.
+            stream_replicas: STREAM_REPLICAS,
         }
     }
 

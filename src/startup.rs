@@ -47,7 +47,9 @@ impl Service {
     pub async fn start(config: Config) -> anyhow::Result<Service> {
         // First, so that every family is described and at zero before any component counts.
         let metrics = telemetry::metrics_handle();
-        let names = Names::new(&config.nats_namespace)?;
+        let names = Names::new(&config.nats_namespace)?.with_replicas(config.stream_replicas)?;
+        // Checked before anything starts, so that a bad entry stops start-up at once.
+        bus::Servers::parse(&config.nats_url)?;
         let pool = db::prepare(&config)
             .await
             .context("cannot prepare the database")?;

@@ -35,7 +35,7 @@ pub const ERROR_CODE_HEADER: &str = "Tally-Error-Code";
 pub const ERROR_HEADER: &str = "Tally-Error";
 pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
-const ACK_WAIT_SECONDS: u64 = 30;
+pub const ACK_WAIT_SECONDS: u64 = 30;
 /// Unacknowledged messages the server lets this consumer hold: two full fetches.
 const MAX_ACK_PENDING: i64 = 20_000;
 /// How long one fetch waits for messages when the stream is idle.

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 
+use crate::config::STREAM_REPLICAS_MAX;
+
 /// The stream definitions, in the `nats stream add --config` format, built into the binary
 /// so that what runs is what was reviewed.
 const STREAM_FILES: [(&str, &str); 3] = [
@@ -93,14 +95,17 @@ impl StreamFailure {
     }
 }
 
-/// Stream names and subject prefixes, with the optional namespace applied.
+/// Tally's streams as this deployment has them: their names and subject prefixes, with the
+/// optional namespace applied, and the copies the cluster keeps of each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
     namespace: String,
+    replicas: usize,
 }
 
 impl Names {
-    /// `namespace` must be empty or a single subject token of `[A-Za-z0-9_-]`.
+    /// `namespace` must be empty or a single subject token of `[A-Za-z0-9_-]`. The streams
+    /// keep one copy unless [`Names::with_replicas`] says otherwise.
     pub fn new(namespace: &str) -> Result<Names, Error> {
         if !namespace.is_empty() {
             crate::event::OrgId::parse(namespace)
@@ -108,7 +113,21 @@ impl Names {
         }
         Ok(Names {
             namespace: namespace.to_owned(),
+            replicas: 1,
         })
+    }
+
+    /// Every stream with `replicas` copies (`TALLY_STREAM_REPLICAS`, 1 to
+    /// [`STREAM_REPLICAS_MAX`]) in place of the `num_replicas` of its file: applying the
+    /// streams creates them so, or changes an existing stream's copies to it (decision
+    /// 0030). More than one needs a JetStream cluster of at least that many servers.
+    pub fn with_replicas(self, replicas: usize) -> Result<Names, Error> {
+        if !(1..=STREAM_REPLICAS_MAX).contains(&replicas) {
+            return Err(Error::Setting(format!(
+                "TALLY_STREAM_REPLICAS {replicas}: a whole number from 1 to {STREAM_REPLICAS_MAX}"
+            )));
+        }
+        Ok(Names { replicas, ..self })
     }
 
     pub fn stream(&self, name: &str) -> String {
@@ -147,7 +166,8 @@ impl Names {
         self.subject("tally.dlq.")
     }
 
-    /// The stream configurations from `streams/`, renamed into the namespace.
+    /// The stream configurations from `streams/`, renamed into the namespace, with this
+    /// deployment's replica count.
     pub fn stream_configs(&self) -> Result<Vec<stream::Config>, Error> {
         STREAM_FILES
             .iter()
@@ -157,25 +177,115 @@ impl Names {
                 })?;
                 config.name = self.stream(&config.name);
                 config.subjects = config.subjects.iter().map(|s| self.subject(s)).collect();
+                config.num_replicas = self.replicas;
                 Ok(config)
             })
             .collect()
     }
 }
 
-/// Connects without waiting for the server: when NATS is down at start-up the client keeps
-/// retrying in the background and HTTP ingest works meanwhile. A user and password in the
-/// URL (`nats://user:pass@host:4222`, percent-encoded) are sent to the server: the client
+/// Servers `NATS_URL` may name: a cluster of up to 5 JetStream nodes plus leaf or
+/// gateway entry points fits many times over, and each entry costs a connection attempt
+/// when the client goes round the list after losing its server.
+pub const NATS_SERVERS_MAX: usize = 16;
+
+/// The servers of `NATS_URL`, one or several separated by commas
+/// (`nats://a:4222,nats://b:4222`, as the `nats` tools take them), parsed, with the one user
+/// and password they carry (`None` when none does).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Servers {
+    addresses: Vec<async_nats::ServerAddr>,
+    credentials: Option<(String, String)>,
+}
+
+impl Servers {
+    /// Each entry must be a NATS URL (`nats://`, `tls://`, `ws://`, `wss://`; the scheme and
+    /// port 4222 may be left out); none may be empty; at most [`NATS_SERVERS_MAX`]; the
+    /// entries that carry a user and password must all carry the same ones, since the
+    /// client sends one set to whichever server it reaches. An error names the entry by
+    /// its place and its text, with any password hidden.
+    pub fn parse(list: &str) -> Result<Servers, Error> {
+        let entries: Vec<&str> = list.split(',').map(str::trim).collect();
+        if entries.len() > NATS_SERVERS_MAX {
+            return Err(Error::Setting(format!(
+                "NATS_URL names {} servers; at most {NATS_SERVERS_MAX}",
+                entries.len()
+            )));
+        }
+        let mut addresses = Vec::with_capacity(entries.len());
+        let mut credentials: Option<(String, String)> = None;
+        for (index, entry) in entries.iter().enumerate() {
+            let place = format!("NATS_URL entry {} ({:?})", index + 1, hide_password(entry));
+            if entry.is_empty() {
+                return Err(Error::Setting(format!(
+                    "NATS_URL entry {} is empty: servers are separated by single commas",
+                    index + 1
+                )));
+            }
+            let address: async_nats::ServerAddr = entry
+                .parse()
+                .map_err(|error| Error::Setting(format!("{place} is not a NATS URL: {error}")))?;
+            if let Some(user) = address.username() {
+                let password = address.password().unwrap_or_default();
+                let given = (percent_decoded(user)?, percent_decoded(password)?);
+                match &credentials {
+                    Some(first) if *first != given => {
+                        return Err(Error::Setting(format!(
+                            "{place} names another user or password than an entry before it; \
+                             the client sends one to every server"
+                        )))
+                    }
+                    _ => credentials = Some(given),
+                }
+            }
+            addresses.push(address);
+        }
+        if addresses.iter().any(|a| a.is_websocket()) && !addresses.iter().all(|a| a.is_websocket())
+        {
+            return Err(Error::Setting(
+                "NATS_URL mixes websocket (ws://, wss://) and other servers; the client cannot"
+                    .into(),
+            ));
+        }
+        Ok(Servers {
+            addresses,
+            credentials,
+        })
+    }
+
+    /// The servers without their credentials, comma-separated, for messages and logs.
+    pub fn shown(&self) -> String {
+        self.addresses
+            .iter()
+            .map(redacted)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// An entry as written, with whatever stands between `://` (or the start) and `@` cut to
+/// the user, so that a message naming a bad entry does not print its password.
+fn hide_password(entry: &str) -> String {
+    let Some(at) = entry.rfind('@') else {
+        return entry.to_owned();
+    };
+    let start = entry.find("://").map_or(0, |scheme| scheme + 3).min(at);
+    let user = entry[start..at].split(':').next().unwrap_or_default();
+    format!("{}{user}:***{}", &entry[..start], &entry[at..])
+}
+
+/// Connects without waiting for a server: when NATS is down at start-up the client keeps
+/// retrying in the background and HTTP ingest works meanwhile. With several servers it
+/// connects to any one of them and, when that one goes away, reconnects to any other (and
+/// to the servers the cluster announces). A user and password in the URLs
+/// (`nats://user:pass@host:4222`, percent-encoded) are sent to the server: the client
 /// library parses them but does not use them by itself.
 pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
-    let address: async_nats::ServerAddr = url
-        .parse()
-        .map_err(|error| Error::Setting(format!("NATS_URL is not a NATS URL: {error}")))?;
-    let shown = redacted(&address);
+    let servers = Servers::parse(url)?;
+    let shown = servers.shown();
     let mut options = async_nats::ConnectOptions::new();
-    if let Some(user) = address.username() {
-        let password = address.password().unwrap_or_default();
-        options = options.user_and_password(percent_decoded(user)?, percent_decoded(password)?);
+    if let Some((user, password)) = servers.credentials {
+        options = options.user_and_password(user, password);
     }
     options
         .name("tally")
@@ -183,7 +293,7 @@ pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
         .retry_on_initial_connect()
         .connection_timeout(Duration::from_secs(5))
         .request_timeout(Some(Duration::from_millis(REQUEST_TIMEOUT_MS)))
-        .connect(address)
+        .connect(servers.addresses)
         .await
         .map_err(|source| Error::Connect {
             address: shown,
@@ -226,7 +336,9 @@ pub fn jetstream(client: async_nats::Client) -> jetstream::Context {
 }
 
 /// Creates each of `streams` (unprefixed names, such as `TALLY_LEDGER`), or updates it to
-/// its definition in `streams/` when it differs.
+/// its definition in `streams/` when it differs, with `names`' replica count: a stream
+/// created with one copy is scaled to three by the cluster, which copies its messages to
+/// the new replicas while it keeps serving.
 #[tracing::instrument(skip_all)]
 pub async fn apply_streams(
     context: &jetstream::Context,
@@ -298,5 +410,103 @@ mod tests {
             "bench1.tally.ledger.org_1.container.created"
         );
         assert!(Names::new("a.b").is_err());
+    }
+
+    fn setting_error(list: &str) -> String {
+        match Servers::parse(list) {
+            Err(Error::Setting(message)) => message,
+            other => panic!("{list:?} was accepted: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nats_url_takes_one_server_or_several_separated_by_commas() {
+        let one = Servers::parse("nats://127.0.0.1:4222").unwrap();
+        assert_eq!(one.shown(), "nats://127.0.0.1:4222");
+        let three = Servers::parse("nats://a:4222, nats://b:5222 ,c").unwrap();
+        assert_eq!(three.shown(), "nats://a:4222,nats://b:5222,nats://c:4222");
+        assert_eq!(three.credentials, None);
+    }
+
+    #[test]
+    fn nats_url_takes_sixteen_servers_and_refuses_seventeen() {
+        let list = |count: usize| {
+            (0..count)
+                .map(|n| format!("nats://10.0.0.{n}:4222"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        assert_eq!(
+            Servers::parse(&list(NATS_SERVERS_MAX))
+                .unwrap()
+                .addresses
+                .len(),
+            NATS_SERVERS_MAX
+        );
+        assert_eq!(
+            setting_error(&list(NATS_SERVERS_MAX + 1)),
+            "NATS_URL names 17 servers; at most 16"
+        );
+    }
+
+    #[test]
+    fn a_bad_entry_is_named_by_its_place_and_text_without_its_password() {
+        let message = setting_error("nats://a:4222,http://tally:s3cret@b:4222");
+        assert!(
+            message
+                .starts_with("NATS_URL entry 2 (\"http://tally:***@b:4222\") is not a NATS URL: "),
+            "{message}"
+        );
+        assert!(!message.contains("s3cret"), "{message}");
+        assert_eq!(
+            setting_error("nats://a:4222,,nats://b:4222"),
+            "NATS_URL entry 2 is empty: servers are separated by single commas"
+        );
+        assert_eq!(
+            setting_error("nats://a:4222,"),
+            "NATS_URL entry 2 is empty: servers are separated by single commas"
+        );
+        assert!(
+            setting_error("nats://a:99999").starts_with("NATS_URL entry 1 (\"nats://a:99999\")")
+        );
+        assert!(setting_error("nats://a:4222,ws://b:8080").contains("mixes websocket"));
+    }
+
+    #[test]
+    fn the_servers_share_one_user_and_password() {
+        let servers =
+            Servers::parse("nats://tally:p%40ss@a:4222,nats://b:4222,nats://tally:p%40ss@c")
+                .unwrap();
+        assert_eq!(
+            servers.credentials,
+            Some(("tally".to_owned(), "p@ss".to_owned()))
+        );
+        assert_eq!(servers.shown(), "nats://a:4222,nats://b:4222,nats://c:4222");
+        let message = setting_error("nats://tally:one@a:4222,nats://tally:two@b:4222");
+        assert!(
+            message
+                .starts_with("NATS_URL entry 2 (\"nats://tally:***@b:4222\") names another user"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn the_replica_count_replaces_the_files_and_is_one_to_five() {
+        let names = Names::new("").unwrap();
+        assert!(names
+            .stream_configs()
+            .unwrap()
+            .iter()
+            .all(|c| c.num_replicas == 1));
+        let three = names.clone().with_replicas(3).unwrap();
+        assert!(three
+            .stream_configs()
+            .unwrap()
+            .iter()
+            .all(|c| c.num_replicas == 3));
+        for refused in [0, STREAM_REPLICAS_MAX + 1] {
+            assert!(names.clone().with_replicas(refused).is_err(), "{refused}");
+        }
+        assert!(names.with_replicas(STREAM_REPLICAS_MAX).is_ok());
     }
 }

@@ -56,11 +56,16 @@ pub fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// A pool with every limit set here rather than left to library defaults.
+/// A pool with every limit set here rather than left to library defaults. Its sessions are
+/// named `tally` in `pg_stat_activity` unless the URL (`?application_name=`) or `PGAPPNAME`
+/// names them otherwise: with several instances, a name each tells whose session holds
+/// what (the relay's lock, for one).
 pub async fn connect(config: &Config) -> Result<PgPool, sqlx::Error> {
     let statement_timeout = format!("{}ms", config.db_statement_timeout_ms);
-    let options = PgConnectOptions::from_str(&config.database_url)?
-        .application_name("tally")
+    let options = PgConnectOptions::from_str(&config.database_url)?;
+    let application_name = options.get_application_name().unwrap_or("tally").to_owned();
+    let options = options
+        .application_name(&application_name)
         .options([("statement_timeout", statement_timeout.as_str())]);
     Ok(PgPoolOptions::new()
         .max_connections(config.db_pool_max)

@@ -117,16 +117,7 @@ impl TestNats {
     }
 
     fn wait_until_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        let address: SocketAddr = format!("127.0.0.1:{}", self.port).parse().unwrap();
-        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not start on {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_until_listening(self.port);
     }
 
     pub fn stop(&mut self) {
@@ -813,5 +804,129 @@ impl Api {
             request = request.header("content-type", content_type);
         }
         Self::reply(request).await.status_json()
+    }
+}
+
+/// A 3-node NATS cluster with JetStream on free loopback ports, each node run from
+/// `deploy/nats/cluster-node.conf` (the configuration operators are given) with a store of
+/// its own; every node still running is killed and every store removed when the test ends.
+pub struct TestNatsCluster {
+    pub nodes: Vec<ClusterNode>,
+    /// Every node's client URL, comma-separated, as `NATS_URL` takes them.
+    pub url: String,
+}
+
+/// One node of a [`TestNatsCluster`].
+pub struct ClusterNode {
+    /// Its `server_name`, as stream info names a stream's leader.
+    pub name: String,
+    pub port: u16,
+    child: Option<Child>,
+    _store: tempfile::TempDir,
+}
+
+impl TestNatsCluster {
+    /// The nodes `cluster-node.conf` names routes for.
+    pub const NODES: usize = 3;
+
+    pub fn start() -> TestNatsCluster {
+        let config =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/nats/cluster-node.conf");
+        let client_ports: Vec<u16> = (0..Self::NODES).map(|_| free_port()).collect();
+        let cluster_ports: Vec<u16> = (0..Self::NODES).map(|_| free_port()).collect();
+        let routes: Vec<String> = cluster_ports
+            .iter()
+            .map(|port| format!("nats://127.0.0.1:{port}"))
+            .collect();
+        let nodes: Vec<ClusterNode> = (0..Self::NODES)
+            .map(|index| {
+                let name = format!("nats-{}", index + 1);
+                let store = tempfile::tempdir().expect("a temporary directory");
+                let port = client_ports[index];
+                let child = Command::new(nats_server_binary())
+                    .arg("-c")
+                    .arg(&config)
+                    .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+                    .env("TALLY_NATS_NODE", &name)
+                    .env("TALLY_NATS_STORE_DIR", store.path())
+                    .env(
+                        "TALLY_NATS_CLUSTER_LISTEN",
+                        format!("127.0.0.1:{}", cluster_ports[index]),
+                    )
+                    .env("TALLY_NATS_ROUTE_1", &routes[0])
+                    .env("TALLY_NATS_ROUTE_2", &routes[1])
+                    .env("TALLY_NATS_ROUTE_3", &routes[2])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("starting nats-server (set TALLY_TEST_NATS_SERVER to its path)");
+                ClusterNode {
+                    name,
+                    port,
+                    child: Some(child),
+                    _store: store,
+                }
+            })
+            .collect();
+        let url = client_ports
+            .iter()
+            .map(|port| format!("nats://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let cluster = TestNatsCluster { nodes, url };
+        for node in &cluster.nodes {
+            wait_until_listening(node.port);
+        }
+        cluster
+    }
+
+    /// The index of the node named `name`.
+    pub fn node(&self, name: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|node| node.name == name)
+            .unwrap_or_else(|| panic!("no node named {name}"))
+    }
+
+    /// kill -9 of one node; its store stays until the test ends.
+    pub fn kill(&mut self, index: usize) {
+        if let Some(mut child) = self.nodes[index].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// A JetStream context on a client that knows every node, as tally's does; its requests
+    /// wait `timeout` for an answer.
+    pub async fn jetstream(&self, timeout: Duration) -> async_nats::jetstream::Context {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(2))
+            .connect(self.url.split(',').collect::<Vec<_>>().as_slice())
+            .await
+            .expect("connecting to the test cluster");
+        let mut context = async_nats::jetstream::new(client);
+        context.set_timeout(timeout);
+        context
+    }
+}
+
+impl Drop for TestNatsCluster {
+    fn drop(&mut self) {
+        for index in 0..self.nodes.len() {
+            self.kill(index);
+        }
+    }
+}
+
+/// Waits until something accepts connections on the loopback `port`.
+fn wait_until_listening(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nats-server did not start on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -33,6 +33,7 @@ mod reconciliation;
 mod reconciliation_focus;
 mod relay;
 mod reports;
+mod scale_out;
 mod server_limits;
 mod stream_integrity;
 mod tokens;
