@@ -2,8 +2,8 @@
 //! the read database once it has replayed what they need; everything else reads the primary.
 //!
 //! A replica receives no notices (`NOTIFY` is not replayed and `LISTEN` is refused during
-//! recovery), so a read that waits for it reads the replica's position every
-//! [`REPLICA_POLL_MS`]. Past `TALLY_READ_WAIT_MS` the read is answered 503
+//! recovery), so a read that waits for it reads the replica's position after 2 ms, then
+//! after pauses doubling up to [`REPLICA_POLL_MS`]. Past `TALLY_READ_WAIT_MS` the read is answered 503
 //! `replica_lagging` (or `projection_lagging` when the primary's projection is itself
 //! short, [`super::consistency`] tells): it never falls back to the primary (docs/decisions/0031-read-replica.md).
 
@@ -20,11 +20,14 @@ use crate::error_code::ErrorCode;
 use crate::ledger::read;
 use crate::projection::store;
 
-/// How often a read waiting for the replica reads how far it has replayed: one single-row
-/// read per waiting request per interval, as the projection's wait reads its checkpoint
-/// ([`crate::projection::projector::CHECKPOINT_POLL_MS`]); replay lag on a healthy replica
-/// is a few milliseconds, so a longer interval would be most of the wait.
+/// How often, at most, a read waiting for the replica reads how far it has replayed: one
+/// single-row read per waiting request per interval, as the projection's wait reads its
+/// checkpoint ([`crate::projection::projector::CHECKPOINT_POLL_MS`]).
 pub const REPLICA_POLL_MS: u64 = 20;
+/// The first pause, doubled after each read up to [`REPLICA_POLL_MS`]: replay on a healthy
+/// replica trails a commit by a millisecond or two, so a read right after a write is
+/// usually served after the first pause instead of a whole interval.
+pub const REPLICA_POLL_FIRST_MS: u64 = 2;
 
 /// The database a read of audit pages or exports uses, once it holds what the read needs.
 #[derive(Clone)]
@@ -141,6 +144,7 @@ where
     Found: Future<Output = Result<i64, sqlx::Error>>,
 {
     let deadline = Instant::now() + state.read_wait;
+    let mut pause_ms = REPLICA_POLL_FIRST_MS;
     loop {
         let found = not_yet_replayed_is_zero(replayed().await)?;
         if found >= wanted {
@@ -149,8 +153,9 @@ where
         if Instant::now() >= deadline {
             return Ok(Replayed::Short(found));
         }
-        let pause = Instant::now() + Duration::from_millis(REPLICA_POLL_MS);
+        let pause = Instant::now() + Duration::from_millis(pause_ms);
         tokio::time::sleep_until(pause.min(deadline)).await;
+        pause_ms = (pause_ms * 2).min(REPLICA_POLL_MS);
     }
 }
 
