@@ -104,6 +104,15 @@ pub const FINANCE_BATCH_ORGS: u32 = 1_000;
 /// enough for a caller to retry.
 pub const READ_WAIT_MS: u64 = 2_000;
 
+/// Connections to the read database (`TALLY_READ_DATABASE_URL`): audit pages and exports
+/// are the only reads sent there, and each holds one connection for its length, so a few
+/// carry them; a small pool also keeps several instances far under the replica's
+/// `max_connections` (which a hot standby needs at least as high as the primary's).
+pub const READ_DB_POOL_MAX: u32 = 4;
+/// The largest `TALLY_READ_DB_POOL_MAX` accepted: Postgres's default `max_connections` is
+/// 100, so a larger pool per instance would let two instances exhaust a default replica.
+pub const READ_DB_POOL_LIMIT: u32 = 48;
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     /// Postgres URL; the database is created when missing.
@@ -227,6 +236,16 @@ pub struct Config {
     #[arg(long, env = "TALLY_STREAM_REPLICAS", default_value_t = STREAM_REPLICAS,
           value_parser = stream_replicas)]
     pub stream_replicas: usize,
+
+    // Reads from a replica.
+    /// A streaming replica of `DATABASE_URL`: audit pages and exports read there (waiting
+    /// until it has replayed what they need); unset or empty, they read the primary.
+    #[arg(long, env = "TALLY_READ_DATABASE_URL", hide_env_values = true)]
+    pub read_database_url: Option<String>,
+
+    #[arg(long, env = "TALLY_READ_DB_POOL_MAX", default_value_t = READ_DB_POOL_MAX,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(READ_DB_POOL_LIMIT)))]
+    pub read_db_pool_max: u32,
 }
 
 /// One copy of each stream: what a single nats-server can hold.
@@ -291,6 +310,9 @@ impl Config {
             clock: crate::clock::Clock::system(),
             // Scale-out.
             stream_replicas: STREAM_REPLICAS,
+            // Reads from a replica.
+            read_database_url: None,
+            read_db_pool_max: READ_DB_POOL_MAX,
         }
     }
 
@@ -300,5 +322,61 @@ impl Config {
 
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// The read database's URL, when one is set (an empty value is none).
+    pub fn read_database(&self) -> Option<&str> {
+        self.read_database_url
+            .as_deref()
+            .filter(|url| !url.trim().is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        config: Config,
+    }
+
+    fn parse(flags: &[&str]) -> Result<Config, clap::Error> {
+        Flags::try_parse_from(std::iter::once("tally").chain(flags.iter().copied()))
+            .map(|flags| flags.config)
+    }
+
+    #[test]
+    fn the_read_pool_takes_one_to_its_limit_and_refuses_past_it() {
+        assert_eq!(
+            parse(&["--read-db-pool-max", "1"])
+                .unwrap()
+                .read_db_pool_max,
+            1
+        );
+        let limit = READ_DB_POOL_LIMIT.to_string();
+        assert_eq!(
+            parse(&["--read-db-pool-max", &limit])
+                .unwrap()
+                .read_db_pool_max,
+            READ_DB_POOL_LIMIT
+        );
+        let past = (READ_DB_POOL_LIMIT + 1).to_string();
+        for bad in ["0", past.as_str(), "x"] {
+            assert!(parse(&["--read-db-pool-max", bad]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_empty_read_database_url_means_none() {
+        let mut config = Config::new("postgres://primary/tally", "nats://unused");
+        assert_eq!(config.read_database(), None);
+        config.read_database_url = Some(" ".into());
+        assert_eq!(config.read_database(), None);
+        config.read_database_url = Some("postgres://replica/tally".into());
+        assert_eq!(config.read_database(), Some("postgres://replica/tally"));
     }
 }

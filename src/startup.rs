@@ -37,6 +37,7 @@ pub struct Service {
     server: JoinHandle<std::io::Result<()>>,
     workers: Vec<JoinHandle<()>>,
     appender_task: JoinHandle<()>,
+    read_pool: Option<PgPool>,
 }
 
 impl Service {
@@ -50,6 +51,10 @@ impl Service {
         let names = Names::new(&config.nats_namespace)?.with_replicas(config.stream_replicas)?;
         // Checked before anything starts, so that a bad entry stops start-up at once.
         bus::Servers::parse(&config.nats_url)?;
+        // Before anything is touched: a read database URL that does not parse fails the
+        // start; a replica that does not answer fails only the reads sent to it
+        // (`http::replica`).
+        let read_pool = db::connect_read(&config).context("TALLY_READ_DATABASE_URL")?;
         let pool = db::prepare(&config)
             .await
             .context("cannot prepare the database")?;
@@ -58,6 +63,9 @@ impl Service {
             .await
             .with_context(|| format!("cannot listen on {}", config.listen))?;
         let local_addr = listener.local_addr()?;
+        if let Some(read_pool) = &read_pool {
+            tokio::spawn(crate::http::replica::probe(read_pool.clone()));
+        }
         let nats = bus::connect(&config.nats_url).await?;
         let context = bus::jetstream(nats.clone());
         let (appender, committed, appender_task) = Appender::start(
@@ -142,6 +150,7 @@ impl Service {
             finance_batch_orgs: i64::from(config.finance_batch_orgs),
             read_wait: Duration::from_millis(config.read_wait_ms),
             clock: config.clock,
+            read_pool: read_pool.clone(),
         });
         if config.bootstrap_token.as_deref().unwrap_or("").is_empty() {
             tracing::warn!("TALLY_BOOTSTRAP_TOKEN is not set: every /v1 request will get 401");
@@ -164,6 +173,7 @@ impl Service {
             server,
             workers,
             appender_task,
+            read_pool,
         })
     }
 
@@ -185,6 +195,9 @@ impl Service {
         drop(self.appender);
         let _ = self.appender_task.await;
         self.pool.close().await;
+        if let Some(read_pool) = self.read_pool {
+            read_pool.close().await;
+        }
         tracing::info!("tally stopped");
     }
 

@@ -168,6 +168,8 @@ families! {
         "Projection rounds that failed; the projector retries after a pause.";
     READ_LAGGING = "tally_read_lagging_total", Counter, Count, ONE, NONE,
         "Reads answered 503 projection_lagging because the projection did not reach the wanted position in time.";
+    READ_REPLICA_LAGGING = "tally_read_replica_lagging_total", Counter, Count, ONE, NONE,
+        "Audit pages and exports answered 503 replica_lagging because the read database had not replayed what they need in time.";
     // Admission.
     ADMISSION_CHECKS = "tally_admission_checks_total", Counter, Count,
         Series::Labelled(&[&[("allowed", "true")], &[("allowed", "false")]]), NONE,

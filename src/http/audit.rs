@@ -1,5 +1,6 @@
 //! Audit queries (contract §6): `GET /v1/events` and `GET /v1/containers/{id}/events`, pages
-//! of the ledger in position order with a `next_after` cursor.
+//! of the ledger in position order with a `next_after` cursor. With a read database
+//! (`TALLY_READ_DATABASE_URL`) they are read there, once it holds the primary's head.
 
 use axum::extract::{Path, State};
 use axum::Json;
@@ -13,6 +14,7 @@ use super::auth::Principal;
 use super::error::{ApiError, ErrorBody};
 use super::listing;
 use super::query::{QueryParams, StrictQuery};
+use super::replica::{self, ReadPool};
 use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::event::{ContainerId, EventType, OrgId};
@@ -117,7 +119,7 @@ pub struct EventsPage {
         (status = 200, body = EventsPage),
         (status = 401, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "database_unavailable; with a read database, replica_lagging (with Retry-After) or read_database_unavailable"),
     ),
     security(("bearer" = []))
 )]
@@ -139,7 +141,7 @@ pub async fn get_events(
         (status = 200, body = EventsPage),
         (status = 401, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "database_unavailable; with a read database, replica_lagging (with Retry-After) or read_database_unavailable"),
     ),
     security(("bearer" = []))
 )]
@@ -190,13 +192,28 @@ async fn page(
         container_id: container_id.as_ref().map(ContainerId::as_str),
         event_type: event_type.map(EventType::as_str),
     };
-    let rows = read::read_filtered(&state.pool, &filter, after, limit).await?;
+    let reads = page_pool(state).await?;
+    let rows = read::read_filtered(&reads.pool, &filter, after, limit)
+        .await
+        .map_err(|error| reads.error(error))?;
     let next_after = rows.last().map_or(after, |row| row.position);
     let events = rows
         .iter()
         .map(|row| serde_json::to_value(row.to_message()).expect("a ledger row serializes"))
         .collect();
     Ok(Json(EventsPage { events, next_after }))
+}
+
+/// Where the page is read: the primary, or the read database once it holds the ledger head
+/// taken on the primary now, so that the page holds every event acknowledged before the
+/// request (as a page read on the primary does).
+async fn page_pool(state: &AppState) -> Result<ReadPool, ApiError> {
+    // Without a read database the page reads the primary itself: no head to wait for.
+    let head = match state.read_pool {
+        None => 0,
+        Some(_) => read::head(&state.pool).await?.position,
+    };
+    replica::ledger_holding(state, head).await
 }
 
 /// The org whose events are read: the `org_id` asked for, which the token must be allowed

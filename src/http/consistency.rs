@@ -13,11 +13,12 @@ use serde::Deserialize;
 use utoipa::IntoParams;
 
 use super::error::ApiError;
+use super::replica::{self, ReadPool, Replayed};
 use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::ledger::read;
 use crate::projection::query::AtPosition;
-use crate::projection::WaitError;
+use crate::projection::{store, WaitError};
 
 /// The header a producer may send instead of `?min_position=`.
 pub const MIN_POSITION_HEADER: &str = "tally-min-position";
@@ -132,6 +133,35 @@ impl Consistency {
     pub async fn settle(self, state: &AppState) -> Result<i64, ApiError> {
         let wanted = self.wanted(state).await?;
         wait(state, wanted, state.read_wait).await
+    }
+
+    /// Waits as this asks on the database exports read (the read database when one is set,
+    /// [`replica::projected`]), within `TALLY_READ_WAIT_MS`; returns that database. The
+    /// position wanted is taken on the primary.
+    pub async fn settle_reads(self, state: &AppState) -> Result<ReadPool, ApiError> {
+        let wanted = self.wanted(state).await?;
+        let Some(replica) = replica::replica(state) else {
+            wait(state, wanted, state.read_wait).await?;
+            return Ok(ReadPool::primary(state));
+        };
+        match replica::projected(state, &replica, wanted).await? {
+            Replayed::Reached => Ok(replica),
+            Replayed::Short(replayed) => {
+                // Name the part that is behind: the projection itself, or the replay of it.
+                let mut connection = state.pool.acquire().await?;
+                let projected = store::checkpoint(&mut connection, store::LIVE).await?;
+                if projected < wanted {
+                    Err(lagging(state, wanted, projected))
+                } else {
+                    Err(replica::replica_lagging(
+                        state,
+                        "projection",
+                        wanted,
+                        replayed,
+                    ))
+                }
+            }
+        }
     }
 
     /// Reads figures that reflect what this asks. `read` returns them with the checkpoint of

@@ -379,7 +379,9 @@ impl QueryParams for ExportParams {
 /// that org's row only). By default the export first waits until the projection has
 /// reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
 /// for that position instead, `consistency=eventual` not at all; past `TALLY_READ_WAIT_MS`,
-/// 503 `projection_lagging`). Every row comes from one snapshot; the ledger position it
+/// 503 `projection_lagging`). With a read database (`TALLY_READ_DATABASE_URL`) the export
+/// reads there and waits until its replayed projection has reached that position (past the
+/// wait, 503 `replica_lagging`). Every row comes from one snapshot; the ledger position it
 /// reflects is the `Tally-Position` header, and also `position` in a JSON answer.
 #[utoipa::path(
     get,
@@ -396,7 +398,7 @@ impl QueryParams for ExportParams {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody, description = "projection_lagging (with Retry-After) or unavailable"),
+        (status = 503, body = ErrorBody, description = "projection_lagging or replica_lagging (with Retry-After), or unavailable"),
     ),
     security(("bearer" = []))
 )]
@@ -408,24 +410,26 @@ pub async fn get_usage_export(
 ) -> Result<Response, ApiError> {
     let period = export_period(params.period.as_deref())?;
     let json_format = wants_json(params.format.as_deref())?;
-    Consistency::parse(
+    // On the read database when one is set, once it has replayed the position wanted.
+    let reads = Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),
         &headers,
     )?
-    .settle(&state)
+    .settle_reads(&state)
     .await?;
     let as_of = state.clock.now().trunc_subsecs(3).min(period.end());
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.
     let export = export::usage_export(
-        &state.pool,
+        &reads.pool,
         period,
         as_of,
         state.finance_batch_orgs,
         principal.org_id.clone(),
     )
-    .await?;
+    .await
+    .map_err(|error| reads.error(error))?;
     let (position, parts) = (export.position, export.parts);
     let head = futures::stream::once(async move {
         Ok::<Bytes, std::io::Error>(Bytes::from(if json_format {

@@ -21,6 +21,7 @@ pub mod plans;
 pub mod query;
 pub mod reconciliation_lines;
 pub mod reconciliations;
+pub mod replica;
 pub mod reports;
 pub mod status;
 pub mod tokens;
@@ -83,6 +84,9 @@ pub struct Inner {
     pub read_wait: Duration,
     /// What "now" is for the rules: periods, event time bounds, `as_of`, expiry.
     pub clock: crate::clock::Clock,
+    /// The read database (`TALLY_READ_DATABASE_URL`) for audit pages and exports, if any:
+    /// [`replica`].
+    pub read_pool: Option<PgPool>,
 }
 
 impl AppState {

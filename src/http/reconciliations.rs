@@ -509,6 +509,8 @@ pub struct LinesSchema {
 /// A reconciliation's lines, streamed: CSV with the header of contract §6, or JSON. The
 /// `Tally-Position` header (and `position` in JSON) is the ledger position the
 /// reconciliation reflected. A token bound to an org gets that org's lines only.
+/// With a read database (`TALLY_READ_DATABASE_URL`) the lines are read there, once it has
+/// replayed the reconciliation (past `TALLY_READ_WAIT_MS`, 503 `replica_lagging`).
 #[utoipa::path(
     get,
     path = "/v1/reconciliations/{reconciliation_id}/lines.csv",
@@ -537,8 +539,10 @@ pub async fn get_lines(
 ) -> Result<Response, ApiError> {
     let json_format = wants_json(params.format.as_deref())?;
     let id = self::reconciliation_id(&reconciliation_id)?;
+    // Found on the primary (an unknown id is 404 at once), then read where reads go.
     let position = reconciliation_position(&state.pool, id).await?;
-    let pool = state.pool.clone();
+    let reads = super::replica::holding_reconciliation(&state, id).await?;
+    let pool = reads.pool.clone();
     // A token bound to one org reads only the lines of that org.
     let bound = principal.org_id.clone();
     // (next seq to read, lines written so far, done)

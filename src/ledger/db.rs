@@ -79,6 +79,28 @@ pub async fn connect(config: &Config) -> Result<PgPool, sqlx::Error> {
         .connect_lazy_with(options))
 }
 
+/// The pool of the read database (`TALLY_READ_DATABASE_URL`), when one is set: the
+/// primary's limits but its own size (`TALLY_READ_DB_POOL_MAX`). Lazy, like the primary's:
+/// a replica that does not answer fails the reads sent to it, not the start.
+pub fn connect_read(config: &Config) -> Result<Option<PgPool>, sqlx::Error> {
+    let Some(url) = config.read_database() else {
+        return Ok(None);
+    };
+    let statement_timeout = format!("{}ms", config.db_statement_timeout_ms);
+    let options = PgConnectOptions::from_str(url)?
+        .application_name("tally-read")
+        .options([("statement_timeout", statement_timeout.as_str())]);
+    Ok(Some(
+        PgPoolOptions::new()
+            .max_connections(config.read_db_pool_max)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_millis(config.db_acquire_timeout_ms))
+            .idle_timeout(Duration::from_secs(300))
+            .test_before_acquire(false)
+            .connect_lazy_with(options),
+    ))
+}
+
 /// Creates the database if needed, connects, migrates.
 pub async fn prepare(config: &Config) -> Result<PgPool, super::Error> {
     ensure_database(&config.database_url).await?;
