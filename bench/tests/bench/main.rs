@@ -144,9 +144,9 @@ async fn the_bench_runs_the_workloads_through_one_and_three_instances_and_prints
             serve_binary.to_str().expect("a UTF-8 path"),
         ])
         .args(["--only", "instances", "--instances", "3"])
-        .args(["--http-events", "2000", "--single-events", "320"])
-        .args(["--single-clients", "32", "--nats-events", "500"])
-        .args(["--admission-orgs", "20", "--admission-checks", "1000"])
+        .args(["--http-events", "1000", "--single-events", "64"])
+        .args(["--single-clients", "8", "--nats-events", "100"])
+        .args(["--admission-orgs", "20", "--admission-checks", "200"])
         .args(["--admission-paced-seconds", "1"])
         .env("DATABASE_URL", &server)
         .env("NATS_URL", &nats.url)
