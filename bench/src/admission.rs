@@ -515,12 +515,17 @@ struct Answered {
     answers: Vec<Bytes>,
 }
 
-/// Sends `bodies` (`count` requests, body `index % bodies.len()`) from `clients` connections.
+/// Sends `bodies` (`count` requests, body `index % bodies.len()`) from `clients` connections,
+/// connection `i` to the instance at `addresses[i % addresses.len()]` (round-robin).
 /// Unpaced (`rate_per_second` is `None`), each client sends its next request as soon as
 /// the previous one is answered; paced, request `index` is due `index / rate` after the
 /// start, whichever client is free takes it, and its latency is also taken from when it
 /// was due (open loop: a late send counts against the service, not hidden).
-async fn send_all(service: &Served, token: &str, load: Load<'_>) -> anyhow::Result<Answered> {
+async fn send_all(
+    addresses: &[std::net::SocketAddr],
+    token: &str,
+    load: Load<'_>,
+) -> anyhow::Result<Answered> {
     let Load {
         target,
         bodies,
@@ -530,11 +535,13 @@ async fn send_all(service: &Served, token: &str, load: Load<'_>) -> anyhow::Resu
         keep_answers,
     } = load;
     assert!(!bodies.is_empty(), "something to send");
+    assert!(!addresses.is_empty(), "an instance to send to");
     let next = Arc::new(AtomicUsize::new(0));
     // Connections are opened before the clock starts.
     let mut connections = Vec::with_capacity(clients);
-    for _ in 0..clients {
-        connections.push(HttpConnection::open(service.address, "/healthz", token).await?);
+    for client in 0..clients {
+        let address = addresses[client % addresses.len()];
+        connections.push(HttpConnection::open(address, "/healthz", token).await?);
     }
     let started = Instant::now();
     let pacer = rate_per_second.map(|rate| Pacer::start(started, rate, count, clients));
@@ -745,7 +752,7 @@ async fn measure(
             .await?;
     }
     let endpoint = Endpoint {
-        address: service.address,
+        addresses: vec![service.address],
         url: "/v1/events".to_owned(),
         token: token.to_owned(),
     };
@@ -787,7 +794,7 @@ async fn measure(
     let check = Target::check();
     eprintln!("bench: admission: warming up");
     send_all(
-        service,
+        &[service.address],
         token,
         Load::closed(&check, &bodies, WARMUP_REQUESTS),
     )
@@ -800,7 +807,7 @@ async fn measure(
     let facts_before = ServedFacts::of(service).await?;
     let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
     let answered = send_all(
-        service,
+        &[service.address],
         token,
         Load {
             keep_answers: true,
@@ -909,7 +916,7 @@ async fn measure(
     let healthz = Target::healthz();
     let empty = Arc::new(vec![Bytes::new()]);
     send_all(
-        service,
+        &[service.address],
         token,
         Load::closed(&healthz, &empty, WARMUP_REQUESTS),
     )
@@ -920,7 +927,7 @@ async fn measure(
     );
     let cpu_before = CpuTime::now(service);
     let floor = send_all(
-        service,
+        &[service.address],
         token,
         Load::closed(&healthz, &empty, args.admission_checks),
     )
@@ -996,7 +1003,7 @@ async fn measure_paced(
 ) -> anyhow::Result<Figure> {
     let count = load.count;
     let cpu_before = CpuTime::now(service);
-    let sent = send_all(service, token, load).await?;
+    let sent = send_all(&[service.address], token, load).await?;
     let cpu = CpuTime::describe(cpu_before, CpuTime::now(service), sent.elapsed);
     Ok(Figure::new(label, count, sent.elapsed)
         .with_latencies(&sent.latencies)
@@ -1552,4 +1559,180 @@ impl Report {
         println!();
         print_lines(&self.lines, self.service, &self.checks);
     }
+}
+
+/// The admission workload through one instance or several on the same database: what
+/// `--instances` compares.
+pub(crate) struct Through {
+    /// Checks as fast as answered from [`CLIENTS`] connections.
+    pub(crate) closed: Figure,
+    /// Checks paced at `rate` from [`PACED_CLIENTS`] connections.
+    pub(crate) paced: Figure,
+    /// The paced rate, a second.
+    pub(crate) rate: f64,
+    pub(crate) checks: Vec<Check>,
+}
+
+/// The population posted round-robin over `services`, then the sample checks on every
+/// instance, the closed-loop checks (every answer compared with the population) and the
+/// paced checks, each client's connection to instance `client % services.len()`. Paced at
+/// `rate` when given (so that two runs compare at one rate), else at half the closed-loop
+/// throughput, as the admission part paces.
+// Long: the phases in the order they run, each a few lines, as in `measure`.
+pub(crate) async fn measure_through(
+    services: &[Served],
+    token: &str,
+    args: &AdmissionArgs,
+    rate: Option<f64>,
+) -> anyhow::Result<Through> {
+    let addresses: Vec<std::net::SocketAddr> = services.iter().map(|s| s.address).collect();
+    let pool = &services[0].pool;
+    let mut checks = Vec::new();
+    let population = Population::generate(args.admission_orgs, Utc::now());
+    let mut connection = HttpConnection::open(addresses[0], "/healthz", token).await?;
+    for (plan, included_seconds) in [
+        (TEAM_PLAN, TEAM_INCLUDED_SECONDS),
+        (TRIAL_PLAN, TRIAL_INCLUDED_SECONDS),
+    ] {
+        connection
+            .expect(
+                &hyper::Method::PUT,
+                &format!("/v1/plans/{plan}").parse()?,
+                plan_body(included_seconds),
+                hyper::StatusCode::CREATED,
+            )
+            .await?;
+    }
+    let endpoint = Endpoint {
+        addresses: addresses.clone(),
+        url: "/v1/events".to_owned(),
+        token: token.to_owned(),
+    };
+    endpoint
+        .post_all(&population.bodies, POPULATION_CLIENTS.max(services.len()))
+        .await?;
+    let head = ledger_head(pool).await?;
+    wait_for_projection(pool, head).await?;
+    sqlx::query("ANALYZE").execute(pool).await?;
+    checks.push(Check {
+        description: format!(
+            "2 plans and {} population events appended (ledger head {head}) and projected",
+            population.events
+        ),
+        passed: head == i64::try_from(population.events)? + 2,
+    });
+    checks.extend(samples_on_every_instance(&addresses, token, &population, "").await?);
+
+    let mut rng = rand::rng();
+    let probes: Vec<Probe> = (0..args.admission_checks)
+        .map(|serial| Probe::random(&mut rng, population.orgs.len(), serial))
+        .collect();
+    let bodies = Arc::new(probes.iter().map(|p| p.body.clone()).collect::<Vec<_>>());
+    let check = Target::check();
+    send_all(
+        &addresses,
+        token,
+        Load::closed(&check, &bodies, WARMUP_REQUESTS),
+    )
+    .await?;
+    eprintln!(
+        "bench: admission through {} instances: {} checks from {CLIENTS} clients",
+        services.len(),
+        args.admission_checks
+    );
+    let split_before = crate::cpu::CpuSplit::now(services);
+    let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
+    let answered = send_all(
+        &addresses,
+        token,
+        Load {
+            keep_answers: true,
+            ..Load::closed(&check, &bodies, args.admission_checks)
+        },
+    )
+    .await?;
+    let phase_end_ms = Utc::now().timestamp_millis() + 1;
+    let split = crate::cpu::CpuSplit::describe(split_before, crate::cpu::CpuSplit::now(services));
+    let verified = verify_answers(
+        &probes,
+        &answered.answers,
+        &population,
+        (phase_start_ms, phase_end_ms),
+    )?;
+    checks.push(verified.check);
+    let closed = Figure::new(
+        format!("admission checks, {CLIENTS} clients, closed loop"),
+        args.admission_checks,
+        answered.elapsed,
+    )
+    .with_latencies(&answered.latencies)
+    .with_note(split)
+    .with_note(format!("load average {}", load_average()));
+
+    let rate = rate.unwrap_or((closed.per_second() / 2.0).max(1.0));
+    let paced_count = ((rate * args.admission_paced_seconds as f64) as usize).max(1);
+    eprintln!(
+        "bench: admission through {} instances: {paced_count} checks paced at {rate:.0}/s",
+        services.len()
+    );
+    let split_before = crate::cpu::CpuSplit::now(services);
+    let sent = send_all(
+        &addresses,
+        token,
+        Load::paced(&check, &bodies, paced_count, rate),
+    )
+    .await?;
+    let paced = Figure::new(
+        format!("admission checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"),
+        paced_count,
+        sent.elapsed,
+    )
+    .with_latencies(&sent.latencies)
+    .with_note(format!(
+        "from when due p50 {:.2} ms, p99 {:.2} ms",
+        percentile_ms(&sent.latencies_from_due, 0.50),
+        percentile_ms(&sent.latencies_from_due, 0.99)
+    ))
+    .with_note(crate::cpu::CpuSplit::describe(
+        split_before,
+        crate::cpu::CpuSplit::now(services),
+    ))
+    .with_note(format!("load average {}", load_average()));
+    checks.extend(
+        samples_on_every_instance(&addresses, token, &population, "after the load, ").await?,
+    );
+    Ok(Through {
+        closed,
+        paced,
+        rate,
+        checks,
+    })
+}
+
+/// [`sample_checks`] on every instance, one check an instance, naming the first sample
+/// answered otherwise than expected.
+async fn samples_on_every_instance(
+    addresses: &[std::net::SocketAddr],
+    token: &str,
+    population: &Population,
+    when: &str,
+) -> anyhow::Result<Vec<Check>> {
+    let mut checks = Vec::with_capacity(addresses.len());
+    for (index, address) in addresses.iter().enumerate() {
+        let mut connection = HttpConnection::open(*address, "/healthz", token).await?;
+        let samples = sample_checks(&mut connection, population).await?;
+        let wrong = samples.iter().find(|sample| !sample.passed);
+        checks.push(Check {
+            description: format!(
+                "{when}instance {}: {} of the {} sample checks answer as the population \
+                 implies{}",
+                index + 1,
+                samples.iter().filter(|sample| sample.passed).count(),
+                samples.len(),
+                wrong.map_or(String::new(), |w| format!("; not {}", w.description))
+            ),
+            passed: wrong.is_none(),
+        });
+    }
+    Ok(checks)
 }

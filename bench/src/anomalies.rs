@@ -262,7 +262,7 @@ async fn measure(
     checks: &mut Vec<Check>,
 ) -> anyhow::Result<Vec<Line>> {
     let endpoint = Endpoint {
-        address: service.address,
+        addresses: vec![service.address],
         url: "/v1/events".to_string(),
         token: scratch.token.clone(),
     };

@@ -834,7 +834,7 @@ async fn measure_verify(
     eprintln!("bench: audit: appending {APPENDED_EVENTS} events over HTTP");
     let bodies = appended_bodies(ledger);
     let endpoint = Endpoint {
-        address: service.address,
+        addresses: vec![service.address],
         url: "/v1/events".to_owned(),
         token: scratch.token.clone(),
     };

@@ -15,14 +15,18 @@
 //! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
 //! projection's own measurements, in a scratch database of their own (see `projection`),
 //! then admission's, in another (see `admission`), then audit pages and verification on a
-//! ledger of millions of events, in another (see `audit`), and last the import and
+//! ledger of millions of events, in another (see `audit`), then the import and
 //! reconciliation of a provider report of a million lines, in another (see
-//! `reconciliation`).
+//! `reconciliation`), and container anomalies (see `anomalies`). With `--instances N`,
+//! last, the ingest and admission workloads through one `tally serve` and through N on one
+//! database, side by side (see `instances`).
 
 mod admission;
 mod anomalies;
 mod audit;
 mod child;
+mod cpu;
+mod instances;
 mod projection;
 mod reconciliation;
 
@@ -137,6 +141,11 @@ pub struct BenchArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     pub only: Vec<Part>,
 
+    /// Also run the ingest and admission workloads through 1 and through this many `tally
+    /// serve` instances on one database, side by side (1 to 8; the `instances` part).
+    #[arg(long)]
+    pub instances: Option<usize>,
+
     #[command(flatten)]
     pub projection: projection::ProjectionArgs,
 
@@ -162,16 +171,28 @@ pub enum Part {
     Audit,
     Reconciliation,
     Anomalies,
+    /// Runs only with `--instances`.
+    Instances,
 }
 
 impl BenchArgs {
     fn runs(&self, part: Part) -> bool {
+        if part == Part::Instances && self.instances.is_none() {
+            return false;
+        }
         self.only.is_empty() || self.only.contains(&part)
     }
 }
 
 pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
     check_args(&config, &args)?;
+    if let Some(instances) = args.instances {
+        instances::check_instances(instances)?;
+    }
+    anyhow::ensure!(
+        args.instances.is_some() || !args.only.contains(&Part::Instances),
+        "--only instances needs --instances N (how many instances to compare with one)"
+    );
     // Every part runs the `tally` binary, so a missing one fails the run before anything.
     let binary = child::serve_binary(args.serve_binary.as_deref())?;
     let client = bus::connect(&config.nats_url).await?;
@@ -195,7 +216,10 @@ pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
         reconciliation::run(&binary, config.clone(), &args.reconciliation, &nats).await?;
     }
     if args.runs(Part::Anomalies) {
-        anomalies::run(&binary, config, &args.anomalies, &nats).await?;
+        anomalies::run(&binary, config.clone(), &args.anomalies, &nats).await?;
+    }
+    if let (true, Some(instances)) = (args.runs(Part::Instances), args.instances) {
+        instances::run(&binary, config, &args, instances, &nats).await?;
     }
     Ok(())
 }
@@ -446,6 +470,8 @@ struct Workload {
     baseline: BaselineRows,
     /// The single events the same way, for the one-row-per-transaction baseline.
     single_baseline: Arc<Rows>,
+    /// Every event's id: each must be in the ledger exactly once at the end.
+    ids: HashSet<Uuid>,
 }
 
 impl Workload {
@@ -494,7 +520,7 @@ impl Workload {
             .chain(&nats_parsed)
         {
             assert!(
-                ids.insert(event.id),
+                ids.insert(event.id.as_uuid()),
                 "event ids are unique: {} repeats",
                 event.id
             );
@@ -515,6 +541,7 @@ impl Workload {
             nats_payloads: Arc::new(nats_payloads),
             baseline,
             single_baseline: Arc::new(single_baseline),
+            ids,
         })
     }
 
@@ -881,12 +908,12 @@ async fn measure(
     };
 
     let mut phases = Phases {
-        service,
+        services: std::slice::from_ref(service),
         nats,
         names: &scratch.names,
         connection,
         endpoint: Endpoint {
-            address: service.address,
+            addresses: vec![service.address],
             url: "/v1/events".to_string(),
             token: scratch.token.clone(),
         },
@@ -937,9 +964,11 @@ async fn measure(
     })
 }
 
-/// What the timed phases against the running service share.
+/// What the timed phases against the running service share: one instance, or several on
+/// the same database and namespace, whose HTTP load is spread round-robin and which share
+/// the ingest consumer.
 struct Phases<'a> {
-    service: &'a child::Served,
+    services: &'a [child::Served],
     nats: &'a jetstream::Context,
     names: &'a Names,
     /// For `CHECKPOINT`s between phases.
@@ -962,18 +991,20 @@ impl Phases<'_> {
         checkpoint(&mut self.connection).await;
         eprintln!("bench: {label}: {events} events from {clients} clients");
         let wal_before = WalPosition::now(&mut self.connection).await?;
-        let commits_before = GroupCommits::of(self.service).await?;
-        let cpu_before = self.service.usage()?.cpu;
+        let commits_before = GroupCommits::of(self.services).await?;
+        let cpu_before = services_cpu(self.services)?;
+        let split_before = cpu::CpuSplit::now(self.services);
         let started = Instant::now();
         let posted = self.endpoint.post_all(bodies, clients).await?;
-        let cpu = self.service.usage()?.cpu - cpu_before;
-        let group_commits = GroupCommits::of(self.service).await?.since(commits_before);
+        let cpu = services_cpu(self.services)? - cpu_before;
+        let split = cpu::CpuSplit::describe(split_before, cpu::CpuSplit::now(self.services));
+        let group_commits = GroupCommits::of(self.services).await?.since(commits_before);
         let wal = WalPosition::now(&mut self.connection)
             .await?
             .since(wal_before, label);
         self.head += i64::try_from(events)?;
         // Every answer came after its commit, so the head is already there.
-        let head = ledger_head(&self.service.pool).await?;
+        let head = ledger_head(self.pool()).await?;
         anyhow::ensure!(
             head == self.head,
             "the ledger head is {head} after {label}, expected {}",
@@ -981,13 +1012,14 @@ impl Phases<'_> {
         );
         wait_for_relay(self.nats, self.names, self.head).await?;
         let relayed = started.elapsed();
-        let projected = wait_for_projection(&self.service.pool, self.head).await?;
+        let projected = wait_for_projection(self.pool(), self.head).await?;
         let figure = Figure::new(label, events, posted.elapsed)
             .with_latencies(&posted.latencies)
             .with_group_commits(group_commits)
             .with_retries(posted.retries)
             .with_wal(wal)
             .with_note(service_cpu_note(cpu, posted.elapsed))
+            .with_note(split)
             .with_note(projected_note(started.elapsed(), projected));
         Ok((figure, relayed))
     }
@@ -998,8 +1030,9 @@ impl Phases<'_> {
         checkpoint(&mut self.connection).await;
         eprintln!("bench: NATS ingest: {} messages", payloads.len());
         let wal_before = WalPosition::now(&mut self.connection).await?;
-        let commits_before = GroupCommits::of(self.service).await?;
-        let cpu_before = self.service.usage()?.cpu;
+        let commits_before = GroupCommits::of(self.services).await?;
+        let cpu_before = services_cpu(self.services)?;
+        let split_before = cpu::CpuSplit::now(self.services);
         let started = Instant::now();
         // Aborted on any early return, so that no publish outlives the run.
         let mut publisher = AbortOnDrop(tokio::spawn(publish_all(
@@ -1008,18 +1041,19 @@ impl Phases<'_> {
             payloads.clone(),
         )));
         self.head += i64::try_from(payloads.len())?;
-        wait_for_head(&self.service.pool, self.head).await?;
+        wait_for_head(self.pool(), self.head).await?;
         let ingested = started.elapsed();
-        let cpu = self.service.usage()?.cpu - cpu_before;
+        let cpu = services_cpu(self.services)? - cpu_before;
+        let split = cpu::CpuSplit::describe(split_before, cpu::CpuSplit::now(self.services));
         let published = (&mut publisher.0)
             .await
             .context("the publishing task failed")??;
-        let group_commits = GroupCommits::of(self.service).await?.since(commits_before);
+        let group_commits = GroupCommits::of(self.services).await?.since(commits_before);
         let wal = WalPosition::now(&mut self.connection)
             .await?
             .since(wal_before, "NATS ingest");
         wait_for_relay(self.nats, self.names, self.head).await?;
-        let projected = wait_for_projection(&self.service.pool, self.head).await?;
+        let projected = wait_for_projection(self.pool(), self.head).await?;
         Ok(Figure::new(
             "NATS ingest, publish to committed",
             payloads.len(),
@@ -1028,9 +1062,26 @@ impl Phases<'_> {
         .with_group_commits(group_commits)
         .with_wal(wal)
         .with_note(service_cpu_note(cpu, ingested))
+        .with_note(split)
         .with_note(format!("all acks after {:.2} s", published.as_secs_f64()))
         .with_note(projected_note(started.elapsed(), projected)))
     }
+}
+
+impl Phases<'_> {
+    /// The bench's own connections to the database the instances share.
+    fn pool(&self) -> &sqlx::PgPool {
+        &self.services[0].pool
+    }
+}
+
+/// The CPU time of every `tally serve` child so far.
+fn services_cpu(services: &[child::Served]) -> anyhow::Result<Duration> {
+    let mut cpu = Duration::ZERO;
+    for service in services {
+        cpu += service.usage()?.cpu;
+    }
+    Ok(cpu)
 }
 
 /// The CPU time `tally serve` spent during a phase, and as a share of one core.
@@ -1482,9 +1533,10 @@ async fn publish_all(
     Ok(started.elapsed())
 }
 
-/// The service's HTTP ingest, as producers reach it.
+/// The service's HTTP ingest, as producers reach it: through one instance, or spread over
+/// several (client `i` talks to instance `i % addresses.len()`, round-robin).
 struct Endpoint {
-    address: std::net::SocketAddr,
+    addresses: Vec<std::net::SocketAddr>,
     url: String,
     token: String,
 }
@@ -1500,12 +1552,13 @@ impl Endpoint {
     /// Posts every body, `clients` requests at a time, each client taking the next body as
     /// soon as its previous one is answered.
     async fn post_all(&self, bodies: &Arc<Vec<Bytes>>, clients: usize) -> anyhow::Result<Posted> {
+        assert!(!self.addresses.is_empty(), "an instance to post to");
         let next = Arc::new(AtomicUsize::new(0));
         let started = Instant::now();
         // A JoinSet aborts the other clients as soon as one fails and this returns.
         let mut tasks = JoinSet::new();
-        for _ in 0..clients {
-            let client = self.address;
+        for client_index in 0..clients {
+            let client = self.addresses[client_index % self.addresses.len()];
             let url = self.url.clone();
             let token = self.token.clone();
             let bodies = bodies.clone();
@@ -1693,8 +1746,16 @@ struct GroupCommits {
 }
 
 impl GroupCommits {
-    async fn of(service: &child::Served) -> anyhow::Result<GroupCommits> {
-        Ok(GroupCommits::from_text(&service.metrics().await?))
+    /// Summed over every instance: each has an appender of its own.
+    async fn of(services: &[child::Served]) -> anyhow::Result<GroupCommits> {
+        let mut sum = GroupCommits::default();
+        for service in services {
+            let one = GroupCommits::from_text(&service.metrics().await?);
+            sum.commits += one.commits;
+            sum.events += one.events;
+            sum.seconds += one.seconds;
+        }
+        Ok(sum)
     }
 
     fn from_text(text: &str) -> GroupCommits {
@@ -1956,6 +2017,34 @@ async fn check_ledger(
     names: &Names,
     workload: &Workload,
 ) -> anyhow::Result<Vec<Check>> {
+    let mut checks = ledger_checks(binary, config, pool, nats, names, workload).await?;
+    for (table, expected) in [
+        ("baseline", workload.baseline.count),
+        (SINGLE_BASELINE_TABLE, workload.single_baseline.len()),
+    ] {
+        let matching = same_content_as_ledger(pool, table).await?;
+        checks.push(Check {
+            description: format!(
+                "{matching} of the {expected} rows of {table} have the content of their \
+                 ledger rows"
+            ),
+            passed: matching == expected as i64,
+        });
+    }
+    Ok(checks)
+}
+
+/// The checks of the ledger and the streams after the ingest phases, through one instance
+/// or several: every event sent is in the ledger exactly once at gap-free positions, the
+/// hash chain verifies, the relay published every event, nothing was dead-lettered.
+async fn ledger_checks(
+    binary: &std::path::Path,
+    config: &Config,
+    pool: &sqlx::PgPool,
+    nats: &jetstream::Context,
+    names: &Names,
+    workload: &Workload,
+) -> anyhow::Result<Vec<Check>> {
     let expected = workload.expected_events();
     let (count, first, last): (i64, Option<i64>, Option<i64>) =
         sqlx::query_as("SELECT count(*), min(position), max(position) FROM ledger")
@@ -1973,6 +2062,21 @@ async fn check_ledger(
         ),
         passed: count == expected && first == Some(1) && last == Some(expected),
     }];
+    let stored: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM ledger")
+        .fetch_all(pool)
+        .await?;
+    let stored_count = stored.len();
+    let stored: HashSet<Uuid> = stored.into_iter().collect();
+    let missing = workload.ids.difference(&stored).count();
+    let foreign = stored.difference(&workload.ids).count();
+    checks.push(Check {
+        description: format!(
+            "every event sent is in the ledger exactly once: {missing} missing, {foreign} not \
+             sent, {} stored twice",
+            stored_count - stored.len()
+        ),
+        passed: missing == 0 && foreign == 0 && stored_count == stored.len(),
+    });
     let (report, ran) = verify_ledger(binary, config, false).await?;
     checks.push(Check {
         description: format!(
@@ -1986,19 +2090,6 @@ async fn check_ledger(
         ),
         passed: report.ok,
     });
-    for (table, expected) in [
-        ("baseline", workload.baseline.count),
-        (SINGLE_BASELINE_TABLE, workload.single_baseline.len()),
-    ] {
-        let matching = same_content_as_ledger(pool, table).await?;
-        checks.push(Check {
-            description: format!(
-                "{matching} of the {expected} rows of {table} have the content of their \
-                 ledger rows"
-            ),
-            passed: matching == expected as i64,
-        });
-    }
     let messages = |stream: String| async move {
         let mut stream = nats.get_stream(&stream).await?;
         anyhow::Ok(stream.info().await?.state.messages)

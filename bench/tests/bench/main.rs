@@ -126,6 +126,124 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_runs_the_workloads_through_one_and_three_instances_and_prints_them_side_by_side_with_every_check_passing(
+) {
+    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let admin = PgPool::connect(&server)
+        .await
+        .expect("connecting to the test server");
+    let before = scratch_databases(&admin).await;
+
+    // The bench binary itself, so that the table it prints can be read.
+    let serve_binary = tally_binary();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_tally-bench"))
+        .args([
+            "--serve-binary",
+            serve_binary.to_str().expect("a UTF-8 path"),
+        ])
+        .args(["--only", "instances", "--instances", "3"])
+        .args(["--http-events", "1000", "--single-events", "64"])
+        .args(["--single-clients", "8", "--nats-events", "100"])
+        .args(["--admission-orgs", "20", "--admission-checks", "200"])
+        .args(["--admission-paced-seconds", "1"])
+        .env("DATABASE_URL", &server)
+        .env("NATS_URL", &nats.url)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("running tally-bench");
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "tally-bench failed: {}\n{printed}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let header = printed
+        .lines()
+        .find(|line| line.starts_with("| measurement"))
+        .unwrap_or_else(|| panic!("no table in {printed}"));
+    for column in [
+        "1 instance: per second",
+        "1 instance: p99 ms",
+        "3 instances: per second",
+        "3 instances: p99 ms",
+        "per second, 3 / 1",
+        "p99, 3 / 1",
+    ] {
+        assert!(header.contains(column), "no column {column:?} in {header}");
+    }
+    for row in [
+        "| HTTP batches ",
+        "| HTTP single events ",
+        "| NATS ingest, publish to committed ",
+        "| admission checks, 64 clients, closed loop ",
+        "| admission checks paced at ",
+    ] {
+        let line = printed
+            .lines()
+            .find(|line| line.starts_with(row))
+            .unwrap_or_else(|| panic!("no row {row:?} in {printed}"));
+        // The label, two figures per run and two ratios.
+        assert_eq!(line.matches('|').count(), 8, "{line}");
+    }
+    // Each run's ledger checks, the 3-instance run's too.
+    for heading in ["1 instance:", "3 instances:"] {
+        let checks: Vec<&str> = printed
+            .split(&format!("\n{heading}\n"))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no checks of {heading} in {printed}"))
+            .lines()
+            .take_while(|line| line.starts_with("- check"))
+            .collect();
+        assert!(
+            checks.iter().any(|check| check.contains("exactly once")),
+            "{checks:?}"
+        );
+        assert!(
+            checks.iter().all(|check| check.starts_with("- check ok")),
+            "{checks:?}"
+        );
+    }
+    assert!(printed.contains("- 3 instances, storage: "), "{printed}");
+
+    let left = scratch_databases(&admin).await;
+    let created: Vec<&String> = left.difference(&before).collect();
+    assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_refuses_more_than_eight_instances_or_none_before_it_creates_anything() {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    for (instances, only) in [("9", "instances"), ("0", "ingest")] {
+        let args = Cli::parse_from([
+            "bench",
+            "--serve-binary",
+            "/nonexistent/tally",
+            "--only",
+            only,
+            "--instances",
+            instances,
+        ])
+        .args;
+        let error = tally_bench::run(Config::new(&server, &nats.url), args)
+            .await
+            .expect_err("at most 8 instances, at least 1");
+        assert_eq!(
+            error.to_string(),
+            format!("--instances must be between 1 and 8, got {instances}")
+        );
+    }
+    let args = Cli::parse_from(["bench", "--only", "instances"]).args;
+    let error = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect_err("the instances part needs a count");
+    assert!(error.to_string().contains("--instances N"), "{error:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_refuses_to_start_without_a_tally_binary_to_run() {
     let nats = TestNats::start();
     let server = format!("{}/postgres", server_url().trim_end_matches('/'));
