@@ -217,6 +217,13 @@ pub struct Config {
     /// What "now" is for the service's rules: the system clock, unless a test sets it.
     #[arg(skip)]
     pub clock: crate::clock::Clock,
+
+    // The partitioned ledger (docs/decisions/0029-ledger-partitions.md).
+    /// What the appender dates rows with (`recorded_at`, so also which month's table they
+    /// go to) and what the upkeep of the ledger's months looks ahead from: the system
+    /// clock, unless a test sets it. Not a setting, like `clock`.
+    #[arg(skip)]
+    pub ledger_clock: crate::clock::Clock,
 }
 
 /// 1 to 1000: contract §6 allows no larger page.
@@ -265,6 +272,8 @@ impl Config {
             finance_batch_orgs: FINANCE_BATCH_ORGS,
             read_wait_ms: READ_WAIT_MS,
             clock: crate::clock::Clock::system(),
+            // The partitioned ledger.
+            ledger_clock: crate::clock::Clock::system(),
         }
     }
 
