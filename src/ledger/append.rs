@@ -412,15 +412,9 @@ async fn run(
     while let Some(first) = receiver.recv().await {
         let (group, events) = gather(first, &mut receiver, limits.group_events_max);
         let started = Instant::now();
-        let result = match connection.as_mut() {
-            Some(connection) => commit_group(connection, &group, &mut committed, &mut dating).await,
-            None => match connect(options).await {
-                Ok(connected) => {
-                    let connection = connection.insert(connected);
-                    commit_group(connection, &group, &mut committed, &mut dating).await
-                }
-                Err(error) => Err(error),
-            },
+        let result = match connected(&mut connection, options).await {
+            Ok(connection) => commit_group(connection, &group, &mut committed, &mut dating).await,
+            Err(error) => Err(error),
         };
         match result {
             Ok(outcome) => {
@@ -484,6 +478,17 @@ fn gather(
         }
     }
     (group, events)
+}
+
+/// The appender's connection, made when it has none.
+async fn connected<'c>(
+    connection: &'c mut Option<PgConnection>,
+    options: &PgConnectOptions,
+) -> Result<&'c mut PgConnection, sqlx::Error> {
+    if connection.is_none() {
+        *connection = Some(connect(options).await?);
+    }
+    Ok(connection.as_mut().expect("made above"))
 }
 
 async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error> {
