@@ -246,6 +246,13 @@ pub struct Config {
     #[arg(long, env = "TALLY_READ_DB_POOL_MAX", default_value_t = READ_DB_POOL_MAX,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(READ_DB_POOL_LIMIT)))]
     pub read_db_pool_max: u32,
+
+    // The partitioned ledger (docs/decisions/0029-ledger-partitions.md).
+    /// What the appender dates rows with (`recorded_at`, so also which month's table they
+    /// go to) and what the upkeep of the ledger's months looks ahead from: the system
+    /// clock, unless a test sets it. Not a setting, like `clock`.
+    #[arg(skip)]
+    pub ledger_clock: crate::clock::Clock,
 }
 
 /// One copy of each stream: what a single nats-server can hold.
@@ -313,6 +320,8 @@ impl Config {
             // Reads from a replica.
             read_database_url: None,
             read_db_pool_max: READ_DB_POOL_MAX,
+            // The partitioned ledger.
+            ledger_clock: crate::clock::Clock::system(),
         }
     }
 

@@ -17,7 +17,7 @@ use crate::bus::{self, ingest, relay, Names};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::http::{self, auth::Tokens, AppState, Inner};
-use crate::ledger::{db, AppendLimits, Appender};
+use crate::ledger::{db, partitions, AppendLimits, Appender};
 use crate::projection::{projector, Freshness, ProjectorSettings};
 use crate::telemetry;
 
@@ -68,18 +68,28 @@ impl Service {
         }
         let nats = bus::connect(&config.nats_url).await?;
         let context = bus::jetstream(nats.clone());
-        let (appender, committed, appender_task) = Appender::start(
+        // The months ahead made before the first append (which would make its own month
+        // anyway), and kept made by the upkeep worker below.
+        let upkeep_wait = partitions::upkeep_once(&pool, config.ledger_clock.now()).await;
+        let (appender, committed, appender_task) = Appender::start_dated(
             pool.clone(),
             AppendLimits {
                 queue_max: config.append_queue_max,
                 group_events_max: config.append_group_events_max,
             },
+            config.ledger_clock,
         );
         let freshness = Freshness::new(appender.head(), appender.acknowledged());
         let checker = Checker::new(pool.clone(), freshness.clone(), config.clock);
         let shutdown = CancellationToken::new();
         let relay_status = relay::RelayStatus::default();
         let workers = vec![
+            tokio::spawn(partitions::upkeep(
+                pool.clone(),
+                config.ledger_clock,
+                upkeep_wait,
+                shutdown.clone(),
+            )),
             tokio::spawn(relay::run(
                 pool.clone(),
                 context.clone(),

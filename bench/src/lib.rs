@@ -794,6 +794,14 @@ async fn copy_into_ledger(
         now: Utc::now(),
         backdate_max: config.backdate_max(),
     };
+    // The ledger's months for every `recorded_at` a planned event can have (its
+    // `occurred_at`, within the backdate bound, plus moments): COPY cannot make them.
+    tally::ledger::partitions::ensure(
+        &mut *connection,
+        bounds.now - config.backdate_max() - chrono::Duration::days(1),
+        bounds.now + chrono::Duration::days(1),
+    )
+    .await?;
     let statement = format!(
         "COPY ledger ({}) FROM STDIN WITH (FORMAT csv)",
         rows::COLUMNS

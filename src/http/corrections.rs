@@ -132,11 +132,13 @@ pub async fn post_void(
 /// The org of the event to void: 404 when the ledger has no such event, 422 when its type
 /// cannot be voided, 409 when it is voided already.
 async fn voidable_org(pool: &PgPool, event_id: EventId) -> Result<String, ApiError> {
-    let target: Option<(String, String)> =
-        sqlx::query_as("SELECT type, org_id FROM ledger WHERE id = $1")
-            .bind(event_id.as_uuid())
-            .fetch_optional(pool)
-            .await?;
+    let target: Option<(String, String)> = sqlx::query_as(
+        "SELECT l.type, l.org_id FROM ledger_ids i \
+             JOIN ledger l USING (position, recorded_at) WHERE i.id = $1",
+    )
+    .bind(event_id.as_uuid())
+    .fetch_optional(pool)
+    .await?;
     let Some((event_type, org_id)) = target else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,

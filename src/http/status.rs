@@ -141,10 +141,11 @@ pub async fn get_status(
     StrictQuery(NoParams {}): StrictQuery<NoParams>,
 ) -> Result<Json<StatusResponse>, ApiError> {
     let mut snapshot = read_snapshot(&state.pool).await?;
-    let head: Option<(i64, DateTime<Utc>)> =
-        sqlx::query_as("SELECT position, recorded_at FROM ledger ORDER BY position DESC LIMIT 1")
-            .fetch_optional(&mut *snapshot)
-            .await?;
+    let head: Option<(i64, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT position, recorded_at FROM ledger_ids ORDER BY position DESC LIMIT 1",
+    )
+    .fetch_optional(&mut *snapshot)
+    .await?;
     let checkpoint = store::checkpoint(&mut snapshot, LIVE).await?;
     snapshot.commit().await?;
     let head_position = head.map_or(0, |(position, _)| position);

@@ -29,6 +29,11 @@
 //! timeout) fail the whole group: they are not the requests' fault, and retrying
 //! is the producers' call.
 //!
+//! Rows are dated (`recorded_at`) by the appender's clock, to the millisecond, once per
+//! group commit. The ledger is partitioned by month of that date, so before a group is
+//! prepared the appender makes sure its month exists when it is not the month it last made
+//! sure of (`partitions::Dating`): an append never fails for a missing month.
+//!
 //! The appender runs on a thread of its own, with a single-threaded runtime and its own
 //! connection, whose socket that runtime's reactor watches. On the service's runtime the
 //! appender's wake-ups (the answer to `ledger_append`, a new request) would queue behind
@@ -41,14 +46,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use chrono::{DateTime, SubsecRound, Utc};
+use chrono::{DateTime, Utc};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, FromRow, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
+use super::partitions::Dating;
 use super::read::{self, Head, LedgerRow};
 use super::rows::Rows;
+use crate::clock::Clock;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::event::{Event, EventId, EventType, OrgId};
@@ -220,10 +227,22 @@ impl Appender {
     /// Starts the appender on a thread of its own (see the module comment). It connects
     /// with the pool's options but outside the pool. Also returns the rows it commits, for
     /// the one reader that tails them in memory (the relay; dropped, nothing is kept), and
-    /// a task that ends when the appender has drained its queue and stopped.
+    /// a task that ends when the appender has drained its queue and stopped. Rows are
+    /// dated by the system clock.
     pub fn start(
         pool: PgPool,
         limits: AppendLimits,
+    ) -> (Appender, Committed, tokio::task::JoinHandle<()>) {
+        Appender::start_dated(pool, limits, Clock::system())
+    }
+
+    /// As [`Appender::start`], with rows dated (`recorded_at`) by `clock`: the system
+    /// clock in production (`Config::ledger_clock`), another instant in tests of the
+    /// ledger's months.
+    pub fn start_dated(
+        pool: PgPool,
+        limits: AppendLimits,
+        clock: Clock,
     ) -> (Appender, Committed, tokio::task::JoinHandle<()>) {
         assert!(limits.queue_max > 0 && limits.group_events_max > 0);
         let (sender, receiver) = mpsc::channel(limits.queue_max);
@@ -242,6 +261,7 @@ impl Appender {
                 runtime.block_on(run(
                     &options,
                     limits,
+                    Dating::new(clock),
                     receiver,
                     head_sender,
                     committed_sender,
@@ -372,6 +392,7 @@ impl Committed {
 async fn run(
     options: &PgConnectOptions,
     limits: AppendLimits,
+    mut dating: Dating,
     mut receiver: mpsc::Receiver<Request>,
     head: watch::Sender<i64>,
     committed_rows: mpsc::Sender<Rows>,
@@ -391,14 +412,9 @@ async fn run(
     while let Some(first) = receiver.recv().await {
         let (group, events) = gather(first, &mut receiver, limits.group_events_max);
         let started = Instant::now();
-        let result = match connection.as_mut() {
-            Some(connection) => commit_group(connection, &group, &mut committed).await,
-            None => match connect(options).await {
-                Ok(connected) => {
-                    commit_group(connection.insert(connected), &group, &mut committed).await
-                }
-                Err(error) => Err(error),
-            },
+        let result = match connected(&mut connection, options).await {
+            Ok(connection) => commit_group(connection, &group, &mut committed, &mut dating).await,
+            Err(error) => Err(error),
         };
         match result {
             Ok(outcome) => {
@@ -411,10 +427,15 @@ async fn run(
                 }
             }
             Err(error) => {
+                // Whatever failed, the month is made again before the next try: a month
+                // detached or dropped by hand would otherwise fail every append as
+                // content ("no partition of relation found", a check violation).
+                dating.forget();
                 // A content error comes from Postgres, so the connection is there.
                 let isolated = match connection.as_mut() {
                     Some(connection) if is_content_error(&error) => {
-                        isolate(connection, &group, &mut committed, &outlets, error).await
+                        let state = (&mut committed, &mut dating);
+                        isolate(connection, &group, state, &outlets, error).await
                     }
                     _ => Isolated {
                         results: Vec::new(),
@@ -457,6 +478,17 @@ fn gather(
         }
     }
     (group, events)
+}
+
+/// The appender's connection, made when it has none.
+async fn connected<'c>(
+    connection: &'c mut Option<PgConnection>,
+    options: &PgConnectOptions,
+) -> Result<&'c mut PgConnection, sqlx::Error> {
+    if connection.is_none() {
+        *connection = Some(connect(options).await?);
+    }
+    Ok(connection.as_mut().expect("made above"))
 }
 
 async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error> {
@@ -531,7 +563,7 @@ struct Isolated {
 async fn isolate(
     connection: &mut PgConnection,
     group: &[Request],
-    committed: &mut Option<Head>,
+    (committed, dating): (&mut Option<Head>, &mut Dating),
     outlets: &Outlets,
     error: sqlx::Error,
 ) -> Isolated {
@@ -555,7 +587,7 @@ async fn isolate(
                     "isolation is bounded by the group"
                 );
                 let before = *committed;
-                match commit_group(connection, &group[start..end], committed).await {
+                match commit_group(connection, &group[start..end], committed, dating).await {
                     Ok(outcome) => {
                         assert_follows(before, &outcome);
                         outlets.publish(outcome.rows, outcome.head);
@@ -699,16 +731,19 @@ async fn commit_group(
     connection: &mut PgConnection,
     group: &[Request],
     committed: &mut Option<Head>,
+    dating: &mut Dating,
 ) -> Result<GroupOutcome, sqlx::Error> {
     // Digests and hashes are computed before the lock is taken: the lock is the bottleneck.
     let prepared = prepare(group);
+    // Before the lock too: making the month's table (once a month) is DDL.
+    let recorded_at = dating.now(&mut *connection).await?;
     let mut known = Known::new();
     let mut head = match *committed {
         Some(head) => head,
         None => read::head(&mut *connection).await?,
     };
     for _ in 0..FAST_PATH_ATTEMPTS_MAX {
-        let plan = plan_group(group, &prepared, &known, head, Utc::now().trunc_subsecs(3));
+        let plan = plan_group(group, &prepared, &known, head, recorded_at);
         if !plan.rows.is_empty() {
             match append_fast(connection, head, &plan.rows).await? {
                 FastOutcome::Appended => {}
@@ -726,7 +761,7 @@ async fn commit_group(
         return Ok(plan);
     }
     metrics::counter!(crate::telemetry::APPEND_LOCKED_FALLBACKS).increment(1);
-    let outcome = commit_group_locked(connection, group, &prepared).await?;
+    let outcome = commit_group_locked(connection, group, &prepared, recorded_at).await?;
     *committed = Some(outcome.head);
     Ok(outcome)
 }
@@ -815,6 +850,7 @@ async fn commit_group_locked(
     connection: &mut PgConnection,
     group: &[Request],
     prepared: &[Vec<Prepared>],
+    recorded_at: DateTime<Utc>,
 ) -> Result<GroupOutcome, sqlx::Error> {
     let ids: Vec<Uuid> = group
         .iter()
@@ -827,7 +863,7 @@ async fn commit_group_locked(
         .await?;
     let head = read::head(&mut *tx).await?;
     let known = existing(&mut tx, &ids).await?;
-    let plan = plan_group(group, prepared, &known, head, Utc::now().trunc_subsecs(3));
+    let plan = plan_group(group, prepared, &known, head, recorded_at);
     if !plan.rows.is_empty() {
         plan.rows.insert_into(&mut *tx, "ledger").await?;
     }
@@ -901,7 +937,7 @@ fn plan_request(
 #[tracing::instrument(skip_all)]
 async fn existing(tx: &mut Transaction<'_, Postgres>, ids: &[Uuid]) -> Result<Known, sqlx::Error> {
     let rows: Vec<(Uuid, i64, Vec<u8>)> =
-        sqlx::query_as("SELECT id, position, content_digest FROM ledger WHERE id = ANY($1)")
+        sqlx::query_as("SELECT id, position, content_digest FROM ledger_ids WHERE id = ANY($1)")
             .bind(ids)
             .fetch_all(&mut **tx)
             .await?;

@@ -35,11 +35,14 @@ pub async fn adopt(executor: impl PgExecutor<'_>, events: &mut [Event]) -> sqlx:
     let ids: Vec<Uuid> = legacy.iter().map(|(_, id)| *id).collect();
     // Matched on org, source and original id too: a legacy id that another org took, or
     // that a native event happens to carry, is not this event's.
-    let stored: Vec<(Uuid, String, Option<String>, Option<String>)> =
-        sqlx::query_as("SELECT id, org_id, source, source_event_id FROM ledger WHERE id = ANY($1)")
-            .bind(&ids)
-            .fetch_all(executor)
-            .await?;
+    // Through `ledger_ids`, so that each id is looked for in its own month only.
+    let stored: Vec<(Uuid, String, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT l.id, l.org_id, l.source, l.source_event_id \
+         FROM ledger_ids i JOIN ledger l USING (position, recorded_at) WHERE i.id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(executor)
+    .await?;
     if stored.is_empty() {
         return Ok(());
     }

@@ -1,11 +1,12 @@
 //! The Postgres ledger: the source of truth. Set-up (`db`), the single ordered writer
-//! (`append`) and the rows it writes (`rows`), reads by position (`read`) and hash-chain
-//! verification (`verify`); the lookup that lets CloudEvents stored under their unscoped id
-//! keep it (`legacy_ids`).
+//! (`append`) and the rows it writes (`rows`), the monthly tables it is made of
+//! (`partitions`), reads by position (`read`) and hash-chain verification (`verify`); the
+//! lookup that lets CloudEvents stored under their unscoped id keep it (`legacy_ids`).
 
 pub mod append;
 pub mod db;
 pub mod legacy_ids;
+pub mod partitions;
 pub mod plans;
 pub mod read;
 pub mod rows;

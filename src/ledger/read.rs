@@ -109,13 +109,17 @@ pub struct Head {
     pub hash: [u8; 32],
 }
 
-/// The head; position 0 and the genesis hash for an empty ledger.
+/// The head; position 0 and the genesis hash for an empty ledger. The highest position is
+/// found in `ledger_ids`, and its hash in that row's month alone.
 #[tracing::instrument(skip_all)]
 pub async fn head(executor: impl PgExecutor<'_>) -> Result<Head, sqlx::Error> {
-    let row: Option<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT position, hash FROM ledger ORDER BY position DESC LIMIT 1")
-            .fetch_optional(executor)
-            .await?;
+    let row: Option<(i64, Vec<u8>)> = sqlx::query_as(
+        "SELECT l.position, l.hash FROM ledger l JOIN \
+         (SELECT position, recorded_at FROM ledger_ids ORDER BY position DESC LIMIT 1) h \
+         USING (position, recorded_at)",
+    )
+    .fetch_optional(executor)
+    .await?;
     Ok(match row {
         None => Head {
             position: 0,

@@ -204,7 +204,9 @@ pub async fn record_voids(
     .fetch_all(&mut *connection)
     .await?;
     let rows: Vec<EventRow> = sqlx::query_as(&format!(
-        "SELECT {EVENT_COLUMNS} FROM ledger WHERE id = ANY($1) ORDER BY position"
+        "SELECT {EVENT_COLUMNS} FROM (SELECT l.* FROM ledger_ids i \
+         JOIN ledger l USING (position, recorded_at) WHERE i.id = ANY($1)) ledger \
+         ORDER BY position"
     ))
     .bind(&newly)
     .fetch_all(connection)

@@ -25,6 +25,7 @@ mod input_hardening;
 mod nats;
 mod operations;
 mod org_binding;
+mod partitions;
 mod period_scale;
 mod periods;
 mod pg_cluster;

@@ -269,7 +269,8 @@ async fn rewrite_with_recomputed_chain(pool: &sqlx::PgPool, position: i64) {
     }
     sqlx::raw_sql(
         "ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_update_or_delete;
-         ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_truncate;",
+         ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_truncate;
+         ALTER TABLE ledger ENABLE TRIGGER ledger_record_ids;",
     )
     .execute(&mut *transaction)
     .await

@@ -10,7 +10,8 @@ async fn tamper(pool: &sqlx::PgPool, statement: &str) {
         "ALTER TABLE ledger DISABLE TRIGGER ALL;
          {statement};
          ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_update_or_delete;
-         ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_truncate;"
+         ALTER TABLE ledger ENABLE ALWAYS TRIGGER ledger_no_truncate;
+         ALTER TABLE ledger ENABLE TRIGGER ledger_record_ids;"
     ))
     .execute(pool)
     .await
