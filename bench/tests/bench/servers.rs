@@ -103,7 +103,9 @@ pub fn tally_binary() -> PathBuf {
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        // The program, not the test harness `--all-targets` also builds from its main.rs.
         .filter(|message| message["target"]["name"] == "tally")
+        .filter(|message| message["profile"]["test"] == false)
         .filter(|message| {
             message["target"]["kind"]
                 .as_array()
