@@ -738,19 +738,7 @@ async fn measure(
     let started = Instant::now();
     let population = Population::generate(args.admission_orgs, Utc::now());
     let mut connection = HttpConnection::open(service.address, "/healthz", token).await?;
-    for (plan, included_seconds) in [
-        (TEAM_PLAN, TEAM_INCLUDED_SECONDS),
-        (TRIAL_PLAN, TRIAL_INCLUDED_SECONDS),
-    ] {
-        connection
-            .expect(
-                &hyper::Method::PUT,
-                &format!("/v1/plans/{plan}").parse()?,
-                plan_body(included_seconds),
-                hyper::StatusCode::CREATED,
-            )
-            .await?;
-    }
+    define_plans(&mut connection).await?;
     let endpoint = Endpoint {
         addresses: vec![service.address],
         url: "/v1/events".to_owned(),
@@ -1590,19 +1578,7 @@ pub(crate) async fn measure_through(
     let mut checks = Vec::new();
     let population = Population::generate(args.admission_orgs, Utc::now());
     let mut connection = HttpConnection::open(addresses[0], "/healthz", token).await?;
-    for (plan, included_seconds) in [
-        (TEAM_PLAN, TEAM_INCLUDED_SECONDS),
-        (TRIAL_PLAN, TRIAL_INCLUDED_SECONDS),
-    ] {
-        connection
-            .expect(
-                &hyper::Method::PUT,
-                &format!("/v1/plans/{plan}").parse()?,
-                plan_body(included_seconds),
-                hyper::StatusCode::CREATED,
-            )
-            .await?;
-    }
+    define_plans(&mut connection).await?;
     let endpoint = Endpoint {
         addresses: addresses.clone(),
         url: "/v1/events".to_owned(),
@@ -1735,4 +1711,22 @@ async fn samples_on_every_instance(
         });
     }
     Ok(checks)
+}
+
+/// The population's two plans, defined through the API.
+async fn define_plans(connection: &mut HttpConnection) -> anyhow::Result<()> {
+    for (plan, included_seconds) in [
+        (TEAM_PLAN, TEAM_INCLUDED_SECONDS),
+        (TRIAL_PLAN, TRIAL_INCLUDED_SECONDS),
+    ] {
+        connection
+            .expect(
+                &hyper::Method::PUT,
+                &format!("/v1/plans/{plan}").parse()?,
+                plan_body(included_seconds),
+                hyper::StatusCode::CREATED,
+            )
+            .await?;
+    }
+    Ok(())
 }
