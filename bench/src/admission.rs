@@ -103,9 +103,6 @@ const COMMANDS_PER_CONTAINER: usize = 3;
 const POPULATION_BATCH_EVENTS: usize = tally::config::BATCH_EVENTS_MAX;
 /// Connections the population is posted on.
 const POPULATION_CLIENTS: usize = 4;
-/// Linux reports CPU time in clock ticks of `USER_HZ`, which is 100 on every architecture
-/// the service runs on.
-const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
 /// Targets.
 const TARGET_CHECKS_PER_SECOND: u64 = 10_000;
 const TARGET_PACED_P99_MS: f64 = 3.0;
@@ -683,26 +680,12 @@ impl CpuTime {
     /// `None` where `/proc` does not tell.
     fn now(service: &Served) -> Option<CpuTime> {
         let service = service.usage().ok()?.cpu.as_secs_f64();
-        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-        // Fields after the command name, which may hold spaces: state is field 3, utime 14.
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let process_ticks =
-            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-        let machine = std::fs::read_to_string("/proc/stat").ok()?;
-        let ticks: Vec<u64> = machine
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|value| value.parse().ok())
-            .collect();
-        // user nice system idle iowait irq softirq steal …: idle and iowait are not busy.
-        let total: u64 = ticks.iter().take(8).sum();
-        let idle = ticks.get(3)? + ticks.get(4)?;
+        let bench = crate::cpu::own_seconds(&std::fs::read_to_string("/proc/self/stat").ok()?)?;
+        let busy = crate::cpu::machine_busy_seconds(&std::fs::read_to_string("/proc/stat").ok()?)?;
         Some(CpuTime {
             service,
-            bench: process_ticks as f64 / CLOCK_TICKS_PER_SECOND,
-            busy: (total - idle) as f64 / CLOCK_TICKS_PER_SECOND,
+            bench,
+            busy,
         })
     }
 

@@ -124,14 +124,14 @@ fn name_and_seconds_with_children(stat: &str) -> Option<(&str, f64)> {
 }
 
 /// utime + stime of a process's own threads, in seconds.
-fn own_seconds(stat: &str) -> Option<f64> {
+pub(crate) fn own_seconds(stat: &str) -> Option<f64> {
     let (_, fields) = split_stat(stat)?;
     let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
     Some(ticks as f64 / CLOCK_TICKS_PER_SECOND)
 }
 
 /// Every core's non-idle time from `/proc/stat`'s first line, in seconds.
-fn machine_busy_seconds(stat: &str) -> Option<f64> {
+pub(crate) fn machine_busy_seconds(stat: &str) -> Option<f64> {
     let ticks: Vec<u64> = stat
         .lines()
         .next()?
