@@ -83,6 +83,7 @@ impl Service {
         let checker = Checker::new(pool.clone(), freshness.clone(), config.clock);
         let shutdown = CancellationToken::new();
         let relay_status = relay::RelayStatus::default();
+        let stream_health = bus::StreamHealth::default();
         let workers = vec![
             tokio::spawn(partitions::upkeep(
                 pool.clone(),
@@ -101,6 +102,7 @@ impl Service {
                 appender.head(),
                 Some(committed),
                 relay_status.clone(),
+                stream_health.clone(),
                 shutdown.clone(),
             )),
             tokio::spawn(projector::run(
@@ -130,6 +132,7 @@ impl Service {
                     backdate_max: config.backdate_max(),
                     clock: config.clock,
                 },
+                stream_health.clone(),
                 shutdown.clone(),
             )),
         ];
@@ -152,6 +155,7 @@ impl Service {
             },
             page_events_max: config.page_events_max,
             relay_status,
+            stream_health,
             nats_names: names,
             token_limits: crate::http::auth::TokenLimits::new(config.token_concurrency_max),
             verify_passes: std::sync::Arc::new(tokio::sync::Semaphore::new(

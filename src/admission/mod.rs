@@ -653,10 +653,13 @@ async fn locked_answer(
     let deadline = Instant::now() + wait.within;
     loop {
         let mut transaction = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0))")
-            .bind(request.org_id.as_str())
-            .execute(&mut *transaction)
-            .await?;
+        sqlx::query(&format!(
+            "SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0)), {}",
+            crate::ledger::db::BOUND_LOCK_IDLE
+        ))
+        .bind(request.org_id.as_str())
+        .execute(&mut *transaction)
+        .await?;
         // The clock is read after the lock, so that expiry is judged at the moment of
         // granting.
         let now = clock.now().trunc_subsecs(3);

@@ -61,11 +61,14 @@ pub async fn run(
     pool: PgPool,
     appender: Appender,
     settings: IngestSettings,
+    streams: super::StreamHealth,
     shutdown: CancellationToken,
 ) {
     while !shutdown.is_cancelled() {
-        if let Err(error) = consume(&context, &names, &pool, &appender, &settings, &shutdown).await
-        {
+        let consumed = consume(
+            &context, &names, &pool, &appender, &settings, &streams, &shutdown,
+        );
+        if let Err(error) = consumed.await {
             tracing::warn!(
                 error = format!("{error:#}"),
                 "ingest consumer interrupted; will resume"
@@ -85,9 +88,12 @@ async fn consume(
     pool: &PgPool,
     appender: &Appender,
     settings: &IngestSettings,
+    streams: &super::StreamHealth,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    super::apply_streams(context, names, &["TALLY_INGEST", "TALLY_DLQ"]).await?;
+    streams
+        .apply(context, names, &["TALLY_INGEST", "TALLY_DLQ"])
+        .await?;
     let stream = context.get_stream(names.ingest_stream()).await?;
     let consumer = stream
         .get_or_create_consumer(

@@ -7,8 +7,11 @@ pub mod ingest;
 pub mod relay;
 pub mod status;
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_nats::jetstream::context::CreateStreamErrorKind;
 use async_nats::jetstream::{self, stream};
 
 use crate::config::STREAM_REPLICAS_MAX;
@@ -361,6 +364,54 @@ pub async fn apply_streams(
         tracing::info!(stream = name, "stream applied");
     }
     Ok(())
+}
+
+/// The streams the server refused to create or update as tally defines them (a replica
+/// count the cluster cannot keep, a limit the account does not allow), each with the
+/// server's answer; shared by the relay and the ingest consumer, which apply the streams,
+/// with `/readyz`, which is not ready while any is refused. A request that timed out or
+/// found no server is no refusal: that is NATS being down, which `/readyz` says apart.
+#[derive(Debug, Clone, Default)]
+pub struct StreamHealth(Arc<Mutex<BTreeMap<String, String>>>);
+
+impl StreamHealth {
+    /// [`apply_streams`], noting which stream the server refused and clearing `streams`
+    /// once applied.
+    pub async fn apply(
+        &self,
+        context: &jetstream::Context,
+        names: &Names,
+        streams: &[&str],
+    ) -> Result<(), Error> {
+        let applied = apply_streams(context, names, streams).await;
+        let mut refused = self.0.lock().expect("the stream health lock");
+        match &applied {
+            Ok(()) => {
+                for stream in streams {
+                    refused.remove(&names.stream(stream));
+                }
+            }
+            Err(Error::Stream { name, source })
+                if matches!(source.kind(), CreateStreamErrorKind::JetStream(_)) =>
+            {
+                refused.insert(
+                    name.clone(),
+                    format!("{source} (TALLY_STREAM_REPLICAS {})", names.replicas),
+                );
+            }
+            Err(_) => {}
+        }
+        applied
+    }
+
+    /// Each refused stream with the server's answer, as `"NAME: answer"`.
+    pub fn refused(&self) -> Vec<String> {
+        let refused = self.0.lock().expect("the stream health lock");
+        refused
+            .iter()
+            .map(|(name, answer)| format!("{name}: {answer}"))
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,13 @@
 //! can never be skipped over by a later one that succeeded, and a second relay that
 //! raced this one is refused rather than duplicating. `Nats-Msg-Id` (the event id) adds
 //! the server's duplicate window on top. Only one instance relays at a time, elected by a
-//! Postgres session advisory lock.
+//! Postgres session advisory lock, held on a connection of the relay's own. The leader
+//! touches that session every [`HEARTBEAT_MS`] and the session ends itself after
+//! [`LOCK_SESSION_IDLE_TIMEOUT_MS`] without a statement (`idle_session_timeout`), so a leader
+//! that hangs without dying (stopped, frozen, cut off) loses the lock within that bound
+//! rather than holding it for as long as its TCP connection looks alive; if it wakes, its
+//! next heartbeat fails and it waits to lead again, and its publishes in between are
+//! refused by `Nats-Expected-Last-Sequence` once the new leader has published.
 //!
 //! The rows of this instance's own commits are handed over by the appender in memory
 //! ([`Committed`]), so the relay does not read back what was just written; whatever does
@@ -28,7 +34,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use async_nats::HeaderMap;
-use sqlx::PgPool;
+use sqlx::{ConnectOptions as _, Connection as _, PgConnection, PgPool};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -46,6 +52,13 @@ pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
 const LINGER_MS: u64 = 20;
 /// Pause after an error before re-synchronizing with the stream.
 const RETRY_DELAY_MS: u64 = 500;
+/// How long the lock's session may go without a statement before Postgres ends it, which
+/// releases the lock: the bound on how long a hung leader keeps the others from relaying.
+pub const LOCK_SESSION_IDLE_TIMEOUT_MS: u64 = 5_000;
+/// How often the leader proves its session alive, well inside the idle timeout.
+const HEARTBEAT_MS: u64 = 1_000;
+/// How long making the lock's connection may take.
+const CONNECT_TIMEOUT_MS: u64 = 5_000;
 
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
@@ -80,6 +93,7 @@ pub async fn run(
     mut head: watch::Receiver<i64>,
     mut committed: Option<Committed>,
     status: RelayStatus,
+    streams: super::StreamHealth,
     shutdown: CancellationToken,
 ) {
     let mut verified = Verified::default();
@@ -93,6 +107,7 @@ pub async fn run(
             &mut head,
             committed,
             &mut verified,
+            &streams,
             &shutdown,
         )
         .await
@@ -135,18 +150,24 @@ async fn lead(
     head: &mut watch::Receiver<i64>,
     mut committed: Option<&mut Committed>,
     verified: &mut Verified,
+    streams: &super::StreamHealth,
     shutdown: &CancellationToken,
 ) -> Result<(), Error> {
-    let mut connection = pool.acquire().await?;
+    let mut connection = lock_connection(pool).await?;
     loop {
         if let Some(committed) = committed.as_deref_mut() {
             committed.discard();
         }
         let leader: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(RELAY_LOCK_KEY)
-            .fetch_one(&mut *connection)
+            .fetch_one(&mut connection)
             .await?;
         if leader {
+            sqlx::query(&format!(
+                "SET idle_session_timeout = {LOCK_SESSION_IDLE_TIMEOUT_MS}"
+            ))
+            .execute(&mut connection)
+            .await?;
             break;
         }
         tokio::select! {
@@ -154,16 +175,38 @@ async fn lead(
             _ = shutdown.cancelled() => return Ok(()),
         }
     }
-    let result = relay(
-        pool, context, names, settings, head, committed, verified, shutdown,
-    )
-    .await;
-    // Release leadership explicitly; if this fails the connection is dropped by the pool.
-    let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(RELAY_LOCK_KEY)
-        .execute(&mut *connection)
-        .await;
+    let result = tokio::select! {
+        result = relay(pool, context, names, settings, head, committed, verified, streams, shutdown) => result,
+        lost = heartbeat(&mut connection) => Err(lost.into()),
+    };
+    // Ending the session releases leadership, whatever state the heartbeat left it in.
+    let _ = connection.close().await;
     result
+}
+
+/// The lock's own connection, with the pool's settings: not one of the pool's, because the
+/// session's idle timeout must not outlive leadership on a connection handed to others.
+async fn lock_connection(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
+    let options = pool.connect_options();
+    let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
+    match tokio::time::timeout(timeout, options.connect()).await {
+        Ok(connected) => connected,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {CONNECT_TIMEOUT_MS} ms"),
+        ))),
+    }
+}
+
+/// Touches the lock's session every [`HEARTBEAT_MS`]; returns when it fails, which means
+/// the session (and with it the lock) is gone.
+async fn heartbeat(connection: &mut PgConnection) -> sqlx::Error {
+    loop {
+        tokio::time::sleep(Duration::from_millis(HEARTBEAT_MS)).await;
+        if let Err(error) = sqlx::query("SELECT 1").execute(&mut *connection).await {
+            return error;
+        }
+    }
 }
 
 /// Why the relay stops leading: a stream message it did not write (it halts), or a failure
@@ -249,9 +292,10 @@ async fn relay(
     head: &mut watch::Receiver<i64>,
     mut committed: Option<&mut Committed>,
     verified: &mut Verified,
+    streams: &super::StreamHealth,
     shutdown: &CancellationToken,
 ) -> Result<(), Error> {
-    super::apply_streams(context, names, &["TALLY_LEDGER"]).await?;
+    streams.apply(context, names, &["TALLY_LEDGER"]).await?;
     let (mut published, mut sequence) =
         resume(pool, context, names, settings.batch_max, verified).await?;
     // Set here rather than at spawn, when the metrics recorder may not be installed yet.

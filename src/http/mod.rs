@@ -72,6 +72,8 @@ pub struct Inner {
     pub page_events_max: usize,
     /// Whether the relay halted on a stream message that is not the ledger (`/readyz`).
     pub relay_status: crate::bus::relay::RelayStatus,
+    /// The streams the server refuses to keep as defined (`/readyz`).
+    pub stream_health: crate::bus::StreamHealth,
     /// Stream names, for `GET /v1/ledger/verify?stream=true`.
     pub nats_names: crate::bus::Names,
     /// Requests in progress per token (`TALLY_TOKEN_CONCURRENCY_MAX`).

@@ -32,8 +32,10 @@ pub async fn healthz() -> impl IntoResponse {
     Json(json!({"status": "ok"}))
 }
 
-/// Postgres and NATS both answer, and the relay has not halted on a `TALLY_LEDGER`
-/// message that is not the ledger (`"relay"` says which message and why).
+/// Postgres and NATS both answer, the relay has not halted on a `TALLY_LEDGER` message that
+/// is not the ledger (`"relay"` says which message and why), and the server keeps every
+/// stream as defined (`"streams"` names one it refused, with its answer: say, three copies
+/// asked of a server that is not in a cluster).
 #[utoipa::path(
     get,
     path = "/readyz",
@@ -57,7 +59,13 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
         None => "up".to_owned(),
         Some(mismatch) => format!("halted: {mismatch}"),
     };
-    let ready = postgres && nats && halted.is_none();
+    let refused = state.stream_health.refused();
+    let streams = if refused.is_empty() {
+        "up".to_owned()
+    } else {
+        format!("refused: {}", refused.join("; "))
+    };
+    let ready = postgres && nats && halted.is_none() && refused.is_empty();
     let status = if ready {
         StatusCode::OK
     } else {
@@ -65,9 +73,13 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     };
     (
         status,
-        Json(
-            json!({"ready": ready, "postgres": word(postgres), "nats": word(nats), "relay": relay}),
-        ),
+        Json(json!({
+            "ready": ready,
+            "postgres": word(postgres),
+            "nats": word(nats),
+            "relay": relay,
+            "streams": streams,
+        })),
     )
 }
 

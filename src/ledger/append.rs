@@ -857,10 +857,13 @@ async fn commit_group_locked(
         .flat_map(|r| r.events.iter().map(|e| e.id.as_uuid()))
         .collect();
     let mut tx = connection.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(LEDGER_LOCK_KEY)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(&format!(
+        "SELECT pg_advisory_xact_lock($1), {}",
+        super::db::BOUND_LOCK_IDLE
+    ))
+    .bind(LEDGER_LOCK_KEY)
+    .execute(&mut *tx)
+    .await?;
     let head = read::head(&mut *tx).await?;
     let known = existing(&mut tx, &ids).await?;
     let plan = plan_group(group, prepared, &known, head, recorded_at);

@@ -12,6 +12,18 @@ use crate::config::Config;
 /// SQLSTATE `duplicate_database`: another instance created it first, which is fine.
 const DUPLICATE_DATABASE: &str = "42P04";
 
+/// How long a session may sit idle inside a transaction that holds a lock every instance
+/// waits on (the ledger's append lock, an org's admission lock, the projection's
+/// checkpoint) before Postgres ends the session and rolls the transaction back. A process
+/// that hangs without dying (stopped, a frozen VM) would otherwise hold the lock for as long
+/// as its TCP connection looks alive. Such a transaction is never idle for more than
+/// milliseconds while its process runs: it computes between statements, it does not wait.
+pub const LOCK_IDLE_TIMEOUT_MS: u64 = 5_000;
+
+/// The call that sets [`LOCK_IDLE_TIMEOUT_MS`] for the rest of the transaction, for the
+/// statement that takes the lock (so it costs no round trip of its own).
+pub const BOUND_LOCK_IDLE: &str = "set_config('idle_in_transaction_session_timeout', '5000', true)";
+
 /// Creates the database of `url` unless it exists, via the server's `postgres` database.
 #[tracing::instrument(skip_all)]
 pub async fn ensure_database(url: &str) -> Result<(), sqlx::Error> {
@@ -118,4 +130,14 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 pub async fn read_snapshot(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
     pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lock_idle_bound_sets_the_timeout_it_names() {
+        assert!(BOUND_LOCK_IDLE.contains(&format!("'{LOCK_IDLE_TIMEOUT_MS}'")));
+    }
 }

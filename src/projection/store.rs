@@ -214,14 +214,16 @@ pub async fn record_voids(
     rows.into_iter().map(EventRow::into_event).collect()
 }
 
-/// The checkpoint of `schema`, locked for this transaction; `None` when another
-/// transaction (another instance's projector, or a replay swapping) holds it.
+/// The checkpoint of `schema`, locked for this transaction, which may then sit idle for at
+/// most `LOCK_IDLE_TIMEOUT_MS`; `None` when another transaction (another instance's
+/// projector, or a replay swapping) holds it.
 pub async fn lock_checkpoint(
     connection: &mut PgConnection,
     schema: &str,
 ) -> sqlx::Result<Option<i64>> {
     sqlx::query_scalar(&format!(
-        "SELECT position FROM {schema}.checkpoint FOR UPDATE SKIP LOCKED"
+        "SELECT position, {} FROM {schema}.checkpoint FOR UPDATE SKIP LOCKED",
+        crate::ledger::db::BOUND_LOCK_IDLE
     ))
     .fetch_optional(connection)
     .await

@@ -278,6 +278,7 @@ async fn a_nats_message_refused_for_its_content_is_dead_lettered_once_while_the_
             backdate_max: chrono::Duration::days(35),
             clock: tally::clock::Clock::system(),
         },
+        tally::bus::StreamHealth::default(),
         shutdown.clone(),
     ));
 

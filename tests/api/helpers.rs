@@ -821,8 +821,9 @@ pub struct ClusterNode {
     /// Its `server_name`, as stream info names a stream's leader.
     pub name: String,
     pub port: u16,
+    cluster_port: u16,
     child: Option<Child>,
-    _store: tempfile::TempDir,
+    store: tempfile::TempDir,
 }
 
 impl TestNatsCluster {
@@ -830,54 +831,69 @@ impl TestNatsCluster {
     pub const NODES: usize = 3;
 
     pub fn start() -> TestNatsCluster {
-        let config =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/nats/cluster-node.conf");
         let client_ports: Vec<u16> = (0..Self::NODES).map(|_| free_port()).collect();
         let cluster_ports: Vec<u16> = (0..Self::NODES).map(|_| free_port()).collect();
-        let routes: Vec<String> = cluster_ports
-            .iter()
-            .map(|port| format!("nats://127.0.0.1:{port}"))
-            .collect();
-        let nodes: Vec<ClusterNode> = (0..Self::NODES)
-            .map(|index| {
-                let name = format!("nats-{}", index + 1);
-                let store = tempfile::tempdir().expect("a temporary directory");
-                let port = client_ports[index];
-                let child = Command::new(nats_server_binary())
-                    .arg("-c")
-                    .arg(&config)
-                    .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-                    .env("TALLY_NATS_NODE", &name)
-                    .env("TALLY_NATS_STORE_DIR", store.path())
-                    .env(
-                        "TALLY_NATS_CLUSTER_LISTEN",
-                        format!("127.0.0.1:{}", cluster_ports[index]),
-                    )
-                    .env("TALLY_NATS_ROUTE_1", &routes[0])
-                    .env("TALLY_NATS_ROUTE_2", &routes[1])
-                    .env("TALLY_NATS_ROUTE_3", &routes[2])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("starting nats-server (set TALLY_TEST_NATS_SERVER to its path)");
-                ClusterNode {
-                    name,
-                    port,
-                    child: Some(child),
-                    _store: store,
-                }
-            })
-            .collect();
-        let url = client_ports
-            .iter()
-            .map(|port| format!("nats://127.0.0.1:{port}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let cluster = TestNatsCluster { nodes, url };
+        let mut cluster = TestNatsCluster {
+            nodes: (0..Self::NODES)
+                .map(|index| ClusterNode {
+                    name: format!("nats-{}", index + 1),
+                    port: client_ports[index],
+                    cluster_port: cluster_ports[index],
+                    child: None,
+                    store: tempfile::tempdir().expect("a temporary directory"),
+                })
+                .collect(),
+            url: client_ports
+                .iter()
+                .map(|port| format!("nats://127.0.0.1:{port}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        };
+        for index in 0..Self::NODES {
+            cluster.spawn(index);
+        }
         for node in &cluster.nodes {
             wait_until_listening(node.port);
         }
         cluster
+    }
+
+    /// Runs node `index` from `cluster-node.conf` with its ports and store.
+    fn spawn(&mut self, index: usize) {
+        let config =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/nats/cluster-node.conf");
+        let routes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|node| format!("nats://127.0.0.1:{}", node.cluster_port))
+            .collect();
+        let node = &mut self.nodes[index];
+        assert!(node.child.is_none(), "node {} is running", node.name);
+        let child = Command::new(nats_server_binary())
+            .arg("-c")
+            .arg(&config)
+            .args(["-a", "127.0.0.1", "-p", &node.port.to_string()])
+            .env("TALLY_NATS_NODE", &node.name)
+            .env("TALLY_NATS_STORE_DIR", node.store.path())
+            .env(
+                "TALLY_NATS_CLUSTER_LISTEN",
+                format!("127.0.0.1:{}", node.cluster_port),
+            )
+            .env("TALLY_NATS_ROUTE_1", &routes[0])
+            .env("TALLY_NATS_ROUTE_2", &routes[1])
+            .env("TALLY_NATS_ROUTE_3", &routes[2])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting nats-server (set TALLY_TEST_NATS_SERVER to its path)");
+        node.child = Some(child);
+    }
+
+    /// Starts a killed node again, on its ports with its store, as an operator restarts a
+    /// failed server; returns once it accepts connections.
+    pub fn restart(&mut self, index: usize) {
+        self.spawn(index);
+        wait_until_listening(self.nodes[index].port);
     }
 
     /// The index of the node named `name`.

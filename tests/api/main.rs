@@ -19,6 +19,7 @@ mod exports;
 mod faults;
 mod finance_consistency;
 mod finance_lists;
+mod hung_instance;
 mod immutability;
 mod ingest;
 mod input_hardening;

@@ -18,7 +18,7 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     assert_eq!(ready.status, 200);
     assert_eq!(
         ready.json(),
-        json!({"ready": true, "postgres": "up", "nats": "up", "relay": "up"})
+        json!({"ready": true, "postgres": "up", "nats": "up", "relay": "up", "streams": "up"})
     );
 
     assert_eq!(
@@ -43,6 +43,43 @@ async fn health_readiness_metrics_and_openapi_answer_without_a_token() {
     ] {
         assert!(openapi["paths"][path].is_object(), "openapi lacks {path}");
     }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_copies_of_each_stream_asked_of_a_server_outside_a_cluster_make_the_instance_not_ready_saying_why(
+) {
+    let app = TestApp::spawn_with(|config| config.stream_replicas = 3).await;
+    let anyone = app.without_token();
+    let mut ready = anyone.get("/readyz").await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while ready.status == 200 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        ready = anyone.get("/readyz").await;
+    }
+    let answer = ready.json();
+    assert_eq!(
+        (ready.status, &answer["ready"], &answer["nats"]),
+        (503, &json!(false), &json!("up")),
+        "{answer}"
+    );
+    let streams = answer["streams"].as_str().unwrap();
+    for said in [
+        "refused",
+        "TALLY_LEDGER",
+        "TALLY_INGEST",
+        "TALLY_STREAM_REPLICAS 3",
+        "replicas > 1 not supported in non-clustered mode",
+    ] {
+        assert!(streams.contains(said), "{said:?} is not in {streams:?}");
+    }
+    // HTTP appends still work; nothing reaches a stream that was never made.
+    assert_eq!(
+        app.post_events(&json!({"events": valid_events(3)})).await.0,
+        200
+    );
+    let js = app.nats.jetstream().await;
+    assert!(js.get_stream("TALLY_LEDGER").await.is_err());
     app.stop().await;
 }
 

@@ -2,8 +2,8 @@
 //! JetStream cluster that keeps every stream three times (`TALLY_STREAM_REPLICAS=3`).
 //! Events are posted to every instance and published to the ingest subject, and the one
 //! running slot of an org is reserved through every instance, while the instance holding
-//! the relay is killed (-9), then the node leading `TALLY_LEDGER`, and then the instance
-//! returns. Afterwards the ledger holds every acknowledged event once at gap-free
+//! the relay is killed (-9), then the node leading `TALLY_LEDGER`; the instance returns, the
+//! node returns and catches up, then a follower node is killed and returns. Afterwards the ledger holds every acknowledged event once at gap-free
 //! positions, the stream is the ledger, the projection is what a replay folds from the
 //! ledger, no slot was granted twice, ingest and the dead-letter stream carried on, and a
 //! read on one instance saw what another had just acknowledged, the returned one included.
@@ -73,17 +73,24 @@ struct Fleet {
 
 /// `tally-<n>`: the instance's Postgres `application_name`, which names the session that
 /// holds the relay's lock.
-fn instance_name(index: usize) -> String {
+pub(crate) fn instance_name(index: usize) -> String {
     format!("tally-{index}")
 }
 
-fn spawn_tally(database_url: &str, nats_url: &str, listen: &str, log: &Path) -> Child {
+/// `tally serve` keeping `replicas` copies of each stream, its log in `log`.
+pub(crate) fn spawn_tally(
+    database_url: &str,
+    nats_url: &str,
+    replicas: usize,
+    listen: &str,
+    log: &Path,
+) -> Child {
     let log = std::fs::File::create(log).expect("a log file");
     Command::new(env!("CARGO_BIN_EXE_tally"))
         .arg("serve")
         .env("DATABASE_URL", database_url)
         .env("NATS_URL", nats_url)
-        .env("TALLY_STREAM_REPLICAS", "3")
+        .env("TALLY_STREAM_REPLICAS", replicas.to_string())
         .env("TALLY_LISTEN", listen)
         .env("TALLY_BOOTSTRAP_TOKEN", TOKEN)
         // The guarantee of a read on another instance is the wait, not its budget.
@@ -96,12 +103,12 @@ fn spawn_tally(database_url: &str, nats_url: &str, listen: &str, log: &Path) -> 
         .expect("starting tally serve")
 }
 
-fn free_listen() -> String {
+pub(crate) fn free_listen() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.local_addr().unwrap().to_string()
 }
 
-async fn wait_ready(api: &Api) {
+pub(crate) async fn wait_ready(api: &Api) {
     eventually(60, "tally serve is ready", || {
         let request = api.without_token().request(Method::GET, "/readyz").send();
         async move { request.await.is_ok_and(|r| r.status() == 200) }
@@ -129,7 +136,7 @@ impl Fleet {
                 .logs
                 .path()
                 .join(format!("{}.log", instance_name(index)));
-            let child = spawn_tally(&url, &fleet.cluster.url, &listen, &log);
+            let child = spawn_tally(&url, &fleet.cluster.url, 3, &listen, &log);
             let api = Api::new(reqwest::Client::new(), listen.parse().unwrap());
             wait_ready(&api).await;
             fleet.instances.push(Instance {
@@ -158,7 +165,13 @@ impl Fleet {
             .join(format!("{}-returned.log", instance_name(index)));
         let instance = &mut self.instances[index];
         assert!(instance.child.is_none(), "only a killed instance returns");
-        instance.child = Some(spawn_tally(&url, &self.cluster.url, &instance.listen, &log));
+        instance.child = Some(spawn_tally(
+            &url,
+            &self.cluster.url,
+            3,
+            &instance.listen,
+            &log,
+        ));
         wait_ready(&instance.api).await;
     }
 
@@ -223,26 +236,32 @@ async fn stream_leader(js: &async_nats::jetstream::Context, stream: &str) -> Opt
 
 /// The instance whose session holds the relay's advisory lock, by its `application_name`.
 async fn relay_holder(pool: &PgPool) -> Option<String> {
+    lock_holder(pool, tally::bus::relay::RELAY_LOCK_KEY).await
+}
+
+/// The `application_name` of the session holding the advisory lock `key` (taken by
+/// session or by transaction) on the test's database.
+pub(crate) async fn lock_holder(pool: &PgPool, key: i64) -> Option<String> {
     sqlx::query_scalar(
         "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
            AND ((l.classid::text::bigint << 32) | l.objid::text::bigint) = $1",
     )
-    .bind(tally::bus::relay::RELAY_LOCK_KEY)
+    .bind(key)
     .fetch_optional(pool)
     .await
     .unwrap()
 }
 
-async fn head(pool: &PgPool) -> i64 {
+pub(crate) async fn head(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT coalesce(max(position), 0) FROM ledger")
         .fetch_one(pool)
         .await
         .unwrap()
 }
 
-async fn checkpoint(pool: &PgPool) -> i64 {
+pub(crate) async fn checkpoint(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT position FROM proj.checkpoint")
         .fetch_one(pool)
         .await
@@ -250,7 +269,7 @@ async fn checkpoint(pool: &PgPool) -> i64 {
 }
 
 /// The ledger position of the stream's last message; 0 while it cannot be read.
-async fn relayed(js: &async_nats::jetstream::Context) -> i64 {
+pub(crate) async fn relayed(js: &async_nats::jetstream::Context) -> i64 {
     tally::bus::status::ledger_stream_last_position(js, &Names::new("").unwrap())
         .await
         .unwrap_or(0)
@@ -267,8 +286,8 @@ async fn attempt(request: reqwest::RequestBuilder) -> Option<(u16, Value)> {
 
 /// What the load saw: what was acknowledged, and what each check found.
 #[derive(Default)]
-struct Record {
-    http_acked: Vec<Uuid>,
+pub(crate) struct Record {
+    pub(crate) http_acked: Vec<Uuid>,
     /// Events whose JetStream publish was acknowledged, with when.
     nats_acked: Vec<(Uuid, Instant)>,
     /// Slots granted per reservation round.
@@ -638,28 +657,44 @@ async fn kill_the_relay_holder(
     )
 }
 
-/// Kills (-9) the node that leads `TALLY_LEDGER`; how long until the stream has a new
-/// leader, the relay publishes through it and an event published after the kill is
-/// ingested.
-async fn kill_the_ledger_stream_leader(
+/// Which node of the cluster to kill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Node {
+    /// The node leading `TALLY_LEDGER`.
+    LedgerLeader,
+    /// A node that keeps a copy of `TALLY_LEDGER` and does not lead it.
+    Follower,
+}
+
+/// Kills (-9) `which` node; returns its index, when, and how long until `TALLY_LEDGER` has
+/// a leader that is alive (a new one after the leader's kill), the relay publishes through
+/// it and an event published after the kill is ingested.
+async fn kill_a_node(
     fleet: &mut Fleet,
     pool: &PgPool,
     js: &async_nats::jetstream::Context,
-) -> (String, Instant, Takeover) {
+    which: Node,
+) -> (usize, Instant, Takeover) {
     let leader = stream_leader(js, "TALLY_LEDGER")
         .await
         .expect("the stream has a leader");
-    let node = fleet.cluster.node(&leader);
+    let node = match which {
+        Node::LedgerLeader => fleet.cluster.node(&leader),
+        Node::Follower => (0..TestNatsCluster::NODES)
+            .find(|&index| fleet.cluster.nodes[index].name != leader)
+            .expect("a node that does not lead"),
+    };
+    let killed = fleet.cluster.nodes[node].name.clone();
     let head_at_kill = head(pool).await;
     let killed_at = Instant::now();
     fleet.cluster.kill(node);
     eventually(
         FAILOVER_BOUND_S,
-        "TALLY_LEDGER has a new leader",
+        "TALLY_LEDGER has a leader that is alive",
         || async {
             stream_leader(js, "TALLY_LEDGER")
                 .await
-                .is_some_and(|now| now != leader)
+                .is_some_and(|now| now != killed)
         },
     )
     .await;
@@ -702,7 +737,7 @@ async fn kill_the_ledger_stream_leader(
     .await;
     let ingest = killed_at.elapsed();
     (
-        leader,
+        node,
         killed_at,
         Takeover {
             taken,
@@ -712,8 +747,31 @@ async fn kill_the_ledger_stream_leader(
     )
 }
 
+/// Starts killed node `node` again and waits until every stream has three current copies
+/// once more; how long that took.
+async fn node_returns(
+    fleet: &mut Fleet,
+    js: &async_nats::jetstream::Context,
+    node: usize,
+) -> Duration {
+    let restarted_at = Instant::now();
+    fleet.cluster.restart(node);
+    for stream in ["TALLY_LEDGER", "TALLY_INGEST", "TALLY_DLQ"] {
+        eventually(
+            FAILOVER_BOUND_S,
+            &format!("{stream} has three current copies after a node returned"),
+            || replicated(js, stream, 3),
+        )
+        .await;
+    }
+    restarted_at.elapsed()
+}
+
 /// Every acknowledged event is in the ledger, once, at positions 1..=N; N.
-async fn assert_ledger_holds_every_acknowledged_event_once(pool: &PgPool, record: &Record) -> i64 {
+pub(crate) async fn assert_ledger_holds_every_acknowledged_event_once(
+    pool: &PgPool,
+    record: &Record,
+) -> i64 {
     let total = ledger_count(pool).await;
     assert_eq!(
         positions(pool).await,
@@ -791,7 +849,7 @@ async fn stream_ids(stream: &async_nats::jetstream::stream::Stream, count: usize
 
 /// The stream holds the ledger: as many messages, the same ids in position order, each
 /// message equal to its row (`verify --stream`, through a surviving instance).
-async fn assert_stream_is_the_ledger(
+pub(crate) async fn assert_stream_is_the_ledger(
     js: &async_nats::jetstream::Context,
     pool: &PgPool,
     api: &Api,
@@ -904,7 +962,7 @@ async fn overlapping_reservations(pool: &PgPool) -> i64 {
 // Long: one scenario, read top to bottom: start, load, the two kills, then every check;
 // each step is a function of its own, and this is their order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_instances_on_a_three_node_cluster_lose_and_double_nothing_when_the_relay_holder_and_the_ledger_stream_leader_are_killed(
+async fn three_instances_on_a_three_node_cluster_lose_and_double_nothing_when_the_relay_holder_the_ledger_stream_leader_and_a_follower_are_killed_and_return(
 ) {
     let started = Instant::now();
     let mut fleet = Fleet::start().await;
@@ -922,25 +980,38 @@ async fn three_instances_on_a_three_node_cluster_lose_and_double_nothing_when_th
     let (killed, instance_killed_at, instance) =
         kill_the_relay_holder(&mut fleet, &targets, &pool, &js).await;
     load.wait_for_more(1_000).await;
-    let (node, node_killed_at, failover) =
-        kill_the_ledger_stream_leader(&mut fleet, &pool, &js).await;
+    let (leader, node_killed_at, failover) =
+        kill_a_node(&mut fleet, &pool, &js, Node::LedgerLeader).await;
     // The killed instance returns and takes its share of the load again.
     fleet.restart(killed).await;
     let returned_at = Instant::now();
     targets.alive[killed].store(true, Ordering::SeqCst);
     load.wait_for_more(1_000).await;
+    // The killed node returns, catches up, and a follower dies in its turn.
+    let rejoined = node_returns(&mut fleet, &js, leader).await;
+    let (follower, _, follower_failover) =
+        kill_a_node(&mut fleet, &pool, &js, Node::Follower).await;
+    load.wait_for_more(500).await;
+    let follower_rejoined = node_returns(&mut fleet, &js, follower).await;
+    load.wait_for_more(500).await;
     let record = load.stop().await;
     eprintln!(
         "scale_out: killed {} (the relay holder): lock taken after {:?}, relay resumed after {:?}, \
-         projection after {:?}; killed {node} (the TALLY_LEDGER leader): new leader after {:?}, \
-         relay resumed after {:?}, ingest after {:?}",
+         projection after {:?}; killed {} (the TALLY_LEDGER leader): new leader after {:?}, \
+         relay resumed after {:?}, ingest after {:?}; it rejoined with current copies after \
+         {rejoined:?}; killed {} (a follower): relay went on after {:?}, ingest after {:?}; \
+         it rejoined after {follower_rejoined:?}",
         instance_name(killed),
         instance.taken,
         instance.relay,
         instance.other,
+        fleet.cluster.nodes[leader].name,
         failover.taken,
         failover.relay,
         failover.other,
+        fleet.cluster.nodes[follower].name,
+        follower_failover.relay,
+        follower_failover.other,
     );
 
     assert!(record.failures.is_empty(), "{:#?}", record.failures);
