@@ -214,7 +214,7 @@ async fn seed(
     let step_ms = (SEED_WINDOW_MS - SEED_END_MARGIN_MS) as f64 / total as f64;
     let mut rng = rand::rng();
     let mut next = 0_usize;
-    copy_into_ledger(connection, config, || {
+    copy_into_ledger(connection, config, start, || {
         if next >= total {
             return None;
         }

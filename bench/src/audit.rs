@@ -4,7 +4,8 @@
 //! It runs after the admission part, in a scratch database and NATS namespace of its own,
 //! which it removes at the end, also when a step fails or the run is interrupted.
 //!
-//! Flow: `COPY` a month of history straight into `ledger` — many orgs, each with dozens of
+//! Flow: `COPY` seventy-five days of history straight into `ledger` (so at least three of its
+//! monthly partitions, whatever the day) — many orgs, each with dozens of
 //! containers, and `org_big` with a hundredth of all events — generated and written in
 //! chunks, then `VACUUM (ANALYZE)` (nothing of that is timed) → start `tally serve` as a
 //! child process on that database → org pages at random cursors and container pages from
@@ -35,6 +36,7 @@ use tally::ledger::read::{self, Filter};
 use tally::projection::store::LIVE;
 
 use crate::child::{self, Served};
+use crate::projection::REPLAY_TARGET_EVENTS_PER_SECOND;
 
 /// Events in the audited ledger: ten million, a year or more of a busy platform, where a
 /// page that scanned an org's history instead of seeking it would show.
@@ -51,8 +53,12 @@ const BIG_ONE_IN: u32 = 100;
 const BIG_ORG: &str = "org_big";
 /// One org page in this many is `org_big`'s.
 const BIG_PAGE_ONE_IN: u32 = 10;
-/// How far back the history starts: a month, inside the 35-day backdate bound.
-const HISTORY_DAYS: i64 = 30;
+/// How far back the history starts: longer than any two months, so that the ledger spans
+/// at least [`PARTITIONS_MIN`] of its monthly partitions and pages, verification and
+/// replay read across them. Each event was within the backdate bound when it was recorded.
+const HISTORY_DAYS: i64 = 75;
+/// Monthly partitions the generated ledger must have rows in.
+const PARTITIONS_MIN: usize = 3;
 /// The newest generated event is this old when the run starts.
 const HISTORY_END_MARGIN_MS: i64 = 60_000;
 /// How long after an event occurred the generated ledger records it.
@@ -215,9 +221,11 @@ fn event_body(
 struct Build {
     copy: Duration,
     vacuum: Duration,
-    /// Bytes of the table and of its indexes.
+    /// Bytes of the table and of its indexes, over all its partitions.
     table_bytes: i64,
     index_bytes: i64,
+    /// The monthly partitions that hold rows, each with its row count, in month order.
+    partitions: Vec<(String, i64)>,
 }
 
 /// Generates the ledger chunk by chunk into `COPY`, vacuums and analyzes it, and seeds the
@@ -253,18 +261,19 @@ async fn prepare(
     let started = Instant::now();
     let head = {
         let ledger = &mut ledger;
-        copy_into_ledger(&mut connection, config, || {
+        let history_from = DateTime::from_timestamp_millis(start_ms).expect("a recent instant");
+        copy_into_ledger(&mut connection, config, history_from, || {
             if generated == total {
                 return None;
             }
             let chunk_events = COPY_CHUNK_EVENTS.min(total - generated);
             let mut chunk = Vec::with_capacity(chunk_events);
             for _ in 0..chunk_events {
-                // Evenly over the month, in position order, as a live ledger grows.
+                // Evenly over the history, in position order, as a live ledger grows.
                 let offset_ms = i128::try_from(generated).expect("fits") * span_ms
                     / i128::try_from(total).expect("fits");
                 let occurred_at = DateTime::from_timestamp_millis(
-                    start_ms + i64::try_from(offset_ms).expect("within the month"),
+                    start_ms + i64::try_from(offset_ms).expect("within the history"),
                 )
                 .expect("recent instants")
                 .trunc_subsecs(3);
@@ -308,10 +317,18 @@ async fn prepare(
         .await?;
     checkpoint(&mut connection).await;
     let vacuum = started.elapsed();
-    let (table_bytes, index_bytes): (i64, i64) =
-        sqlx::query_as("SELECT pg_table_size('ledger'), pg_indexes_size('ledger')")
-            .fetch_one(&mut connection)
-            .await?;
+    // A partitioned table's own sizes are 0: its partitions are in `pg_partition_tree`.
+    let (table_bytes, index_bytes): (i64, i64) = sqlx::query_as(
+        "SELECT sum(pg_table_size(relid))::bigint, sum(pg_indexes_size(relid))::bigint \
+         FROM pg_partition_tree('ledger')",
+    )
+    .fetch_one(&mut connection)
+    .await?;
+    let partitions: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT tableoid::regclass::text, count(*) FROM ledger GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&mut connection)
+    .await?;
     eprintln!(
         "bench: audit: COPY of {head} events took {:.1} s, VACUUM (ANALYZE) and CHECKPOINT \
          {:.1} s; table {:.2} GB, indexes {:.2} GB",
@@ -336,6 +353,7 @@ async fn prepare(
             vacuum,
             table_bytes,
             index_bytes,
+            partitions,
         },
     ))
 }
@@ -457,7 +475,20 @@ async fn measure(
     ledger: &Ledger,
     build: Build,
 ) -> anyhow::Result<Report> {
-    let mut checks = Vec::new();
+    let months: Vec<String> = build
+        .partitions
+        .iter()
+        .map(|(partition, rows)| format!("{partition} {rows}"))
+        .collect();
+    let mut checks = vec![Check {
+        description: format!(
+            "the ledger has rows in {} monthly partitions (at least {PARTITIONS_MIN}): {}",
+            build.partitions.len(),
+            months.join(", ")
+        ),
+        passed: build.partitions.len() >= PARTITIONS_MIN
+            && build.partitions.iter().map(|(_, rows)| rows).sum::<i64>() == ledger.head,
+    }];
     let build_line = Line {
         figure: Figure::new(
             "ledger written with COPY (not timed)",
@@ -466,10 +497,12 @@ async fn measure(
         )
         .with_note(format!(
             "generated, parsed and chained in chunks of {COPY_CHUNK_EVENTS} while COPY ran; \
-             then VACUUM (ANALYZE) and CHECKPOINT {:.1} s; table {:.2} GB, indexes {:.2} GB",
+             then VACUUM (ANALYZE) and CHECKPOINT {:.1} s; table {:.2} GB, indexes {:.2} GB, \
+             in {} monthly partitions",
             build.vacuum.as_secs_f64(),
             gigabytes(build.table_bytes),
-            gigabytes(build.index_bytes)
+            gigabytes(build.index_bytes),
+            build.partitions.len()
         )),
         target: "-".to_owned(),
     };
@@ -477,12 +510,15 @@ async fn measure(
     let direct = measure_direct(service, &pages, ledger).await?;
     let verification =
         measure_verify(binary, config, service, scratch, ledger, &mut checks).await?;
+    let replay =
+        measure_replay(binary, config, service, build.partitions.len(), &mut checks).await?;
     Ok(Report {
         build: build_line,
         org_pages: pages.org_line,
         container_pages: pages.container_line,
         direct,
         verification,
+        replay,
         checks,
         service: None,
     })
@@ -900,6 +936,45 @@ async fn measure_verify(
     Ok([full_line, append_line, incremental_line])
 }
 
+/// `tally replay` of the whole ledger (after the append), while the service runs on.
+async fn measure_replay(
+    binary: &std::path::Path,
+    config: &Config,
+    service: &Served,
+    partitions: usize,
+    checks: &mut Vec<Check>,
+) -> anyhow::Result<Line> {
+    let head = ledger_head(&service.pool).await?;
+    eprintln!("bench: audit: replay of {head} events");
+    let replayed = crate::replay(binary, config).await?;
+    checks.push(Check {
+        description: format!(
+            "replay read {} events up to position {}; the ledger's head is {head}",
+            replayed.events, replayed.position
+        ),
+        passed: replayed.events == u64::try_from(head)? && replayed.position == head,
+    });
+    let meets = u128::from(replayed.events) * 1_000_000
+        >= u128::from(REPLAY_TARGET_EVENTS_PER_SECOND) * replayed.elapsed.as_micros();
+    Ok(Line {
+        figure: Figure::new(
+            format!("tally replay, {} containers", replayed.containers),
+            usize::try_from(replayed.events)?,
+            replayed.elapsed,
+        )
+        .with_note(format!(
+            "replay's own time, over {partitions} monthly partitions; the process took {:.2} s \
+             in all, {}",
+            replayed.ran.elapsed.as_secs_f64(),
+            ran_note(&replayed.ran)
+        )),
+        target: format!(
+            "≥ {REPLAY_TARGET_EVENTS_PER_SECOND} events/s: {}",
+            verdict(meets)
+        ),
+    })
+}
+
 /// Batches of new events on the ledger's containers, each occurred a moment ago.
 fn appended_bodies(ledger: &Ledger) -> Vec<Bytes> {
     let mut rng = rand::rng();
@@ -924,6 +999,7 @@ struct Report {
     container_pages: Line,
     direct: [Line; 2],
     verification: [Line; 3],
+    replay: Line,
     checks: Vec<Check>,
     /// The `tally serve` child's, over the pages, the append and its projection.
     service: Option<child::ProcessUsage>,
@@ -942,7 +1018,8 @@ impl Report {
         let lines = [&self.build, &self.org_pages, &self.container_pages]
             .into_iter()
             .chain(&self.direct)
-            .chain(&self.verification);
+            .chain(&self.verification)
+            .chain([&self.replay]);
         print_lines(lines, self.service, &self.checks);
     }
 }

@@ -782,24 +782,23 @@ fn write_csv_row(out: &mut String, rows: &Rows, row: usize) {
 /// Writes events into an empty `ledger` with `COPY`, as rows the appender would have written
 /// (its own [`Rows`], so content digests and the hash chain are the real ones); returns the
 /// head. `next_chunk` yields the next events in position order, each a native body and when
-/// the ledger recorded it, until it yields `None`: the caller decides how many events are
-/// built and held at once, so the ledger can be far larger than memory. Each event goes
-/// through the service's parser first, so a generator bug fails here.
+/// the ledger recorded it, no earlier than `history_from`, until it yields `None`: the
+/// caller decides how many events are built and held at once, so the ledger can be far
+/// larger than memory. Each event goes through the service's parser first, judged as of the
+/// moment it was recorded, so a generator bug fails here.
 async fn copy_into_ledger(
     connection: &mut PgConnection,
     config: &Config,
+    history_from: DateTime<Utc>,
     mut next_chunk: impl FnMut() -> Option<Vec<(String, DateTime<Utc>)>>,
 ) -> anyhow::Result<i64> {
-    let bounds = TimeBounds {
-        now: Utc::now(),
-        backdate_max: config.backdate_max(),
-    };
-    // The ledger's months for every `recorded_at` a planned event can have (its
-    // `occurred_at`, within the backdate bound, plus moments): COPY cannot make them.
+    let now = Utc::now();
+    // The ledger's months from the first `recorded_at` to now, and a day past it for the
+    // moments an event's recording follows it: COPY cannot make them.
     tally::ledger::partitions::ensure(
         &mut *connection,
-        bounds.now - config.backdate_max() - chrono::Duration::days(1),
-        bounds.now + chrono::Duration::days(1),
+        history_from,
+        now + chrono::Duration::days(1),
     )
     .await?;
     let statement = format!(
@@ -813,6 +812,14 @@ async fn copy_into_ledger(
         let csv = {
             let mut rows = Rows::default();
             for (body, recorded_at) in chunk {
+                anyhow::ensure!(
+                    recorded_at >= history_from,
+                    "a planned event is recorded at {recorded_at}, before {history_from}"
+                );
+                let bounds = TimeBounds {
+                    now: recorded_at,
+                    backdate_max: config.backdate_max(),
+                };
                 let mut parsed = parse_body(BodyKind::Native, body.as_bytes(), bounds, 1)
                     .map_err(|e| anyhow::anyhow!("a planned event is invalid: {}", e.describe()))?;
                 let event = parsed.pop().expect("one body, one event");

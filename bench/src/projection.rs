@@ -102,7 +102,7 @@ const BIG_ORG: &str = "org_big";
 /// `org_big` among the org indexes of the plan.
 const BIG_ORG_INDEX: u32 = u32::MAX;
 /// Targets.
-const REPLAY_TARGET_EVENTS_PER_SECOND: u64 = 200_000;
+pub(crate) const REPLAY_TARGET_EVENTS_PER_SECOND: u64 = 200_000;
 const USAGE_TARGET_P99_MS: u64 = 5;
 const LAG_TARGET_P99_MS: u64 = 250;
 /// The lag target holds only at the requested rate; the pacer may fall this far short.
@@ -656,7 +656,9 @@ async fn copy_plan_into_ledger(
 ) -> anyhow::Result<i64> {
     let mut rng = rand::rng();
     let mut chunks = plan.events.chunks(COPY_CHUNK_EVENTS);
-    copy_into_ledger(connection, config, || {
+    // A day before the plan's window, which was taken a moment before this.
+    let history_from = Utc::now() - chrono::Duration::days(HISTORY_DAYS + 1);
+    copy_into_ledger(connection, config, history_from, || {
         let chunk = chunks.next()?;
         Some(
             chunk

@@ -587,7 +587,7 @@ async fn prepare_and_measure(
         let mut day = 0_u32;
         let mut container_day = 0_u64;
         let mut pending: std::vec::IntoIter<(i64, usize, Kind)> = Vec::new().into_iter();
-        copy_into_ledger(&mut connection, config, || {
+        copy_into_ledger(&mut connection, config, plan.history_start, || {
             while pending.len() == 0 {
                 if day == HISTORY_DAYS {
                     return None;

@@ -34,7 +34,7 @@ async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_passing_and_leaves_no_database(
+async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with_every_check_passing_and_leaves_no_database(
 ) {
     let _alone = ONE_BENCH_AT_A_TIME.lock().await;
     let nats = TestNats::start();
@@ -51,7 +51,7 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         "--serve-binary",
         serve_binary.to_str().expect("a UTF-8 path"),
         "--only",
-        "ingest,admission,anomalies",
+        "ingest,admission,anomalies,audit",
         "--http-events",
         "2000",
         "--single-events",
@@ -69,6 +69,12 @@ async fn the_bench_runs_ingest_and_admission_on_small_sizes_with_every_check_pas
         "--anomalies-seeded",
         "20",
         "--anomalies-phase-events",
+        "200",
+        "--audit-events",
+        "100000",
+        "--audit-orgs",
+        "20",
+        "--audit-requests",
         "200",
     ])
     .args;
