@@ -144,6 +144,8 @@ pub async fn get_status(
     let head: Option<(i64, DateTime<Utc>)> = sqlx::query_as(
         "SELECT position, recorded_at FROM ledger_ids ORDER BY position DESC LIMIT 1",
     )
+    // Planned at each run, as `read::head` is.
+    .persistent(false)
     .fetch_optional(&mut *snapshot)
     .await?;
     let checkpoint = store::checkpoint(&mut snapshot, LIVE).await?;

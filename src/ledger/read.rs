@@ -110,7 +110,9 @@ pub struct Head {
 }
 
 /// The head; position 0 and the genesis hash for an empty ledger. The highest position is
-/// found in `ledger_ids`, and its hash in that row's month alone.
+/// found in `ledger_ids`, and its hash in that row's month alone. Not a prepared statement:
+/// one without parameters keeps its first plan for the session, and a plan made on a young
+/// ledger would scan it whole (see `db::PLAN_CACHE_MODE`).
 #[tracing::instrument(skip_all)]
 pub async fn head(executor: impl PgExecutor<'_>) -> Result<Head, sqlx::Error> {
     let row: Option<(i64, Vec<u8>)> = sqlx::query_as(
@@ -118,6 +120,7 @@ pub async fn head(executor: impl PgExecutor<'_>) -> Result<Head, sqlx::Error> {
          (SELECT position, recorded_at FROM ledger_ids ORDER BY position DESC LIMIT 1) h \
          USING (position, recorded_at)",
     )
+    .persistent(false)
     .fetch_optional(executor)
     .await?;
     Ok(match row {

@@ -267,3 +267,66 @@ async fn the_migration_partitions_a_ledger_of_100_000_events_without_changing_a_
     assert_eq!(report["head_position"], MIGRATED_EVENTS + 3);
     pool.close().await;
 }
+
+/// Sequential scans so far of `ledger_ids` and of the months that hold rows (a scan of an
+/// empty month ahead is its best plan).
+async fn sequential_scans(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(seq_scan), 0)::bigint FROM pg_stat_user_tables \
+         WHERE relname = 'ledger_ids' \
+            OR (relname LIKE 'ledger\\_y%' AND n_live_tup > 0)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_appender_that_began_on_an_empty_ledger_appends_through_the_indexes_once_it_holds_a_hundred_thousand_events(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _committed, task) = Appender::start_dated(pool.clone(), LIMITS, Clock::system());
+    // Its session's first calls plan every statement on tables the migrations analyzed
+    // empty: more than the five after which Postgres would keep a generic plan.
+    for _ in 0..10 {
+        appender
+            .append(parse_events(&valid_events(1)))
+            .await
+            .expect("a small append");
+    }
+    for _ in 0..100 {
+        appender
+            .append(parse_events(&valid_events(1_000)))
+            .await
+            .expect("a group of a thousand");
+    }
+    // (A group of a thousand ids is looked up with one scan of `ledger_ids`, which at this
+    // size is the cheaper plan.) A session sends its statistics when it goes idle at
+    // least a second after it last sent them; one more append after a pause sends those
+    // of everything before it.
+    let flushed = || async {
+        tokio::time::sleep(std::time::Duration::from_millis(1_200)).await;
+        appender
+            .append(parse_events(&valid_events(1)))
+            .await
+            .expect("a single event");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        sequential_scans(&pool).await
+    };
+    let before = flushed().await;
+    for _ in 0..20 {
+        appender
+            .append(parse_events(&valid_events(1)))
+            .await
+            .expect("a single event");
+    }
+    let after = flushed().await;
+    drop(appender);
+    task.await.unwrap();
+    assert_eq!(
+        after - before,
+        0,
+        "20 appends to a ledger of 100 010 events scanned ledger_ids or a month whole"
+    );
+}
