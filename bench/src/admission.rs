@@ -757,67 +757,32 @@ async fn measure(
     checks.extend(sample_checks(&mut connection, &population).await?);
 
     // Throughput.
-    let mut rng = rand::rng();
-    let probes: Vec<Probe> = (0..args.admission_checks)
-        .map(|serial| Probe::random(&mut rng, population.orgs.len(), serial))
-        .collect();
-    let bodies = Arc::new(probes.iter().map(|p| p.body.clone()).collect::<Vec<_>>());
-    let check = Target::check();
-    eprintln!("bench: admission: warming up");
-    send_all(
+    let closed = closed_loop(
         &[service.address],
         token,
-        Load::closed(&check, &bodies, WARMUP_REQUESTS),
-    )
-    .await?;
-    eprintln!(
-        "bench: admission: {} checks from {CLIENTS} clients",
-        args.admission_checks
-    );
-    let cpu_before = CpuTime::now(service);
-    let facts_before = ServedFacts::of(service).await?;
-    let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
-    let answered = send_all(
-        &[service.address],
-        token,
-        Load {
-            keep_answers: true,
-            ..Load::closed(&check, &bodies, args.admission_checks)
-        },
-    )
-    .await?;
-    let phase_end_ms = Utc::now().timestamp_millis() + 1;
-    let cpu = CpuTime::describe(cpu_before, CpuTime::now(service), answered.elapsed);
-    let facts = ServedFacts::of(service).await?.since(facts_before);
-    let load = load_average();
-    let verified = verify_answers(
-        &probes,
-        &answered.answers,
         &population,
-        (phase_start_ms, phase_end_ms),
-    )?;
-    checks.push(verified.check);
-    let figure = Figure::new(
-        format!("checks, {CLIENTS} clients, closed loop"),
         args.admission_checks,
-        answered.elapsed,
+        format!("checks, {CLIENTS} clients, closed loop"),
+        "admission",
+        &ChildMeter(service),
     )
-    .with_latencies(&answered.latencies);
-    let checks_per_second = figure.per_second();
+    .await?;
+    checks.push(closed.verified.check);
+    let checks_per_second = closed.figure.per_second();
     let throughput = Line {
         target: format!(
             "≥ {TARGET_CHECKS_PER_SECOND}/s: {}",
             verdict(checks_per_second >= TARGET_CHECKS_PER_SECOND as f64)
         ),
-        figure: figure
+        figure: closed
+            .figure
             .with_note(format!(
                 "{:.0} % allowed; every answer as the population implies",
-                verified.allowed as f64 * 100.0 / args.admission_checks as f64
+                closed.verified.allowed as f64 * 100.0 / args.admission_checks as f64
             ))
-            .with_note(facts)
-            .with_note(cpu)
-            .with_note(format!("load average {load}")),
+            .with_notes(closed.notes),
     };
+    let (probes, bodies, check) = (closed.probes, closed.bodies, Target::check());
 
     // Latency at half the measured load.
     let rate = (checks_per_second / 2.0).max(1.0);
@@ -985,6 +950,133 @@ async fn measure_paced(
         ))
         .with_note(cpu)
         .with_note(format!("load average {}", load_average())))
+}
+
+/// What a part reads just before and just after the clock of its closed-loop checks, and
+/// the notes it makes of the two readings.
+trait Meter {
+    type Reading;
+
+    async fn read(&self) -> anyhow::Result<Self::Reading>;
+
+    /// The notes on a phase `elapsed` long that began at `before`.
+    async fn notes_since(
+        &self,
+        before: Self::Reading,
+        elapsed: Duration,
+    ) -> anyhow::Result<Vec<String>>;
+}
+
+/// The admission part's: where the child's facts came from, its CPU time with the bench's
+/// and the rest's, and the load average.
+struct ChildMeter<'a>(&'a Served);
+
+impl Meter for ChildMeter<'_> {
+    type Reading = (Option<CpuTime>, ServedFacts);
+
+    async fn read(&self) -> anyhow::Result<Self::Reading> {
+        Ok((CpuTime::now(self.0), ServedFacts::of(self.0).await?))
+    }
+
+    async fn notes_since(
+        &self,
+        (cpu_before, facts_before): Self::Reading,
+        elapsed: Duration,
+    ) -> anyhow::Result<Vec<String>> {
+        let cpu = CpuTime::describe(cpu_before, CpuTime::now(self.0), elapsed);
+        let facts = ServedFacts::of(self.0).await?.since(facts_before);
+        Ok(vec![facts, cpu, format!("load average {}", load_average())])
+    }
+}
+
+/// The instances part's: the CPU time of every instance, Postgres, nats-server and the
+/// bench.
+struct SplitMeter<'a>(&'a [Served]);
+
+impl Meter for SplitMeter<'_> {
+    type Reading = Option<crate::cpu::CpuSplit>;
+
+    async fn read(&self) -> anyhow::Result<Self::Reading> {
+        Ok(crate::cpu::CpuSplit::now(self.0))
+    }
+
+    async fn notes_since(
+        &self,
+        before: Self::Reading,
+        _elapsed: Duration,
+    ) -> anyhow::Result<Vec<String>> {
+        let after = crate::cpu::CpuSplit::now(self.0);
+        Ok(vec![crate::cpu::CpuSplit::describe(before, after)])
+    }
+}
+
+/// The closed-loop checks' probes and what they gave.
+struct ClosedLoop {
+    probes: Vec<Probe>,
+    bodies: Arc<Vec<Bytes>>,
+    /// With its latencies, without notes.
+    figure: Figure,
+    verified: Verified,
+    /// The meter's notes on the phase.
+    notes: Vec<String>,
+}
+
+/// `count` random checks of `population`'s orgs after a warm-up, each sent as soon as the
+/// previous one is answered from [`CLIENTS`] connections spread round-robin over
+/// `addresses`, every answer compared with what the population implies; `meter` reads
+/// around the clock, and `part` names the part in the progress lines.
+async fn closed_loop(
+    addresses: &[std::net::SocketAddr],
+    token: &str,
+    population: &Population,
+    count: usize,
+    label: String,
+    part: &str,
+    meter: &impl Meter,
+) -> anyhow::Result<ClosedLoop> {
+    let probes: Vec<Probe> = {
+        let mut rng = rand::rng();
+        (0..count)
+            .map(|serial| Probe::random(&mut rng, population.orgs.len(), serial))
+            .collect()
+    };
+    let bodies = Arc::new(probes.iter().map(|p| p.body.clone()).collect::<Vec<_>>());
+    let check = Target::check();
+    eprintln!("bench: {part}: warming up");
+    send_all(
+        addresses,
+        token,
+        Load::closed(&check, &bodies, WARMUP_REQUESTS),
+    )
+    .await?;
+    eprintln!("bench: {part}: {count} checks from {CLIENTS} clients");
+    let before = meter.read().await?;
+    let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
+    let answered = send_all(
+        addresses,
+        token,
+        Load {
+            keep_answers: true,
+            ..Load::closed(&check, &bodies, count)
+        },
+    )
+    .await?;
+    let phase_end_ms = Utc::now().timestamp_millis() + 1;
+    let notes = meter.notes_since(before, answered.elapsed).await?;
+    let verified = verify_answers(
+        &probes,
+        &answered.answers,
+        population,
+        (phase_start_ms, phase_end_ms),
+    )?;
+    let figure = Figure::new(label, count, answered.elapsed).with_latencies(&answered.latencies);
+    Ok(ClosedLoop {
+        probes,
+        bodies,
+        figure,
+        verified,
+        notes,
+    })
 }
 
 /// A few questions whose answers are known exactly, one of each kind, each a check.
@@ -1582,51 +1674,22 @@ pub(crate) async fn measure_through(
     });
     checks.extend(samples_on_every_instance(&addresses, token, &population, "").await?);
 
-    let mut rng = rand::rng();
-    let probes: Vec<Probe> = (0..args.admission_checks)
-        .map(|serial| Probe::random(&mut rng, population.orgs.len(), serial))
-        .collect();
-    let bodies = Arc::new(probes.iter().map(|p| p.body.clone()).collect::<Vec<_>>());
-    let check = Target::check();
-    send_all(
+    let measured = closed_loop(
         &addresses,
         token,
-        Load::closed(&check, &bodies, WARMUP_REQUESTS),
-    )
-    .await?;
-    eprintln!(
-        "bench: admission through {} instances: {} checks from {CLIENTS} clients",
-        services.len(),
-        args.admission_checks
-    );
-    let split_before = crate::cpu::CpuSplit::now(services);
-    let phase_start_ms = Utc::now().trunc_subsecs(3).timestamp_millis();
-    let answered = send_all(
-        &addresses,
-        token,
-        Load {
-            keep_answers: true,
-            ..Load::closed(&check, &bodies, args.admission_checks)
-        },
-    )
-    .await?;
-    let phase_end_ms = Utc::now().timestamp_millis() + 1;
-    let split = crate::cpu::CpuSplit::describe(split_before, crate::cpu::CpuSplit::now(services));
-    let verified = verify_answers(
-        &probes,
-        &answered.answers,
         &population,
-        (phase_start_ms, phase_end_ms),
-    )?;
-    checks.push(verified.check);
-    let closed = Figure::new(
-        format!("admission checks, {CLIENTS} clients, closed loop"),
         args.admission_checks,
-        answered.elapsed,
+        format!("admission checks, {CLIENTS} clients, closed loop"),
+        &format!("admission through {} instances", services.len()),
+        &SplitMeter(services),
     )
-    .with_latencies(&answered.latencies)
-    .with_note(split)
-    .with_note(format!("load average {}", load_average()));
+    .await?;
+    checks.push(measured.verified.check);
+    let closed = measured
+        .figure
+        .with_notes(measured.notes)
+        .with_note(format!("load average {}", load_average()));
+    let (bodies, check) = (measured.bodies, Target::check());
 
     let rate = rate.unwrap_or((closed.per_second() / 2.0).max(1.0));
     let paced_count = ((rate * args.admission_paced_seconds as f64) as usize).max(1);

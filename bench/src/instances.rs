@@ -18,15 +18,13 @@
 //! admission population, sample checks on every instance, closed-loop and paced checks →
 //! stop the instances → the table of both runs.
 
-use anyhow::Context as _;
 use async_nats::jetstream;
-use sqlx::{Connection, PgConnection};
 
 use crate::admission::{self, Through};
 use crate::child::{self, Served};
 use crate::{
     ledger_checks, measured_then_cleaned, print_checks, print_table, wait_for_streams, BenchArgs,
-    Check, Endpoint, Figure, GroupCommits, Phases, Scratch, Workload,
+    Check, Figure, GroupCommits, Phases, Scratch, Workload,
 };
 use tally::bus::Names;
 use tally::config::Config;
@@ -218,7 +216,8 @@ async fn stop_all(services: Vec<Served>) -> anyhow::Result<Vec<child::ProcessUsa
     stopped.map(|()| usage)
 }
 
-// Long: the three ingest phases, then the checks and the storage, in the order they run.
+/// The ingest part's three phases through `services`, then each instance's appended
+/// events, the ledger and stream checks, and the storage.
 async fn measure_ingest(
     binary: &std::path::Path,
     config: &Config,
@@ -228,40 +227,8 @@ async fn measure_ingest(
     workload: &Workload,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Ingested> {
-    wait_for_streams(nats, &scratch.names).await?;
-    let connection = PgConnection::connect(&scratch.database_url)
-        .await
-        .context("cannot connect to the scratch database")?;
-    let mut phases = Phases {
-        services,
-        nats,
-        names: &scratch.names,
-        connection,
-        endpoint: Endpoint {
-            addresses: services.iter().map(|service| service.address).collect(),
-            url: "/v1/events".to_string(),
-            token: scratch.token.clone(),
-        },
-        head: 0,
-    };
-    let (batch, _) = phases
-        .http(
-            "HTTP batches",
-            &workload.batch_bodies,
-            workload.baseline.count,
-            args.http_batch_clients,
-        )
-        .await?;
-    let (single, _) = phases
-        .http(
-            "HTTP single events",
-            &workload.single_bodies,
-            workload.single_bodies.len(),
-            args.single_clients,
-        )
-        .await?;
-    let nats_figure = phases.nats(&workload.nats_payloads).await?;
-    phases.connection.close().await?;
+    let phases = Phases::new(services, nats, scratch).await?;
+    let figures = phases.ingest(workload, args).await?;
     let mut appended = Vec::with_capacity(services.len());
     for service in services {
         let commits = GroupCommits::of(std::slice::from_ref(service)).await?;
@@ -272,9 +239,9 @@ async fn measure_ingest(
     let checks = ledger_checks(binary, config, pool, nats, &scratch.names, workload).await?;
     let storage = Storage::measure(pool, nats, &scratch.names).await?;
     Ok(Ingested {
-        batch,
-        single,
-        nats: nats_figure,
+        batch: figures.batch,
+        single: figures.single,
+        nats: figures.nats,
         storage,
         appended,
         checks,

@@ -906,56 +906,20 @@ async fn measure(
     workload: &Workload,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
-    wait_for_streams(nats, &scratch.names).await?;
-    let mut connection = PgConnection::connect(&scratch.database_url)
-        .await
-        .context("cannot connect to the scratch database")?;
+    let mut phases = Phases::new(std::slice::from_ref(service), nats, scratch).await?;
+    let connection = &mut phases.connection;
     let baselines = Baselines {
-        copy: baseline_copy(&mut connection, &workload.baseline).await?,
-        unnest: baseline_unnest(&mut connection, &workload.baseline).await?,
+        copy: baseline_copy(connection, &workload.baseline).await?,
+        unnest: baseline_unnest(connection, &workload.baseline).await?,
         single_rows: baseline_single_rows(
-            &mut connection,
+            connection,
             &scratch.database_url,
             &workload.single_baseline,
         )
         .await?,
         publish: baseline_publish(nats, scratch, &workload.nats_payloads).await?,
     };
-
-    let mut phases = Phases {
-        services: std::slice::from_ref(service),
-        nats,
-        names: &scratch.names,
-        connection,
-        endpoint: Endpoint {
-            addresses: vec![service.address],
-            url: "/v1/events".to_string(),
-            token: scratch.token.clone(),
-        },
-        head: 0,
-    };
-    let (batch, batch_relayed) = phases
-        .http(
-            "HTTP batches",
-            &workload.batch_bodies,
-            workload.baseline.count,
-            args.http_batch_clients,
-        )
-        .await?;
-    let batch_relayed = Figure::new(
-        "HTTP batches, until relayed",
-        workload.baseline.count,
-        batch_relayed,
-    );
-    let (single, _) = phases
-        .http(
-            "HTTP single events",
-            &workload.single_bodies,
-            workload.single_bodies.len(),
-            args.single_clients,
-        )
-        .await?;
-    let nats_ingest = phases.nats(&workload.nats_payloads).await?;
+    let ingested = phases.ingest(workload, args).await?;
 
     eprintln!("bench: checking the ledger");
     let checks = check_ledger(
@@ -967,13 +931,12 @@ async fn measure(
         workload,
     )
     .await?;
-    phases.connection.close().await?;
     Ok(Report {
         baselines,
-        batch,
-        batch_relayed,
-        single,
-        nats_ingest,
+        batch: ingested.batch,
+        batch_relayed: ingested.batch_relayed,
+        single: ingested.single,
+        nats_ingest: ingested.nats,
         checks,
         service: None,
     })
@@ -991,6 +954,79 @@ struct Phases<'a> {
     endpoint: Endpoint,
     /// The ledger head the phases so far should have reached.
     head: i64,
+}
+
+/// The figures of the three ingest phases, in the order they run.
+struct IngestFigures {
+    batch: Figure,
+    /// The batches from the first post until the relay had published their events.
+    batch_relayed: Figure,
+    single: Figure,
+    nats: Figure,
+}
+
+impl<'a> Phases<'a> {
+    /// Waits for `scratch`'s streams and connects to its database, which `services` share.
+    async fn new(
+        services: &'a [child::Served],
+        nats: &'a jetstream::Context,
+        scratch: &'a Scratch,
+    ) -> anyhow::Result<Phases<'a>> {
+        wait_for_streams(nats, &scratch.names).await?;
+        let connection = PgConnection::connect(&scratch.database_url)
+            .await
+            .context("cannot connect to the scratch database")?;
+        Ok(Phases {
+            services,
+            nats,
+            names: &scratch.names,
+            connection,
+            endpoint: Endpoint {
+                addresses: services.iter().map(|service| service.address).collect(),
+                url: "/v1/events".to_string(),
+                token: scratch.token.clone(),
+            },
+            head: 0,
+        })
+    }
+
+    /// The ingest part's workload: HTTP batches, single HTTP events, then NATS ingest;
+    /// closes the connection after them.
+    async fn ingest(
+        mut self,
+        workload: &Workload,
+        args: &BenchArgs,
+    ) -> anyhow::Result<IngestFigures> {
+        let (batch, batch_relayed) = self
+            .http(
+                "HTTP batches",
+                &workload.batch_bodies,
+                workload.baseline.count,
+                args.http_batch_clients,
+            )
+            .await?;
+        let batch_relayed = Figure::new(
+            "HTTP batches, until relayed",
+            workload.baseline.count,
+            batch_relayed,
+        );
+        let (single, _) = self
+            .http(
+                "HTTP single events",
+                &workload.single_bodies,
+                workload.single_bodies.len(),
+                args.single_clients,
+            )
+            .await?;
+        let nats = self.nats(&workload.nats_payloads).await?;
+        self.connection.close().await?;
+        Ok(IngestFigures {
+            batch,
+            batch_relayed,
+            single,
+            nats,
+        })
+    }
 }
 
 impl Phases<'_> {
@@ -1917,6 +1953,11 @@ impl Figure {
 
     fn with_note(mut self, note: String) -> Figure {
         self.notes.push(note);
+        self
+    }
+
+    fn with_notes(mut self, notes: Vec<String>) -> Figure {
+        self.notes.extend(notes);
         self
     }
 
