@@ -419,10 +419,15 @@ async fn settle(
             .map_err(|e| anyhow::anyhow!(e))?;
     }
     flush(context).await?;
-    metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "stored")
-        .increment(stored as u64);
-    metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "dead_lettered")
-        .increment(dead_lettered);
+    // Only outcomes that happened, so that /metrics shows no series before its first event.
+    if stored > 0 {
+        metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "stored")
+            .increment(stored as u64);
+    }
+    if dead_lettered > 0 {
+        metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "dead_lettered")
+            .increment(dead_lettered);
+    }
     Ok(())
 }
 
