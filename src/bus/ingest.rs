@@ -8,6 +8,12 @@
 //! anything [`AppendError::is_retryable`] says will fail again) is copied to `TALLY_DLQ`
 //! with the error in headers and then acknowledged, so it cannot loop. Only a message that
 //! failed for a passing reason (database down, queue full) is nak'ed and retried later.
+//!
+//! Batches go through three stages joined by bounded channels: fetching, appending and
+//! settling (dead letters, then the batch's acknowledgements, flushed once). So the next
+//! batch is fetched while one is appended and the one before is settled. Stopping lets the
+//! batch being appended commit and be settled, and naks the batches fetched but not
+//! appended, so that they are redelivered at once.
 
 use std::time::Duration;
 
@@ -18,6 +24,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer::pull, AckKind, Message};
 use async_nats::HeaderMap;
 use futures::StreamExt;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::Names;
@@ -36,10 +43,24 @@ pub const ERROR_HEADER: &str = "Tally-Error";
 pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
 pub const ACK_WAIT_SECONDS: u64 = 30;
-/// Unacknowledged messages the server lets this consumer hold: two full fetches.
+/// Unacknowledged messages the server lets this consumer hold, over all instances. Each
+/// instance's pipeline holds at most four batches (one fetched ahead, one being appended,
+/// one waiting to be settled, one being settled), 4 000 messages at the default
+/// [`crate::config::INGEST_FETCH_MAX`]: this leaves room for several instances, a larger
+/// configured fetch, and the messages of a stopped instance until they are redelivered.
 const MAX_ACK_PENDING: i64 = 20_000;
+/// Fetched batches that wait for the appending stage: one, so that the next fetch runs
+/// while a batch is appended, and no more, because each message waiting counts against
+/// [`ACK_WAIT_SECONDS`] and [`MAX_ACK_PENDING`] and could go to another instance instead.
+const FETCHED_AHEAD_MAX: usize = 1;
+/// Appended batches that wait for the settling stage: one, so that the next batch is
+/// appended while one is acknowledged, and no more, for the same reasons.
+const APPENDED_AHEAD_MAX: usize = 1;
 /// How long one fetch waits for messages when the stream is idle.
 const FETCH_EXPIRES_MS: u64 = 500;
+/// How long a batch's acknowledgements may take to be written: as long as a dead-letter
+/// publish may wait for its confirmation (the client's default request timeout).
+const FLUSH_TIMEOUT_MS: u64 = 5_000;
 /// Delay before a message that failed for a passing reason is redelivered.
 const RETRY_DELAY_MS: u64 = 1_000;
 /// Longest error text put in a header.
@@ -54,7 +75,7 @@ pub struct IngestSettings {
     pub clock: crate::clock::Clock,
 }
 
-/// Runs until `shutdown`, finishing the batch in hand; errors are logged and retried.
+/// Runs until `shutdown`, finishing the batch being appended; errors are logged and retried.
 pub async fn run(
     context: jetstream::Context,
     names: Names,
@@ -82,6 +103,9 @@ pub async fn run(
     tracing::info!("ingest consumer stopped");
 }
 
+/// Consumes as a pipeline of three stages joined by bounded channels: fetching, appending
+/// and settling, so that the appender is not idle while the next batch is fetched or while
+/// the last one's acknowledgements go out.
 async fn consume(
     context: &jetstream::Context,
     names: &Names,
@@ -94,12 +118,37 @@ async fn consume(
     streams
         .apply(context, names, &["TALLY_INGEST", "TALLY_DLQ"])
         .await?;
+    let consumer = ingest_consumer(context, names).await?;
+    let (fetched_sender, fetched) = mpsc::channel(FETCHED_AHEAD_MAX);
+    let (appended_sender, appended) = mpsc::channel(APPENDED_AHEAD_MAX);
+    // Each stage ends when the one before it ends (its sender is dropped) or the one after it
+    // does (its receiver is dropped), so a failure anywhere stops all three.
+    let (fetching, (), settling) = tokio::join!(
+        fetch_batches(&consumer, settings.fetch_max, fetched_sender),
+        append_batches(
+            context,
+            fetched,
+            appended_sender,
+            (pool, appender, settings),
+            shutdown
+        ),
+        settle_batches(context, names, appended),
+    );
+    settling.and(fetching)
+}
+
+async fn ingest_consumer(
+    context: &jetstream::Context,
+    names: &Names,
+) -> anyhow::Result<jetstream::consumer::PullConsumer> {
     let stream = context.get_stream(names.ingest_stream()).await?;
-    let consumer = stream
+    stream
         .get_or_create_consumer(
             CONSUMER_NAME,
             pull::Config {
                 durable_name: Some(CONSUMER_NAME.to_owned()),
+                // Not AckAll: there an ack acknowledges every earlier message as well,
+                // including one nak'ed for a retry or still being appended elsewhere.
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(ACK_WAIT_SECONDS),
                 max_ack_pending: MAX_ACK_PENDING,
@@ -107,29 +156,98 @@ async fn consume(
             },
         )
         .await
-        .context("cannot create the ingest consumer")?;
-    while !shutdown.is_cancelled() {
-        let fetch = async {
-            let mut batch = consumer
-                .fetch()
-                .max_messages(settings.fetch_max)
-                .expires(Duration::from_millis(FETCH_EXPIRES_MS))
-                .messages()
-                .await?;
-            let mut messages = Vec::new();
-            while let Some(message) = batch.next().await {
-                messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
-            }
-            anyhow::Ok(messages)
-        };
-        // Nothing fetched is lost by stopping here: unacknowledged messages are redelivered.
-        let messages = tokio::select! {
-            messages = fetch => messages?,
-            _ = shutdown.cancelled() => return Ok(()),
-        };
-        if !messages.is_empty() {
-            handle_batch(context, names, pool, appender, settings, messages).await?;
+        .context("cannot create the ingest consumer")
+}
+
+/// Fetches a batch whenever the channel has room for it, until the appending stage stops
+/// taking them. A fetch is never cut short (it ends within [`FETCH_EXPIRES_MS`]), so that
+/// every message delivered reaches the appending stage, which appends it or hands it back.
+async fn fetch_batches(
+    consumer: &jetstream::consumer::PullConsumer,
+    fetch_max: usize,
+    fetched: mpsc::Sender<Vec<Message>>,
+) -> anyhow::Result<()> {
+    // The slot is reserved before the fetch, so at most one fetched batch waits.
+    while let Ok(slot) = fetched.reserve().await {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(fetch_max)
+            .expires(Duration::from_millis(FETCH_EXPIRES_MS))
+            .messages()
+            .await?;
+        let mut messages = Vec::new();
+        while let Some(message) = batch.next().await {
+            messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
         }
+        if !messages.is_empty() {
+            slot.send(messages);
+        }
+    }
+    Ok(())
+}
+
+/// Appends each fetched batch and passes it on with its verdicts, until `shutdown` or until
+/// a neighbouring stage stops; then hands back the batches fetched but not appended.
+async fn append_batches(
+    context: &jetstream::Context,
+    mut fetched: mpsc::Receiver<Vec<Message>>,
+    appended: mpsc::Sender<(Vec<Message>, Vec<Verdict>)>,
+    (pool, appender, settings): (&PgPool, &Appender, &IngestSettings),
+    shutdown: &CancellationToken,
+) {
+    loop {
+        let messages = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            messages = fetched.recv() => match messages {
+                Some(messages) => messages,
+                None => return,
+            },
+        };
+        // The batch in hand is finished even when stopping: its appends are queued already.
+        let verdicts = append_batch(pool, appender, settings, &messages).await;
+        if appended.send((messages, verdicts)).await.is_err() {
+            break;
+        }
+    }
+    hand_back(context, fetched).await;
+}
+
+/// Nothing fetched is lost by stopping: a message not appended is nak'ed, so that this or
+/// another instance gets it again at once rather than after [`ACK_WAIT_SECONDS`].
+async fn hand_back(context: &jetstream::Context, mut fetched: mpsc::Receiver<Vec<Message>>) {
+    // Closed, the channel takes no new batch, but the one a fetch in progress reserved room
+    // for still arrives, so the loop below waits for that fetch to end.
+    fetched.close();
+    while let Some(messages) = fetched.recv().await {
+        for message in &messages {
+            // A nak lost is a redelivery after ACK_WAIT_SECONDS instead.
+            let _ = message.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+    let _ = flush(context).await;
+}
+
+/// Waits until what was queued on the connection is written to it. Bounded, because a flush
+/// waits for a lost connection to come back, and stopping must not wait for that.
+async fn flush(context: &jetstream::Context) -> anyhow::Result<()> {
+    tokio::time::timeout(
+        Duration::from_millis(FLUSH_TIMEOUT_MS),
+        context.client().flush(),
+    )
+    .await
+    .context("the connection to NATS is not writable")?
+    .context("cannot send the acknowledgements")
+}
+
+/// Settles each appended batch in turn; an error stops the pipeline.
+async fn settle_batches(
+    context: &jetstream::Context,
+    names: &Names,
+    mut appended: mpsc::Receiver<(Vec<Message>, Vec<Verdict>)>,
+) -> anyhow::Result<()> {
+    while let Some((messages, verdicts)) = appended.recv().await {
+        settle(context, names, &messages, verdicts).await?;
     }
     Ok(())
 }
@@ -141,29 +259,24 @@ enum Verdict {
     Retry(AppendError),
 }
 
-async fn handle_batch(
-    context: &jetstream::Context,
-    names: &Names,
+/// The verdict on each message of a batch, once every append it made has committed or failed.
+async fn append_batch(
     pool: &PgPool,
     appender: &Appender,
     settings: &IngestSettings,
-    messages: Vec<Message>,
-) -> anyhow::Result<()> {
+    messages: &[Message],
+) -> Vec<Verdict> {
     let bounds = TimeBounds {
         now: settings.clock.now(),
         backdate_max: settings.backdate_max,
     };
     // All appends are queued before any is awaited, so the batch shares group commits.
-    let verdicts = futures::future::join_all(
+    futures::future::join_all(
         messages
             .iter()
             .map(|message| verdict(message, pool, appender, settings, bounds)),
     )
-    .await;
-    for (message, verdict) in messages.iter().zip(verdicts) {
-        settle(context, names, message, verdict).await?;
-    }
-    Ok(())
+    .await
 }
 
 /// What becomes of one message: its events parsed, checked and appended.
@@ -250,36 +363,70 @@ fn message_headers(message: &Message) -> Vec<(&str, &[u8])> {
         .collect()
 }
 
-/// Acknowledges a message as its verdict says: stored, dead-lettered, or redelivered later.
+/// Acknowledges each message of a batch as its verdict says: stored, dead-lettered, or
+/// redelivered later.
+///
+/// `Message::ack` (async-nats 0.51) does not wait for the server: it only queues the
+/// acknowledgement on the connection, waiting at most for room in the client's command
+/// channel. So the batch's acknowledgements are queued one after the other and one flush
+/// puts them on the wire; none costs a round trip. An acknowledgement lost on the way is a
+/// redelivery, which the event id makes a duplicate.
 async fn settle(
     context: &jetstream::Context,
     names: &Names,
-    message: &Message,
-    verdict: Verdict,
+    messages: &[Message],
+    verdicts: Vec<Verdict>,
 ) -> anyhow::Result<()> {
-    match verdict {
-        Verdict::Stored(count) => {
-            message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
-            metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "stored")
-                .increment(count as u64);
-        }
-        Verdict::DeadLetter {
-            code,
-            message: text,
-        } => {
-            dead_letter(context, names, message, code, &text).await?;
-            message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
-            metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "dead_lettered")
-                .increment(1);
-            tracing::info!(subject = %message.subject, code, error = text, "ingest message dead-lettered");
-        }
-        Verdict::Retry(error) => {
-            tracing::warn!(error = %error, "ingest message will be redelivered");
-            message
-                .ack_with(AckKind::Nak(Some(Duration::from_millis(RETRY_DELAY_MS))))
-                .await
-                .map_err(|e| anyhow::anyhow!(e))?;
-        }
+    // Every copy on the dead-letter stream is confirmed before its message is acknowledged;
+    // they are published together, so the batch waits for one round trip, not one each.
+    let dead_letters = messages
+        .iter()
+        .zip(&verdicts)
+        .filter_map(|(message, verdict)| {
+            let Verdict::DeadLetter {
+                code,
+                message: text,
+            } = verdict
+            else {
+                return None;
+            };
+            Some(dead_letter(context, names, message, code, text))
+        });
+    futures::future::try_join_all(dead_letters).await?;
+    let (mut stored, mut dead_lettered) = (0, 0);
+    for (message, verdict) in messages.iter().zip(verdicts) {
+        let kind = match verdict {
+            Verdict::Stored(count) => {
+                stored += count;
+                AckKind::Ack
+            }
+            Verdict::DeadLetter {
+                code,
+                message: text,
+            } => {
+                dead_lettered += 1;
+                tracing::info!(subject = %message.subject, code, error = text, "ingest message dead-lettered");
+                AckKind::Ack
+            }
+            Verdict::Retry(error) => {
+                tracing::warn!(error = %error, "ingest message will be redelivered");
+                AckKind::Nak(Some(Duration::from_millis(RETRY_DELAY_MS)))
+            }
+        };
+        message
+            .ack_with(kind)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+    }
+    flush(context).await?;
+    // Only outcomes that happened, so that /metrics shows no series before its first event.
+    if stored > 0 {
+        metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "stored")
+            .increment(stored as u64);
+    }
+    if dead_lettered > 0 {
+        metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "dead_lettered")
+            .increment(dead_lettered);
     }
     Ok(())
 }

@@ -319,14 +319,7 @@ async fn a_nats_message_refused_for_its_content_is_dead_lettered_once_while_the_
     .await;
     // Time for a redelivery (1 s after a nak) to show if there were one.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
-        .get_stream("TALLY_INGEST")
-        .await
-        .unwrap()
-        .get_consumer(tally::bus::ingest::CONSUMER_NAME)
-        .await
-        .unwrap();
-    let info = consumer.info().await.unwrap();
+    let info = ingest_consumer_info(&js).await;
     assert_eq!(info.num_ack_pending, 0);
     assert_eq!(info.num_redelivered, 0, "nothing was nak'ed");
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 1);

@@ -370,6 +370,20 @@ pub async fn wait_for_ledger_count(pool: &PgPool, count: i64) {
     .await;
 }
 
+/// What the server says of tally's durable ingest consumer (pending and redelivered counts).
+pub async fn ingest_consumer_info(
+    js: &async_nats::jetstream::Context,
+) -> async_nats::jetstream::consumer::Info {
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream("TALLY_INGEST")
+        .await
+        .unwrap()
+        .get_consumer(tally::bus::ingest::CONSUMER_NAME)
+        .await
+        .unwrap();
+    consumer.info().await.unwrap().clone()
+}
+
 /// Messages in a stream; 0 while it does not exist or the server does not answer.
 pub async fn stream_messages(js: &async_nats::jetstream::Context, stream: &str) -> u64 {
     match js.get_stream(stream).await {

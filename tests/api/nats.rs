@@ -150,14 +150,7 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
-        .get_stream("TALLY_INGEST")
-        .await
-        .unwrap()
-        .get_consumer("tally-ingest")
-        .await
-        .unwrap();
-    let info = consumer.info().await.unwrap();
+    let info = ingest_consumer_info(&js).await;
     assert_eq!(info.num_ack_pending, 0);
     assert_eq!(info.num_redelivered, 0);
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 2);
@@ -290,5 +283,125 @@ async fn a_binary_message_missing_an_attribute_is_dead_lettered_naming_its_heade
     let error = dead.headers.get("Tally-Error").unwrap().as_str().to_owned();
     assert!(error.contains("missing_field: ce-source"), "{error}");
     assert_eq!(app.ledger_count().await, 0);
+    app.stop().await;
+}
+
+/// The service as the race below starts it: small fetches, so that many batches are in the
+/// ingest pipeline at once.
+async fn start_with_small_fetches(app: &TestApp) -> tally::startup::Service {
+    let mut config = tally::config::Config::new(&app.db.url, &app.nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    config.ingest_fetch_max = RACE_FETCH_MAX;
+    tally::startup::Service::start(config)
+        .await
+        .expect("starting the service")
+}
+
+const RACE_FETCH_MAX: usize = 25;
+const RACE_VALID: usize = 3_000;
+
+/// The race's messages: every valid event, every tenth one again, and every eighth an
+/// invalid one; returns them with the valid events and the invalid payloads.
+fn race_messages() -> (Vec<Vec<u8>>, Vec<Value>, Vec<Vec<u8>>) {
+    let valid: Vec<Value> = (0..RACE_VALID)
+        .map(|n| valid_event(&format!("org_{}", n % 5), &format!("ctr_{}", n % 40), n))
+        .collect();
+    let (mut messages, mut invalid) = (Vec::new(), Vec::new());
+    for (n, event) in valid.iter().enumerate() {
+        messages.push(event.to_string().into_bytes());
+        if n % 10 == 9 {
+            messages.push(valid[n - 5].to_string().into_bytes());
+        }
+        if n % 8 == 7 {
+            let mut vanished = valid_event("org_bad", &format!("ctr_bad_{n}"), n);
+            vanished["type"] = json!("container.vanished");
+            invalid.push(vanished.to_string().into_bytes());
+            messages.push(invalid.last().unwrap().clone());
+        }
+    }
+    (messages, valid, invalid)
+}
+
+/// Waits until the ledger holds more than `count` events.
+async fn wait_for_ledger_past(pool: &sqlx::PgPool, count: usize) {
+    eventually(
+        60,
+        &format!("the ledger holds over {count} events"),
+        || async { ledger_count(pool).await > count as i64 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thousands_of_messages_consumed_in_small_batches_by_two_instances_stopped_and_started_meanwhile_are_each_stored_or_dead_lettered_once_and_all_acknowledged(
+) {
+    let mut app = TestApp::spawn_with(|config| config.ingest_fetch_max = RACE_FETCH_MAX).await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    let mut second = Some(start_with_small_fetches(&app).await);
+    let (messages, valid, invalid) = race_messages();
+    let publisher = {
+        let js = js.clone();
+        tokio::spawn(async move {
+            for chunk in messages.chunks(100) {
+                let mut confirmations = Vec::new();
+                for message in chunk {
+                    let sent = js.publish("tally.ingest.race", message.clone().into());
+                    confirmations.push(sent.await.unwrap());
+                }
+                for confirmation in confirmations {
+                    confirmation.await.unwrap();
+                }
+            }
+        })
+    };
+
+    // Each instance is stopped with batches fetched, being appended and being settled.
+    wait_for_ledger_past(&app.pool, RACE_VALID / 4).await;
+    second.take().unwrap().stop().await;
+    wait_for_ledger_past(&app.pool, RACE_VALID / 2).await;
+    second = Some(start_with_small_fetches(&app).await);
+    wait_for_ledger_past(&app.pool, RACE_VALID * 3 / 4).await;
+    app.service.take().unwrap().stop().await;
+    app.service = Some(start_with_small_fetches(&app).await);
+    publisher.await.unwrap();
+
+    eventually(60, "every message is settled", || async {
+        let info = ingest_consumer_info(&js).await;
+        info.num_pending == 0 && info.num_ack_pending == 0
+    })
+    .await;
+    assert_eq!(stream_messages(&js, "TALLY_INGEST").await, 0);
+    let stored: std::collections::HashSet<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM ledger")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(
+        app.ledger_count().await,
+        RACE_VALID as i64,
+        "each event once"
+    );
+    assert_eq!(stored, ids_of(&valid).into_iter().collect());
+    let dead_letters = stream_messages(&js, "TALLY_DLQ").await;
+    assert_eq!(
+        dead_letters,
+        invalid.len() as u64,
+        "each invalid message once"
+    );
+    let dlq = js.get_stream("TALLY_DLQ").await.unwrap();
+    let mut dead = std::collections::HashSet::new();
+    for sequence in 1..=dead_letters {
+        dead.insert(
+            dlq.get_raw_message(sequence)
+                .await
+                .unwrap()
+                .payload
+                .to_vec(),
+        );
+    }
+    assert_eq!(dead, invalid.into_iter().collect());
+    second.take().unwrap().stop().await;
     app.stop().await;
 }
