@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use clap::Parser;
 use sqlx::PgPool;
 use tally::config::Config;
-use tally_bench::BenchArgs;
+use tally_bench::{BenchArgs, Summary, TargetFigure};
 
 use servers::{server_url, tally_binary, TestNats};
 
@@ -23,6 +23,20 @@ struct Cli {
 /// Held by each test for its whole run: a test counts the scratch databases left after it
 /// by comparing with those before, which another bench running meanwhile would upset.
 static ONE_BENCH_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Asserts that `summary` holds exactly the rows of `figures`, in that order, each with a
+/// ratio (a finite, positive number) and so a verdict.
+fn assert_targets(summary: &Summary, figures: &[TargetFigure]) {
+    let shown: Vec<TargetFigure> = summary.rows.iter().map(|row| row.figure).collect();
+    assert_eq!(shown, figures, "{summary:?}");
+    for row in &summary.rows {
+        assert!(row.ratio.is_finite() && row.ratio > 0.0, "{row:?}");
+        assert!(
+            !row.measured.is_empty() && !row.target.is_empty(),
+            "{row:?}"
+        );
+    }
+}
 
 async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
     sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'")
@@ -78,9 +92,21 @@ async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with
         "200",
     ])
     .args;
-    tally_bench::run(Config::new(&server, &nats.url), args)
+    let summary = tally_bench::run(Config::new(&server, &nats.url), args)
         .await
         .expect("the bench runs and every check it makes passes");
+    // The targets of the ingest and admission parts; the outside figure needs --outside,
+    // replay the projection part.
+    assert_targets(
+        &summary,
+        &[
+            TargetFigure::Single,
+            TargetFigure::Batches,
+            TargetFigure::Nats,
+            TargetFigure::PacedChecks,
+            TargetFigure::ClosedChecks,
+        ],
+    );
 
     let left = scratch_databases(&admin).await;
     let created: Vec<&String> = left.difference(&before).collect();
@@ -122,13 +148,91 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
         "2",
     ])
     .args;
-    tally_bench::run(Config::new(&server, &nats.url), args)
+    let summary = tally_bench::run(Config::new(&server, &nats.url), args)
         .await
         .expect("the bench runs and every check it makes passes");
+    assert_targets(&summary, &[TargetFigure::Replay]);
 
     let left = scratch_databases(&admin).await;
     let created: Vec<&String> = left.difference(&before).collect();
     assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_drives_single_events_from_outside_with_wrk_and_the_yardstick_with_pgbench_and_finds_every_acknowledged_event_in_the_ledger(
+) {
+    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let admin = PgPool::connect(&server)
+        .await
+        .expect("connecting to the test server");
+    let before = scratch_databases(&admin).await;
+
+    // wrk and pgbench are on the PATH: scripts/test runs scripts/load-tools first. Among
+    // the ingest part's checks then: wrk got nothing but 200s, and every event it got a
+    // 200 for is in the ledger at its position, once.
+    let serve_binary = tally_binary();
+    let args = Cli::parse_from([
+        "bench",
+        "--serve-binary",
+        serve_binary.to_str().expect("a UTF-8 path"),
+        "--only",
+        "ingest",
+        "--http-events",
+        "1000",
+        "--single-events",
+        "64",
+        "--single-clients",
+        "8",
+        "--nats-events",
+        "100",
+        "--outside",
+        "--outside-seconds",
+        "2",
+    ])
+    .args;
+    let summary = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect("the bench runs and every check it makes passes");
+    assert_targets(
+        &summary,
+        &[
+            TargetFigure::Single,
+            TargetFigure::Outside,
+            TargetFigure::Batches,
+            TargetFigure::Nats,
+        ],
+    );
+
+    let left = scratch_databases(&admin).await;
+    let created: Vec<&String> = left.difference(&before).collect();
+    assert!(created.is_empty(), "the bench left databases: {created:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_refuses_an_outside_measurement_longer_than_five_minutes_before_it_creates_anything(
+) {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let args = Cli::parse_from([
+        "bench",
+        "--serve-binary",
+        "/nonexistent/tally",
+        "--only",
+        "ingest",
+        "--outside",
+        "--outside-seconds",
+        "301",
+    ])
+    .args;
+    let error = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect_err("at most 300 seconds");
+    assert_eq!(
+        error.to_string(),
+        "--outside-seconds must be between 1 and 300, got 301"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
