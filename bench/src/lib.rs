@@ -12,14 +12,16 @@
 //! Flow: generate every event and check it with the service's own parser, serialize every
 //! body and build the baseline rows (nothing of that is timed) → baselines while the
 //! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
-//! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
+//! HTTP events → NATS ingest → count, chain and relay checks → with `--outside`, `wrk` and
+//! `pgbench` from outside the bench's process (see `outside`) → the table. Then the
 //! projection's own measurements, in a scratch database of their own (see `projection`),
 //! then admission's, in another (see `admission`), then audit pages and verification on a
 //! ledger of millions of events, in another (see `audit`), then the import and
 //! reconciliation of a provider report of a million lines, in another (see
 //! `reconciliation`), and container anomalies (see `anomalies`). With `--instances N`,
 //! last, the ingest and admission workloads through one `tally serve` and through N on one
-//! database, side by side (see `instances`).
+//! database, side by side (see `instances`). At the end, the targets of issue 23 measured
+//! by the parts that ran, in one table (see `targets`).
 
 mod admission;
 mod anomalies;
@@ -2342,36 +2344,40 @@ impl Report {
     fn targets(&self) -> Vec<targets::Row> {
         use targets::{per_second, Bound, Figure as Target, Row};
 
-        let versus = |figure: &Figure, reference: &Figure, name: &str| {
-            format!(
+        // A row of two rates: `figure`'s over `reference`'s, named `name` in the values.
+        let row = |target, figure: &Figure, reference: &Figure, name: &str, bound, text: &str| {
+            let values = format!(
                 "{} vs {name} {}",
                 per_second(figure.per_second()),
                 per_second(reference.per_second())
-            )
+            );
+            let (value, over) = (figure.per_second(), reference.per_second());
+            Row::new(target, values, value, over, bound, text)
         };
         let baselines = &self.baselines;
+        let (single, batch) = (&self.single, &self.batch);
         let mut rows = vec![
-            Row::new(
+            row(
                 Target::Single,
-                versus(&self.single, &baselines.single_rows, "INSERT"),
-                self.single.per_second(),
-                baselines.single_rows.per_second(),
+                single,
+                &baselines.single_rows,
+                "INSERT",
                 Bound::AtLeast(1.5),
                 "≥ 1.5 ×",
             ),
-            Row::new(
+            row(
                 Target::Batches,
-                versus(&self.batch, &baselines.unnest, "UNNEST"),
-                self.batch.per_second(),
-                baselines.unnest.per_second(),
+                batch,
+                &baselines.unnest,
+                "UNNEST",
                 Bound::AtLeast(0.6),
                 "≥ 0.6 ×",
             ),
-            Row::new(
+            row(
                 Target::Nats,
-                versus(&self.nats_ingest, &self.batch, "HTTP batches"),
-                self.nats_ingest.per_second(),
-                self.batch.per_second(),
+                &self.nats_ingest,
+                batch,
+                "HTTP batches",
                 Bound::AtLeast(1.0),
                 "≥ the HTTP batch rate",
             ),

@@ -102,7 +102,7 @@ pub(crate) fn tools() -> anyhow::Result<(PathBuf, PathBuf)> {
             )
         })
     };
-    Ok((find("wrk", "wrk")?, find("pgbench", "postgresql-client")?))
+    Ok((find("wrk", "wrk")?, find("pgbench", "postgresql")?))
 }
 
 fn on_path(name: &str) -> Option<PathBuf> {

@@ -8,13 +8,13 @@ use crate::{print_table, verdict, Part};
 
 /// The figures of the table, in its order, each with the part (and option) that gives it.
 const FIGURES: [(Figure, &str); 7] = [
-    (Figure::Single, "ingest"),
-    (Figure::Outside, "ingest, with --outside"),
-    (Figure::Batches, "ingest"),
-    (Figure::Nats, "ingest"),
-    (Figure::PacedChecks, "admission"),
-    (Figure::ClosedChecks, "admission"),
-    (Figure::Replay, "projection"),
+    (Figure::Single, "the ingest part"),
+    (Figure::Outside, "the ingest part with --outside"),
+    (Figure::Batches, "the ingest part"),
+    (Figure::Nats, "the ingest part"),
+    (Figure::PacedChecks, "the admission part"),
+    (Figure::ClosedChecks, "the admission part"),
+    (Figure::Replay, "the projection part"),
 ];
 
 /// One figure of issue 23's table.
@@ -161,7 +161,7 @@ impl Summary {
         println!();
         for (figure, part) in FIGURES {
             if self.row(figure).is_none() {
-                println!("- left out: {} (the {part} part)", figure.label());
+                println!("- left out: {} ({part})", figure.label());
             }
         }
     }
