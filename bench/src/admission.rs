@@ -50,6 +50,7 @@ use tally::projection::store::{self, LIVE};
 use tally::projection::Freshness;
 
 use crate::child::{self, Served};
+use crate::targets::{self, Bound, Figure as TargetFigure, Row};
 
 /// Checks in the throughput phase: ten seconds at the target rate.
 const CHECKS: usize = 100_000;
@@ -129,7 +130,7 @@ pub(super) async fn run(
     mut config: Config,
     args: &AdmissionArgs,
     nats: &jetstream::Context,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<targets::Row>> {
     anyhow::ensure!(
         args.admission_checks > 0,
         "--admission-checks must be at least 1"
@@ -152,7 +153,8 @@ pub(super) async fn run(
     )
     .await?;
     report.print(args, &shown_database_url, &scratch);
-    part_finished("admission", &scratch, &report.checks)
+    part_finished("admission", &scratch, &report.checks)?;
+    Ok(report.targets)
 }
 
 /// Starts the service, measures, and stops the service whatever happened, so that nothing
@@ -801,11 +803,11 @@ async fn measure(
         )
     };
     let facts_before = ServedFacts::of(service).await?;
-    let figure = paced_checks(format!(
+    let (figure, _) = paced_checks(format!(
         "checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"
     ))
-    .await?
-    .with_note(ServedFacts::of(service).await?.since(facts_before));
+    .await?;
+    let figure = figure.with_note(ServedFacts::of(service).await?.since(facts_before));
     let p99_met = figure
         .latency_ms
         .is_some_and(|(_, p99)| p99 <= TARGET_PACED_P99_MS);
@@ -834,8 +836,10 @@ async fn measure(
         stream_commands(service, token, &population, None, &stop)
     );
     let streamed = streamed?;
+    let (figure, during_ingest_due_p99_ms) = figure?;
+    let arrived_per_second = streamed as f64 / figure.elapsed.as_secs_f64();
     let during_ingest = Line {
-        figure: figure?
+        figure: figure
             .with_note(ServedFacts::of(service).await?.since(facts_before))
             .with_note(format!(
                 "{streamed} command events posted meanwhile in batches of {STREAM_BATCH_EVENTS}, \
@@ -896,15 +900,16 @@ async fn measure(
     });
     // The paced floor: `/healthz` at the rate and on the connections of the paced checks,
     // so the two tails compare.
+    let (figure, floor_due_p99_ms) = measure_paced(
+        service,
+        token,
+        Load::paced(&healthz, &empty, paced_count, rate),
+        format!("GET /healthz paced at {rate:.0}/s, {PACED_CLIENTS} clients"),
+        "the paced checks' floor",
+    )
+    .await?;
     let paced_floor = Line {
-        figure: measure_paced(
-            service,
-            token,
-            Load::paced(&healthz, &empty, paced_count, rate),
-            format!("GET /healthz paced at {rate:.0}/s, {PACED_CLIENTS} clients"),
-            "the paced checks' floor",
-        )
-        .await?,
+        figure,
         target: "-".to_owned(),
     };
 
@@ -918,38 +923,67 @@ async fn measure(
     )
     .await?;
 
+    let p99_ms = |line: &Line| line.figure.latency_ms.map_or(f64::NAN, |(_, p99)| p99);
+    let targets = vec![
+        Row::new(
+            TargetFigure::PacedChecks,
+            format!(
+                "{during_ingest_due_p99_ms:.2} ms at {rate:.0}/s while {arrived_per_second:.0} \
+                 events/s arrived vs /healthz {floor_due_p99_ms:.2} ms"
+            ),
+            during_ingest_due_p99_ms,
+            floor_due_p99_ms,
+            Bound::AtMost(4.0),
+            "≤ 4 ×",
+        ),
+        Row::new(
+            TargetFigure::ClosedChecks,
+            format!(
+                "{:.2} ms vs /healthz {:.2} ms",
+                p99_ms(&throughput),
+                p99_ms(&floor)
+            ),
+            p99_ms(&throughput),
+            p99_ms(&floor),
+            Bound::AtMost(2.0),
+            "≤ 2 ×",
+        ),
+    ];
     let mut lines = vec![throughput, paced, during_ingest, floor, paced_floor];
     lines.extend(direct);
     lines.extend(waits);
     Ok(Report {
         lines,
         checks,
+        targets,
         service: None,
     })
 }
 
 /// Sends a paced load and describes it: latencies from the send, and in the notes (after
-/// `note`) from when each request was due, the CPU used and the load average.
+/// `note`) from when each request was due, the CPU used and the load average. Also the p99
+/// from when due, in milliseconds, for the targets table.
 async fn measure_paced(
     service: &Served,
     token: &str,
     load: Load<'_>,
     label: String,
     note: &str,
-) -> anyhow::Result<Figure> {
+) -> anyhow::Result<(Figure, f64)> {
     let count = load.count;
     let cpu_before = CpuTime::now(service);
     let sent = send_all(&[service.address], token, load).await?;
     let cpu = CpuTime::describe(cpu_before, CpuTime::now(service), sent.elapsed);
-    Ok(Figure::new(label, count, sent.elapsed)
+    let due_p99_ms = percentile_ms(&sent.latencies_from_due, 0.99);
+    let figure = Figure::new(label, count, sent.elapsed)
         .with_latencies(&sent.latencies)
         .with_note(format!(
-            "{note}; from when due p50 {:.2} ms, p99 {:.2} ms",
+            "{note}; from when due p50 {:.2} ms, p99 {due_p99_ms:.2} ms",
             percentile_ms(&sent.latencies_from_due, 0.50),
-            percentile_ms(&sent.latencies_from_due, 0.99)
         ))
         .with_note(cpu)
-        .with_note(format!("load average {}", load_average())))
+        .with_note(format!("load average {}", load_average()));
+    Ok((figure, due_p99_ms))
 }
 
 /// What a part reads just before and just after the clock of its closed-loop checks, and
@@ -1605,6 +1639,8 @@ async fn measure_waits(
 struct Report {
     lines: Vec<Line>,
     checks: Vec<Check>,
+    /// The rows of the targets table that admission gives.
+    targets: Vec<Row>,
     /// The `tally serve` child's, over the whole part.
     service: Option<child::ProcessUsage>,
 }

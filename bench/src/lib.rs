@@ -12,14 +12,16 @@
 //! Flow: generate every event and check it with the service's own parser, serialize every
 //! body and build the baseline rows (nothing of that is timed) → baselines while the
 //! service idles (COPY, `INSERT … UNNEST`, raw JetStream publish) → HTTP batches → single
-//! HTTP events → NATS ingest → count, chain and relay checks → the table. Then the
+//! HTTP events → NATS ingest → count, chain and relay checks → with `--outside`, `wrk` and
+//! `pgbench` from outside the bench's process (see `outside`) → the table. Then the
 //! projection's own measurements, in a scratch database of their own (see `projection`),
 //! then admission's, in another (see `admission`), then audit pages and verification on a
 //! ledger of millions of events, in another (see `audit`), then the import and
 //! reconciliation of a provider report of a million lines, in another (see
 //! `reconciliation`), and container anomalies (see `anomalies`). With `--instances N`,
 //! last, the ingest and admission workloads through one `tally serve` and through N on one
-//! database, side by side (see `instances`).
+//! database, side by side (see `instances`). At the end, the targets of issue 23 measured
+//! by the parts that ran, in one table (see `targets`).
 
 mod admission;
 mod anomalies;
@@ -27,8 +29,10 @@ mod audit;
 mod child;
 mod cpu;
 mod instances;
+mod outside;
 mod projection;
 mod reconciliation;
+mod targets;
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -57,6 +61,8 @@ use tally::event::{Event, TimeBounds};
 use tally::ledger::db;
 use tally::ledger::rows::{self, Rows};
 use tally::projection::store::{self, LIVE};
+
+pub use targets::{Bound, Figure as TargetFigure, Row as TargetRow, Summary};
 
 /// Events posted in batches over HTTP: 200 full batches, enough for a stable p99 and a few
 /// seconds of sustained load, yet the whole run stays within about two minutes.
@@ -146,6 +152,16 @@ pub struct BenchArgs {
     #[arg(long)]
     pub instances: Option<usize>,
 
+    /// After the ingest part's own phases, also drive single events from outside: `wrk`
+    /// (64 connections) against the running service, then `pgbench -c 16` doing the
+    /// yardstick's one-row INSERT (see `outside`). Both must be on the PATH.
+    #[arg(long)]
+    pub outside: bool,
+
+    /// Seconds `wrk` and then `pgbench` each run with `--outside` (1 to 300).
+    #[arg(long, default_value_t = outside::OUTSIDE_SECONDS)]
+    pub outside_seconds: u64,
+
     #[command(flatten)]
     pub projection: projection::ProjectionArgs,
 
@@ -184,7 +200,9 @@ impl BenchArgs {
     }
 }
 
-pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
+/// Runs the parts `args` asks for, each printing its table, then the targets table of what
+/// they measured; returns that summary.
+pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<Summary> {
     check_args(&config, &args)?;
     if let Some(instances) = args.instances {
         instances::check_instances(instances)?;
@@ -198,16 +216,21 @@ pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
     let client = bus::connect(&config.nats_url).await?;
     print_stamp(&config, &client).await;
     let nats = publishing_context(client);
+    let mut summary = Summary::default();
     // A failed or interrupted part ends the run there: starting another service after a
     // Ctrl-C would not be what was asked for.
     if args.runs(Part::Ingest) {
-        ingest(&binary, config.clone(), &args, &nats).await?;
+        let rows = ingest(&binary, config.clone(), &args, &nats).await?;
+        summary.add(Part::Ingest, rows);
     }
     if args.runs(Part::Projection) {
-        projection::run(&binary, config.clone(), &args.projection, args.orgs, &nats).await?;
+        let rows =
+            projection::run(&binary, config.clone(), &args.projection, args.orgs, &nats).await?;
+        summary.add(Part::Projection, rows);
     }
     if args.runs(Part::Admission) {
-        admission::run(&binary, config.clone(), &args.admission, &nats).await?;
+        let rows = admission::run(&binary, config.clone(), &args.admission, &nats).await?;
+        summary.add(Part::Admission, rows);
     }
     if args.runs(Part::Audit) {
         audit::run(&binary, config.clone(), &args.audit, &nats).await?;
@@ -221,7 +244,8 @@ pub async fn run(config: Config, args: BenchArgs) -> anyhow::Result<()> {
     if let (true, Some(instances)) = (args.runs(Part::Instances), args.instances) {
         instances::run(&binary, config, &args, instances, &nats).await?;
     }
-    Ok(())
+    summary.print();
+    Ok(summary)
 }
 
 /// The line every table of the run is stamped with: when (UTC), which commit, on what.
@@ -281,7 +305,7 @@ async fn ingest(
     mut config: Config,
     args: &BenchArgs,
     nats: &jetstream::Context,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<targets::Row>> {
     let scratch = Scratch::new(&config.database_url)?;
     let shown_database_url = without_password(&config.database_url);
     config.database_url = scratch.database_url.clone();
@@ -308,7 +332,7 @@ async fn ingest(
         scratch.database_name, scratch.namespace
     );
     anyhow::ensure!(report.checks_passed(), "a check failed; see the table");
-    Ok(())
+    Ok(report.targets())
 }
 
 fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
@@ -329,6 +353,15 @@ fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
         "--http-batch-events must be at most the service's batch limit of {}",
         config.batch_events_max
     );
+    anyhow::ensure!(
+        (1..=outside::OUTSIDE_SECONDS_MAX).contains(&args.outside_seconds),
+        "--outside-seconds must be between 1 and {}, got {}",
+        outside::OUTSIDE_SECONDS_MAX,
+        args.outside_seconds
+    );
+    if args.outside && args.runs(Part::Ingest) {
+        outside::tools()?;
+    }
     Ok(())
 }
 
@@ -922,7 +955,7 @@ async fn measure(
     let ingested = phases.ingest(workload, args).await?;
 
     eprintln!("bench: checking the ledger");
-    let checks = check_ledger(
+    let mut checks = check_ledger(
         binary,
         config,
         &service.pool,
@@ -931,12 +964,28 @@ async fn measure(
         workload,
     )
     .await?;
+    let outside = if args.outside {
+        let outside = outside::measure(
+            service.address,
+            &scratch.token,
+            &scratch.database_url,
+            &service.pool,
+            &workload.single_bodies,
+            args.outside_seconds,
+        )
+        .await?;
+        checks.extend(outside.checks);
+        Some(outside.figures)
+    } else {
+        None
+    };
     Ok(Report {
         baselines,
         batch: ingested.batch,
         batch_relayed: ingested.batch_relayed,
         single: ingested.single,
         nats_ingest: ingested.nats,
+        outside,
         checks,
         service: None,
     })
@@ -2185,6 +2234,8 @@ struct Report {
     batch_relayed: Figure,
     single: Figure,
     nats_ingest: Figure,
+    /// With `--outside`: `wrk` against the service, `pgbench` doing the yardstick.
+    outside: Option<outside::Figures>,
     checks: Vec<Check>,
     /// The child's CPU time and peak memory over the whole part, read as it stopped.
     service: Option<child::ProcessUsage>,
@@ -2280,10 +2331,59 @@ impl Report {
             .collect();
         print_table(&header, &cells);
         println!();
+        if let Some(outside) = &self.outside {
+            outside.print();
+        }
         if let Some(usage) = self.service {
             print_service_usage(usage);
         }
         print_checks(&self.checks);
+    }
+
+    /// The rows of the targets table that the ingest part measures.
+    fn targets(&self) -> Vec<targets::Row> {
+        use targets::{per_second, Bound, Figure as Target, Row};
+
+        // A row of two rates: `figure`'s over `reference`'s, named `name` in the values.
+        let row = |target, figure: &Figure, reference: &Figure, name: &str, bound, text: &str| {
+            let values = format!(
+                "{} vs {name} {}",
+                per_second(figure.per_second()),
+                per_second(reference.per_second())
+            );
+            let (value, over) = (figure.per_second(), reference.per_second());
+            Row::new(target, values, value, over, bound, text)
+        };
+        let baselines = &self.baselines;
+        let (single, batch) = (&self.single, &self.batch);
+        let mut rows = vec![
+            row(
+                Target::Single,
+                single,
+                &baselines.single_rows,
+                "INSERT",
+                Bound::AtLeast(1.5),
+                "≥ 1.5 ×",
+            ),
+            row(
+                Target::Batches,
+                batch,
+                &baselines.unnest,
+                "UNNEST",
+                Bound::AtLeast(0.6),
+                "≥ 0.6 ×",
+            ),
+            row(
+                Target::Nats,
+                &self.nats_ingest,
+                batch,
+                "HTTP batches",
+                Bound::AtLeast(1.0),
+                "≥ the HTTP batch rate",
+            ),
+        ];
+        rows.extend(self.outside.as_ref().map(outside::Figures::target));
+        rows
     }
 }
 

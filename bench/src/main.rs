@@ -30,7 +30,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     tally::telemetry::init_logs();
     match tally_bench::run(cli.config, cli.args).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!(error = format!("{error:#}"), "tally-bench failed");
             eprintln!("tally-bench: {error:#}");

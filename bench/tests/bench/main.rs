@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use clap::Parser;
 use sqlx::PgPool;
 use tally::config::Config;
-use tally_bench::BenchArgs;
+use tally_bench::{BenchArgs, Summary, TargetFigure};
 
 use servers::{server_url, tally_binary, TestNats};
 
@@ -24,6 +24,20 @@ struct Cli {
 /// by comparing with those before, which another bench running meanwhile would upset.
 static ONE_BENCH_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Asserts that `summary` holds exactly the rows of `figures`, in that order, each with a
+/// ratio (a finite, positive number) and so a verdict.
+fn assert_targets(summary: &Summary, figures: &[TargetFigure]) {
+    let shown: Vec<TargetFigure> = summary.rows.iter().map(|row| row.figure).collect();
+    assert_eq!(shown, figures, "{summary:?}");
+    for row in &summary.rows {
+        assert!(row.ratio.is_finite() && row.ratio > 0.0, "{row:?}");
+        assert!(
+            !row.measured.is_empty() && !row.target.is_empty(),
+            "{row:?}"
+        );
+    }
+}
+
 async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
     sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'")
         .fetch_all(pool)
@@ -33,9 +47,18 @@ async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with_every_check_passing_and_leaves_no_database(
-) {
+/// The bench's options: `--serve-binary serve_binary`, then `arguments`.
+fn bench_args(serve_binary: &str, arguments: &[&str]) -> BenchArgs {
+    let args = ["bench", "--serve-binary", serve_binary]
+        .into_iter()
+        .chain(arguments.iter().copied());
+    Cli::parse_from(args).args
+}
+
+/// Runs the bench with `arguments` (after `--serve-binary` and this workspace's `tally`)
+/// against the test Postgres and a private nats-server, expects every check it makes to
+/// pass and no scratch database to be left, and returns its targets summary.
+async fn run_bench(arguments: &[&str]) -> Summary {
     let _alone = ONE_BENCH_AT_A_TIME.lock().await;
     let nats = TestNats::start();
     let server = format!("{}/postgres", server_url().trim_end_matches('/'));
@@ -46,10 +69,21 @@ async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with
 
     // Every part runs this workspace's tally binary: `tally serve`, `tally replay`, ….
     let serve_binary = tally_binary();
-    let args = Cli::parse_from([
-        "bench",
-        "--serve-binary",
-        serve_binary.to_str().expect("a UTF-8 path"),
+    let args = bench_args(serve_binary.to_str().expect("a UTF-8 path"), arguments);
+    let summary = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect("the bench runs and every check it makes passes");
+
+    let left = scratch_databases(&admin).await;
+    let created: Vec<&String> = left.difference(&before).collect();
+    assert!(created.is_empty(), "the bench left databases: {created:?}");
+    summary
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with_every_check_passing_and_leaves_no_database(
+) {
+    let summary = run_bench(&[
         "--only",
         "ingest,admission,anomalies,audit",
         "--http-events",
@@ -77,35 +111,28 @@ async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with
         "--audit-requests",
         "200",
     ])
-    .args;
-    tally_bench::run(Config::new(&server, &nats.url), args)
-        .await
-        .expect("the bench runs and every check it makes passes");
-
-    let left = scratch_databases(&admin).await;
-    let created: Vec<&String> = left.difference(&before).collect();
-    assert!(created.is_empty(), "the bench left databases: {created:?}");
+    .await;
+    // The targets of the ingest and admission parts; the outside figure needs --outside,
+    // replay the projection part.
+    assert_targets(
+        &summary,
+        &[
+            TargetFigure::Single,
+            TargetFigure::Batches,
+            TargetFigure::Nats,
+            TargetFigure::PacedChecks,
+            TargetFigure::ClosedChecks,
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_under_load_reflects_every_acknowledged_batch(
 ) {
-    let _alone = ONE_BENCH_AT_A_TIME.lock().await;
-    let nats = TestNats::start();
-    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
-    let admin = PgPool::connect(&server)
-        .await
-        .expect("connecting to the test server");
-    let before = scratch_databases(&admin).await;
-
     // Among the projection part's checks: every usage answer in both modes equals the
     // plan, and no default-mode read during the lag load answers at a position short of a
     // batch acknowledged before it was sent.
-    let serve_binary = tally_binary();
-    let args = Cli::parse_from([
-        "bench",
-        "--serve-binary",
-        serve_binary.to_str().expect("a UTF-8 path"),
+    let summary = run_bench(&[
         "--only",
         "projection",
         "--orgs",
@@ -121,14 +148,63 @@ async fn the_bench_runs_projection_on_small_sizes_and_every_default_usage_read_u
         "--lag-seconds",
         "2",
     ])
-    .args;
-    tally_bench::run(Config::new(&server, &nats.url), args)
-        .await
-        .expect("the bench runs and every check it makes passes");
+    .await;
+    assert_targets(&summary, &[TargetFigure::Replay]);
+}
 
-    let left = scratch_databases(&admin).await;
-    let created: Vec<&String> = left.difference(&before).collect();
-    assert!(created.is_empty(), "the bench left databases: {created:?}");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_drives_single_events_from_outside_with_wrk_and_the_yardstick_with_pgbench_and_finds_every_acknowledged_event_in_the_ledger(
+) {
+    // wrk and pgbench are on the PATH: scripts/test runs scripts/load-tools first. Among
+    // the ingest part's checks then: wrk got nothing but 200s, and every event it got a
+    // 200 for is in the ledger at its position, once.
+    let summary = run_bench(&[
+        "--only",
+        "ingest",
+        "--http-events",
+        "1000",
+        "--single-events",
+        "64",
+        "--single-clients",
+        "8",
+        "--nats-events",
+        "100",
+        "--outside",
+        "--outside-seconds",
+        "2",
+    ])
+    .await;
+    assert_targets(
+        &summary,
+        &[
+            TargetFigure::Single,
+            TargetFigure::Outside,
+            TargetFigure::Batches,
+            TargetFigure::Nats,
+        ],
+    );
+}
+
+/// The error the bench refuses `arguments` with (after `--serve-binary` and a path where
+/// there is no binary), before it creates anything.
+async fn refusal(arguments: &[&str]) -> String {
+    let nats = TestNats::start();
+    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
+    let args = bench_args("/nonexistent/tally", arguments);
+    let error = tally_bench::run(Config::new(&server, &nats.url), args)
+        .await
+        .expect_err("the bench refuses");
+    format!("{error:#}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_refuses_an_outside_measurement_longer_than_five_minutes_before_it_creates_anything(
+) {
+    let error = refusal(&["--only", "ingest", "--outside", "--outside-seconds", "301"]).await;
+    assert_eq!(
+        error,
+        "--outside-seconds must be between 1 and 300, got 301"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,23 +327,10 @@ async fn the_bench_refuses_more_than_eight_instances_or_none_before_it_creates_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_refuses_to_start_without_a_tally_binary_to_run() {
-    let nats = TestNats::start();
-    let server = format!("{}/postgres", server_url().trim_end_matches('/'));
-    let args = Cli::parse_from([
-        "bench",
-        "--serve-binary",
-        "/nonexistent/tally",
-        "--only",
-        "ingest",
-    ])
-    .args;
-    let error = tally_bench::run(Config::new(&server, &nats.url), args)
-        .await
-        .expect_err("every part runs the tally binary as a child process");
+    // Every part runs the tally binary as a child process.
+    let error = refusal(&["--only", "ingest"]).await;
     assert!(
-        error
-            .to_string()
-            .contains("no tally binary at /nonexistent/tally"),
-        "{error:#}"
+        error.contains("no tally binary at /nonexistent/tally"),
+        "{error}"
     );
 }
