@@ -16,7 +16,9 @@
 //! another instance projected are never applied again. An event is made from a handed row
 //! exactly as `store::read_events` makes it from the stored one (`EventRow::of_committed`;
 //! a row for which that is not certain is left to the ledger). A round that finds the
-//! checkpoint locked discards what it was handed.
+//! checkpoint locked discards what it was handed. A round from memory that stopped at a gap
+//! short of what this instance had committed when it began is followed by the next round
+//! at once, not at the next commit or poll.
 //!
 //! Woken by a commit, it lingers (`ProjectorSettings::linger`) so that a round carries many
 //! group commits: per round, every touched container, org and period row is written once
@@ -197,7 +199,7 @@ pub async fn run(
     let mut head = freshness.head.clone();
     while !shutdown.is_cancelled() {
         // Commits from here on are the next round's.
-        head.mark_unchanged();
+        let committed_before = *head.borrow_and_update();
         let round_started = Instant::now();
         let round = project_once(&pool, settings.batch_max, settings.clock, handoff.as_mut()).await;
         let linger = linger_left(
@@ -207,13 +209,17 @@ pub async fn run(
         );
         match round {
             Ok(Round::Projected {
-                events, position, ..
+                events,
+                position,
+                handed,
             }) => {
                 freshness.reached(position);
                 let head_position = *head.borrow();
                 metrics::gauge!(crate::telemetry::PROJECTION_LAG_POSITIONS)
                     .set((head_position - position).max(0) as f64);
-                if events == settings.batch_max {
+                // A round from memory stops at a gap (another instance's commits, rows
+                // dropped): what this instance committed before it began is due now.
+                if events == settings.batch_max || (handed && committed_before > position) {
                     continue;
                 }
             }
@@ -236,23 +242,35 @@ pub async fn run(
                 continue;
             }
         }
-        tokio::select! {
-            changed = head.changed() => {
-                if changed.is_ok() {
-                    tokio::select! {
-                        _ = tokio::time::sleep(linger) => {}
-                        _ = freshness.hurry.notified() => {}
-                    }
-                } else {
-                    // The appender stopped; only polling is left.
-                    tokio::time::sleep(settings.poll).await;
-                }
-            }
-            _ = tokio::time::sleep(settings.poll) => {}
-            _ = shutdown.cancelled() => {}
-        }
+        wait_for_commits(&mut head, linger, &freshness, settings.poll, &shutdown).await;
     }
     tracing::info!("projector stopped");
+}
+
+/// Waits for the next round: a commit of this instance and then `linger` (unless a reader
+/// hurries it), or `poll` for other instances' commits, or `shutdown`.
+async fn wait_for_commits(
+    head: &mut watch::Receiver<i64>,
+    linger: Duration,
+    freshness: &Freshness,
+    poll: Duration,
+    shutdown: &CancellationToken,
+) {
+    tokio::select! {
+        changed = head.changed() => {
+            if changed.is_ok() {
+                tokio::select! {
+                    _ = tokio::time::sleep(linger) => {}
+                    _ = freshness.hurry.notified() => {}
+                }
+            } else {
+                // The appender stopped; only polling is left.
+                tokio::time::sleep(poll).await;
+            }
+        }
+        _ = tokio::time::sleep(poll) => {}
+        _ = shutdown.cancelled() => {}
+    }
 }
 
 /// One round: projects up to `batch_max` events after the checkpoint, in one transaction;

@@ -15,9 +15,10 @@ use tally::event::{
 use tally::ledger::{AppendLimits, Appender, Committed, Rows};
 use tally::projection::model::ProjectedEvent;
 use tally::projection::store::{self, EventRow, EVENT_COLUMNS};
-use tally::projection::{project_once, Round};
+use tally::projection::{project_once, projector, Freshness, ProjectorSettings, Round};
+use tokio_util::sync::CancellationToken;
 
-use crate::helpers::TestDb;
+use crate::helpers::{eventually, TestDb};
 
 const LIMITS: AppendLimits = AppendLimits {
     queue_max: 64,
@@ -546,4 +547,47 @@ async fn a_handed_row_is_read_as_postgres_reads_it_or_left_to_the_ledger() {
     let mut finer = one_row("container.created", json!({}));
     finer.occurred_at[0] += Duration::nanoseconds(1);
     assert_eq!(EventRow::of_committed(&finer, 0), None, "nanoseconds");
+}
+
+#[tokio::test]
+async fn a_running_projector_stopped_by_a_gap_in_memory_reads_the_rest_at_once_not_at_its_next_poll(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _relay, _task) = Appender::start(pool.clone(), LIMITS);
+    let (other, _other_relay, _other_task) = Appender::start(pool.clone(), LIMITS);
+    let handoff = appender.handoff::<ProjectedEvent>();
+    let s = Script::new();
+    // 1 and 2 in memory, 3 by another instance, 4 in memory again: all committed before
+    // the projector starts.
+    append_all(&appender, &[vec![s.created("org_a", "c1", 0)]]).await;
+    append_all(&appender, &[vec![s.command("org_a", "c1", 1, 10)]]).await;
+    append_all(&other, &[vec![s.created("org_b", "c2", 2)]]).await;
+    append_all(&appender, &[vec![s.stopped("org_a", "c1", 3)]]).await;
+    let settings = ProjectorSettings {
+        batch_max: 100,
+        // Never within the test: only this instance's own commits may wake the projector.
+        poll: std::time::Duration::from_secs(3_600),
+        linger: std::time::Duration::ZERO,
+        clock: Clock::system(),
+    };
+    let freshness = Freshness::new(appender.head(), appender.acknowledged());
+    let shutdown = CancellationToken::new();
+    let projector = tokio::spawn(projector::run(
+        pool.clone(),
+        settings,
+        freshness,
+        Some(handoff),
+        shutdown.clone(),
+    ));
+    eventually(30, "the projection reaches position 4", || async {
+        let mut connection = pool.acquire().await.unwrap();
+        store::checkpoint(&mut connection, store::LIVE)
+            .await
+            .unwrap()
+            == 4
+    })
+    .await;
+    shutdown.cancel();
+    projector.await.unwrap();
 }
