@@ -417,11 +417,7 @@ impl<R: Handed> Committed<R> {
     /// Up to `limit` rows following position `after`, in position order, when the rows
     /// handed over hold them; `None` when the reader has to read the ledger.
     pub fn take_after(&mut self, after: i64, limit: usize) -> Option<Vec<R>> {
-        while let Ok(rows) = self.receiver.try_recv() {
-            self.pending.extend(R::from_committed(rows));
-        }
-        let excess = self.pending.len().saturating_sub(HANDOFF_ROWS_MAX);
-        self.pending.drain(..excess);
+        self.receive();
         while self
             .pending
             .front()
@@ -439,6 +435,18 @@ impl<R: Handed> Committed<R> {
             taken.extend(self.pending.pop_front());
         }
         (!taken.is_empty()).then_some(taken)
+    }
+
+    /// Takes in what was handed over since the last call, keeping the newest
+    /// [`HANDOFF_ROWS_MAX`] rows. A reader that lingers before reading calls it when it
+    /// wakes, so that the rows the readers share are its no longer and the last reader
+    /// takes them whole.
+    pub fn receive(&mut self) {
+        while let Ok(rows) = self.receiver.try_recv() {
+            self.pending.extend(R::from_committed(rows));
+        }
+        let excess = self.pending.len().saturating_sub(HANDOFF_ROWS_MAX);
+        self.pending.drain(..excess);
     }
 
     /// Drops everything handed over so far: for a reader that is not reading (a relay

@@ -242,23 +242,29 @@ pub async fn run(
                 continue;
             }
         }
-        wait_for_commits(&mut head, linger, &freshness, settings.poll, &shutdown).await;
+        let waiting = (linger, settings.poll);
+        wait_for_commits(&mut head, waiting, &freshness, handoff.as_mut(), &shutdown).await;
     }
     tracing::info!("projector stopped");
 }
 
 /// Waits for the next round: a commit of this instance and then `linger` (unless a reader
-/// hurries it), or `poll` for other instances' commits, or `shutdown`.
+/// hurries it), or `poll` for other instances' commits, or `shutdown`. The commit's rows are
+/// taken in from `handoff` before lingering, so that the relay, which lingers less, finds
+/// them no longer shared and takes them without a copy.
 async fn wait_for_commits(
     head: &mut watch::Receiver<i64>,
-    linger: Duration,
+    (linger, poll): (Duration, Duration),
     freshness: &Freshness,
-    poll: Duration,
+    handoff: Option<&mut Committed<ProjectedEvent>>,
     shutdown: &CancellationToken,
 ) {
     tokio::select! {
         changed = head.changed() => {
             if changed.is_ok() {
+                if let Some(handoff) = handoff {
+                    handoff.receive();
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(linger) => {}
                     _ = freshness.hurry.notified() => {}
