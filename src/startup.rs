@@ -79,6 +79,7 @@ impl Service {
             },
             config.ledger_clock,
         );
+        let projector_handoff = appender.handoff();
         let freshness = Freshness::new(appender.head(), appender.acknowledged());
         let checker = Checker::new(pool.clone(), freshness.clone(), config.clock);
         let shutdown = CancellationToken::new();
@@ -114,6 +115,7 @@ impl Service {
                     clock: config.clock,
                 },
                 freshness.clone(),
+                Some(projector_handoff),
                 shutdown.clone(),
             )),
             tokio::spawn(admission::cache::listen(

@@ -162,6 +162,9 @@ families! {
         "Events per projection round.";
     PROJECTION_ROUND_SECONDS = "tally_projection_round_seconds", Histogram, Seconds, ONE, LATENCY_BUCKETS_SECONDS,
         "Time of a projection round, from its first read to its commit.";
+    PROJECTION_ROWS = "tally_projection_rows_total", Counter, Count,
+        Series::Labelled(&[&[("from", "memory")], &[("from", "ledger")]]), NONE,
+        "Events the projector took from this instance's commits in memory or read from the ledger.";
     PROJECTION_REFOLDS = "tally_projection_refolds_total", Counter, Count, ONE, NONE,
         "Containers whose history was folded again because an event arrived late.";
     PROJECTION_ERRORS = "tally_projection_errors_total", Counter, Count, ONE, NONE,

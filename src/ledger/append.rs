@@ -221,14 +221,15 @@ pub struct Appender {
     sender: mpsc::Sender<Request>,
     head: watch::Receiver<i64>,
     acknowledged: Arc<Mutex<Acknowledged>>,
+    handoffs: Handoffs,
 }
 
 impl Appender {
     /// Starts the appender on a thread of its own (see the module comment). It connects
     /// with the pool's options but outside the pool. Also returns the rows it commits, for
-    /// the one reader that tails them in memory (the relay; dropped, nothing is kept), and
-    /// a task that ends when the appender has drained its queue and stopped. Rows are
-    /// dated by the system clock.
+    /// the relay to tail in memory (dropped, nothing is kept; another reader, the
+    /// projector, asks for its own with [`Appender::handoff`]), and a task that ends when
+    /// the appender has drained its queue and stopped. Rows are dated by the system clock.
     pub fn start(
         pool: PgPool,
         limits: AppendLimits,
@@ -248,7 +249,12 @@ impl Appender {
         let (sender, receiver) = mpsc::channel(limits.queue_max);
         let (head_sender, head) = watch::channel(0);
         let acknowledged = Arc::new(Mutex::new(Acknowledged::default()));
-        let (committed_sender, committed) = mpsc::channel(HANDOFF_GROUPS_MAX);
+        let handoffs = Handoffs::default();
+        let committed = handoffs.add();
+        let outlets = Outlets {
+            head: head_sender,
+            handoffs: handoffs.clone(),
+        };
         let options = pool.connect_options();
         let (stopped_sender, stopped) = oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -258,14 +264,7 @@ impl Appender {
                     .enable_all()
                     .build()
                     .expect("the appender's runtime starts");
-                runtime.block_on(run(
-                    &options,
-                    limits,
-                    Dating::new(clock),
-                    receiver,
-                    head_sender,
-                    committed_sender,
-                ));
+                runtime.block_on(run(&options, limits, Dating::new(clock), receiver, outlets));
                 // Dropped unsent if `run` panics; the task below ends either way.
                 let _ = stopped_sender.send(());
             })
@@ -278,8 +277,9 @@ impl Appender {
                 sender,
                 head,
                 acknowledged,
+                handoffs,
             },
-            Committed::new(committed),
+            committed,
             task,
         )
     }
@@ -322,32 +322,92 @@ impl Appender {
     pub fn acknowledged(&self) -> Arc<Mutex<Acknowledged>> {
         Arc::clone(&self.acknowledged)
     }
+
+    /// The rows of this appender's commits from now on, for one more reader to tail in
+    /// memory as `R` (the projector's events); dropped, nothing is kept for it.
+    pub fn handoff<R: Handed>(&self) -> Committed<R> {
+        self.handoffs.add()
+    }
 }
 
-/// Groups of committed rows waiting for the reader at most; past it the appender drops
-/// them and the reader reads the ledger instead.
+/// Groups of committed rows waiting for each reader at most; past it the appender drops
+/// them for that reader, which reads the ledger instead. The groups are shared by the
+/// readers, not copied for each.
 const HANDOFF_GROUPS_MAX: usize = 32;
 /// Larger groups (batches) are not handed over: a reader reads many rows from the ledger
 /// at little cost per row, and the handoff's memory stays bounded.
 pub const HANDOFF_GROUP_EVENTS_MAX: usize = 1_000;
-/// Rows the reader keeps from what it was handed, at most. With the groups queued, the
-/// handoff holds at most 48 000 rows (about 25 MB at the bench's 500 bytes a row; a row
-/// is at most a few kB).
+/// Rows a reader keeps from what it was handed, at most. With the groups queued, a
+/// reader's handoff holds at most 48 000 rows (about 25 MB at the bench's 500 bytes a row;
+/// a row is at most a few kB; the projector keeps only the few hundred bytes it reads of one).
 const HANDOFF_ROWS_MAX: usize = 16 * HANDOFF_GROUP_EVENTS_MAX;
 
-/// The rows of this instance's commits, handed over in memory as they commit, so that the
-/// reader tailing the ledger (the relay) need not read back what was just written. It is
-/// only a shortcut: when the rows it holds do not continue exactly where the reader is
-/// (another instance appended, a group was too large, the queue was full, the reader
-/// started late), it answers `None` and the reader reads the ledger, so what the reader
-/// sees is the ledger either way.
-pub struct Committed {
-    receiver: mpsc::Receiver<Rows>,
-    pending: std::collections::VecDeque<LedgerRow>,
+/// What a reader tailing the ledger in memory keeps of each committed row: the row itself
+/// (the relay), or what it reads of it (the projector's events).
+pub trait Handed: Sized {
+    /// The ledger position of the row it was made from.
+    fn position(&self) -> i64;
+
+    /// The rows of one commit as this reader keeps them, in position order. Each reader
+    /// gets the same rows: the last to take them may take them whole. A row that the
+    /// reader cannot make exactly as it would from the ledger is left out, and the gap
+    /// sends the reader to the ledger for it.
+    fn from_committed(rows: Arc<Rows>) -> Vec<Self>;
 }
 
-impl Committed {
-    fn new(receiver: mpsc::Receiver<Rows>) -> Committed {
+impl Handed for LedgerRow {
+    fn position(&self) -> i64 {
+        self.position
+    }
+
+    fn from_committed(rows: Arc<Rows>) -> Vec<LedgerRow> {
+        Arc::unwrap_or_clone(rows).into_ledger_rows()
+    }
+}
+
+/// Where the appender hands its commits over: one bounded queue per reader, shared with
+/// every handle so that a reader can join after the start.
+#[derive(Clone, Default)]
+struct Handoffs(Arc<Mutex<Vec<mpsc::Sender<Arc<Rows>>>>>);
+
+impl Handoffs {
+    fn add<R: Handed>(&self) -> Committed<R> {
+        let (sender, receiver) = mpsc::channel(HANDOFF_GROUPS_MAX);
+        self.0
+            .lock()
+            .expect("never held across a panic")
+            .push(sender);
+        Committed::new(receiver)
+    }
+
+    /// Hands `rows` to every reader whose queue has room; a reader that is gone is
+    /// forgotten, one that is full (slow, or not reading) reads the ledger instead. Never
+    /// waits.
+    fn hand_over(&self, rows: Rows) {
+        let rows = Arc::new(rows);
+        self.0
+            .lock()
+            .expect("never held across a panic")
+            .retain(|reader| match reader.try_send(Arc::clone(&rows)) {
+                Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => true,
+                Err(mpsc::error::TrySendError::Closed(_)) => false,
+            });
+    }
+}
+
+/// The rows of this instance's commits, handed over in memory as they commit, so that a
+/// reader tailing the ledger (the relay, the projector) need not read back what was just
+/// written. It is only a shortcut: when the rows it holds do not continue exactly where
+/// the reader is (another instance appended, a group was too large, the queue was full,
+/// the reader started late or skipped rounds), it answers `None` and the reader reads the
+/// ledger, so what the reader sees is the ledger either way.
+pub struct Committed<R: Handed = LedgerRow> {
+    receiver: mpsc::Receiver<Arc<Rows>>,
+    pending: std::collections::VecDeque<R>,
+}
+
+impl<R: Handed> Committed<R> {
+    fn new(receiver: mpsc::Receiver<Arc<Rows>>) -> Committed<R> {
         Committed {
             receiver,
             pending: std::collections::VecDeque::new(),
@@ -356,16 +416,12 @@ impl Committed {
 
     /// Up to `limit` rows following position `after`, in position order, when the rows
     /// handed over hold them; `None` when the reader has to read the ledger.
-    pub fn take_after(&mut self, after: i64, limit: usize) -> Option<Vec<LedgerRow>> {
-        while let Ok(rows) = self.receiver.try_recv() {
-            self.pending.extend(rows.into_ledger_rows());
-        }
-        let excess = self.pending.len().saturating_sub(HANDOFF_ROWS_MAX);
-        self.pending.drain(..excess);
+    pub fn take_after(&mut self, after: i64, limit: usize) -> Option<Vec<R>> {
+        self.receive();
         while self
             .pending
             .front()
-            .is_some_and(|row| row.position <= after)
+            .is_some_and(|row| row.position() <= after)
         {
             self.pending.pop_front();
         }
@@ -374,15 +430,28 @@ impl Committed {
             && self
                 .pending
                 .front()
-                .is_some_and(|row| row.position == after + 1 + taken.len() as i64)
+                .is_some_and(|row| row.position() == after + 1 + taken.len() as i64)
         {
             taken.extend(self.pending.pop_front());
         }
         (!taken.is_empty()).then_some(taken)
     }
 
+    /// Takes in what was handed over since the last call, keeping the newest
+    /// [`HANDOFF_ROWS_MAX`] rows. A reader that lingers before reading calls it when it
+    /// wakes, so that the rows the readers share are its no longer and the last reader
+    /// takes them whole.
+    pub fn receive(&mut self) {
+        while let Ok(rows) = self.receiver.try_recv() {
+            self.pending.extend(R::from_committed(rows));
+        }
+        let excess = self.pending.len().saturating_sub(HANDOFF_ROWS_MAX);
+        self.pending.drain(..excess);
+    }
+
     /// Drops everything handed over so far: for a reader that is not reading (a relay
-    /// waiting to lead), so that it holds no rows it will never use.
+    /// waiting to lead, a projector whose rounds another instance makes), so that it holds
+    /// no rows it will never use.
     pub fn discard(&mut self) {
         while self.receiver.try_recv().is_ok() {}
         self.pending.clear();
@@ -394,13 +463,8 @@ async fn run(
     limits: AppendLimits,
     mut dating: Dating,
     mut receiver: mpsc::Receiver<Request>,
-    head: watch::Sender<i64>,
-    committed_rows: mpsc::Sender<Rows>,
+    outlets: Outlets,
 ) {
-    let outlets = Outlets {
-        head,
-        committed_rows,
-    };
     // The head this appender last committed; `None` when unknown (start, or after an error
     // that may or may not have committed).
     let mut committed: Option<Head> = None;
@@ -502,10 +566,10 @@ async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error
     }
 }
 
-/// Where a commit is announced: the rows to the handoff, the head to whoever tails it.
+/// Where a commit is announced: the rows to the handoffs, the head to whoever tails it.
 struct Outlets {
     head: watch::Sender<i64>,
-    committed_rows: mpsc::Sender<Rows>,
+    handoffs: Handoffs,
 }
 
 impl Outlets {
@@ -513,9 +577,7 @@ impl Outlets {
         metrics::counter!(crate::telemetry::APPEND_EVENTS).increment(rows.len() as u64);
         // Before the head moves, so that whoever it wakes finds the rows.
         if !rows.is_empty() && rows.len() <= HANDOFF_GROUP_EVENTS_MAX {
-            // Full (the reader is slow, or not relaying) or dropped: the reader, if any,
-            // reads the ledger.
-            let _ = self.committed_rows.try_send(rows);
+            self.handoffs.hand_over(rows);
         }
         if head.position > 0 {
             self.head.send_replace(head.position);
@@ -975,7 +1037,7 @@ mod tests {
     }
 
     /// A handoff holding rows at `positions`, as if handed over in that order.
-    fn handed(positions: impl IntoIterator<Item = i64>) -> Committed {
+    fn handed(positions: impl IntoIterator<Item = i64>) -> Committed<LedgerRow> {
         let (_sender, receiver) = mpsc::channel(1);
         let mut committed = Committed::new(receiver);
         committed.pending.extend(positions.into_iter().map(row));

@@ -13,7 +13,7 @@ pub mod rows;
 pub mod verify;
 
 pub use append::{
-    Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, Committed,
+    Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, Committed, Handed,
     ACKNOWLEDGED_ORGS_MAX,
 };
 pub use read::{Head, LedgerRow};

@@ -16,7 +16,7 @@ use crate::event::Event;
 pub const COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, recorded_at, \
      data, source, source_event_id, attributes, content_digest, hash";
 
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Rows {
     pub position: Vec<i64>,
     pub id: Vec<Uuid>,

@@ -52,7 +52,8 @@ pub async fn to_head(pool: &PgPool, batch_max: usize, wait: Duration) -> Result<
         }
         // A round that projects makes progress however long the backlog; only waiting on
         // another process's rounds is bounded.
-        match project_once(pool, batch_max, Clock::system()).await? {
+        // A process without an appender has nothing in memory to project.
+        match project_once(pool, batch_max, Clock::system(), None).await? {
             Round::Projected { .. } | Round::CaughtUp { .. } => {}
             Round::Busy if tokio::time::Instant::now() >= deadline => {
                 return Err(CatchUpError::Lagging {

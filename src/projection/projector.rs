@@ -1,11 +1,24 @@
 //! The projector: tails the ledger by position and keeps the projection tables current.
 //!
 //! Each round is one transaction: lock the checkpoint row (`FOR UPDATE SKIP LOCKED`, so
-//! that of several instances one projects and the others skip the round), read the events
+//! that of several instances one projects and the others skip the round), take the events
 //! after it, apply them (a late lifecycle event refolds only its container), write the changes and
 //! move the checkpoint. The projection therefore always equals the ledger up to its
 //! checkpoint, and a crash anywhere loses or repeats nothing. It wakes on this instance's
 //! commits (the appender's head) and polls for other instances'.
+//!
+//! The events of this instance's own commits are handed over by the appender in memory
+//! ([`Committed`]), so that a round does not read back what was just written: a round takes
+//! them when they start exactly after the checkpoint it locked (up to its `batch_max`), and
+//! reads everything else from the ledger (another instance's appends, a group too large to
+//! hand over, rows dropped while the projector was slow, a round after one that another
+//! instance made). Rows at or before the checkpoint are dropped unused, so rows that
+//! another instance projected are never applied again. An event is made from a handed row
+//! exactly as `store::read_events` makes it from the stored one (`EventRow::of_committed`;
+//! a row for which that is not certain is left to the ledger). A round that finds the
+//! checkpoint locked discards what it was handed. A round from memory that stopped at a gap
+//! short of what this instance had committed when it began is followed by the next round
+//! at once, not at the next commit or poll.
 //!
 //! Woken by a commit, it lingers (`ProjectorSettings::linger`) so that a round carries many
 //! group commits: per round, every touched container, org and period row is written once
@@ -19,14 +32,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::model::{Changes, ContainerKey, ProjectedEvent};
 use super::{notice, store};
 use crate::clock::Clock;
-use crate::ledger::Acknowledged;
+use crate::ledger::{Acknowledged, Committed};
 use crate::runtime::EntryKind;
 
 /// Pause after an error before trying the round again.
@@ -148,8 +161,13 @@ impl Freshness {
 /// What a round did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Round {
-    /// Projected events up to this position.
-    Projected { events: usize, position: i64 },
+    /// Projected events up to this position; `handed` when they were this instance's
+    /// commits taken from memory rather than read from the ledger.
+    Projected {
+        events: usize,
+        position: i64,
+        handed: bool,
+    },
     /// Nothing after the checkpoint.
     CaughtUp { position: i64 },
     /// Another transaction holds the checkpoint.
@@ -168,31 +186,40 @@ fn linger_left(linger: Duration, committed_during_round: bool, round_took: Durat
     }
 }
 
-/// Runs until `shutdown`; errors are logged and the round retried, never fatal.
+/// Runs until `shutdown`; errors are logged and the round retried, never fatal. `handoff`
+/// holds this instance's commits in memory (see the module comment); without it, every
+/// round reads the ledger.
 pub async fn run(
     pool: PgPool,
     settings: ProjectorSettings,
     freshness: Freshness,
+    mut handoff: Option<Committed<ProjectedEvent>>,
     shutdown: CancellationToken,
 ) {
     let mut head = freshness.head.clone();
     while !shutdown.is_cancelled() {
         // Commits from here on are the next round's.
-        head.mark_unchanged();
+        let committed_before = *head.borrow_and_update();
         let round_started = Instant::now();
-        let round = project_once(&pool, settings.batch_max, settings.clock).await;
+        let round = project_once(&pool, settings.batch_max, settings.clock, handoff.as_mut()).await;
         let linger = linger_left(
             settings.linger,
             head.has_changed().unwrap_or(false),
             round_started.elapsed(),
         );
         match round {
-            Ok(Round::Projected { events, position }) => {
+            Ok(Round::Projected {
+                events,
+                position,
+                handed,
+            }) => {
                 freshness.reached(position);
                 let head_position = *head.borrow();
                 metrics::gauge!(crate::telemetry::PROJECTION_LAG_POSITIONS)
                     .set((head_position - position).max(0) as f64);
-                if events == settings.batch_max {
+                // A round from memory stops at a gap (another instance's commits, rows
+                // dropped): what this instance committed before it began is due now.
+                if events == settings.batch_max || (handed && committed_before > position) {
                     continue;
                 }
             }
@@ -215,38 +242,63 @@ pub async fn run(
                 continue;
             }
         }
-        tokio::select! {
-            changed = head.changed() => {
-                if changed.is_ok() {
-                    tokio::select! {
-                        _ = tokio::time::sleep(linger) => {}
-                        _ = freshness.hurry.notified() => {}
-                    }
-                } else {
-                    // The appender stopped; only polling is left.
-                    tokio::time::sleep(settings.poll).await;
-                }
-            }
-            _ = tokio::time::sleep(settings.poll) => {}
-            _ = shutdown.cancelled() => {}
-        }
+        let waiting = (linger, settings.poll);
+        wait_for_commits(&mut head, waiting, &freshness, handoff.as_mut(), &shutdown).await;
     }
     tracing::info!("projector stopped");
 }
 
+/// Waits for the next round: a commit of this instance and then `linger` (unless a reader
+/// hurries it), or `poll` for other instances' commits, or `shutdown`. The commit's rows are
+/// taken in from `handoff` before lingering, so that the relay, which lingers less, finds
+/// them no longer shared and takes them without a copy.
+async fn wait_for_commits(
+    head: &mut watch::Receiver<i64>,
+    (linger, poll): (Duration, Duration),
+    freshness: &Freshness,
+    handoff: Option<&mut Committed<ProjectedEvent>>,
+    shutdown: &CancellationToken,
+) {
+    tokio::select! {
+        changed = head.changed() => {
+            if changed.is_ok() {
+                if let Some(handoff) = handoff {
+                    handoff.receive();
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(linger) => {}
+                    _ = freshness.hurry.notified() => {}
+                }
+            } else {
+                // The appender stopped; only polling is left.
+                tokio::time::sleep(poll).await;
+            }
+        }
+        _ = tokio::time::sleep(poll) => {}
+        _ = shutdown.cancelled() => {}
+    }
+}
+
 /// One round: projects up to `batch_max` events after the checkpoint, in one transaction;
-/// a reservation is consumed when it has not expired by `clock`.
+/// a reservation is consumed when it has not expired by `clock`. The events come from
+/// `handoff` when it holds those that follow the checkpoint, else from the ledger.
 pub async fn project_once(
     pool: &PgPool,
     batch_max: usize,
     clock: Clock,
+    mut handoff: Option<&mut Committed<ProjectedEvent>>,
 ) -> Result<Round, super::Error> {
     let started = Instant::now();
     let mut transaction = pool.begin().await?;
     let Some(checkpoint) = store::lock_checkpoint(&mut transaction, store::LIVE).await? else {
+        // Another instance projects what this one is handed; should this one lock the
+        // checkpoint later, it reads the ledger from there.
+        if let Some(handoff) = handoff.as_deref_mut() {
+            handoff.discard();
+        }
         return Ok(Round::Busy);
     };
-    let events = store::read_events(&mut transaction, checkpoint, batch_max).await?;
+    let (events, handed) = next_events(&mut transaction, handoff, checkpoint, batch_max).await?;
     let Some(last) = events.last() else {
         return Ok(Round::CaughtUp {
             position: checkpoint,
@@ -289,8 +341,23 @@ pub async fn project_once(
     );
     notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
+    record_round(events.len(), started, position, recorded_at);
+    Ok(Round::Projected {
+        events: events.len(),
+        position,
+        handed,
+    })
+}
 
-    metrics::histogram!(crate::telemetry::PROJECTION_ROUND_EVENTS).record(events.len() as f64);
+/// The metrics of a round of `events` that began at `started` and reached `position`,
+/// whose last event was recorded at `recorded_at`.
+fn record_round(
+    events: usize,
+    started: Instant,
+    position: i64,
+    recorded_at: chrono::DateTime<chrono::Utc>,
+) {
+    metrics::histogram!(crate::telemetry::PROJECTION_ROUND_EVENTS).record(events as f64);
     metrics::histogram!(crate::telemetry::PROJECTION_ROUND_SECONDS)
         .record(started.elapsed().as_secs_f64());
     metrics::gauge!(crate::telemetry::PROJECTION_POSITION).set(position as f64);
@@ -299,10 +366,26 @@ pub async fn project_once(
         .to_std()
         .unwrap_or_default();
     metrics::gauge!(crate::telemetry::PROJECTION_LAG_SECONDS).set(lag.as_secs_f64());
-    Ok(Round::Projected {
-        events: events.len(),
-        position,
-    })
+}
+
+/// Up to `batch_max` events after `checkpoint`, in position order, and whether they were
+/// taken from `handoff`: this instance's commits when they continue the checkpoint
+/// exactly, otherwise (another instance's appends, a gap, nothing handed) the ledger's.
+async fn next_events(
+    connection: &mut PgConnection,
+    handoff: Option<&mut Committed<ProjectedEvent>>,
+    checkpoint: i64,
+    batch_max: usize,
+) -> Result<(Vec<ProjectedEvent>, bool), super::Error> {
+    if let Some(events) = handoff.and_then(|handoff| handoff.take_after(checkpoint, batch_max)) {
+        metrics::counter!(crate::telemetry::PROJECTION_ROWS, "from" => "memory")
+            .increment(events.len() as u64);
+        return Ok((events, true));
+    }
+    let events = store::read_events(connection, checkpoint, batch_max).await?;
+    metrics::counter!(crate::telemetry::PROJECTION_ROWS, "from" => "ledger")
+        .increment(events.len() as u64);
+    Ok((events, false))
 }
 
 /// The containers `events` are about, each once.

@@ -4,6 +4,7 @@
 //! to the live one.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgConnection};
@@ -14,6 +15,7 @@ use super::model::{
 };
 use super::Error;
 use crate::event::{EventId, EventType, PlanId};
+use crate::ledger::{Handed, Rows};
 use crate::runtime::{
     AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval,
     Lifecycle, Period,
@@ -36,7 +38,7 @@ pub const EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occur
      (data->>'eligible')::BOOLEAN AS eligible, \
      CASE WHEN type = 'ledger.event_voided' THEN (data->>'event_id')::UUID END AS voids";
 
-#[derive(Debug, FromRow)]
+#[derive(Debug, PartialEq, FromRow)]
 pub struct EventRow {
     position: i64,
     id: Uuid,
@@ -55,6 +57,44 @@ pub struct EventRow {
 }
 
 impl EventRow {
+    /// Row `index` of a commit handed over by the appender, as [`EVENT_COLUMNS`] reads it
+    /// back from the ledger; `None` when the row holds a value for which this is not
+    /// certain (a field of another JSON type than tally writes, a number out of its
+    /// column's range, an instant finer than Postgres keeps), which the projector then
+    /// reads from the ledger. Every value the event parser admits is certain.
+    pub fn of_committed(rows: &Rows, index: usize) -> Option<EventRow> {
+        let data = &rows.data[index];
+        let (occurred_at, recorded_at) = (rows.occurred_at[index], rows.recorded_at[index]);
+        let microseconds = |at: DateTime<Utc>| at.timestamp_subsec_nanos().is_multiple_of(1_000);
+        if !microseconds(occurred_at) || !microseconds(recorded_at) {
+            return None;
+        }
+        let event_type = rows.event_type[index];
+        let voids = if event_type == EventType::LedgerEventVoided.as_str() {
+            match text(data, "event_id")? {
+                Some(text) => Some(uuid(text)?),
+                None => None,
+            }
+        } else {
+            None
+        };
+        Some(EventRow {
+            position: rows.position[index],
+            id: rows.id[index],
+            event_type: event_type.to_owned(),
+            org_id: rows.org_id[index].clone(),
+            container_id: rows.container_id[index].clone(),
+            occurred_at,
+            recorded_at,
+            duration_ms: bigint(data, "duration_ms")?,
+            port: bigint(data, "port")?.map(i32::try_from).transpose().ok()?,
+            plan: text(data, "plan")?.map(str::to_owned),
+            verified: boolean(data, "verified")?,
+            eligible: boolean(data, "eligible")?,
+            voids,
+        })
+    }
+
     pub fn into_event(self) -> Result<ProjectedEvent, Error> {
         let event_id = EventId::from_uuid(self.id)
             .map_err(|e| Error::corrupt(format!("position {}", self.position), e))?;
@@ -105,6 +145,63 @@ impl EventRow {
             account,
             voids: self.voids,
         })
+    }
+}
+
+// What `data->>'key'` cast to a column type gives, for the JSON values whose answer is
+// certain: `Some(None)` for an absent key, a JSON null or a `data` that is not an object
+// (SQL NULL), `Some(Some(value))` for a value of the JSON type tally writes there, and
+// `None` (not certain: read the ledger) for anything else, such as a number written as a
+// string, which Postgres would cast, or a fraction, which it would refuse.
+
+/// `(data->>key)::BIGINT`, for a JSON integer.
+fn bigint(data: &serde_json::Value, key: &str) -> Option<Option<i64>> {
+    match data.get(key) {
+        None | Some(serde_json::Value::Null) => Some(None),
+        Some(serde_json::Value::Number(number)) => number.as_i64().map(Some),
+        Some(_) => None,
+    }
+}
+
+/// `data->>key`, for a JSON string.
+fn text<'a>(data: &'a serde_json::Value, key: &str) -> Option<Option<&'a str>> {
+    match data.get(key) {
+        None | Some(serde_json::Value::Null) => Some(None),
+        Some(serde_json::Value::String(text)) => Some(Some(text)),
+        Some(_) => None,
+    }
+}
+
+/// `(data->>key)::BOOLEAN`, for a JSON boolean.
+fn boolean(data: &serde_json::Value, key: &str) -> Option<Option<bool>> {
+    match data.get(key) {
+        None | Some(serde_json::Value::Null) => Some(None),
+        Some(serde_json::Value::Bool(value)) => Some(Some(*value)),
+        Some(_) => None,
+    }
+}
+
+/// `text::UUID`, for a UUID in the hyphenated form (in either case), which Postgres and
+/// [`Uuid::try_parse`] read alike; `None` for any other spelling.
+fn uuid(text: &str) -> Option<Uuid> {
+    if text.len() != 36 {
+        return None;
+    }
+    Uuid::try_parse(text).ok()
+}
+
+/// An event of a commit handed over by the appender, as [`read_events`] reads it; left
+/// out (so read from the ledger) when [`EventRow::of_committed`] is not certain of it, or
+/// when it does not decode, so that the ledger path reports it.
+impl Handed for ProjectedEvent {
+    fn position(&self) -> i64 {
+        self.position
+    }
+
+    fn from_committed(rows: Arc<Rows>) -> Vec<ProjectedEvent> {
+        (0..rows.len())
+            .filter_map(|index| EventRow::of_committed(&rows, index)?.into_event().ok())
+            .collect()
     }
 }
 

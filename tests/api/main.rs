@@ -32,6 +32,7 @@ mod periods;
 mod pg_cluster;
 mod plans;
 mod projection;
+mod projection_handoff;
 mod reconciliation;
 mod reconciliation_focus;
 mod relay;
