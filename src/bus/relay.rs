@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use async_nats::HeaderMap;
-use sqlx::{ConnectOptions as _, Connection as _, PgConnection, PgPool};
+use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -57,8 +57,6 @@ const RETRY_DELAY_MS: u64 = 500;
 pub const LOCK_SESSION_IDLE_TIMEOUT_MS: u64 = 5_000;
 /// How often the leader proves its session alive, well inside the idle timeout.
 const HEARTBEAT_MS: u64 = 1_000;
-/// How long making the lock's connection may take.
-const CONNECT_TIMEOUT_MS: u64 = 5_000;
 
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
@@ -187,15 +185,7 @@ async fn lead(
 /// The lock's own connection, with the pool's settings: not one of the pool's, because the
 /// session's idle timeout must not outlive leadership on a connection handed to others.
 async fn lock_connection(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
-    let options = pool.connect_options();
-    let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
-    match tokio::time::timeout(timeout, options.connect()).await {
-        Ok(connected) => connected,
-        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within {CONNECT_TIMEOUT_MS} ms"),
-        ))),
-    }
+    crate::ledger::db::connect_one(&pool.connect_options()).await
 }
 
 /// Touches the lock's session every [`HEARTBEAT_MS`]; returns when it fails, which means

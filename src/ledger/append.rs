@@ -48,7 +48,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection, FromRow, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, FromRow, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
@@ -64,10 +64,6 @@ use crate::event::{Event, EventId, EventType, OrgId};
 /// Arbitrary but fixed: `'tally'` as ASCII bytes.
 /// The same number is written in the `ledger_append` migration.
 pub const LEDGER_LOCK_KEY: i64 = 0x0074_616c_6c79;
-
-/// How long the appender waits for a new connection (at start, and after an error dropped
-/// the last one) before failing the group in hand: the pool's acquire timeout.
-const CONNECT_TIMEOUT_MS: u64 = crate::config::DB_ACQUIRE_TIMEOUT_MS;
 
 /// Optimistic attempts before falling back to the locked transaction: one to learn what
 /// changed, one to use it. More would only spin while other instances keep appending.
@@ -550,20 +546,9 @@ async fn connected<'c>(
     options: &PgConnectOptions,
 ) -> Result<&'c mut PgConnection, sqlx::Error> {
     if connection.is_none() {
-        *connection = Some(connect(options).await?);
+        *connection = Some(super::db::connect_one(options).await?);
     }
     Ok(connection.as_mut().expect("made above"))
-}
-
-async fn connect(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error> {
-    let timeout = std::time::Duration::from_millis(CONNECT_TIMEOUT_MS);
-    match tokio::time::timeout(timeout, options.connect()).await {
-        Ok(connected) => connected,
-        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within {CONNECT_TIMEOUT_MS} ms"),
-        ))),
-    }
 }
 
 /// Where a commit is announced: the rows to the handoffs, the head to whoever tails it.

@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool, Postgres, Transaction};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool, Postgres, Transaction};
 
 use crate::config::Config;
 
@@ -124,6 +124,23 @@ pub fn connect_read(config: &Config) -> Result<Option<PgPool>, sqlx::Error> {
             .test_before_acquire(false)
             .connect_lazy_with(options),
     ))
+}
+
+/// How long a connection of its own (the appender's, the relay lock's) may take to make,
+/// at start and after an error dropped the last one: the pool's acquire timeout.
+const CONNECT_TIMEOUT_MS: u64 = crate::config::DB_ACQUIRE_TIMEOUT_MS;
+
+/// One connection outside the pool, with the pool's settings (`options`), made within
+/// [`CONNECT_TIMEOUT_MS`].
+pub async fn connect_one(options: &PgConnectOptions) -> Result<PgConnection, sqlx::Error> {
+    let timeout = Duration::from_millis(CONNECT_TIMEOUT_MS);
+    match tokio::time::timeout(timeout, options.connect()).await {
+        Ok(connected) => connected,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {CONNECT_TIMEOUT_MS} ms"),
+        ))),
+    }
 }
 
 /// Creates the database if needed, connects, migrates.

@@ -51,12 +51,11 @@ async fn three_copies_of_each_stream_asked_of_a_server_outside_a_cluster_make_th
 ) {
     let app = TestApp::spawn_with(|config| config.stream_replicas = 3).await;
     let anyone = app.without_token();
-    let mut ready = anyone.get("/readyz").await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while ready.status == 200 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        ready = anyone.get("/readyz").await;
-    }
+    eventually(30, "the instance is not ready", || async {
+        anyone.get("/readyz").await.status == 503
+    })
+    .await;
+    let ready = anyone.get("/readyz").await;
     let answer = ready.json();
     assert_eq!(
         (ready.status, &answer["ready"], &answer["nats"]),
