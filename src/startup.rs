@@ -116,6 +116,7 @@ impl Service {
                 },
                 freshness.clone(),
                 Some(projector_handoff),
+                Some(checker.cache().rounds()),
                 shutdown.clone(),
             )),
             tokio::spawn(admission::cache::listen(

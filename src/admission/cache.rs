@@ -13,6 +13,13 @@
 //!   notice carries; a replay's swap says "all". Reservations granted and released say
 //!   their org in their transaction, and the instance that granted or released one drops
 //!   that org's facts itself before it answers, so its own next check sees it.
+//! - The instance whose projector ran the round keeps what it changed, under the tag the
+//!   notice carries ([`Rounds`]). Its listener, hearing that notice, advances the facts it
+//!   keeps of the round's orgs by the round's deltas ([`super::Prepared::advanced`]) rather
+//!   than dropping them, in the notice's place in commit order, so that an org whose events
+//!   keep coming stays answerable from memory. Orgs with an account event, a void or a
+//!   consumed reservation in the round are dropped all the same; every other instance,
+//!   which does not hold the round's changes, drops the round's orgs.
 //! - A read that a notice overtook (it touched the org, or was "all", between the read's
 //!   start and its end) is answered from but not kept, so the facts kept never miss a
 //!   change that was notified.
@@ -31,7 +38,7 @@
 //! snapshot.
 
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -43,9 +50,9 @@ use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::{Prepared, Request};
+use super::{OrgRound, Prepared, Request};
 use crate::event::ContainerId;
-use crate::projection::notice::{notify, Notice, CHANNEL};
+use crate::projection::notice::{notify, Notice, RoundChanges, Rounds, CHANNEL};
 use crate::projection::store;
 use crate::projection::Freshness;
 
@@ -126,6 +133,26 @@ pub struct CacheStats {
     /// Times the listener started listening (heard its first notice on a connection):
     /// once, plus once for every reconnection.
     pub listens: u64,
+    /// Times a round of this instance's projector advanced an org's kept facts rather
+    /// than dropping them.
+    pub advanced: u64,
+}
+
+/// The facts kept for one request, as a read of Postgres would give them; two are equal
+/// when every fact is. Tests compare them with [`super::read_facts`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptFacts(pub(crate) Arc<Prepared>);
+
+impl KeptFacts {
+    /// The instant the facts were read at.
+    pub fn read_at(&self) -> chrono::DateTime<chrono::Utc> {
+        self.0.read_at
+    }
+
+    /// The checkpoint they reflect.
+    pub fn projected(&self) -> i64 {
+        self.0.projected
+    }
 }
 
 /// The facts of this instance's checks; cheap to clone.
@@ -136,6 +163,8 @@ pub struct FactsCache {
     /// Told of every projector round its listener hears, any instance's, so that reads
     /// waiting for another instance's round are woken by it rather than by their poll.
     rounds: Option<Freshness>,
+    /// What this instance's projector rounds changed, until their notices are heard.
+    committed: Rounds,
 }
 
 #[derive(Default)]
@@ -143,6 +172,7 @@ struct Counters {
     hits: AtomicU64,
     misses: AtomicU64,
     listens: AtomicU64,
+    advanced: AtomicU64,
 }
 
 impl FactsCache {
@@ -229,7 +259,6 @@ impl FactsCache {
         }
     }
 
-    /// Drops what `notice` says may have changed, then records its checkpoint.
     /// A cache whose listener also tells `freshness` of every projector round it hears.
     pub fn waking(freshness: Freshness) -> FactsCache {
         FactsCache {
@@ -238,13 +267,30 @@ impl FactsCache {
         }
     }
 
+    /// Where this instance's projector keeps what each round changed, for this cache.
+    pub fn rounds(&self) -> Rounds {
+        self.committed.clone()
+    }
+
+    /// Drops what `notice` says may have changed, or advances it by the changes of the
+    /// round the notice comes from when this instance projected it; then records its
+    /// checkpoint.
     pub fn apply(&self, notice: &Notice) {
+        let round = notice.round.and_then(|tag| self.committed.take(tag));
         let mut state = self.lock();
         if notice.all {
             state.drop_all();
         } else {
-            for org in &notice.orgs {
-                forget_org(&mut state, org);
+            match (round, notice.position) {
+                (Some(round), Some(position)) => {
+                    let advanced = advance_orgs(&mut state, &notice.orgs, &round, position);
+                    self.stats.advanced.fetch_add(advanced, Ordering::Relaxed);
+                }
+                _ => {
+                    for org in &notice.orgs {
+                        forget_org(&mut state, org);
+                    }
+                }
             }
         }
         // Notices come in commit order, and the checkpoint moves forward except at a
@@ -287,6 +333,23 @@ impl FactsCache {
         self.lock().listening
     }
 
+    /// The facts kept for `request`, whatever position they reflect.
+    pub fn kept(&self, request: &Request) -> Option<KeptFacts> {
+        let state = self.lock();
+        let facts = state
+            .orgs
+            .get(request.org_id.as_str())?
+            .facts
+            .get(&key(request)?)?;
+        Some(KeptFacts(Arc::clone(facts)))
+    }
+
+    /// The highest checkpoint the notices heard have reported; `None` while not listening.
+    pub fn projected(&self) -> Option<i64> {
+        let state = self.lock();
+        state.listening.then_some(state.projected)
+    }
+
     /// Facts kept now.
     pub fn len(&self) -> usize {
         self.lock().entries
@@ -301,6 +364,7 @@ impl FactsCache {
             hits: self.stats.hits.load(Ordering::Relaxed),
             misses: self.stats.misses.load(Ordering::Relaxed),
             listens: self.stats.listens.load(Ordering::Relaxed),
+            advanced: self.stats.advanced.load(Ordering::Relaxed),
         }
     }
 }
@@ -314,6 +378,85 @@ fn key(request: &Request) -> Option<Option<ContainerId>> {
         return Some(None);
     }
     request.container_id.clone().map(Some)
+}
+
+/// Advances the kept facts of `orgs` by `round`, which reached `position`; drops those of
+/// the orgs it cannot advance. Returns how many orgs' facts it advanced.
+fn advance_orgs(state: &mut State, orgs: &[String], round: &RoundChanges, position: i64) -> u64 {
+    let kept: HashSet<&str> = orgs
+        .iter()
+        .map(String::as_str)
+        .filter(|org| !round.reread.contains(*org))
+        .filter(|org| {
+            state
+                .orgs
+                .get(*org)
+                .is_some_and(|slot| !slot.facts.is_empty())
+        })
+        .collect();
+    let mut by_org: HashMap<&str, OrgRound<'_>> = kept
+        .iter()
+        .map(|org| {
+            let latest_at = round.changes.latest.get(*org).copied();
+            let change = OrgRound {
+                position,
+                latest_at,
+                ..OrgRound::default()
+            };
+            (*org, change)
+        })
+        .collect();
+    if !by_org.is_empty() {
+        let changes = &round.changes;
+        for ((org, period), delta) in &changes.periods {
+            if let Some(change) = by_org.get_mut(org.as_str()) {
+                change.periods.push((*period, *delta));
+            }
+        }
+        for ((org, period), delta) in &changes.open {
+            if let Some(change) = by_org.get_mut(org.as_str()) {
+                change.open.push((*period, *delta));
+            }
+        }
+        for (key, lifecycle) in changes.lifecycles() {
+            if let Some(change) = by_org.get_mut(key.org_id.as_str()) {
+                change
+                    .containers
+                    .push((key.container_id.as_str(), lifecycle));
+            }
+        }
+    }
+    let mut advanced = 0;
+    for org in orgs {
+        let done = by_org
+            .get(org.as_str())
+            .is_some_and(|change| advance_org(state, org, change));
+        if done {
+            advanced += 1;
+        } else {
+            forget_org(state, org);
+        }
+    }
+    advanced
+}
+
+/// Advances every fact kept of `org` by `change`; `false`, changing nothing, when one of
+/// them cannot be.
+fn advance_org(state: &mut State, org: &str, change: &OrgRound<'_>) -> bool {
+    let Some(slot) = state.orgs.get_mut(org) else {
+        return false;
+    };
+    let mut facts = HashMap::with_capacity(slot.facts.len());
+    for (key, kept) in &slot.facts {
+        let Some(next) = kept.advanced(change) else {
+            return false;
+        };
+        facts.insert(key.clone(), Arc::new(next));
+    }
+    // Reads begun before the round are not kept: they may not include it.
+    slot.generation += 1;
+    slot.facts = facts;
+    true
 }
 
 fn forget_org(state: &mut State, org: &str) {
@@ -459,6 +602,9 @@ mod tests {
     use super::*;
     use crate::billing::Action;
     use crate::event::OrgId;
+    use std::collections::BTreeMap;
+
+    use crate::projection::model::{Changes, PeriodDelta};
     use crate::projection::notice::NOTICE_BYTES_MAX;
     use crate::runtime::{AccountTimeline, Period, PeriodTotals};
 
@@ -483,10 +629,11 @@ mod tests {
             projected: 0,
             read_at: read_at(),
             period: Period::containing(read_at()),
-            settled_at: None,
+            latest_at: None,
             totals: PeriodTotals::default(),
             open: Vec::new(),
-            future: Vec::new(),
+            future: BTreeMap::new(),
+            target_id: None,
             target: None,
             reservation_expiries: Vec::new(),
             consumed_unprojected: 0,
@@ -506,7 +653,40 @@ mod tests {
             position,
             orgs: orgs.iter().map(|org| org.to_string()).collect(),
             all,
+            round: None,
         }
+    }
+
+    /// The notice of a round tagged `tag` over `orgs`, whose changes this instance keeps:
+    /// `commands` more commands for each org in the facts' period, `reread` to be read again.
+    fn own_round(
+        cache: &FactsCache,
+        tag: u64,
+        position: i64,
+        orgs: &[&str],
+        commands: i64,
+        reread: &[&str],
+    ) -> Notice {
+        let mut changes = Changes::default().finish();
+        for org in orgs {
+            let delta = PeriodDelta {
+                commands,
+                ..PeriodDelta::default()
+            };
+            let key = (org.to_string(), Period::containing(read_at()));
+            changes.periods.insert(key, delta);
+        }
+        let reread = reread.iter().map(|org| org.to_string()).collect();
+        cache.rounds().record(tag, RoundChanges { changes, reread });
+        Notice {
+            round: Some(tag),
+            ..notice(Some(position), orgs, false)
+        }
+    }
+
+    fn commands_kept(cache: &FactsCache, request: &Request) -> Option<(u64, i64)> {
+        let kept = cache.kept(request)?;
+        Some((kept.0.totals.commands, kept.projected()))
     }
 
     /// Reads `request`'s facts as a check does: ticket, then keep.
@@ -666,16 +846,68 @@ mod tests {
     }
 
     #[test]
+    fn a_round_this_instance_projected_advances_the_facts_kept_of_its_orgs_instead_of_dropping_them(
+    ) {
+        let cache = listening_cache(10);
+        let (acme, other) = (request("acme", None), request("other", None));
+        assert!(read(&cache, &acme) && read(&cache, &other));
+        cache.apply(&own_round(&cache, 7, 11, &["acme"], 3, &[]));
+        assert_eq!(commands_kept(&cache, &acme), Some((3, 11)));
+        assert_eq!(commands_kept(&cache, &other), Some((0, 0)));
+        assert_eq!(cache.stats().advanced, 1);
+        assert!(cache.rounds().is_empty(), "the round is taken when heard");
+        assert_eq!(cache.get(&acme, 11).map(|(_, at)| at), Some(11));
+    }
+
+    #[test]
+    fn orgs_a_round_says_to_read_again_and_rounds_this_instance_did_not_project_drop_their_facts() {
+        let cache = listening_cache(10);
+        let (acme, other) = (request("acme", None), request("other", None));
+        assert!(read(&cache, &acme) && read(&cache, &other));
+        cache.apply(&own_round(&cache, 7, 11, &["acme", "other"], 1, &["acme"]));
+        assert_eq!(commands_kept(&cache, &acme), None);
+        assert_eq!(commands_kept(&cache, &other), Some((1, 11)));
+        let elsewhere = Notice {
+            round: Some(8),
+            ..notice(Some(12), &["other"], false)
+        };
+        cache.apply(&elsewhere);
+        assert_eq!(commands_kept(&cache, &other), None);
+        assert_eq!(cache.stats().advanced, 1);
+    }
+
+    #[test]
+    fn a_read_begun_before_a_round_that_advanced_its_org_is_not_kept() {
+        let cache = listening_cache(10);
+        let acme = request("acme", None);
+        assert!(read(&cache, &acme));
+        let ticket = cache.ticket("acme").unwrap();
+        cache.apply(&own_round(&cache, 7, 11, &["acme"], 2, &[]));
+        assert!(!cache.keep(ticket, &acme, facts()));
+        assert_eq!(commands_kept(&cache, &acme), Some((2, 11)));
+    }
+
+    #[test]
+    fn kept_facts_that_a_count_below_zero_would_leave_are_dropped() {
+        let cache = listening_cache(10);
+        let acme = request("acme", None);
+        assert!(read(&cache, &acme));
+        cache.apply(&own_round(&cache, 7, 11, &["acme"], -1, &[]));
+        assert_eq!(commands_kept(&cache, &acme), None);
+        assert_eq!(cache.stats().advanced, 0);
+    }
+
+    #[test]
     fn a_rounds_notice_names_each_org_once_or_says_all_when_they_do_not_fit() {
-        let payload = Notice::of_round(42, ["b", "a", "b"], false);
+        let payload = Notice::of_round(42, ["b", "a", "b"], false, None);
         let parsed: Notice = serde_json::from_str(&payload).unwrap();
         assert_eq!(parsed, notice(Some(42), &["a", "b"], false));
         let many: Vec<String> = (0..1_000).map(|n| format!("org-{n:04}")).collect();
-        let payload = Notice::of_round(43, many.iter().map(String::as_str), false);
+        let payload = Notice::of_round(43, many.iter().map(String::as_str), false, Some(9));
         assert!(payload.len() <= NOTICE_BYTES_MAX);
         let parsed: Notice = serde_json::from_str(&payload).unwrap();
         assert_eq!(parsed, notice(Some(43), &[], true));
-        let plans = Notice::of_round(44, ["a"], true);
+        let plans = Notice::of_round(44, ["a"], true, None);
         assert_eq!(
             serde_json::from_str::<Notice>(&plans).unwrap(),
             notice(Some(44), &[], true)

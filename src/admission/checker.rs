@@ -144,7 +144,7 @@ impl Checker {
         loop {
             let read = self.read(request).await?;
             if read.row.projected >= wanted {
-                let facts = Arc::new(Prepared::from_row(read.row, read.now)?);
+                let facts = Arc::new(Prepared::from_row(read.row, request, read.now)?);
                 if let Some(ticket) = ticket {
                     self.cache.keep(ticket, request, Arc::clone(&facts));
                 }

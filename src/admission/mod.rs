@@ -12,7 +12,7 @@
 pub mod cache;
 mod checker;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, SubsecRound, Utc};
@@ -23,6 +23,7 @@ use crate::billing::{self, Action, Decision, Facts};
 use crate::clock::Clock;
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
+use crate::projection::model::{OpenDelta, PeriodDelta};
 use crate::projection::notice::{self, Notice};
 use crate::projection::{query, store, Freshness, WaitError};
 pub use checker::Checker;
@@ -169,8 +170,9 @@ struct FactsRow {
     open_periods: Vec<String>,
     open_running: Vec<i64>,
     open_offsets: Vec<i64>,
-    /// Intervals of the containers with events after `now`: only these can be running at
-    /// `now` other than by an open interval that started before it.
+    /// The containers with events after `now`, and their intervals in the same order: only
+    /// these can be running at `now` other than by an open interval that started before it.
+    future_containers: Vec<String>,
     future_intervals: Vec<String>,
     target_intervals: Option<String>,
     /// When each live reservation of the org expires; those past `now` do not count.
@@ -199,7 +201,7 @@ async fn load(
     if row.projected < wanted {
         return Ok(None);
     }
-    let facts = Prepared::from_row(row, now)?;
+    let facts = Prepared::from_row(row, request, now)?;
     answer_from(Reader::Connection(connection), request, &facts, now)
         .await
         .map(Some)
@@ -236,13 +238,17 @@ async fn load_facts(
                       WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_running, \
                 ARRAY(SELECT since_offset_ms FROM {live}.org_open \
                       WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_offsets, \
+                ARRAY(SELECT container_id FROM {live}.container \
+                      WHERE org_id = r.org AND last_at > $3 ORDER BY container_id) \
+                      AS future_containers, \
                 ARRAY(SELECT intervals::TEXT FROM {live}.container \
-                      WHERE org_id = r.org AND last_at > $3) AS future_intervals, \
+                      WHERE org_id = r.org AND last_at > $3 ORDER BY container_id) \
+                      AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
                       WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
-                        AND expires_at > $3) AS reservation_expiries, \
+                        AND expires_at > $3 ORDER BY expires_at) AS reservation_expiries, \
                 (SELECT count(*) FROM admission_reservation \
                       WHERE org_id = r.org AND consumed_position > \
                         (SELECT position FROM {live}.checkpoint)) AS consumed_unprojected, \
@@ -276,6 +282,22 @@ async fn load_facts(
         )));
     }
     Ok(rows)
+}
+
+/// The facts of `request` as a check reading Postgres at `read_at` would keep them: what
+/// kept facts are compared with ([`cache::FactsCache::kept`]).
+pub async fn read_facts(
+    pool: &PgPool,
+    request: &Request,
+    read_at: DateTime<Utc>,
+) -> Result<cache::KeptFacts, AdmissionError> {
+    let mut connection = pool.acquire().await?;
+    let row = load_facts(&mut connection, &[request], read_at)
+        .await?
+        .pop()
+        .expect("one row a request");
+    let facts = Prepared::from_row(row, request, read_at)?;
+    Ok(cache::KeptFacts(std::sync::Arc::new(facts)))
 }
 
 /// Where `answer` reads the org's usage in the rare case its totals do not settle it (events
@@ -312,25 +334,35 @@ async fn answer_from(
     prepared.answer(request, now, runtime_used_ms)
 }
 
+/// Containers with events after the instant kept facts were read at, at most: past it, the
+/// facts are read again rather than advanced (see [`Prepared::advanced`]), which would make
+/// each answer walk them all.
+pub const FUTURE_CONTAINERS_MAX: usize = 256;
+
 /// One check's facts as read at `read_at`, parsed: all a decision needs at that instant or
 /// any later one of the same period, for as long as nothing of the org changes in the
-/// projection or its reservations. What depends on the instant (running containers, usage
-/// so far, account state, plan in effect, live reservations) is worked out at each answer.
-#[derive(Debug)]
+/// projection or its reservations, or for as long as the projector's rounds that change it
+/// advance them ([`Prepared::advanced`]). What depends on the instant (running containers,
+/// usage so far, account state, plan in effect, live reservations) is worked out at each
+/// answer.
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Prepared {
-    /// The projection's checkpoint in the snapshot the facts were read in.
+    /// The projection's checkpoint in the snapshot the facts were read in, or of the last
+    /// round that advanced them.
     projected: i64,
     read_at: DateTime<Utc>,
     period: Period,
-    settled_at: Option<DateTime<Utc>>,
+    latest_at: Option<DateTime<Utc>>,
     totals: PeriodTotals,
     open: Vec<runtime::OpenRuns>,
-    /// The containers with events after `read_at`: only these can be running at a later
-    /// instant other than by an open interval. A container whose last event is before that
-    /// later instant changes nothing (running at it exactly when its interval is open), so
-    /// the list read at `read_at` serves every later instant.
-    future: Vec<Lifecycle>,
-    /// The request's container, when it names one that exists.
+    /// The containers with events after `read_at`, by id: only these can be running at a
+    /// later instant other than by an open interval. A container whose last event is before
+    /// that later instant changes nothing (running at it exactly when its interval is
+    /// open), so the list read at `read_at` serves every later instant.
+    future: BTreeMap<String, Lifecycle>,
+    /// The container the request that read the facts named, and its lifecycle when it
+    /// exists.
+    target_id: Option<ContainerId>,
     target: Option<Lifecycle>,
     reservation_expiries: Vec<DateTime<Utc>>,
     /// Reservations consumed by an event the projection does not hold: only after a
@@ -344,7 +376,11 @@ pub(crate) struct Prepared {
 }
 
 impl Prepared {
-    fn from_row(row: FactsRow, read_at: DateTime<Utc>) -> Result<Prepared, AdmissionError> {
+    fn from_row(
+        row: FactsRow,
+        request: &Request,
+        read_at: DateTime<Utc>,
+    ) -> Result<Prepared, AdmissionError> {
         let account = match &row.account {
             Some(json) => AccountTimeline::fold(&account_entries(json)?),
             None => AccountTimeline::fold(&[]),
@@ -353,7 +389,7 @@ impl Prepared {
             projected: row.projected,
             read_at,
             period: Period::containing(read_at),
-            settled_at: row.latest_at.map(runtime::settled_at),
+            latest_at: row.latest_at,
             totals: PeriodTotals {
                 closed_runtime_ms: row.closed_runtime_ms,
                 commands: u64::try_from(row.commands)
@@ -364,10 +400,12 @@ impl Prepared {
             },
             open: query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?,
             future: row
-                .future_intervals
-                .iter()
-                .map(|intervals| lifecycle_of(intervals))
+                .future_containers
+                .into_iter()
+                .zip(&row.future_intervals)
+                .map(|(container, intervals)| Ok((container, lifecycle_of(intervals)?)))
                 .collect::<Result<_, AdmissionError>>()?,
+            target_id: request.container_id.clone(),
             target: row
                 .target_intervals
                 .as_deref()
@@ -381,6 +419,79 @@ impl Prepared {
         })
     }
 
+    /// These facts as a read at `read_at` would give them after `round`, which moved the
+    /// projection on from the position they reflect: its deltas added to the period's
+    /// totals and to the open intervals, its containers put in place. `None` when they are
+    /// to be read again instead: reservations are consumed past the checkpoint (only after
+    /// a replay's swap), a count would go below zero, or more than
+    /// [`FUTURE_CONTAINERS_MAX`] containers would have events after `read_at`. The round
+    /// must hold no account event, void or consumed reservation of the org (those are
+    /// read again by the caller).
+    pub(crate) fn advanced(&self, round: &OrgRound<'_>) -> Option<Prepared> {
+        if self.consumed_unprojected > 0 {
+            return None;
+        }
+        let mut next = self.clone();
+        next.projected = round.position;
+        if let Some(latest) = round.latest_at {
+            next.latest_at = Some(next.latest_at.map_or(latest, |kept| kept.max(latest)));
+        }
+        for (period, delta) in &round.periods {
+            if *period == self.period {
+                let totals = &mut next.totals;
+                totals.closed_runtime_ms = totals
+                    .closed_runtime_ms
+                    .checked_add(delta.closed_runtime_ms)?;
+                totals.commands = totals.commands.checked_add_signed(delta.commands)?;
+                totals.command_ms = totals.command_ms.checked_add(delta.command_ms)?;
+                totals.ports_published = totals
+                    .ports_published
+                    .checked_add_signed(delta.ports_published)?;
+            }
+        }
+        for (since_period, delta) in &round.open {
+            match next
+                .open
+                .binary_search_by_key(since_period, |runs| runs.since_period)
+            {
+                Ok(index) => {
+                    let runs = &mut next.open[index];
+                    runs.running = runs.running.checked_add_signed(delta.running)?;
+                    runs.since_offset_ms =
+                        runs.since_offset_ms.checked_add(delta.since_offset_ms)?;
+                    if runs.running == 0 {
+                        next.open.remove(index);
+                    }
+                }
+                // Stored with none running, so with no offset either: left out of a read.
+                Err(index) => match u64::try_from(delta.running).ok()? {
+                    0 => {}
+                    running => next.open.insert(
+                        index,
+                        runtime::OpenRuns {
+                            since_period: *since_period,
+                            running,
+                            since_offset_ms: delta.since_offset_ms,
+                        },
+                    ),
+                },
+            }
+        }
+        for (container, lifecycle) in &round.containers {
+            // As the projection stores it, and a read restores it.
+            let stored = Lifecycle::restore(lifecycle.intervals().to_vec(), 0, None);
+            if next.target_id.as_ref().map(ContainerId::as_str) == Some(*container) {
+                next.target = Some(stored.clone());
+            }
+            if lifecycle.last_at() > Some(self.read_at) {
+                next.future.insert((*container).to_owned(), stored);
+            } else {
+                next.future.remove(*container);
+            }
+        }
+        (next.future.len() <= FUTURE_CONTAINERS_MAX).then_some(next)
+    }
+
     /// Whether these facts answer for `now`: not before they were read, same period.
     fn serves(&self, now: DateTime<Utc>) -> bool {
         now >= self.read_at && Period::containing(now) == self.period
@@ -389,7 +500,8 @@ impl Prepared {
     /// The org's runtime this period up to `now`; `None` when events dated after `now`
     /// leave it to the ledger.
     fn runtime_used_ms(&self, now: DateTime<Utc>) -> Option<i64> {
-        runtime::usage_from_totals(self.totals, &self.open, self.period, now, self.settled_at)
+        let settled_at = self.latest_at.map(runtime::settled_at);
+        runtime::usage_from_totals(self.totals, &self.open, self.period, now, settled_at)
             .map(|usage| usage.runtime_ms)
     }
 
@@ -401,7 +513,7 @@ impl Prepared {
     ) -> Result<Answer, AdmissionError> {
         // Open intervals, corrected by the few containers with events after now.
         let mut running: i64 = self.open.iter().map(|runs| runs.running as i64).sum();
-        for lifecycle in &self.future {
+        for lifecycle in self.future.values() {
             running += i64::from(lifecycle.running_at(now))
                 - i64::from(lifecycle.running_since().is_some());
         }
@@ -454,6 +566,22 @@ impl Prepared {
             at: now,
         })
     }
+}
+
+/// What one projector round changed of one org, as kept facts need it (see
+/// [`Prepared::advanced`]).
+#[derive(Debug, Default)]
+pub(crate) struct OrgRound<'a> {
+    /// The checkpoint the round moved the projection to.
+    pub position: i64,
+    /// The latest instant of the org's events in the round.
+    pub latest_at: Option<DateTime<Utc>>,
+    /// Additions to the org's totals, by period.
+    pub periods: Vec<(Period, PeriodDelta)>,
+    /// Additions to the org's open intervals, by the period they started in.
+    pub open: Vec<(Period, OpenDelta)>,
+    /// The org's containers the round touched, as they are after it.
+    pub containers: Vec<(&'a str, &'a Lifecycle)>,
 }
 
 /// The versions of each plan in the facts statement's `plan_versions`, oldest first; `free`

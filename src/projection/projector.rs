@@ -35,8 +35,10 @@ use std::time::{Duration, Instant};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 use super::model::{Changes, ContainerKey, ProjectedEvent};
+use super::notice::Rounds;
 use super::{notice, store};
 use crate::clock::Clock;
 use crate::ledger::{Acknowledged, Committed};
@@ -188,12 +190,14 @@ fn linger_left(linger: Duration, committed_during_round: bool, round_took: Durat
 
 /// Runs until `shutdown`; errors are logged and the round retried, never fatal. `handoff`
 /// holds this instance's commits in memory (see the module comment); without it, every
-/// round reads the ledger.
+/// round reads the ledger. `rounds` is where this instance's admission listener finds
+/// what each round changed.
 pub async fn run(
     pool: PgPool,
     settings: ProjectorSettings,
     freshness: Freshness,
     mut handoff: Option<Committed<ProjectedEvent>>,
+    rounds: Option<Rounds>,
     shutdown: CancellationToken,
 ) {
     let mut head = freshness.head.clone();
@@ -201,7 +205,14 @@ pub async fn run(
         // Commits from here on are the next round's.
         let committed_before = *head.borrow_and_update();
         let round_started = Instant::now();
-        let round = project_once(&pool, settings.batch_max, settings.clock, handoff.as_mut()).await;
+        let round = project_once(
+            &pool,
+            settings.batch_max,
+            settings.clock,
+            handoff.as_mut(),
+            rounds.as_ref(),
+        )
+        .await;
         let linger = linger_left(
             settings.linger,
             head.has_changed().unwrap_or(false),
@@ -281,12 +292,14 @@ async fn wait_for_commits(
 
 /// One round: projects up to `batch_max` events after the checkpoint, in one transaction;
 /// a reservation is consumed when it has not expired by `clock`. The events come from
-/// `handoff` when it holds those that follow the checkpoint, else from the ledger.
+/// `handoff` when it holds those that follow the checkpoint, else from the ledger. What
+/// the round changed is kept in `rounds`, under the tag its notice carries.
 pub async fn project_once(
     pool: &PgPool,
     batch_max: usize,
     clock: Clock,
     mut handoff: Option<&mut Committed<ProjectedEvent>>,
+    rounds: Option<&Rounds>,
 ) -> Result<Round, super::Error> {
     let started = Instant::now();
     let mut transaction = pool.begin().await?;
@@ -323,21 +336,36 @@ pub async fn project_once(
         }
         metrics::counter!(crate::telemetry::PROJECTION_REFOLDS).increment(late.len() as u64);
     }
-    store::write(&mut transaction, store::LIVE, changes.finish(), position).await?;
+    let mut changes = changes.finish();
+    store::write(&mut transaction, store::LIVE, &mut changes, position).await?;
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
     let consumed =
         store::consume_reservations(&mut transaction, &starts(&events), clock.now()).await?;
-    metrics::counter!(crate::telemetry::RESERVATIONS_CONSUMED).increment(consumed);
+    metrics::counter!(crate::telemetry::RESERVATIONS_CONSUMED).increment(consumed.len() as u64);
     // Admission facts kept in memory by every instance drop what this round changed: its
     // orgs, or everything for a plan definition (an event of no container and no account).
+    // This instance's own listener advances them by the round's changes instead, except
+    // for the orgs `reread` names.
     let projected = || events.iter().chain(&voided);
     let plans_changed = projected()
         .any(|event| event.container.is_none() && event.account.is_none() && event.voids.is_none());
+    let tag = rounds.map(|rounds| {
+        let tag = Uuid::new_v4().as_u64_pair().0;
+        let reread = projected()
+            .filter(|event| event.account.is_some() || event.voids.is_some())
+            .map(|event| event.org_id.clone())
+            .chain(voided.iter().map(|event| event.org_id.clone()))
+            .chain(consumed)
+            .collect();
+        rounds.record(tag, notice::RoundChanges { changes, reread });
+        tag
+    });
     let notice = notice::Notice::of_round(
         position,
         projected().map(|event| event.org_id.as_str()),
         plans_changed,
+        tag,
     );
     notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;

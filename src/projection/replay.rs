@@ -81,10 +81,10 @@ async fn build_and_swap(
     let head: i64 = sqlx::query_scalar("SELECT COALESCE(max(position), 0) FROM ledger")
         .fetch_one(&mut *connection)
         .await?;
-    let (changes, events, containers) = changes_up_to(connection, head).await?;
+    let (mut changes, events, containers) = changes_up_to(connection, head).await?;
 
     let mut transaction = connection.begin().await?;
-    store::write(&mut transaction, BUILD, changes, head).await?;
+    store::write(&mut transaction, BUILD, &mut changes, head).await?;
     transaction.commit().await?;
 
     swap(connection, head).await?;
@@ -173,7 +173,7 @@ async fn swap(connection: &mut PgConnection, head: i64) -> Result<(), Error> {
             })?;
     }
     // Admission facts kept in memory were read from the projection swapped out.
-    let notice = super::notice::Notice::of_round(head, [], true);
+    let notice = super::notice::Notice::of_round(head, [], true, None);
     super::notice::notify(&mut *transaction, &notice).await?;
     transaction.commit().await?;
     Ok(())

@@ -592,18 +592,18 @@ pub async fn container_anomalies(
 pub async fn write(
     connection: &mut PgConnection,
     schema: &str,
-    mut changes: Changes,
+    changes: &mut Changes,
     position: i64,
 ) -> Result<(), Error> {
-    write_ports(connection, schema, &mut changes).await?;
-    recount_voided_ports(connection, schema, &mut changes, position).await?;
-    write_containers(connection, schema, &changes).await?;
-    write_anomalies(connection, schema, &changes).await?;
-    write_voids(connection, schema, &changes).await?;
-    write_periods(connection, schema, &changes).await?;
-    write_open(connection, schema, &changes).await?;
-    write_latest(connection, schema, &changes).await?;
-    write_accounts(connection, schema, &changes).await?;
+    write_ports(connection, schema, changes).await?;
+    recount_voided_ports(connection, schema, changes, position).await?;
+    write_containers(connection, schema, changes).await?;
+    write_anomalies(connection, schema, changes).await?;
+    write_voids(connection, schema, changes).await?;
+    write_periods(connection, schema, changes).await?;
+    write_open(connection, schema, changes).await?;
+    write_latest(connection, schema, changes).await?;
+    write_accounts(connection, schema, changes).await?;
     sqlx::query(&format!(
         "UPDATE {schema}.checkpoint SET position = $1, projected_at = now()"
     ))
@@ -1148,14 +1148,14 @@ pub async fn containers_running_since(
 /// Admission's reservations taken up by a projector round: consumes, for each container that a `created` or `resumed` of this projector round
 /// starts, its oldest live reservation (unexpired at `now`) — unless that event consumed one already (it is
 /// projected again after a replay's swap) — and records the event's position on it.
-/// Runs in the round's transaction.
+/// Runs in the round's transaction; returns the org of each reservation consumed.
 pub async fn consume_reservations(
     connection: &mut PgConnection,
     starts: &HashMap<(String, String), (Uuid, i64)>,
     now: DateTime<Utc>,
-) -> sqlx::Result<u64> {
+) -> sqlx::Result<Vec<String>> {
     if starts.is_empty() {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     let mut orgs = Vec::with_capacity(starts.len());
     let mut containers = Vec::with_capacity(starts.len());
@@ -1167,7 +1167,7 @@ pub async fn consume_reservations(
         events.push(*event);
         positions.push(*position);
     }
-    let consumed = sqlx::query(
+    sqlx::query_scalar(
         "UPDATE admission_reservation r \
          SET consumed_at = now(), consumed_by = s.event_id, consumed_position = s.position \
          FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[], $4::BIGINT[]) \
@@ -1178,14 +1178,14 @@ pub async fn consume_reservations(
                          AND x.expires_at > $5 \
                        ORDER BY x.created_at LIMIT 1) \
            AND NOT EXISTS (SELECT 1 FROM admission_reservation c \
-                           WHERE c.consumed_by = s.event_id)",
+                           WHERE c.consumed_by = s.event_id) \
+         RETURNING r.org_id",
     )
     .bind(&orgs)
     .bind(&containers)
     .bind(&events)
     .bind(&positions)
     .bind(now)
-    .execute(connection)
-    .await?;
-    Ok(consumed.rows_affected())
+    .fetch_all(connection)
+    .await
 }

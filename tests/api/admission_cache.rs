@@ -369,3 +369,171 @@ async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_be
     assert_eq!(reasons_now().await, "");
     app.stop().await;
 }
+
+/// A small deterministic generator for the histories below (xorshift64*).
+struct Draws(u64);
+
+impl Draws {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// A container event of a drawn type for `org`, dated between two minutes ahead of `app`'s
+/// now (after the instant facts were read at) and an hour before it (late for a container
+/// with later events, which refolds it).
+fn drawn_event(app: &TestApp, draws: &mut Draws, org: &str) -> Value {
+    let container = format!("c{}", draws.below(5));
+    let seconds_ago = draws.below(3_720) as i64 - 120;
+    let mut event = json!({"id": Uuid::new_v4(), "org_id": org, "container_id": container,
+                           "occurred_at": app.ago(seconds_ago)});
+    let (kind, data) = match draws.below(5) {
+        0 => (
+            "container.created",
+            json!({"name": "task", "image": "python:3.12"}),
+        ),
+        1 => ("container.stopped", json!({"reason": "idle"})),
+        2 => ("container.resumed", Value::Null),
+        3 => (
+            "container.command_ran",
+            json!({"command_id": Uuid::new_v4(), "exit_code": 0, "duration_ms": draws.below(5_000)}),
+        ),
+        _ => (
+            "container.port_published",
+            json!({"port": 8000 + draws.below(3), "url": "https://p.example.com/x"}),
+        ),
+    };
+    event["type"] = json!(kind);
+    if !data.is_null() {
+        event["data"] = data;
+    }
+    event
+}
+
+/// The checks whose facts the test below keeps: one per way facts are keyed (a create
+/// shares its org's facts whatever container it names; a run keeps its container's).
+fn kept_requests(org: &str) -> Vec<(Value, Request)> {
+    let request = |action: Action, name: &str, container: Option<&str>| {
+        let mut body = json!({"org_id": org, "action": name});
+        if let Some(container) = container {
+            body["container_id"] = json!(container);
+        }
+        let request = Request {
+            org_id: OrgId::parse(org).unwrap(),
+            action,
+            container_id: container.map(|c| tally::event::ContainerId::parse(c).unwrap()),
+        };
+        (body, request)
+    };
+    vec![
+        request(Action::Create, "create", Some("c0")),
+        request(Action::Run, "run", Some("c1")),
+        request(Action::PublishPort, "publish_port", Some("c3")),
+    ]
+}
+
+/// Waits until this instance's listener has heard every round up to the projection's head.
+async fn notices_heard(app: &TestApp, what: &str) {
+    let head = projected_to_head(&app.pool, what).await;
+    let cache = app.service.as_ref().unwrap().checker.cache().clone();
+    eventually(5, what, || {
+        let cache = cache.clone();
+        async move { cache.projected() == Some(head) }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_instant_they_were_read()
+{
+    // Histories reach an hour back: mid-period, so that they stay in this period.
+    let app = TestApp::spawn_mid_period().await;
+    for org in ["acme", "other"] {
+        ready_org(&app, org).await;
+    }
+    let cache = app.service.as_ref().unwrap().checker.cache().clone();
+    let seed = 0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id());
+    let mut draws = Draws(seed);
+    let (mut compared, mut rounds_advancing) = (0, 0);
+    for round in 0..40 {
+        // Checked until kept (a read that a notice overtook is not); events dated after
+        // now leave the answers to Postgres, but the facts are kept all the same.
+        for (body, request) in kept_requests("acme") {
+            eventually(5, "the check's facts are kept", || async {
+                check_at(&app, &body).await;
+                cache.kept(&request).is_some()
+            })
+            .await;
+        }
+        let advanced_before = cache.stats().advanced;
+        let count = 1 + draws.below(8);
+        let mut events: Vec<Value> = (0..count)
+            .map(|n| drawn_event(&app, &mut draws, if n % 3 == 2 { "other" } else { "acme" }))
+            .collect();
+        // Now and then an account event, after which acme's facts are read again.
+        let account = draws.below(8) == 0;
+        if account {
+            events.push(
+                json!({"id": Uuid::new_v4(), "type": "org.verification_changed",
+                               "org_id": "acme", "occurred_at": app.ago(30),
+                               "data": {"verified": true}}),
+            );
+        }
+        answered(200, app.post_events(&json!({ "events": events })).await);
+        notices_heard(&app, "the round's notice is heard").await;
+        for (body, request) in kept_requests("acme") {
+            let Some(kept) = cache.kept(&request) else {
+                assert!(account, "seed {seed:#x}, round {round}: {body} dropped");
+                continue;
+            };
+            assert!(
+                !account,
+                "seed {seed:#x}, round {round}: {body} kept past an account event"
+            );
+            let fresh = admission::read_facts(&app.pool, &request, kept.read_at())
+                .await
+                .unwrap();
+            assert_eq!(kept, fresh, "seed {seed:#x}, round {round}: {body}");
+            compared += 1;
+        }
+        rounds_advancing += u64::from(cache.stats().advanced > advanced_before);
+    }
+    assert!(compared >= 60, "{compared} facts compared");
+    assert!(
+        rounds_advancing >= 20,
+        "{rounds_advancing} rounds advanced facts"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn checks_of_an_org_whose_events_keep_coming_are_answered_from_memory_between_its_rounds() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let body = json!({"org_id": "acme", "action": "run", "container_id": "c1"});
+    let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
+                         "container_id": "c1", "occurred_at": ago(60)});
+    answered(200, app.post_events(&created).await);
+    warm(&app, &body).await;
+    for n in 0..10 {
+        let command = json!({"id": Uuid::new_v4(), "type": "container.command_ran",
+                             "org_id": "acme", "container_id": "c1", "occurred_at": ago(50 - n),
+                             "data": {"command_id": format!("cmd-{n}"), "exit_code": 0,
+                                      "duration_ms": 10}});
+        answered(200, app.post_events(&command).await);
+        notices_heard(&app, "the command's round is heard").await;
+        let before = stats(&app);
+        let answer = check_at(&app, &body).await;
+        assert_eq!(answer["allowed"], true, "{answer}");
+        let after = stats(&app);
+        assert_eq!(
+            (after.hits - before.hits, after.misses - before.misses),
+            (1, 0),
+            "check after command {n} answered from memory"
+        );
+    }
+    app.stop().await;
+}

@@ -319,7 +319,7 @@ async fn project_both(
     let mut handed_rounds = Vec::new();
     loop {
         let handoff = handoff.as_deref_mut();
-        let round = project_once(memory, ROUND_EVENTS_MAX, Clock::system(), handoff)
+        let round = project_once(memory, ROUND_EVENTS_MAX, Clock::system(), handoff, None)
             .await
             .unwrap();
         let Round::Projected {
@@ -331,7 +331,7 @@ async fn project_both(
             assert!(matches!(round, Round::CaughtUp { .. }), "{round:?}");
             return handed_rounds;
         };
-        let mirrored = project_once(ledger, events, Clock::system(), None)
+        let mirrored = project_once(ledger, events, Clock::system(), None, None)
             .await
             .unwrap();
         assert_eq!(
@@ -578,6 +578,7 @@ async fn a_running_projector_stopped_by_a_gap_in_memory_reads_the_rest_at_once_n
         settings,
         freshness,
         Some(handoff),
+        None,
         shutdown.clone(),
     ));
     eventually(30, "the projection reaches position 4", || async {
