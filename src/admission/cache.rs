@@ -48,6 +48,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use sqlx::PgPool;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{OrgRound, Prepared, Request};
@@ -156,7 +157,7 @@ impl KeptFacts {
 }
 
 /// The facts of this instance's checks; cheap to clone.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct FactsCache {
     state: Arc<Mutex<State>>,
     stats: Arc<Counters>,
@@ -165,6 +166,9 @@ pub struct FactsCache {
     rounds: Option<Freshness>,
     /// What this instance's projector rounds changed, until their notices are heard.
     committed: Rounds,
+    /// The checkpoint the notices heard have reported, for checks that wait for it; 0
+    /// while not listening.
+    heard: Arc<watch::Sender<i64>>,
 }
 
 #[derive(Default)]
@@ -173,6 +177,18 @@ struct Counters {
     misses: AtomicU64,
     listens: AtomicU64,
     advanced: AtomicU64,
+}
+
+impl Default for FactsCache {
+    fn default() -> FactsCache {
+        FactsCache {
+            state: Arc::default(),
+            stats: Arc::default(),
+            rounds: None,
+            committed: Rounds::default(),
+            heard: Arc::new(watch::Sender::new(0)),
+        }
+    }
 }
 
 impl FactsCache {
@@ -301,6 +317,7 @@ impl FactsCache {
             } else {
                 state.projected.max(position)
             };
+            self.heard.send_replace(state.projected);
         }
     }
 
@@ -317,6 +334,7 @@ impl FactsCache {
         state.drop_all();
         state.listening = true;
         state.projected = projected;
+        self.heard.send_replace(projected);
     }
 
     /// The listener lost its connection: notices may be lost, so nothing kept is trusted.
@@ -324,7 +342,34 @@ impl FactsCache {
     pub fn deaf(&self) -> bool {
         let mut state = self.lock();
         state.drop_all();
-        std::mem::replace(&mut state.listening, false)
+        let was = std::mem::replace(&mut state.listening, false);
+        // Wakes the checks waiting for notices: none will come on this connection.
+        self.heard.send_replace(0);
+        was
+    }
+
+    /// Waits until the notices heard reach `wanted`, calling `hurry` whenever it goes on
+    /// waiting (to end the projector's linger), until `deadline`; `false` when the time is
+    /// up first or the listener is not listening (or stops).
+    pub async fn heard(&self, wanted: i64, deadline: std::time::Instant, hurry: impl Fn()) -> bool {
+        let mut heard = self.heard.subscribe();
+        loop {
+            {
+                let state = self.lock();
+                if !state.listening {
+                    return false;
+                }
+                if state.projected >= wanted {
+                    return true;
+                }
+            }
+            hurry();
+            let deadline = tokio::time::Instant::from_std(deadline);
+            match tokio::time::timeout_at(deadline, heard.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return false,
+            }
+        }
     }
 
     /// Whether the cache answers: its listener has heard a notice on a connection it still

@@ -128,19 +128,25 @@ impl Checker {
         wait: Wait,
     ) -> Result<Answer, AdmissionError> {
         let wanted = wait.wanted(&self.freshness, &request.org_id);
-        if let Some((facts, position)) = self.cache.get(request, wanted) {
-            let now = self.clock.now().trunc_subsecs(3);
-            if facts.serves(now) {
-                if let Some(runtime_used_ms) = facts.runtime_used_ms(now) {
-                    self.cache.count(true);
-                    let answer = facts.answer(request, now, runtime_used_ms)?;
-                    return Ok(Answer { position, ..answer });
-                }
+        let deadline = Instant::now() + wait.within;
+        if let Some(answer) = self.answer_kept(request, wanted)? {
+            return Ok(answer);
+        }
+        // Facts kept that only lack appends not projected yet: the rounds that project
+        // them advance the facts (on the instance that projects them), so wait for their
+        // notices rather than read Postgres, which would wait for the same rounds.
+        if self.cache.kept(request).is_some()
+            && self
+                .cache
+                .heard(wanted, deadline, || self.freshness.hurry())
+                .await
+        {
+            if let Some(answer) = self.answer_kept(request, wanted)? {
+                return Ok(answer);
             }
         }
         self.cache.count(false);
         let ticket = self.cache.ticket(request.org_id.as_str());
-        let deadline = Instant::now() + wait.within;
         loop {
             let read = self.read(request).await?;
             if read.row.projected >= wanted {
@@ -154,6 +160,28 @@ impl Checker {
             wait.catch_up(&self.pool, &self.freshness, wanted, deadline)
                 .await?;
         }
+    }
+
+    /// The answer from the facts kept for `request`, when they reflect `wanted` and serve
+    /// now; counted as a check answered from memory.
+    fn answer_kept(
+        &self,
+        request: &Request,
+        wanted: i64,
+    ) -> Result<Option<Answer>, AdmissionError> {
+        let Some((facts, position)) = self.cache.get(request, wanted) else {
+            return Ok(None);
+        };
+        let now = self.clock.now().trunc_subsecs(3);
+        if !facts.serves(now) {
+            return Ok(None);
+        }
+        let Some(runtime_used_ms) = facts.runtime_used_ms(now) else {
+            return Ok(None);
+        };
+        self.cache.count(true);
+        let answer = facts.answer(request, now, runtime_used_ms)?;
+        Ok(Some(Answer { position, ..answer }))
     }
 
     /// The facts of `request`: read by this caller together with every check waiting when
