@@ -84,7 +84,7 @@ async fn build_and_swap(
     let (changes, events, containers) = changes_up_to(connection, head).await?;
 
     let mut transaction = connection.begin().await?;
-    store::write(&mut transaction, BUILD, changes, head).await?;
+    store::write_fresh(&mut transaction, BUILD, changes, head).await?;
     transaction.commit().await?;
 
     swap(connection, head).await?;
