@@ -43,7 +43,7 @@ use tally::config::Config;
 use tally::event::canonical;
 use tally::projection::model::{Changes, ContainerKey};
 use tally::projection::query;
-use tally::projection::store::{self, EventRow, EVENT_COLUMNS, LIVE};
+use tally::projection::store::{self, EventRow, LIVE, REPLAY_EVENT_COLUMNS};
 use tally::runtime::{ContainerEntry, Period};
 
 use crate::child::{self, Served};
@@ -710,7 +710,7 @@ struct ReplayParts {
 
 impl ReplayParts {
     async fn measure(connection: &mut PgConnection, head: i64) -> anyhow::Result<ReplayParts> {
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM ledger WHERE position <= $1");
+        let sql = format!("SELECT {REPLAY_EVENT_COLUMNS} FROM ledger WHERE position <= $1");
         let started = Instant::now();
         let mut rows = sqlx::query_as::<_, EventRow>(&sql)
             .bind(head)

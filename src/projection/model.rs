@@ -220,9 +220,7 @@ impl Changes {
             ..Changes::default()
         };
         for (key, entries) in histories {
-            for entry in &entries {
-                changes.count(&key, entry);
-            }
+            changes.count_history(&key, &entries);
             let (new, anomalies) = ContainerTimeline::fold(&entries).into_parts();
             changes.containers.insert(
                 key,
@@ -391,6 +389,69 @@ impl Changes {
                 });
             }
             _ => {}
+        }
+    }
+
+    /// What [`Self::count`] adds for every entry of `entries`, added once per org, period
+    /// and pair rather than once per entry (each of which copies the org's id into a map
+    /// key): a replay counts every event of the ledger this way.
+    fn count_history(&mut self, key: &ContainerKey, entries: &[ContainerEntry]) {
+        let Some(latest) = entries.iter().map(|entry| entry.occurred_at).max() else {
+            return;
+        };
+        match self.latest.get_mut(&key.org_id) {
+            Some(at) => *at = (*at).max(latest),
+            None => {
+                self.latest.insert(key.org_id.clone(), latest);
+            }
+        }
+        // A container's events fall in a few periods and publish a few ports: a short
+        // list searched in place beats a map.
+        let mut commands: Vec<(Period, i64, i64)> = Vec::new();
+        let mut ports: Vec<(Period, u16, DateTime<Utc>)> = Vec::new();
+        for entry in entries {
+            let period = Period::containing(entry.occurred_at);
+            match entry.kind {
+                crate::runtime::EntryKind::CommandRan { duration_ms } => {
+                    match commands.iter_mut().find(|(seen, _, _)| *seen == period) {
+                        Some((_, count, ms)) => {
+                            *count += 1;
+                            *ms += duration_ms;
+                        }
+                        None => commands.push((period, 1, duration_ms)),
+                    }
+                }
+                crate::runtime::EntryKind::PortPublished { port } => {
+                    match ports
+                        .iter_mut()
+                        .find(|(seen, number, _)| *seen == period && *number == port)
+                    {
+                        Some((_, _, first)) => *first = (*first).min(entry.occurred_at),
+                        None => ports.push((period, port, entry.occurred_at)),
+                    }
+                }
+                _ => {}
+            }
+        }
+        for (period, count, ms) in commands {
+            let totals = self
+                .periods
+                .entry((key.org_id.clone(), period))
+                .or_default();
+            totals.commands += count;
+            totals.command_ms += ms;
+        }
+        for (period, port, at) in ports {
+            let first = self
+                .ports
+                .entry(PortKey {
+                    org_id: key.org_id.clone(),
+                    period,
+                    container_id: key.container_id.clone(),
+                    port,
+                })
+                .or_insert(at);
+            *first = (*first).min(at);
         }
     }
 

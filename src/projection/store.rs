@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sqlx::{FromRow, PgConnection};
+use sqlx::postgres::PgRow;
+use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use super::model::{
@@ -38,11 +39,28 @@ pub const EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occur
      (data->>'eligible')::BOOLEAN AS eligible, \
      CASE WHEN type = 'ledger.event_voided' THEN (data->>'event_id')::UUID END AS voids";
 
-#[derive(Debug, PartialEq, FromRow)]
+/// [`EVENT_COLUMNS`] for replay's read of the whole ledger: each value is taken out of
+/// `data` only for the event type whose [`EventRow::into_event`] reads it, and is NULL for
+/// the others, which do not read it. So a row costs Postgres at most one JSON look-up
+/// instead of six (each of which copies `data` out of the row first), and gives the same
+/// event. Only a ledger row holding a value Postgres cannot cast under a key its type does
+/// not read would differ: the projector's read would fail on it, replay's not.
+pub const REPLAY_EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
+     recorded_at, \
+     CASE WHEN type = 'container.command_ran' THEN (data->>'duration_ms')::BIGINT END \
+         AS duration_ms, \
+     CASE WHEN type = 'container.port_published' THEN (data->>'port')::INTEGER END AS port, \
+     CASE WHEN type = 'org.plan_changed' THEN data->>'plan' END AS plan, \
+     CASE WHEN type = 'org.verification_changed' THEN (data->>'verified')::BOOLEAN END \
+         AS verified, \
+     CASE WHEN type = 'org.billing_eligibility_changed' THEN (data->>'eligible')::BOOLEAN END \
+         AS eligible, \
+     CASE WHEN type = 'ledger.event_voided' THEN (data->>'event_id')::UUID END AS voids";
+
+#[derive(Debug, PartialEq)]
 pub struct EventRow {
     position: i64,
     id: Uuid,
-    #[sqlx(rename = "type")]
     event_type: String,
     org_id: String,
     container_id: Option<String>,
@@ -54,6 +72,29 @@ pub struct EventRow {
     verified: Option<bool>,
     eligible: Option<bool>,
     voids: Option<Uuid>,
+}
+
+/// By position, in the order of [`EVENT_COLUMNS`] (and [`REPLAY_EVENT_COLUMNS`]), which
+/// every query that reads an [`EventRow`] selects exactly: a replay decodes every row of
+/// the ledger, and finding each column by its name is a hash look-up per value.
+impl<'r> FromRow<'r, PgRow> for EventRow {
+    fn from_row(row: &'r PgRow) -> sqlx::Result<EventRow> {
+        Ok(EventRow {
+            position: row.try_get(0)?,
+            id: row.try_get(1)?,
+            event_type: row.try_get(2)?,
+            org_id: row.try_get(3)?,
+            container_id: row.try_get(4)?,
+            occurred_at: row.try_get(5)?,
+            recorded_at: row.try_get(6)?,
+            duration_ms: row.try_get(7)?,
+            port: row.try_get(8)?,
+            plan: row.try_get(9)?,
+            verified: row.try_get(10)?,
+            eligible: row.try_get(11)?,
+            voids: row.try_get(12)?,
+        })
+    }
 }
 
 impl EventRow {
@@ -587,6 +628,30 @@ pub async fn container_anomalies(
         .collect()
 }
 
+/// How a write reaches a schema's tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// Into tables that may hold rows already (a projector round): each statement merges
+    /// with `ON CONFLICT`, and the indexes are kept up to date row by row.
+    Merge,
+    /// Into the empty tables of a schema that a replay is building, stripped of their
+    /// indexes ([`strip_indexes`]): every key is new (each comes from one map entry or one
+    /// ledger position), so rows are appended as they are, and each index is then built
+    /// once, by a sort, rather than by one B-tree descent per row.
+    Fresh,
+}
+
+impl Load {
+    /// `clause` when merging, nothing when loading fresh tables (which have no index for
+    /// `ON CONFLICT` to find a conflict by, and no row to conflict with).
+    fn merging(self, clause: &str) -> &str {
+        match self {
+            Load::Merge => clause,
+            Load::Fresh => "",
+        }
+    }
+}
+
 /// Writes a finished run of changes into `schema` and moves its checkpoint to `position`.
 /// Call inside the transaction that locked the checkpoint (or, for replay, the only writer).
 pub async fn write(
@@ -595,15 +660,79 @@ pub async fn write(
     changes: &mut Changes,
     position: i64,
 ) -> Result<(), Error> {
-    write_ports(connection, schema, changes).await?;
+    write_ports(connection, schema, changes, Load::Merge).await?;
     recount_voided_ports(connection, schema, changes, position).await?;
-    write_containers(connection, schema, changes).await?;
+    write_containers(connection, schema, changes, Load::Merge).await?;
     write_anomalies(connection, schema, changes).await?;
     write_voids(connection, schema, changes).await?;
-    write_periods(connection, schema, changes).await?;
-    write_open(connection, schema, changes).await?;
-    write_latest(connection, schema, changes).await?;
-    write_accounts(connection, schema, changes).await?;
+    write_rest(connection, schema, changes, Load::Merge).await?;
+    write_checkpoint(connection, schema, position).await
+}
+
+/// The tables [`write_fresh`] loads without their indexes: all that grow with the ledger.
+/// `voided` keeps its primary key: an event voided twice is stored once, by `ON CONFLICT`.
+const FRESH_TABLES: [&str; 7] = [
+    "container",
+    "container_anomaly",
+    "port",
+    "org_period",
+    "org_open",
+    "org",
+    "account_change",
+];
+
+/// Writes a replay's changes ([`Changes::from_histories`]) into `schema`, freshly created
+/// by `tally_create_projection_schema` and empty, and moves its checkpoint to `position`:
+/// the same rows as [`write`], loaded before the indexes are built. The indexes and
+/// primary keys are dropped first and created again afterwards from their own definitions
+/// (so the schema ends as the function made it); creating a primary key also checks that
+/// no key was written twice.
+pub async fn write_fresh(
+    connection: &mut PgConnection,
+    schema: &str,
+    mut changes: Changes,
+    position: i64,
+) -> Result<(), Error> {
+    let indexes = strip_indexes(connection, schema, &FRESH_TABLES).await?;
+    write_ports(connection, schema, &mut changes, Load::Fresh).await?;
+    // Before the periods are written, as in [`write`] (a replay's changes have no voided
+    // ports, so this reads nothing).
+    recount_voided_ports(connection, schema, &mut changes, position).await?;
+    write_containers(connection, schema, &changes, Load::Fresh).await?;
+    let rows: Vec<(&ContainerKey, AnomalyRows)> =
+        changes.anomaly_rows(ANOMALIES_KEPT_MAX).collect();
+    // Nothing is stored to replace or trim: only the rows to insert count.
+    let inserted: Vec<(&ContainerKey, &Anomaly)> = rows
+        .iter()
+        .flat_map(|(key, rows)| rows.insert.iter().map(move |anomaly| (*key, anomaly)))
+        .collect();
+    insert_anomalies(connection, schema, &inserted).await?;
+    write_rest(connection, schema, &changes, Load::Fresh).await?;
+    restore_indexes(connection, &indexes).await?;
+    // `voided` kept its primary key (see [`FRESH_TABLES`]); a replay's changes remove no
+    // container, so the rest of this deletes nothing.
+    write_voids(connection, schema, &changes).await?;
+    write_checkpoint(connection, schema, position).await
+}
+
+/// The per-org tables: period totals, open intervals, latest instants, account changes.
+async fn write_rest(
+    connection: &mut PgConnection,
+    schema: &str,
+    changes: &Changes,
+    load: Load,
+) -> Result<(), Error> {
+    write_periods(connection, schema, changes, load).await?;
+    write_open(connection, schema, changes, load).await?;
+    write_latest(connection, schema, changes, load).await?;
+    write_accounts(connection, schema, changes, load).await
+}
+
+async fn write_checkpoint(
+    connection: &mut PgConnection,
+    schema: &str,
+    position: i64,
+) -> Result<(), Error> {
     sqlx::query(&format!(
         "UPDATE {schema}.checkpoint SET position = $1, projected_at = now()"
     ))
@@ -613,12 +742,83 @@ pub async fn write(
     Ok(())
 }
 
+/// The statements that create the indexes (and primary keys) [`strip_indexes`] dropped.
+#[derive(Debug)]
+struct StrippedIndexes {
+    statements: Vec<String>,
+}
+
+/// Drops every index and primary key of `tables` in `schema`, and returns the statements
+/// that create them again exactly as they were (names, columns, collations, predicates),
+/// read from the catalog rather than repeated here, so that they cannot drift from the
+/// migrations.
+async fn strip_indexes(
+    connection: &mut PgConnection,
+    schema: &str,
+    tables: &[&str],
+) -> Result<StrippedIndexes, Error> {
+    let qualified: Vec<String> = tables
+        .iter()
+        .map(|table| format!("{schema}.{table}"))
+        .collect();
+    // Constraints first (their indexes go with them), then the other indexes.
+    let constraints: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT conrelid::regclass::TEXT, conname::TEXT, pg_get_constraintdef(oid)          FROM pg_constraint          WHERE conrelid = ANY($1::TEXT[]::REGCLASS[]) AND contype IN ('p', 'u', 'x')          ORDER BY conrelid, conname",
+    )
+    .bind(&qualified)
+    .fetch_all(&mut *connection)
+    .await?;
+    let indexes: Vec<(String, String)> = sqlx::query_as(
+        "SELECT indexrelid::regclass::TEXT, pg_get_indexdef(indexrelid) FROM pg_index i          WHERE indrelid = ANY($1::TEXT[]::REGCLASS[])            AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)          ORDER BY indrelid, indexrelid",
+    )
+    .bind(&qualified)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut drops = Vec::new();
+    let mut statements = Vec::new();
+    for (table, name, definition) in &constraints {
+        drops.push(format!("ALTER TABLE {table} DROP CONSTRAINT {name}"));
+        statements.push(format!(
+            "ALTER TABLE {table} ADD CONSTRAINT {name} {definition}"
+        ));
+    }
+    for (index, definition) in &indexes {
+        drops.push(format!("DROP INDEX {index}"));
+        statements.push(definition.clone());
+    }
+    for statement in drops {
+        execute_statement(connection, statement).await?;
+    }
+    Ok(StrippedIndexes { statements })
+}
+
+/// Creates again what [`strip_indexes`] dropped.
+async fn restore_indexes(
+    connection: &mut PgConnection,
+    indexes: &StrippedIndexes,
+) -> Result<(), Error> {
+    for statement in &indexes.statements {
+        execute_statement(connection, statement.clone()).await?;
+    }
+    Ok(())
+}
+
+/// Runs a statement made here, naming it in the error.
+async fn execute_statement(connection: &mut PgConnection, statement: String) -> Result<(), Error> {
+    sqlx::raw_sql(&statement)
+        .execute(&mut *connection)
+        .await
+        .map_err(|source| Error::Statement { statement, source })?;
+    Ok(())
+}
+
 /// Stores each (container, port, period) once with its first instant, and counts the pairs
 /// stored for the first time into their period's totals.
 async fn write_ports(
     connection: &mut PgConnection,
     schema: &str,
     changes: &mut Changes,
+    load: Load,
 ) -> Result<(), Error> {
     let ports: Vec<_> = changes
         .ports
@@ -637,27 +837,48 @@ async fn write_ports(
             .collect();
         let numbers: Vec<i32> = chunk.iter().map(|(key, _)| i32::from(key.port)).collect();
         let firsts: Vec<DateTime<Utc>> = chunk.iter().map(|(_, at)| *at).collect();
-        let stored: Vec<(String, String)> = sqlx::query_as(&format!(
-            "INSERT INTO {schema}.port AS p (org_id, period, container_id, port, first_at) \
-             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::INTEGER[], \
-                                  $5::TIMESTAMPTZ[]) \
-             ON CONFLICT (org_id, period, container_id, port) \
-             DO UPDATE SET first_at = LEAST(p.first_at, EXCLUDED.first_at) \
-             RETURNING org_id, period, (xmax = 0) AS inserted"
-        ))
-        .bind(&orgs)
-        .bind(&periods)
-        .bind(&containers)
-        .bind(&numbers)
-        .bind(&firsts)
-        .fetch_all(&mut *connection)
-        .await
-        .map(|rows: Vec<(String, String, bool)>| {
-            rows.into_iter()
-                .filter(|(_, _, inserted)| *inserted)
-                .map(|(org, period, _)| (org, period))
-                .collect()
-        })?;
+        let stored: Vec<(String, String)> = match load {
+            Load::Merge => sqlx::query_as(&format!(
+                "INSERT INTO {schema}.port AS p (org_id, period, container_id, port, first_at) \
+                 SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::INTEGER[], \
+                                      $5::TIMESTAMPTZ[]) \
+                 ON CONFLICT (org_id, period, container_id, port) \
+                 DO UPDATE SET first_at = LEAST(p.first_at, EXCLUDED.first_at) \
+                 RETURNING org_id, period, (xmax = 0) AS inserted"
+            ))
+            .bind(&orgs)
+            .bind(&periods)
+            .bind(&containers)
+            .bind(&numbers)
+            .bind(&firsts)
+            .fetch_all(&mut *connection)
+            .await
+            .map(|rows: Vec<(String, String, bool)>| {
+                rows.into_iter()
+                    .filter(|(_, _, inserted)| *inserted)
+                    .map(|(org, period, _)| (org, period))
+                    .collect()
+            })?,
+            Load::Fresh => {
+                sqlx::query(&format!(
+                    "INSERT INTO {schema}.port (org_id, period, container_id, port, first_at) \
+                     SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::INTEGER[], \
+                                          $5::TIMESTAMPTZ[])"
+                ))
+                .bind(&orgs)
+                .bind(&periods)
+                .bind(&containers)
+                .bind(&numbers)
+                .bind(&firsts)
+                .execute(&mut *connection)
+                .await?;
+                // Every pair is new (one per map entry): each is stored for the first time.
+                orgs.iter()
+                    .zip(&periods)
+                    .map(|(org, period)| ((*org).to_owned(), period.clone()))
+                    .collect()
+            }
+        };
         for (org_id, period) in stored {
             let period = Period::parse(&period).map_err(|e| Error::corrupt("period", e))?;
             changes
@@ -674,6 +895,7 @@ async fn write_containers(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
+    load: Load,
 ) -> Result<(), Error> {
     let lifecycles: Vec<_> = changes.lifecycles().collect();
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
@@ -705,9 +927,11 @@ async fn write_containers(
                  (org_id, container_id, intervals, anomalies_total, last_at) \
              SELECT o, c, i::JSONB, a, l \
              FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::TIMESTAMPTZ[]) \
-                 AS r(o, c, i, a, l) \
-             ON CONFLICT (container_id, org_id) DO UPDATE SET intervals = EXCLUDED.intervals, \
+                 AS r(o, c, i, a, l) {}",
+            load.merging(
+                "ON CONFLICT (container_id, org_id) DO UPDATE SET intervals = EXCLUDED.intervals, \
                  anomalies_total = EXCLUDED.anomalies_total, last_at = EXCLUDED.last_at"
+            )
         ))
         .bind(&orgs)
         .bind(&ids)
@@ -824,6 +1048,7 @@ async fn write_periods(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
+    load: Load,
 ) -> Result<(), Error> {
     let periods: Vec<(&(String, Period), &PeriodDelta)> = changes
         .periods
@@ -843,12 +1068,14 @@ async fn write_periods(
             "INSERT INTO {schema}.org_period AS t \
                  (org_id, period, closed_runtime_ms, commands, command_ms, ports_published) \
              SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], \
-                                  $5::BIGINT[], $6::BIGINT[]) \
-             ON CONFLICT (org_id, period) DO UPDATE SET \
+                                  $5::BIGINT[], $6::BIGINT[]) {}",
+            load.merging(
+                "ON CONFLICT (org_id, period) DO UPDATE SET \
                  closed_runtime_ms = t.closed_runtime_ms + EXCLUDED.closed_runtime_ms, \
                  commands = t.commands + EXCLUDED.commands, \
                  command_ms = t.command_ms + EXCLUDED.command_ms, \
                  ports_published = t.ports_published + EXCLUDED.ports_published"
+            )
         ))
         .bind(&orgs)
         .bind(&names)
@@ -866,6 +1093,7 @@ async fn write_open(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
+    load: Load,
 ) -> Result<(), Error> {
     let open: Vec<_> = changes
         .open
@@ -885,10 +1113,12 @@ async fn write_open(
             .collect();
         sqlx::query(&format!(
             "INSERT INTO {schema}.org_open AS t (org_id, since_period, running, since_offset_ms) \
-             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[]) \
-             ON CONFLICT (org_id, since_period) DO UPDATE SET \
+             SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[]) {}",
+            load.merging(
+                "ON CONFLICT (org_id, since_period) DO UPDATE SET \
                  running = t.running + EXCLUDED.running, \
                  since_offset_ms = t.since_offset_ms + EXCLUDED.since_offset_ms"
+            )
         ))
         .bind(&orgs)
         .bind(&names)
@@ -904,6 +1134,7 @@ async fn write_latest(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
+    load: Load,
 ) -> Result<(), Error> {
     let latest: Vec<_> = changes.latest.iter().collect();
     for chunk in latest.chunks(WRITE_CHUNK_ROWS) {
@@ -911,8 +1142,11 @@ async fn write_latest(
         let instants: Vec<DateTime<Utc>> = chunk.iter().map(|(_, at)| **at).collect();
         sqlx::query(&format!(
             "INSERT INTO {schema}.org AS t (org_id, latest_at) \
-             SELECT * FROM UNNEST($1::TEXT[], $2::TIMESTAMPTZ[]) \
-             ON CONFLICT (org_id) DO UPDATE SET latest_at = GREATEST(t.latest_at, EXCLUDED.latest_at)"
+             SELECT * FROM UNNEST($1::TEXT[], $2::TIMESTAMPTZ[]) {}",
+            load.merging(
+                "ON CONFLICT (org_id) DO UPDATE SET \
+                 latest_at = GREATEST(t.latest_at, EXCLUDED.latest_at)"
+            )
         ))
         .bind(&orgs)
         .bind(&instants)
@@ -926,6 +1160,7 @@ async fn write_accounts(
     connection: &mut PgConnection,
     schema: &str,
     changes: &Changes,
+    load: Load,
 ) -> Result<(), Error> {
     for chunk in changes.accounts.chunks(WRITE_CHUNK_ROWS) {
         let orgs: Vec<&str> = chunk.iter().map(|(org, _)| org.as_str()).collect();
@@ -953,8 +1188,8 @@ async fn write_accounts(
             "INSERT INTO {schema}.account_change \
                  (org_id, position, occurred_at, event_id, plan, verified, billing_eligible) \
              SELECT * FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::TIMESTAMPTZ[], $4::UUID[], \
-                                  $5::TEXT[], $6::BOOLEAN[], $7::BOOLEAN[]) \
-             ON CONFLICT (org_id, position) DO NOTHING"
+                                  $5::TEXT[], $6::BOOLEAN[], $7::BOOLEAN[]) {}",
+            load.merging("ON CONFLICT (org_id, position) DO NOTHING")
         ))
         .bind(&orgs)
         .bind(&positions)
