@@ -211,6 +211,7 @@ async fn load(
 /// checkpoint for all). A check costs Postgres a dozen index lookups; in a statement of its
 /// own it also costs a round trip, a bind and an executor start-up for each of a dozen
 /// subplans, which cost more than the lookups (see `Checker`).
+// Long: one statement, one snapshot; most of the function is its SQL, a subquery a fact.
 async fn load_facts(
     connection: &mut PgConnection,
     requests: &[&Request],

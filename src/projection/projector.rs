@@ -343,11 +343,32 @@ pub async fn project_once(
     let consumed =
         store::consume_reservations(&mut transaction, &starts(&events), clock.now()).await?;
     metrics::counter!(crate::telemetry::RESERVATIONS_CONSUMED).increment(consumed.len() as u64);
-    // Admission facts kept in memory by every instance drop what this round changed: its
-    // orgs, or everything for a plan definition (an event of no container and no account).
-    // This instance's own listener advances them by the round's changes instead, except
-    // for the orgs `reread` names.
-    let projected = || events.iter().chain(&voided);
+    let notice = round_notice(position, &events, &voided, changes, consumed, rounds);
+    notice::notify(&mut *transaction, &notice).await?;
+    transaction.commit().await?;
+    record_round(events.len(), started, position, recorded_at);
+    Ok(Round::Projected {
+        events: events.len(),
+        position,
+        handed,
+    })
+}
+
+/// The notice of a round that projected `events` and `voided` up to `position`, with
+/// `changes` and reservations of the `consumed` orgs. Admission facts kept in memory by every
+/// instance drop what the round changed: its orgs, or everything for a plan definition (an
+/// event of no container and no account). This instance's own listener advances them by
+/// the round's changes instead, kept in `rounds` under the notice's tag, except for the
+/// orgs of account events, voids and consumed reservations.
+fn round_notice(
+    position: i64,
+    events: &[ProjectedEvent],
+    voided: &[ProjectedEvent],
+    changes: Changes,
+    consumed: Vec<String>,
+    rounds: Option<&Rounds>,
+) -> String {
+    let projected = || events.iter().chain(voided);
     let plans_changed = projected()
         .any(|event| event.container.is_none() && event.account.is_none() && event.voids.is_none());
     let tag = rounds.map(|rounds| {
@@ -361,20 +382,12 @@ pub async fn project_once(
         rounds.record(tag, notice::RoundChanges { changes, reread });
         tag
     });
-    let notice = notice::Notice::of_round(
+    notice::Notice::of_round(
         position,
         projected().map(|event| event.org_id.as_str()),
         plans_changed,
         tag,
-    );
-    notice::notify(&mut *transaction, &notice).await?;
-    transaction.commit().await?;
-    record_round(events.len(), started, position, recorded_at);
-    Ok(Round::Projected {
-        events: events.len(),
-        position,
-        handed,
-    })
+    )
 }
 
 /// The metrics of a round of `events` that began at `started` and reached `position`,

@@ -814,6 +814,8 @@ async fn execute_statement(connection: &mut PgConnection, statement: String) -> 
 
 /// Stores each (container, port, period) once with its first instant, and counts the pairs
 /// stored for the first time into their period's totals.
+// Long: the merge and the fresh load of a chunk bind the same five column arrays; apart,
+// each would build them again.
 async fn write_ports(
     connection: &mut PgConnection,
     schema: &str,
