@@ -434,25 +434,35 @@ impl Changes {
             }
         }
         for (period, count, ms) in commands {
-            let totals = self
-                .periods
-                .entry((key.org_id.clone(), period))
-                .or_default();
-            totals.commands += count;
-            totals.command_ms += ms;
+            self.add_commands(key, period, count, ms);
         }
         for (period, port, at) in ports {
-            let first = self
-                .ports
-                .entry(PortKey {
-                    org_id: key.org_id.clone(),
-                    period,
-                    container_id: key.container_id.clone(),
-                    port,
-                })
-                .or_insert(at);
-            *first = (*first).min(at);
+            self.publish_port(key, period, port, at);
         }
+    }
+
+    /// Adds `count` commands of `ms` in all to the period's totals of `key`'s org.
+    fn add_commands(&mut self, key: &ContainerKey, period: Period, count: i64, ms: i64) {
+        let totals = self
+            .periods
+            .entry((key.org_id.clone(), period))
+            .or_default();
+        totals.commands += count;
+        totals.command_ms += ms;
+    }
+
+    /// Keeps the earliest publication of `port` by `key`'s container in the period.
+    fn publish_port(&mut self, key: &ContainerKey, period: Period, port: u16, at: DateTime<Utc>) {
+        let first = self
+            .ports
+            .entry(PortKey {
+                org_id: key.org_id.clone(),
+                period,
+                container_id: key.container_id.clone(),
+                port,
+            })
+            .or_insert(at);
+        *first = (*first).min(at);
     }
 
     fn count(&mut self, key: &ContainerKey, entry: &ContainerEntry) {
@@ -464,24 +474,10 @@ impl Changes {
         let period = Period::containing(entry.occurred_at);
         match entry.kind {
             crate::runtime::EntryKind::CommandRan { duration_ms } => {
-                let totals = self
-                    .periods
-                    .entry((key.org_id.clone(), period))
-                    .or_default();
-                totals.commands += 1;
-                totals.command_ms += duration_ms;
+                self.add_commands(key, period, 1, duration_ms);
             }
             crate::runtime::EntryKind::PortPublished { port } => {
-                let first = self
-                    .ports
-                    .entry(PortKey {
-                        org_id: key.org_id.clone(),
-                        period,
-                        container_id: key.container_id.clone(),
-                        port,
-                    })
-                    .or_insert(entry.occurred_at);
-                *first = (*first).min(entry.occurred_at);
+                self.publish_port(key, period, port, entry.occurred_at);
             }
             _ => {}
         }
