@@ -91,9 +91,20 @@ fn nats_server_binary() -> PathBuf {
 /// (scripts/test does that first), so that here it is already fresh: a narrower build
 /// (`-p tally`, or without the test targets) unifies dependency features differently and
 /// would compile every dependency a second time.
+///
+/// The build runs without the variables cargo sets for this test process (its package's
+/// `CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, …): build scripts that track one of them (ring's
+/// tracks `CARGO_MANIFEST_DIR`) would see it changed, rebuild, and relink
+/// `target/debug/tally` under the tests of the other lanes that are running it.
 pub fn tally_binary() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    let output = Command::new(cargo)
+    let mut build = Command::new(cargo);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(set_by_cargo_for_crates) {
+            build.env_remove(&name);
+        }
+    }
+    let output = build
         .args(["build", "--quiet", "--workspace", "--all-targets"])
         .args(["--message-format", "json"])
         .stderr(Stdio::inherit())
@@ -113,4 +124,23 @@ pub fn tally_binary() -> PathBuf {
         })
         .find_map(|message| Some(PathBuf::from(message["executable"].as_str()?)))
         .expect("cargo build names the tally executable")
+}
+
+/// Whether cargo sets `name` for the crate it compiles or the test it runs ("Environment
+/// variables Cargo sets for crates"), rather than the user for cargo itself.
+fn set_by_cargo_for_crates(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_BIN_EXE_")
+        || matches!(
+            name,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_TARGET_TMPDIR"
+                | "CARGO_RUSTC_CURRENT_DIR"
+                | "OUT_DIR"
+        )
 }
