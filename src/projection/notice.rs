@@ -107,7 +107,7 @@ pub struct RoundChanges {
 pub struct Rounds(Arc<Mutex<VecDeque<Tagged>>>);
 
 /// A round's changes under its tag.
-type Tagged = (u64, Arc<RoundChanges>);
+type Tagged = (u64, RoundChanges);
 
 impl Rounds {
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Tagged>> {
@@ -122,12 +122,12 @@ impl Rounds {
         if rounds.len() >= ROUNDS_KEPT_MAX {
             rounds.pop_front();
         }
-        rounds.push_back((round, Arc::new(changes)));
+        rounds.push_back((round, changes));
     }
 
     /// The changes of the round tagged `round`, taken out; `None` when this instance did
     /// not project it (or dropped it).
-    pub fn take(&self, round: u64) -> Option<Arc<RoundChanges>> {
+    pub fn take(&self, round: u64) -> Option<RoundChanges> {
         let mut rounds = self.lock();
         let index = rounds.iter().position(|(tag, _)| *tag == round)?;
         rounds.remove(index).map(|(_, changes)| changes)
