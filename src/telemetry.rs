@@ -23,8 +23,8 @@ pub fn init_logs() {
     };
 }
 
-/// Durations of append groups and projection rounds, in seconds: group commits take a few
-/// milliseconds, a round of a large backlog seconds.
+/// Durations of append groups, projection rounds and admission checks' waits for them, in
+/// seconds: group commits take a few milliseconds, a round of a large backlog seconds.
 const LATENCY_BUCKETS_SECONDS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
@@ -182,6 +182,9 @@ families! {
         "Admission checks by where their facts came from: memory (the cache) or postgres.";
     ADMISSION_GROUP_CHECKS = "tally_admission_group_checks", Histogram, Count, ONE, GROUP_BUCKETS_CHECKS,
         "Admission checks answered by one Postgres read.";
+    ADMISSION_WAIT_SECONDS = "tally_admission_wait_seconds", Histogram, Seconds,
+        Series::Labelled(&[&[("for", "notices")], &[("for", "checkpoint")]]), LATENCY_BUCKETS_SECONDS,
+        "Time an admission check waited for the projection to hold its org's acknowledged events (read-your-writes), by what it waited for: the notices of this instance's rounds (facts kept in memory) or the stored checkpoint (facts read from Postgres); checks that did not wait are not counted.";
     ADMISSION_LISTENER_LOSSES = "tally_admission_listener_losses_total", Counter, Count, ONE, NONE,
         "Times the admission cache lost its Postgres notification listener; checks read Postgres until it listens again.";
     RESERVATIONS = "tally_reservations_total", Counter, Count,
@@ -355,8 +358,14 @@ mod tests {
                 .lines()
                 .filter(|line| line.starts_with(&format!("{}_bucket{{", family.name)))
                 .count();
-            // Each bound, and +Inf.
-            assert_eq!(buckets, family.buckets.len() + 1, "{}", family.name);
+            // Each bound, and +Inf, for each series.
+            let series = series(family.series).len();
+            assert_eq!(
+                buckets,
+                (family.buckets.len() + 1) * series,
+                "{}",
+                family.name
+            );
         }
     }
 

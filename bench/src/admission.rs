@@ -807,7 +807,7 @@ async fn measure(
         "checks paced at {rate:.0}/s, {PACED_CLIENTS} clients, open loop"
     ))
     .await?;
-    let figure = figure.with_note(ServedFacts::of(service).await?.since(facts_before));
+    let figure = figure.with_note(ServedFacts::of(service).await?.since(&facts_before));
     let p99_met = figure
         .latency_ms
         .is_some_and(|(_, p99)| p99 <= TARGET_PACED_P99_MS);
@@ -840,7 +840,7 @@ async fn measure(
     let arrived_per_second = streamed as f64 / figure.elapsed.as_secs_f64();
     let during_ingest = Line {
         figure: figure
-            .with_note(ServedFacts::of(service).await?.since(facts_before))
+            .with_note(ServedFacts::of(service).await?.since(&facts_before))
             .with_note(format!(
                 "{streamed} command events posted meanwhile in batches of {STREAM_BATCH_EVENTS}, \
                  each of a running container of a random org"
@@ -1018,7 +1018,7 @@ impl Meter for ChildMeter<'_> {
         elapsed: Duration,
     ) -> anyhow::Result<Vec<String>> {
         let cpu = CpuTime::describe(cpu_before, CpuTime::now(self.0), elapsed);
-        let facts = ServedFacts::of(self.0).await?.since(facts_before);
+        let facts = ServedFacts::of(self.0).await?.since(&facts_before);
         Ok(vec![facts, cpu, format!("load average {}", load_average())])
     }
 }
@@ -1342,11 +1342,72 @@ struct EventPosition {
 }
 
 /// The child's count of admission checks by where their facts came from
-/// (`tally_admission_check_facts_total`), read from its `/metrics`.
-#[derive(Debug, Clone, Copy, Default)]
+/// (`tally_admission_check_facts_total`) and of the checks that waited for the projection
+/// (`tally_admission_wait_seconds`), read from its `/metrics`.
+#[derive(Debug, Clone, Default)]
 struct ServedFacts {
     memory: f64,
     all: f64,
+    /// Waits for this instance's round notices.
+    notices: Waits,
+    /// Waits for the stored checkpoint.
+    checkpoint: Waits,
+}
+
+/// One series of `tally_admission_wait_seconds`: how many waited, for how long in all, and
+/// its cumulative buckets by upper bound.
+#[derive(Debug, Clone, Default)]
+struct Waits {
+    count: f64,
+    seconds: f64,
+    buckets: Vec<(f64, f64)>,
+}
+
+impl Waits {
+    /// Takes one line of the series (`_bucket{…le="…"} n`, `_sum{…} s`, `_count{…} n`).
+    fn take(&mut self, line: &str) {
+        let Some((name_labels, value)) = line.rsplit_once(' ') else {
+            return;
+        };
+        let value: f64 = value.trim().parse().unwrap_or(0.0);
+        if name_labels.starts_with("tally_admission_wait_seconds_count") {
+            self.count = value;
+        } else if name_labels.starts_with("tally_admission_wait_seconds_sum") {
+            self.seconds = value;
+        } else if let Some((_, le)) = name_labels.split_once("le=\"") {
+            let le = le.trim_end_matches("\"}");
+            if let Ok(bound) = le.parse::<f64>() {
+                self.buckets.push((bound, value));
+            }
+        }
+    }
+
+    /// The waits since `before`: how many, their mean, and the smallest bucket bound that
+    /// holds 99 % of them.
+    fn since(&self, before: &Waits, what: &str) -> String {
+        let count = self.count - before.count;
+        if count < 1.0 {
+            return format!("no check waited for {what}");
+        }
+        let mean_ms = (self.seconds - before.seconds) * 1000.0 / count;
+        let p99_bound = self
+            .buckets
+            .iter()
+            .map(|(bound, cumulative)| {
+                let earlier = before
+                    .buckets
+                    .iter()
+                    .find(|(b, _)| b == bound)
+                    .map_or(0.0, |(_, c)| *c);
+                (*bound, cumulative - earlier)
+            })
+            .find(|(_, within)| *within >= count * 0.99)
+            .map_or_else(
+                || "more".to_owned(),
+                |(bound, _)| format!("≤ {} ms", bound * 1000.0),
+            );
+        format!("{count:.0} checks waited for {what}, {mean_ms:.1} ms on average, 99 % {p99_bound}")
+    }
 }
 
 impl ServedFacts {
@@ -1354,6 +1415,14 @@ impl ServedFacts {
         let text = service.metrics().await?;
         let mut facts = ServedFacts::default();
         for line in text.lines() {
+            if line.starts_with("tally_admission_wait_seconds") {
+                if line.contains("for=\"notices\"") {
+                    facts.notices.take(line);
+                } else if line.contains("for=\"checkpoint\"") {
+                    facts.checkpoint.take(line);
+                }
+                continue;
+            }
             let Some(rest) = line.strip_prefix("tally_admission_check_facts_total{") else {
                 continue;
             };
@@ -1369,12 +1438,15 @@ impl ServedFacts {
         Ok(facts)
     }
 
-    /// Which of the checks since `before` were answered from facts kept in memory.
-    fn since(self, before: ServedFacts) -> String {
+    /// Which of the checks since `before` were answered from facts kept in memory, and how
+    /// many waited for the projection.
+    fn since(&self, before: &ServedFacts) -> String {
         let (hits, all) = (self.memory - before.memory, self.all - before.all);
         format!(
-            "facts from memory for {:.1} % ({hits:.0} of {all:.0})",
-            hits * 100.0 / all.max(1.0)
+            "facts from memory for {:.1} % ({hits:.0} of {all:.0}); {}; {}",
+            hits * 100.0 / all.max(1.0),
+            self.notices.since(&before.notices, "round notices"),
+            self.checkpoint.since(&before.checkpoint, "the checkpoint"),
         )
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! A check's facts come from the projection and the reservations, and most checks ask
 //! about orgs none of whose figures moved since the last check: the same statement, the
-//! same rows. So each instance keeps the facts it read, per org (and container asked
-//! about), parsed, and answers from them at the instant of each later check. They are
+//! same rows. So each instance keeps the facts it read, per org (and, for an org with
+//! more containers than facts hold, per container asked about), parsed, and answers from
+//! them at the instant of each later check. They are
 //! dropped when Postgres says they may be out of date:
 //!
 //! - Every projector round, in its own transaction, sends a notice (`NOTIFY`, delivered
@@ -37,7 +38,6 @@
 //! themselves never read the cache: they are granted under the org's lock from a fresh
 //! snapshot.
 
-use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -59,8 +59,9 @@ use crate::projection::Freshness;
 
 /// Orgs with facts kept, or with a read in flight; past it, everything is dropped.
 pub const ORGS_MAX: usize = 100_000;
-/// Facts kept at most (an org has one for each container asked about); past it, reads
-/// are answered but not kept until notices make room.
+/// Facts kept at most, each counting one plus the containers it holds (an org with
+/// facts that hold all its containers has one; a larger org one for each container asked
+/// about); past it, reads are answered but not kept until notices make room.
 pub const ENTRIES_MAX: usize = 200_000;
 /// The application name of the listener's connection, so that operators can tell it apart.
 pub const LISTENER_APPLICATION_NAME: &str = "tally admission listener";
@@ -154,6 +155,12 @@ impl KeptFacts {
     pub fn projected(&self) -> i64 {
         self.0.projected
     }
+
+    /// Whether they hold every container of the org (see
+    /// [`super::ORG_CONTAINERS_KEPT_MAX`]), and so answer a check naming any of them.
+    pub fn whole(&self) -> bool {
+        self.0.whole()
+    }
 }
 
 /// The facts of this instance's checks; cheap to clone.
@@ -208,11 +215,11 @@ impl FactsCache {
         if !state.listening {
             return None;
         }
-        let key = key(request)?;
         let facts = state
             .orgs
             .get(request.org_id.as_str())
-            .and_then(|slot| slot.facts.get(&key).cloned())?;
+            .and_then(|slot| kept_for(slot, request))
+            .cloned()?;
         let position = state.projected.max(facts.projected);
         (position >= wanted).then_some((facts, position))
     }
@@ -251,28 +258,28 @@ impl FactsCache {
         if !state.listening || state.generation != ticket.generation {
             return false;
         }
-        let full = state.entries >= ENTRIES_MAX;
+        let (entries, added) = (state.entries, weight(&facts));
         let Some(slot) = state.orgs.get_mut(request.org_id.as_str()) else {
             return false;
         };
         if slot.generation != ticket.org_generation {
             return false;
         }
-        let Some(key) = key(request) else {
-            return false;
+        // Facts that hold every container of the org answer for any of them.
+        let key = match facts.whole() {
+            true => None,
+            false => match key(request) {
+                Some(key) => key,
+                None => return false,
+            },
         };
-        match slot.facts.entry(key) {
-            Entry::Occupied(mut kept) => {
-                kept.insert(facts);
-                true
-            }
-            Entry::Vacant(_) if full => false,
-            Entry::Vacant(vacant) => {
-                vacant.insert(facts);
-                state.entries += 1;
-                true
-            }
+        let replaced = slot.facts.get(&key).map_or(0, |kept| weight(kept));
+        if entries - replaced + added > ENTRIES_MAX {
+            return false;
         }
+        slot.facts.insert(key, facts);
+        state.entries = entries - replaced + added;
+        true
     }
 
     /// A cache whose listener also tells `freshness` of every projector round it hears.
@@ -353,23 +360,29 @@ impl FactsCache {
     /// up first or the listener is not listening (or stops).
     pub async fn heard(&self, wanted: i64, deadline: std::time::Instant, hurry: impl Fn()) -> bool {
         let mut heard = self.heard.subscribe();
-        loop {
+        let mut waiting = None;
+        let reached = loop {
             {
                 let state = self.lock();
                 if !state.listening {
-                    return false;
+                    break false;
                 }
                 if state.projected >= wanted {
-                    return true;
+                    break true;
                 }
             }
+            waiting.get_or_insert_with(std::time::Instant::now);
             hurry();
             let deadline = tokio::time::Instant::from_std(deadline);
             match tokio::time::timeout_at(deadline, heard.changed()).await {
                 Ok(Ok(())) => {}
-                Ok(Err(_)) | Err(_) => return false,
+                Ok(Err(_)) | Err(_) => break false,
             }
+        };
+        if let Some(since) = waiting {
+            record_wait(WAITED_FOR_NOTICES, since);
         }
+        reached
     }
 
     /// Whether the cache answers: its listener has heard a notice on a connection it still
@@ -381,11 +394,7 @@ impl FactsCache {
     /// The facts kept for `request`, whatever position they reflect.
     pub fn kept(&self, request: &Request) -> Option<KeptFacts> {
         let state = self.lock();
-        let facts = state
-            .orgs
-            .get(request.org_id.as_str())?
-            .facts
-            .get(&key(request)?)?;
+        let facts = kept_for(state.orgs.get(request.org_id.as_str())?, request)?;
         Some(KeptFacts(Arc::clone(facts)))
     }
 
@@ -395,7 +404,7 @@ impl FactsCache {
         state.listening.then_some(state.projected)
     }
 
-    /// Facts kept now.
+    /// Facts kept now, as counted against [`ENTRIES_MAX`].
     pub fn len(&self) -> usize {
         self.lock().entries
     }
@@ -414,6 +423,19 @@ impl FactsCache {
     }
 }
 
+/// What a check waited for, as `tally_admission_wait_seconds` labels it: the notices of
+/// this instance's rounds (its facts kept in memory) or the stored checkpoint (before
+/// reading them from Postgres).
+pub(crate) const WAITED_FOR_NOTICES: &str = "notices";
+pub(crate) const WAITED_FOR_CHECKPOINT: &str = "checkpoint";
+
+/// Records how long a check waited, since `since`, for the projection to hold its org's
+/// acknowledged events.
+pub(crate) fn record_wait(waited_for: &'static str, since: std::time::Instant) {
+    metrics::histogram!(crate::telemetry::ADMISSION_WAIT_SECONDS, "for" => waited_for)
+        .record(since.elapsed());
+}
+
 /// Which of an org's kept facts answer a request: the container counts only for the
 /// actions that need it running (a `create` names a container that does not exist yet;
 /// neither it nor a `resume` asks whether the container runs). `None`: nothing kept
@@ -423,6 +445,22 @@ fn key(request: &Request) -> Option<Option<ContainerId>> {
         return Some(None);
     }
     request.container_id.clone().map(Some)
+}
+
+/// The facts of `slot` that answer `request`: those kept under its key, or for a check
+/// naming a container, the org's facts when they hold every container.
+fn kept_for<'a>(slot: &'a Slot, request: &Request) -> Option<&'a Arc<Prepared>> {
+    let key = key(request)?;
+    slot.facts.get(&key).or_else(|| match key {
+        Some(_) => slot.facts.get(&None).filter(|facts| facts.whole()),
+        None => None,
+    })
+}
+
+/// What one kept fact counts against [`ENTRIES_MAX`]: one, and one for each container it
+/// holds.
+fn weight(facts: &Prepared) -> usize {
+    1 + facts.containers_kept()
 }
 
 /// Advances the kept facts of `orgs` by `round`, which reached `position`; drops those of
@@ -492,22 +530,32 @@ fn advance_org(state: &mut State, org: &str, change: &OrgRound<'_>) -> bool {
         return false;
     };
     let mut facts = HashMap::with_capacity(slot.facts.len());
+    let (mut before, mut after) = (0, 0);
     for (key, kept) in &slot.facts {
         let Some(next) = kept.advanced(change) else {
             return false;
         };
+        before += weight(kept);
+        after += weight(&next);
         facts.insert(key.clone(), Arc::new(next));
     }
     // Reads begun before the round are not kept: they may not include it.
     slot.generation += 1;
     slot.facts = facts;
+    // A round adds containers to facts that hold them all; past the limit they are kept
+    // all the same until notices make room, as a bound on what one round adds.
+    state.entries = state.entries - before + after;
     true
 }
 
 fn forget_org(state: &mut State, org: &str) {
     if let Some(slot) = state.orgs.get_mut(org) {
         slot.generation += 1;
-        state.entries -= slot.facts.len();
+        state.entries -= slot
+            .facts
+            .values()
+            .map(|facts| weight(facts))
+            .sum::<usize>();
         slot.facts.clear();
     }
 }
@@ -649,9 +697,12 @@ mod tests {
     use crate::event::OrgId;
     use std::collections::BTreeMap;
 
-    use crate::projection::model::{Changes, PeriodDelta};
+    use crate::admission::ORG_CONTAINERS_KEPT_MAX;
+    use crate::event::EventId;
+    use crate::projection::model::{Changes, PeriodDelta, ProjectedEvent};
     use crate::projection::notice::NOTICE_BYTES_MAX;
     use crate::runtime::{AccountTimeline, Period, PeriodTotals};
+    use crate::runtime::{ContainerEntry, EntryKind, Interval, Lifecycle};
 
     /// A `run` (whose container counts) of `container`, or a `create` without one.
     fn request(org: &str, container: Option<&str>) -> Request {
@@ -678,6 +729,7 @@ mod tests {
             totals: PeriodTotals::default(),
             open: Vec::new(),
             future: BTreeMap::new(),
+            containers: None,
             target_id: None,
             target: None,
             reservation_expiries: Vec::new(),
@@ -738,6 +790,99 @@ mod tests {
     fn read(cache: &FactsCache, request: &Request) -> bool {
         let ticket = cache.ticket(request.org_id.as_str()).expect("listening");
         cache.keep(ticket, request, facts())
+    }
+
+    /// Facts that hold every container of their org: `containers`, running since an hour
+    /// before they were read.
+    fn whole_facts(containers: &[&str]) -> Arc<Prepared> {
+        let since = read_at() - chrono::Duration::hours(1);
+        let running = || Lifecycle::restore(vec![Interval::new(since, None)], 0, None);
+        let mut facts = (*facts()).clone();
+        facts.containers = Some(
+            containers
+                .iter()
+                .map(|container| (container.to_string(), running()))
+                .collect(),
+        );
+        Arc::new(facts)
+    }
+
+    #[test]
+    fn facts_that_hold_every_container_of_their_org_answer_checks_naming_any_of_them() {
+        let cache = listening_cache(10);
+        let (c1, c2) = (request("acme", Some("c1")), request("acme", Some("c2")));
+        let ticket = cache.ticket("acme").unwrap();
+        assert!(cache.keep(ticket, &c1, whole_facts(&["c1", "c2"])));
+        assert_eq!(cache.len(), 3, "the facts and their two containers");
+        for request in [
+            &c1,
+            &c2,
+            &request("acme", Some("c7")),
+            &request("acme", None),
+        ] {
+            assert!(cache.get(request, 10).is_some(), "{request:?}");
+        }
+        // The container a check names is looked up among them: one they do not hold does
+        // not exist, so it does not run.
+        let now = read_at() + chrono::Duration::minutes(1);
+        let (whole, _) = cache.get(&request("acme", Some("c7")), 10).unwrap();
+        assert!(whole.target_of(&c2).is_some_and(|c| c.running_at(now)));
+        assert!(whole.target_of(&request("acme", Some("c7"))).is_none());
+
+        // Facts of a larger org answer only the container they were read for.
+        let ticket = cache.ticket("big").unwrap();
+        let big = request("big", Some("c1"));
+        assert!(cache.keep(ticket, &big, facts()));
+        assert!(cache.get(&big, 10).is_some());
+        assert!(cache.get(&request("big", Some("c2")), 10).is_none());
+        cache.forget("acme");
+        assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn a_round_that_takes_an_org_past_the_containers_kept_with_its_facts_drops_them() {
+        let cache = listening_cache(10);
+        let names: Vec<String> = (0..ORG_CONTAINERS_KEPT_MAX)
+            .map(|n| format!("c{n}"))
+            .collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let acme = request("acme", None);
+        let ticket = cache.ticket("acme").unwrap();
+        assert!(cache.keep(ticket, &acme, whole_facts(&names)));
+        assert_eq!(cache.len(), 1 + ORG_CONTAINERS_KEPT_MAX);
+
+        // A round with one event: `container` created just after the facts were read.
+        let round = |tag: u64, position: i64, container: &str| {
+            let created = ContainerEntry {
+                occurred_at: read_at() + chrono::Duration::seconds(1),
+                position,
+                event_id: EventId::from_uuid(uuid::Uuid::new_v4()).unwrap(),
+                kind: EntryKind::Created,
+            };
+            let event = ProjectedEvent {
+                position,
+                recorded_at: read_at(),
+                org_id: "acme".to_owned(),
+                container: Some((container.to_owned(), created)),
+                account: None,
+                voids: None,
+            };
+            let changes = Changes::apply(&[event], &[], HashMap::new()).finish();
+            let reread = HashSet::new();
+            cache.rounds().record(tag, RoundChanges { changes, reread });
+            Notice {
+                round: Some(tag),
+                ..notice(Some(position), &["acme"], false)
+            }
+        };
+        // A round touching a container the facts hold keeps them whole.
+        cache.apply(&round(1, 11, "c0"));
+        assert!(cache.kept(&acme).is_some_and(|kept| kept.whole()));
+        assert_eq!(cache.len(), 1 + ORG_CONTAINERS_KEPT_MAX);
+        // One more container is one past the limit: read again.
+        cache.apply(&round(2, 12, "new"));
+        assert!(cache.kept(&acme).is_none());
+        assert_eq!(cache.len(), 0);
     }
 
     #[test]

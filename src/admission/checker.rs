@@ -25,7 +25,7 @@ use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
-use super::cache::FactsCache;
+use super::cache::{record_wait, FactsCache, WAITED_FOR_CHECKPOINT};
 use super::{
     answer_from, load_facts, AdmissionError, Answer, FactsRow, Prepared, Reader, Request, Wait,
 };
@@ -157,8 +157,12 @@ impl Checker {
                 let reader = Reader::Pool(&self.pool);
                 return answer_from(reader, request, &facts, read.now).await;
             }
-            wait.catch_up(&self.pool, &self.freshness, wanted, deadline)
-                .await?;
+            let waiting = Instant::now();
+            let caught_up = wait
+                .catch_up(&self.pool, &self.freshness, wanted, deadline)
+                .await;
+            record_wait(WAITED_FOR_CHECKPOINT, waiting);
+            caught_up?;
         }
     }
 

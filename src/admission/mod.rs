@@ -175,6 +175,10 @@ struct FactsRow {
     future_containers: Vec<String>,
     future_intervals: Vec<String>,
     target_intervals: Option<String>,
+    /// Every container of the org and its intervals, in the same order, up to one more
+    /// than [`ORG_CONTAINERS_KEPT_MAX`]: all of them when there are no more than that.
+    org_containers: Vec<String>,
+    org_intervals: Vec<String>,
     /// When each live reservation of the org expires; those past `now` do not count.
     reservation_expiries: Vec<DateTime<Utc>>,
     /// Reservations consumed by an event past the checkpoint (see [`Prepared`]).
@@ -219,6 +223,8 @@ async fn load_facts(
 ) -> Result<Vec<FactsRow>, AdmissionError> {
     let period = Period::containing(now);
     let live = store::LIVE;
+    // One more than are kept, to tell an org with more apart.
+    let whole = ORG_CONTAINERS_KEPT_MAX + 1;
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
     let containers: Vec<Option<&str>> = requests
         .iter()
@@ -247,6 +253,10 @@ async fn load_facts(
                       AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
                       WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
+                ARRAY(SELECT container_id FROM {live}.container WHERE org_id = r.org \
+                      ORDER BY container_id COLLATE \"C\" LIMIT {whole}) AS org_containers, \
+                ARRAY(SELECT intervals::TEXT FROM {live}.container WHERE org_id = r.org \
+                      ORDER BY container_id COLLATE \"C\" LIMIT {whole}) AS org_intervals, \
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
                         AND expires_at > $3 ORDER BY expires_at) AS reservation_expiries, \
@@ -340,6 +350,11 @@ async fn answer_from(
 /// each answer walk them all.
 pub const FUTURE_CONTAINERS_MAX: usize = 256;
 
+/// Containers an org may have for its facts to hold every one of them, so that they answer
+/// a check naming any of its containers; an org with more keeps facts per container asked
+/// about.
+pub const ORG_CONTAINERS_KEPT_MAX: usize = 32;
+
 /// One check's facts as read at `read_at`, parsed: all a decision needs at that instant or
 /// any later one of the same period, for as long as nothing of the org changes in the
 /// projection or its reservations, or for as long as the projector's rounds that change it
@@ -361,8 +376,13 @@ pub(crate) struct Prepared {
     /// that later instant changes nothing (running at it exactly when its interval is
     /// open), so the list read at `read_at` serves every later instant.
     future: BTreeMap<String, Lifecycle>,
-    /// The container the request that read the facts named, and its lifecycle when it
-    /// exists.
+    /// Every container of the org by id, as stored, when it has at most
+    /// [`ORG_CONTAINERS_KEPT_MAX`]: then the facts answer a check naming any container of
+    /// the org (one not among them does not exist), and `target_id` and `target` are
+    /// `None`.
+    containers: Option<BTreeMap<String, Lifecycle>>,
+    /// Of an org with more containers: the container the request that read the facts
+    /// named, and its lifecycle when it exists.
     target_id: Option<ContainerId>,
     target: Option<Lifecycle>,
     reservation_expiries: Vec<DateTime<Utc>>,
@@ -386,6 +406,16 @@ impl Prepared {
             Some(json) => AccountTimeline::fold(&account_entries(json)?),
             None => AccountTimeline::fold(&[]),
         };
+        let containers = (row.org_containers.len() <= ORG_CONTAINERS_KEPT_MAX)
+            .then(|| {
+                row.org_containers
+                    .iter()
+                    .zip(&row.org_intervals)
+                    .map(|(container, intervals)| Ok((container.clone(), lifecycle_of(intervals)?)))
+                    .collect::<Result<BTreeMap<_, _>, AdmissionError>>()
+            })
+            .transpose()?;
+        let whole = containers.is_some();
         Ok(Prepared {
             projected: row.projected,
             read_at,
@@ -406,12 +436,16 @@ impl Prepared {
                 .zip(&row.future_intervals)
                 .map(|(container, intervals)| Ok((container, lifecycle_of(intervals)?)))
                 .collect::<Result<_, AdmissionError>>()?,
-            target_id: request.container_id.clone(),
-            target: row
-                .target_intervals
-                .as_deref()
-                .map(lifecycle_of)
-                .transpose()?,
+            containers,
+            target_id: request.container_id.clone().filter(|_| !whole),
+            target: match whole {
+                true => None,
+                false => row
+                    .target_intervals
+                    .as_deref()
+                    .map(lifecycle_of)
+                    .transpose()?,
+            },
             reservation_expiries: row.reservation_expiries,
             consumed_unprojected: u64::try_from(row.consumed_unprojected)
                 .map_err(|e| AdmissionError::corrupt("consumed_unprojected", e))?,
@@ -479,18 +513,54 @@ impl Prepared {
             }
         }
         for (container, lifecycle) in &round.containers {
-            // As the projection stores it, and a read restores it.
-            let stored = Lifecycle::restore(lifecycle.intervals().to_vec(), 0, None);
-            if next.target_id.as_ref().map(ContainerId::as_str) == Some(*container) {
-                next.target = Some(stored.clone());
-            }
-            if lifecycle.last_at() > Some(self.read_at) {
-                next.future.insert((*container).to_owned(), stored);
-            } else {
-                next.future.remove(*container);
-            }
+            next.put_container(container, lifecycle);
         }
-        (next.future.len() <= FUTURE_CONTAINERS_MAX).then_some(next)
+        let whole_fits = next
+            .containers
+            .as_ref()
+            .is_none_or(|containers| containers.len() <= ORG_CONTAINERS_KEPT_MAX);
+        (next.future.len() <= FUTURE_CONTAINERS_MAX && whole_fits).then_some(next)
+    }
+
+    /// Puts `container`, as a round left it, where the facts hold it: among every container
+    /// of the org, as the request's container, among those with events after `read_at`.
+    fn put_container(&mut self, container: &str, lifecycle: &Lifecycle) {
+        // As the projection stores it, and a read restores it.
+        let stored = Lifecycle::restore(lifecycle.intervals().to_vec(), 0, None);
+        if let Some(containers) = &mut self.containers {
+            containers.insert(container.to_owned(), stored.clone());
+        }
+        if self.target_id.as_ref().map(ContainerId::as_str) == Some(container) {
+            self.target = Some(stored.clone());
+        }
+        if lifecycle.last_at() > Some(self.read_at) {
+            self.future.insert(container.to_owned(), stored);
+        } else {
+            self.future.remove(container);
+        }
+    }
+
+    /// Whether these facts hold every container of the org, and so answer a check naming
+    /// any of them.
+    pub(crate) fn whole(&self) -> bool {
+        self.containers.is_some()
+    }
+
+    /// Containers kept with the facts beside the org's own, as the cache counts its
+    /// entries.
+    pub(crate) fn containers_kept(&self) -> usize {
+        self.containers.as_ref().map_or(0, BTreeMap::len)
+    }
+
+    /// The lifecycle of the container `request` names: from every container of the org
+    /// when the facts hold them, else the one the reading request named (the cache keeps
+    /// such facts under that container only).
+    fn target_of(&self, request: &Request) -> Option<&Lifecycle> {
+        match (&self.containers, &request.container_id) {
+            (Some(containers), Some(id)) => containers.get(id.as_str()),
+            (Some(_), None) => None,
+            (None, _) => self.target.as_ref(),
+        }
     }
 
     /// Whether these facts answer for `now`: not before they were read, same period.
@@ -521,8 +591,7 @@ impl Prepared {
         let running_containers = u64::try_from(running)
             .map_err(|e| AdmissionError::corrupt("running containers below zero", e))?;
         let container_running = self
-            .target
-            .as_ref()
+            .target_of(request)
             .is_some_and(|lifecycle| lifecycle.running_at(now));
         let account = self.account.state_at(now);
         let versions = self

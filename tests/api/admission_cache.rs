@@ -413,8 +413,9 @@ fn drawn_event(app: &TestApp, draws: &mut Draws, org: &str) -> Value {
     event
 }
 
-/// The checks whose facts the test below keeps: one per way facts are keyed (a create
-/// shares its org's facts whatever container it names; a run keeps its container's).
+/// The checks whose facts the test below keeps: one per way facts are keyed. Of an org
+/// with few containers, the facts hold them all and answer every check; of a larger one, a
+/// create shares its org's facts whatever container it names, a run keeps its container's.
 fn kept_requests(org: &str) -> Vec<(Value, Request)> {
     let request = |action: Action, name: &str, container: Option<&str>| {
         let mut body = json!({"org_id": org, "action": name});
@@ -451,9 +452,17 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
 {
     // Histories reach an hour back: mid-period, so that they stay in this period.
     let app = TestApp::spawn_mid_period().await;
-    for org in ["acme", "other"] {
+    for org in ["acme", "other", "crowded"] {
         ready_org(&app, org).await;
     }
+    // More containers than facts hold, so that crowded's are kept per container asked about.
+    let crowded: Vec<Value> = (0..=admission::ORG_CONTAINERS_KEPT_MAX)
+        .map(|n| {
+            json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "crowded",
+                   "container_id": format!("c{n}"), "occurred_at": app.ago(5_400)})
+        })
+        .collect();
+    answered(200, app.post_events(&json!({ "events": crowded })).await);
     let cache = app.service.as_ref().unwrap().checker.cache().clone();
     let seed = 0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id());
     let mut draws = Draws(seed);
@@ -461,17 +470,26 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
     for round in 0..40 {
         // Checked until kept (a read that a notice overtook is not); events dated after
         // now leave the answers to Postgres, but the facts are kept all the same.
-        for (body, request) in kept_requests("acme") {
+        let requests: Vec<(Value, Request)> = ["acme", "crowded"]
+            .into_iter()
+            .flat_map(kept_requests)
+            .collect();
+        for (body, request) in &requests {
             eventually(5, "the check's facts are kept", || async {
-                check_at(&app, &body).await;
-                cache.kept(&request).is_some()
+                check_at(&app, body).await;
+                cache.kept(request).is_some()
             })
             .await;
         }
         let advanced_before = cache.stats().advanced;
-        let count = 1 + draws.below(8);
+        // Each round has events of both orgs whose facts are kept, so that it advances
+        // both (facts it does not touch stay at their own checkpoint).
+        let count = 2 + draws.below(8);
         let mut events: Vec<Value> = (0..count)
-            .map(|n| drawn_event(&app, &mut draws, if n % 3 == 2 { "other" } else { "acme" }))
+            .map(|n| {
+                let org = ["acme", "crowded", "other", "acme"][n as usize % 4];
+                drawn_event(&app, &mut draws, org)
+            })
             .collect();
         // Now and then an account event, after which acme's facts are read again.
         let account = draws.below(8) == 0;
@@ -484,16 +502,21 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
         }
         answered(200, app.post_events(&json!({ "events": events })).await);
         notices_heard(&app, "the round's notice is heard").await;
-        for (body, request) in kept_requests("acme") {
-            let Some(kept) = cache.kept(&request) else {
-                assert!(account, "seed {seed:#x}, round {round}: {body} dropped");
+        for (body, request) in &requests {
+            let acme = request.org_id.as_str() == "acme";
+            let Some(kept) = cache.kept(request) else {
+                assert!(
+                    account && acme,
+                    "seed {seed:#x}, round {round}: {body} dropped"
+                );
                 continue;
             };
             assert!(
-                !account,
+                !(account && acme),
                 "seed {seed:#x}, round {round}: {body} kept past an account event"
             );
-            let fresh = admission::read_facts(&app.pool, &request, kept.read_at())
+            assert_eq!(kept.whole(), acme, "seed {seed:#x}, round {round}: {body}");
+            let fresh = admission::read_facts(&app.pool, request, kept.read_at())
                 .await
                 .unwrap();
             assert_eq!(kept, fresh, "seed {seed:#x}, round {round}: {body}");
@@ -501,7 +524,7 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
         }
         rounds_advancing += u64::from(cache.stats().advanced > advanced_before);
     }
-    assert!(compared >= 60, "{compared} facts compared");
+    assert!(compared >= 150, "{compared} facts compared");
     assert!(
         rounds_advancing >= 20,
         "{rounds_advancing} rounds advanced facts"
@@ -532,6 +555,46 @@ async fn checks_right_after_this_instances_own_events_are_answered_from_memory_a
             (after.hits - before.hits, after.misses - before.misses),
             (1, 0),
             "the check after container {n} was created answered from memory"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn checks_naming_other_containers_of_a_small_org_are_answered_from_the_facts_one_check_kept()
+{
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let event = |kind: &str, container: &str, seconds_ago: i64| {
+        json!({"id": Uuid::new_v4(), "type": kind, "org_id": "acme",
+               "container_id": container, "occurred_at": ago(seconds_ago)})
+    };
+    let events = json!({"events": [
+        event("container.created", "c0", 120),
+        event("container.created", "c1", 110),
+        event("container.stopped", "c1", 100),
+    ]});
+    answered(200, app.post_events(&events).await);
+    let run =
+        |container: &str| json!({"org_id": "acme", "action": "run", "container_id": container});
+    warm(&app, &run("c0")).await;
+    // Running, stopped, never created: each answered from the facts c0's check kept.
+    for (container, running) in [("c0", true), ("c1", false), ("c9", false)] {
+        let before = stats(&app);
+        let answer = check_at(&app, &run(container)).await;
+        let after = stats(&app);
+        assert_eq!(answer["allowed"], running, "{container}: {answer}");
+        if !running {
+            assert_eq!(
+                reasons(&answer),
+                ["container_not_running"],
+                "{container}: {answer}"
+            );
+        }
+        assert_eq!(
+            (after.hits - before.hits, after.misses - before.misses),
+            (1, 0),
+            "the check of {container} answered from memory"
         );
     }
     app.stop().await;
