@@ -542,8 +542,9 @@ fn advance_org(state: &mut State, org: &str, change: &OrgRound<'_>) -> bool {
     // Reads begun before the round are not kept: they may not include it.
     slot.generation += 1;
     slot.facts = facts;
-    // A round adds containers to facts that hold them all; past the limit they are kept
-    // all the same until notices make room, as a bound on what one round adds.
+    // A round may add containers to facts that hold them all (never past
+    // ORG_CONTAINERS_KEPT_MAX each, see `Prepared::advanced`), which can take the count
+    // past ENTRIES_MAX for a while: nothing new is kept until notices make room.
     state.entries = state.entries - before + after;
     true
 }
