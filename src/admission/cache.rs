@@ -887,6 +887,20 @@ mod tests {
     }
 
     #[test]
+    fn a_round_that_facts_read_after_its_commit_already_hold_is_not_added_to_them_again() {
+        let cache = listening_cache(10);
+        let acme = request("acme", None);
+        let ticket = cache.ticket("acme").unwrap();
+        let mut read = (*facts()).clone();
+        read.projected = 12;
+        assert!(cache.keep(ticket, &acme, Arc::new(read)));
+        cache.apply(&own_round(&cache, 1, 12, &["acme"], 5, &[]));
+        assert_eq!(commands_kept(&cache, &acme), Some((0, 12)));
+        cache.apply(&own_round(&cache, 2, 13, &["acme"], 5, &[]));
+        assert_eq!(commands_kept(&cache, &acme), Some((5, 13)));
+    }
+
+    #[test]
     fn nothing_is_kept_or_answered_until_the_listener_listens() {
         let cache = FactsCache::default();
         let acme = request("acme", None);

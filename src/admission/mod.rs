@@ -466,6 +466,11 @@ impl Prepared {
         if self.consumed_unprojected > 0 {
             return None;
         }
+        // Read after the round committed (its checkpoint is in their snapshot), before its
+        // notice was heard: they hold it already.
+        if self.projected >= round.position {
+            return Some(self.clone());
+        }
         let mut next = self.clone();
         next.projected = round.position;
         if let Some(latest) = round.latest_at {
