@@ -48,7 +48,7 @@ use hdrhistogram::Histogram;
 use rand::seq::IndexedRandom;
 use rand::Rng;
 use serde_json::json;
-use sqlx::{ConnectOptions, Connection, PgConnection};
+use sqlx::{Connection, PgConnection};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use uuid::Uuid;
@@ -259,17 +259,10 @@ async fn print_stamp(config: &Config, nats: &async_nats::Client) {
         .map(|commit| commit.trim().to_owned())
         .filter(|commit| !commit.is_empty())
         .unwrap_or_else(|| "unknown".to_owned());
-    // Through the server's `postgres` database, as the scratch databases are made: the
-    // database `DATABASE_URL` names need not exist.
-    let server =
-        <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&config.database_url)
-            .map(|options| options.database("postgres"));
-    let connected = match server {
-        Ok(options) => options.connect().await.ok(),
-        Err(_) => None,
-    };
-    let postgres = match connected {
-        Some(mut connection) => {
+    // Through the server's `postgres` database: the database `DATABASE_URL` names need not
+    // exist.
+    let postgres = match db::server_connection(&config.database_url).await {
+        Ok(mut connection) => {
             let version: Option<String> = sqlx::query_scalar("SHOW server_version")
                 .fetch_one(&mut connection)
                 .await
@@ -277,7 +270,7 @@ async fn print_stamp(config: &Config, nats: &async_nats::Client) {
             let _ = connection.close().await;
             version
         }
-        None => None,
+        Err(_) => None,
     };
     println!(
         "tally-bench, {} UTC, commit {commit}, machine: {}; Postgres {}, nats-server {}",

@@ -253,10 +253,8 @@ async fn load_facts(
                       AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
                       WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
-                ARRAY(SELECT container_id FROM {live}.container WHERE org_id = r.org \
-                      ORDER BY container_id COLLATE \"C\" LIMIT {whole}) AS org_containers, \
-                ARRAY(SELECT intervals::TEXT FROM {live}.container WHERE org_id = r.org \
-                      ORDER BY container_id COLLATE \"C\" LIMIT {whole}) AS org_intervals, \
+                COALESCE(w.org_containers, '{{}}') AS org_containers, \
+                COALESCE(w.org_intervals, '{{}}') AS org_intervals, \
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
                         AND expires_at > $3 ORDER BY expires_at) AS reservation_expiries, \
@@ -277,6 +275,13 @@ async fn load_facts(
          FROM UNNEST($1::TEXT[], $4::TEXT[]) WITH ORDINALITY AS r(org, container, i) \
          LEFT JOIN LATERAL (SELECT * FROM {live}.org_period \
                             WHERE org_id = r.org AND period = $2 OFFSET 0) AS p ON true \
+         LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id COLLATE \"C\") \
+                                   AS org_containers, \
+                                   array_agg(intervals::TEXT ORDER BY container_id COLLATE \"C\") \
+                                   AS org_intervals \
+                            FROM (SELECT container_id, intervals FROM {live}.container \
+                                  WHERE org_id = r.org ORDER BY container_id COLLATE \"C\" \
+                                  LIMIT {whole}) AS c) AS w ON true \
          ORDER BY r.i"
     ))
     .bind(&orgs)

@@ -24,6 +24,16 @@ pub const LOCK_IDLE_TIMEOUT_MS: u64 = 5_000;
 /// statement that takes the lock (so it costs no round trip of its own).
 pub const BOUND_LOCK_IDLE: &str = "set_config('idle_in_transaction_session_timeout', '5000', true)";
 
+/// A connection to the server of `url` through its `postgres` database, which exists
+/// whether or not the database `url` names does: for creating and dropping databases and
+/// for asking the server itself.
+pub async fn server_connection(url: &str) -> Result<PgConnection, sqlx::Error> {
+    PgConnectOptions::from_str(url)?
+        .database("postgres")
+        .connect()
+        .await
+}
+
 /// Creates the database of `url` unless it exists, via the server's `postgres` database.
 #[tracing::instrument(skip_all)]
 pub async fn ensure_database(url: &str) -> Result<(), sqlx::Error> {
@@ -32,7 +42,7 @@ pub async fn ensure_database(url: &str) -> Result<(), sqlx::Error> {
         .get_database()
         .ok_or_else(|| sqlx::Error::Configuration("DATABASE_URL names no database".into()))?
         .to_owned();
-    let mut admin = options.clone().database("postgres").connect().await?;
+    let mut admin = server_connection(url).await?;
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
             .bind(&name)
@@ -54,7 +64,7 @@ pub async fn ensure_database(url: &str) -> Result<(), sqlx::Error> {
 pub async fn drop_database(url: &str) -> Result<(), sqlx::Error> {
     let options = PgConnectOptions::from_str(url)?;
     let name = options.get_database().unwrap_or_default().to_owned();
-    let mut admin = options.database("postgres").connect().await?;
+    let mut admin = server_connection(url).await?;
     let statement = format!(
         "DROP DATABASE IF EXISTS {} WITH (FORCE)",
         quote_identifier(&name)
