@@ -161,6 +161,11 @@ impl KeptFacts {
     pub fn whole(&self) -> bool {
         self.0.whole()
     }
+
+    /// The org's containers with an event after the instant the facts were read at, by id.
+    pub fn future_containers(&self) -> impl Iterator<Item = &str> {
+        self.0.future.keys().map(String::as_str)
+    }
 }
 
 /// The facts of this instance's checks; cheap to clone.

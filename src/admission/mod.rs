@@ -225,6 +225,11 @@ async fn load_facts(
     let live = store::LIVE;
     // One more than are kept, to tell an org with more apart.
     let whole = ORG_CONTAINERS_KEPT_MAX + 1;
+    // The org's containers with an event after `now`: the index is keyed by the hour of
+    // `last_at` (so that most projector updates leave it alone, decision 0037), and the
+    // containers of that hour are then kept only if their last event is after `now`.
+    let future = "org_id = r.org AND last_hour >= date_trunc('hour', $3 AT TIME ZONE 'UTC') \
+                  AND last_at > $3";
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
     let containers: Vec<Option<&str>> = requests
         .iter()
@@ -246,10 +251,10 @@ async fn load_facts(
                 ARRAY(SELECT since_offset_ms FROM {live}.org_open \
                       WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_offsets, \
                 ARRAY(SELECT container_id FROM {live}.container \
-                      WHERE org_id = r.org AND last_at > $3 ORDER BY container_id) \
+                      WHERE {future} ORDER BY container_id) \
                       AS future_containers, \
                 ARRAY(SELECT intervals::TEXT FROM {live}.container \
-                      WHERE org_id = r.org AND last_at > $3 ORDER BY container_id) \
+                      WHERE {future} ORDER BY container_id) \
                       AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
                       WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \

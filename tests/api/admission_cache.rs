@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use chrono::{DurationRound, TimeDelta};
+
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -14,6 +16,7 @@ use crate::plans::pro_plan;
 use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
 use tally::admission::{self, Checker, Request};
 use tally::billing::Action;
+use tally::event::canonical::timestamp;
 use tally::event::OrgId;
 use tally::projection::Freshness;
 use tally::startup::Service;
@@ -597,5 +600,47 @@ async fn checks_naming_other_containers_of_a_small_org_are_answered_from_the_fac
             "the check of {container} answered from memory"
         );
     }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn facts_name_the_containers_whose_last_event_is_after_the_instant_in_its_hour_or_a_later_one(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    ready_org(&app, "acme").await;
+    // The facts are read at half past an hour two hours back; the org index is keyed by
+    // the hour of each container's last event, so containers on both sides of the instant
+    // and of the hours around it.
+    let hour = app.now().duration_trunc(TimeDelta::hours(1)).unwrap() - TimeDelta::hours(2);
+    let read_at = hour + TimeDelta::minutes(30);
+    let last_events = [
+        ("hour_before", -20),
+        ("same_hour_before", 10),
+        ("at_the_instant", 30),
+        ("same_hour_after", 40),
+        ("next_hour", 65),
+    ];
+    let events: Vec<Value> = last_events
+        .iter()
+        .map(|(container, minutes)| {
+            json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme",
+                   "container_id": container,
+                   "occurred_at": timestamp(hour + TimeDelta::minutes(*minutes))})
+        })
+        .collect();
+    answered(200, app.post_events(&json!({ "events": events })).await);
+    projected_to_head(&app.pool, "the containers are projected").await;
+    let request = Request {
+        org_id: OrgId::parse("acme").unwrap(),
+        action: Action::Create,
+        container_id: None,
+    };
+    let facts = admission::read_facts(&app.pool, &request, read_at)
+        .await
+        .unwrap();
+    assert_eq!(
+        facts.future_containers().collect::<Vec<_>>(),
+        ["next_hour", "same_hour_after"]
+    );
     app.stop().await;
 }

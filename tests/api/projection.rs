@@ -637,3 +637,68 @@ async fn events_appended_while_no_projector_runs_are_projected_once_it_starts() 
     assert!(metrics.contains("tally_projection_lag_positions"));
     app.stop().await;
 }
+
+/// Updates of `proj.container` Postgres has counted, and how many of them were HOT (the
+/// row's new version on its page, no index touched); the counts reach the statistics
+/// within seconds of each round's commit.
+async fn container_updates(app: &TestApp) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables \
+         WHERE schemaname = 'proj' AND relname = 'container'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn commands_of_running_containers_within_the_hour_update_their_rows_without_touching_an_index(
+) {
+    let app = TestApp::spawn().await;
+    let hour = Utc::now().duration_trunc(Duration::hours(1)).unwrap() - Duration::hours(2);
+    let containers = ["a", "b", "c", "d", "e"];
+    let round = |kind: EntryKind, minute: i64| -> Value {
+        let events: Vec<Value> = containers
+            .iter()
+            .map(|c| {
+                body(
+                    Uuid::new_v4(),
+                    "acme",
+                    c,
+                    hour + Duration::minutes(minute),
+                    kind,
+                )
+            })
+            .collect();
+        json!({ "events": events })
+    };
+    // Created (inserts), then three rounds of one command each, each round projected
+    // before the next is posted, so that each updates every container's row once.
+    let (status, answer) = app.post_events(&round(EntryKind::Created, 1)).await;
+    assert_eq!(status, 200, "{answer}");
+    wait_until_projected(&app).await;
+    for minute in [2, 3, 4] {
+        let command = EntryKind::CommandRan { duration_ms: 10 };
+        let (status, answer) = app.post_events(&round(command, minute)).await;
+        assert_eq!(status, 200, "{answer}");
+        wait_until_projected(&app).await;
+    }
+    let expected = 3 * containers.len() as i64;
+    eventually(30, "the statistics count every update", || async {
+        container_updates(&app).await.0 >= expected
+    })
+    .await;
+    assert_eq!(container_updates(&app).await, (expected, expected));
+    // A stop changes the intervals, which the running and stopped indexes are partial on:
+    // those updates are not HOT, and the statistics say so (they can tell the two apart).
+    let (status, answer) = app.post_events(&round(EntryKind::Stopped, 5)).await;
+    assert_eq!(status, 200, "{answer}");
+    wait_until_projected(&app).await;
+    let stopped = expected + containers.len() as i64;
+    eventually(30, "the statistics count the stops", || async {
+        container_updates(&app).await.0 >= stopped
+    })
+    .await;
+    assert_eq!(container_updates(&app).await, (stopped, expected));
+    app.stop().await;
+}
