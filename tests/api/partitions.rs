@@ -330,3 +330,49 @@ async fn an_appender_that_began_on_an_empty_ledger_appends_through_the_indexes_o
         "20 appends to a ledger of 100 010 events scanned ledger_ids or a month whole"
     );
 }
+
+/// Sequential and index scans of `ledger_ids` Postgres has counted, and the rows inserted
+/// into it; each backend's counts reach the statistics within seconds of its commits.
+async fn ids_table_scans(pool: &PgPool) -> (i64, i64, i64) {
+    sqlx::query_as(
+        "SELECT seq_scan, idx_scan, n_tup_ins FROM pg_stat_user_tables \
+         WHERE relname = 'ledger_ids'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn the_duplicate_check_of_a_large_group_finds_its_ids_by_index_not_by_reading_the_ids_table_whole(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let now = Utc::now();
+    // Large enough that the planner, told its size, would rather read the table whole
+    // than look a thousand ids up one by one (a few milliseconds either way here, but the
+    // whole read grows with the ledger).
+    for _ in 0..20 {
+        append_at(&pool, now, 1_000).await;
+    }
+    sqlx::query("ANALYZE ledger_ids")
+        .execute(&pool)
+        .await
+        .unwrap();
+    eventually(30, "the statistics count the rows", || async {
+        ids_table_scans(&pool).await.2 == 20_000
+    })
+    .await;
+    let (sequential_before, by_index_before, _) = ids_table_scans(&pool).await;
+    append_at(&pool, now, 1_000).await;
+    eventually(30, "the statistics count the group's rows", || async {
+        ids_table_scans(&pool).await.2 == 21_000
+    })
+    .await;
+    let (sequential, by_index, _) = ids_table_scans(&pool).await;
+    assert_eq!(
+        sequential, sequential_before,
+        "the group's append read ledger_ids whole"
+    );
+    assert!(by_index > by_index_before, "{by_index} index scans");
+}
