@@ -235,6 +235,8 @@ async fn load_facts(
         .iter()
         .map(|r| r.container_id.as_ref().map(ContainerId::as_str))
         .collect();
+    // Facts that come from the same rows (an org's open periods; its containers with an
+    // event after `now`) are aggregated together in one lateral, so those rows are read once.
     // `OFFSET 0` keeps the planner from flattening the period lookup into a hash join over
     // every org's period row: it stays one index lookup a request.
     let rows: Vec<FactsRow> = sqlx::query_as(&format!(
@@ -244,18 +246,11 @@ async fn load_facts(
                 COALESCE(p.commands, 0) AS commands, \
                 COALESCE(p.command_ms, 0) AS command_ms, \
                 COALESCE(p.ports_published, 0) AS ports_published, \
-                ARRAY(SELECT since_period FROM {live}.org_open \
-                      WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_periods, \
-                ARRAY(SELECT running FROM {live}.org_open \
-                      WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_running, \
-                ARRAY(SELECT since_offset_ms FROM {live}.org_open \
-                      WHERE org_id = r.org AND running > 0 ORDER BY since_period) AS open_offsets, \
-                ARRAY(SELECT container_id FROM {live}.container \
-                      WHERE {future} ORDER BY container_id) \
-                      AS future_containers, \
-                ARRAY(SELECT intervals::TEXT FROM {live}.container \
-                      WHERE {future} ORDER BY container_id) \
-                      AS future_intervals, \
+                COALESCE(o.open_periods, '{{}}') AS open_periods, \
+                COALESCE(o.open_running, '{{}}') AS open_running, \
+                COALESCE(o.open_offsets, '{{}}') AS open_offsets, \
+                COALESCE(f.future_containers, '{{}}') AS future_containers, \
+                COALESCE(f.future_intervals, '{{}}') AS future_intervals, \
                 (SELECT intervals::TEXT FROM {live}.container \
                       WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
                 COALESCE(w.org_containers, '{{}}') AS org_containers, \
@@ -280,6 +275,17 @@ async fn load_facts(
          FROM UNNEST($1::TEXT[], $4::TEXT[]) WITH ORDINALITY AS r(org, container, i) \
          LEFT JOIN LATERAL (SELECT * FROM {live}.org_period \
                             WHERE org_id = r.org AND period = $2 OFFSET 0) AS p ON true \
+         LEFT JOIN LATERAL (SELECT array_agg(since_period ORDER BY since_period) AS open_periods, \
+                                   array_agg(running ORDER BY since_period) AS open_running, \
+                                   array_agg(since_offset_ms ORDER BY since_period) \
+                                   AS open_offsets \
+                            FROM {live}.org_open WHERE org_id = r.org AND running > 0) AS o \
+                   ON true \
+         LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id) \
+                                   AS future_containers, \
+                                   array_agg(intervals::TEXT ORDER BY container_id) \
+                                   AS future_intervals \
+                            FROM {live}.container WHERE {future}) AS f ON true \
          LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id COLLATE \"C\") \
                                    AS org_containers, \
                                    array_agg(intervals::TEXT ORDER BY container_id COLLATE \"C\") \
