@@ -40,8 +40,11 @@ impl ReplayReport {
 }
 
 /// Rebuilds the projection on `connection` (a connection of its own: it holds the replay
-/// lock for the session).
-pub async fn replay(connection: &mut PgConnection) -> Result<ReplayReport, Error> {
+/// lock for the session), with `helper`, a second connection, building indexes beside it.
+pub async fn replay(
+    connection: &mut PgConnection,
+    helper: &mut PgConnection,
+) -> Result<ReplayReport, Error> {
     let started = Instant::now();
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(REPLAY_LOCK_KEY)
@@ -50,15 +53,19 @@ pub async fn replay(connection: &mut PgConnection) -> Result<ReplayReport, Error
     if !locked {
         return Err(Error::ReplayRunning);
     }
-    // Reading a large ledger is one long statement; the service's per-statement bound is
-    // for requests, not for this.
-    sqlx::query("SET statement_timeout = 0")
-        .execute(&mut *connection)
-        .await?;
-    let result = build_and_swap(connection, started).await;
-    sqlx::query("RESET statement_timeout")
-        .execute(&mut *connection)
-        .await?;
+    // Reading a large ledger and building the indexes of its projection are long
+    // statements; the service's per-statement bound is for requests, not for these.
+    for session in [&mut *connection, &mut *helper] {
+        sqlx::query("SET statement_timeout = 0")
+            .execute(&mut *session)
+            .await?;
+    }
+    let result = build_and_swap(connection, helper, started).await;
+    for session in [&mut *connection, &mut *helper] {
+        sqlx::query("RESET statement_timeout")
+            .execute(&mut *session)
+            .await?;
+    }
     sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(REPLAY_LOCK_KEY)
         .execute(&mut *connection)
@@ -68,6 +75,7 @@ pub async fn replay(connection: &mut PgConnection) -> Result<ReplayReport, Error
 
 async fn build_and_swap(
     connection: &mut PgConnection,
+    helper: &mut PgConnection,
     started: Instant,
 ) -> Result<ReplayReport, Error> {
     sqlx::query(&format!("DROP SCHEMA IF EXISTS {BUILD} CASCADE"))
@@ -85,9 +93,7 @@ async fn build_and_swap(
     let (changes, events, containers, read) = changes_up_to(connection, head).await?;
     let folded = started.elapsed();
 
-    let mut transaction = connection.begin().await?;
-    store::write_fresh(&mut transaction, BUILD, changes, head).await?;
-    transaction.commit().await?;
+    store::write_fresh(&mut *connection, helper, BUILD, changes, head).await?;
     let written = started.elapsed();
 
     swap(connection, head).await?;

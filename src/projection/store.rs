@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{FromRow, PgConnection, Row};
+use sqlx::{Connection, FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use super::model::{
@@ -685,20 +685,28 @@ const FRESH_TABLES: [&str; 7] = [
 /// by `tally_create_projection_schema` and empty, and moves its checkpoint to `position`:
 /// the same rows as [`write`], loaded before the indexes are built. The indexes and
 /// primary keys are dropped first and created again afterwards from their own definitions
-/// (so the schema ends as the function made it); creating a primary key also checks that
-/// no key was written twice.
+/// (so the schema ends as the function made it); creating a primary key's index also checks
+/// that no key was written twice.
+///
+/// The rows are committed on `connection` before the indexes are built, so that `helper`
+/// (a second connection) can build half of them beside it: one backend building indexes
+/// one after another leaves a core idle. `schema` is not live until the replay swaps it in,
+/// so nobody sees it without its indexes; a replay that stops half-way leaves it to the
+/// next, which drops it. The checkpoint is written last, after the indexes.
 pub async fn write_fresh(
     connection: &mut PgConnection,
+    helper: &mut PgConnection,
     schema: &str,
     mut changes: Changes,
     position: i64,
 ) -> Result<(), Error> {
-    let indexes = strip_indexes(connection, schema, &FRESH_TABLES).await?;
-    write_ports(connection, schema, &mut changes, Load::Fresh).await?;
+    let mut transaction = connection.begin().await?;
+    let indexes = strip_indexes(&mut transaction, schema, &FRESH_TABLES).await?;
+    write_ports(&mut transaction, schema, &mut changes, Load::Fresh).await?;
     // Before the periods are written, as in [`write`] (a replay's changes have no voided
     // ports, so this reads nothing).
-    recount_voided_ports(connection, schema, &mut changes, position).await?;
-    write_containers(connection, schema, &changes, Load::Fresh).await?;
+    recount_voided_ports(&mut transaction, schema, &mut changes, position).await?;
+    write_containers(&mut transaction, schema, &changes, Load::Fresh).await?;
     let rows: Vec<(&ContainerKey, AnomalyRows)> =
         changes.anomaly_rows(ANOMALIES_KEPT_MAX).collect();
     // Nothing is stored to replace or trim: only the rows to insert count.
@@ -706,13 +714,17 @@ pub async fn write_fresh(
         .iter()
         .flat_map(|(key, rows)| rows.insert.iter().map(move |anomaly| (*key, anomaly)))
         .collect();
-    insert_anomalies(connection, schema, &inserted).await?;
-    write_rest(connection, schema, &changes, Load::Fresh).await?;
-    restore_indexes(connection, &indexes).await?;
+    insert_anomalies(&mut transaction, schema, &inserted).await?;
+    write_rest(&mut transaction, schema, &changes, Load::Fresh).await?;
+    transaction.commit().await?;
+    restore_indexes(&mut *connection, helper, &indexes).await?;
+    let mut transaction = connection.begin().await?;
     // `voided` kept its primary key (see [`FRESH_TABLES`]); a replay's changes remove no
     // container, so the rest of this deletes nothing.
-    write_voids(connection, schema, &changes).await?;
-    write_checkpoint(connection, schema, position).await
+    write_voids(&mut transaction, schema, &changes).await?;
+    write_checkpoint(&mut transaction, schema, position).await?;
+    transaction.commit().await?;
+    Ok(())
 }
 
 /// The per-org tables: period totals, open intervals, latest instants, account changes.
@@ -742,10 +754,14 @@ async fn write_checkpoint(
     Ok(())
 }
 
-/// The statements that create the indexes (and primary keys) [`strip_indexes`] dropped.
+/// What [`strip_indexes`] dropped: the statements that build the indexes again (those of
+/// primary keys and unique constraints as plain unique indexes, so that any two can be
+/// built at once: adding a constraint locks its table whole), then those that make such
+/// indexes the constraints they were.
 #[derive(Debug)]
 struct StrippedIndexes {
-    statements: Vec<String>,
+    builds: Vec<String>,
+    constraints: Vec<String>,
 }
 
 /// Drops every index and primary key of `tables` in `schema`, and returns the statements
@@ -761,46 +777,90 @@ async fn strip_indexes(
         .iter()
         .map(|table| format!("{schema}.{table}"))
         .collect();
-    // Constraints first (their indexes go with them), then the other indexes.
-    let constraints: Vec<(String, String, String)> = sqlx::query_as(
-        "SELECT conrelid::regclass::TEXT, conname::TEXT, pg_get_constraintdef(oid)          FROM pg_constraint          WHERE conrelid = ANY($1::TEXT[]::REGCLASS[]) AND contype IN ('p', 'u', 'x')          ORDER BY conrelid, conname",
+    // Constraints first (their indexes go with them), then the other indexes. A primary
+    // key or unique constraint is built again as its index, then attached to it by name; an
+    // exclusion constraint cannot be, and is added again whole.
+    let constraints: Vec<(String, String, String, String, String, String)> = sqlx::query_as(
+        "SELECT conrelid::regclass::TEXT, quote_ident(conname), contype::TEXT, \
+                pg_get_constraintdef(c.oid), pg_get_indexdef(conindid), quote_ident(i.relname) \
+         FROM pg_constraint c JOIN pg_class i ON i.oid = c.conindid \
+         WHERE conrelid = ANY($1::TEXT[]::REGCLASS[]) AND contype IN ('p', 'u', 'x') \
+         ORDER BY conrelid, conname",
     )
     .bind(&qualified)
     .fetch_all(&mut *connection)
     .await?;
     let indexes: Vec<(String, String)> = sqlx::query_as(
-        "SELECT indexrelid::regclass::TEXT, pg_get_indexdef(indexrelid) FROM pg_index i          WHERE indrelid = ANY($1::TEXT[]::REGCLASS[])            AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)          ORDER BY indrelid, indexrelid",
+        "SELECT indexrelid::regclass::TEXT, pg_get_indexdef(indexrelid) FROM pg_index i \
+         WHERE indrelid = ANY($1::TEXT[]::REGCLASS[]) \
+           AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid) \
+         ORDER BY indrelid, indexrelid",
     )
     .bind(&qualified)
     .fetch_all(&mut *connection)
     .await?;
     let mut drops = Vec::new();
-    let mut statements = Vec::new();
-    for (table, name, definition) in &constraints {
+    let mut stripped = StrippedIndexes {
+        builds: Vec::new(),
+        constraints: Vec::new(),
+    };
+    for (table, name, kind, definition, index_definition, index) in &constraints {
         drops.push(format!("ALTER TABLE {table} DROP CONSTRAINT {name}"));
-        statements.push(format!(
-            "ALTER TABLE {table} ADD CONSTRAINT {name} {definition}"
+        let kind = match kind.as_str() {
+            "p" => "PRIMARY KEY",
+            "u" => "UNIQUE",
+            _ => {
+                stripped.constraints.push(format!(
+                    "ALTER TABLE {table} ADD CONSTRAINT {name} {definition}"
+                ));
+                continue;
+            }
+        };
+        stripped.builds.push(index_definition.clone());
+        stripped.constraints.push(format!(
+            "ALTER TABLE {table} ADD CONSTRAINT {name} {kind} USING INDEX {index}"
         ));
     }
     for (index, definition) in &indexes {
         drops.push(format!("DROP INDEX {index}"));
-        statements.push(definition.clone());
+        stripped.builds.push(definition.clone());
     }
     for statement in drops {
         execute_statement(connection, statement).await?;
     }
-    Ok(StrippedIndexes { statements })
+    Ok(stripped)
 }
 
-/// Creates again what [`strip_indexes`] dropped.
+/// Creates again what [`strip_indexes`] dropped: the indexes on `connection` and `helper`
+/// at once, each taking the next statement when it is done, then the constraints.
 async fn restore_indexes(
     connection: &mut PgConnection,
+    helper: &mut PgConnection,
     indexes: &StrippedIndexes,
 ) -> Result<(), Error> {
-    for statement in &indexes.statements {
+    let queue = std::sync::Mutex::new(indexes.builds.iter());
+    futures::try_join!(
+        build_indexes(&mut *connection, &queue),
+        build_indexes(helper, &queue)
+    )?;
+    for statement in &indexes.constraints {
         execute_statement(connection, statement.clone()).await?;
     }
     Ok(())
+}
+
+/// Runs the statements of `queue` on `connection` until none is left.
+async fn build_indexes(
+    connection: &mut PgConnection,
+    queue: &std::sync::Mutex<std::slice::Iter<'_, String>>,
+) -> Result<(), Error> {
+    loop {
+        let next = queue.lock().expect("never poisoned").next().cloned();
+        let Some(statement) = next else {
+            return Ok(());
+        };
+        execute_statement(connection, statement).await?;
+    }
 }
 
 /// Runs a statement made here, naming it in the error.

@@ -208,12 +208,16 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     assert_eq!(paged, ids, "the first {kept_max} in occurred_at order");
 
     let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
-    tally::projection::replay(&mut connection).await.unwrap();
+    let mut helper = PgConnection::connect(&app.db.url).await.unwrap();
+    tally::projection::replay(&mut connection, &mut helper)
+        .await
+        .unwrap();
     let (_, replayed) = app.get_container("ctr_lost", "anomalies_limit=1").await;
     assert_eq!(replayed, container);
     let (replayed_pages, _) = every_page(&app, "ctr_lost", 1_000).await;
     assert_eq!(replayed_pages, ids, "replay keeps the same anomalies");
     connection.close().await.unwrap();
+    helper.close().await.unwrap();
     app.stop().await;
 }
 

@@ -353,6 +353,55 @@ async fn a_shuffled_month_with_duplicates_projects_to_the_pure_figures_and_repla
     app.stop().await;
 }
 
+/// Every index and constraint of the live projection's tables as the catalog defines them,
+/// and each table's storage options, sorted.
+async fn projection_catalog(app: &TestApp) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT d FROM ( \
+           SELECT 'index ' || pg_get_indexdef(i.indexrelid) AS d \
+           FROM pg_index i JOIN pg_class t ON t.oid = i.indrelid \
+           WHERE t.relnamespace = $1::regnamespace \
+           UNION ALL \
+           SELECT 'constraint ' || t.relname || ' ' || c.conname || ' ' || c.contype::TEXT || ' ' \
+                  || pg_get_constraintdef(c.oid) || ' by ' || COALESCE(x.relname, '-') \
+           FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid \
+           LEFT JOIN pg_class x ON x.oid = c.conindid \
+           WHERE t.relnamespace = $1::regnamespace \
+           UNION ALL \
+           SELECT 'table ' || relname || ' ' || COALESCE(array_to_string(reloptions, ','), '') \
+           FROM pg_class WHERE relnamespace = $1::regnamespace AND relkind = 'r') AS catalog \
+         ORDER BY d",
+    )
+    .bind(tally::projection::store::LIVE)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn replay_leaves_the_projection_with_the_same_indexes_constraints_and_storage_options_as_the_migrations_made(
+) {
+    let app = TestApp::spawn().await;
+    let made = projection_catalog(&app).await;
+    assert!(
+        made.iter().any(|d| d.contains(" PRIMARY KEY ")) && made.len() > 20,
+        "{made:#?}"
+    );
+    let now = Utc::now() - Duration::minutes(30);
+    let events: Vec<Generated> = (0..20)
+        .map(|i| {
+            let at = now + Duration::seconds(i);
+            generated("org_a", &format!("ctr_{}", i % 4), at, EntryKind::Created)
+        })
+        .collect();
+    post_all(&app, &events).await;
+    wait_until_projected(&app).await;
+    let printed = run_replay(&app.db.url);
+    assert!(printed.contains("replayed 20 events"), "{printed}");
+    assert_eq!(projection_catalog(&app).await, made);
+    app.stop().await;
+}
+
 /// The start of a month between 2 and 33 days ago, so that events around it are inside the
 /// backdate bound and in the past.
 fn recent_month_start() -> DateTime<Utc> {
