@@ -14,7 +14,6 @@
 //! the lag from acknowledgement to visible → the same load again while paced readers read
 //! `org_big`'s usage in both modes → the table.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +22,6 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use bytes::Bytes;
 use chrono::{DateTime, SubsecRound, Utc};
-use futures::TryStreamExt;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::Rng;
 use serde::Deserialize;
@@ -41,10 +39,11 @@ use crate::{
 };
 use tally::config::Config;
 use tally::event::canonical;
-use tally::projection::model::{Changes, ContainerKey};
+use tally::projection::gather;
+use tally::projection::model::Changes;
 use tally::projection::query;
-use tally::projection::store::{self, EventRow, LIVE, REPLAY_EVENT_COLUMNS};
-use tally::runtime::{ContainerEntry, Period};
+use tally::projection::store::{self, LIVE};
+use tally::runtime::Period;
 
 use crate::child::{self, Served};
 use crate::targets::{per_second, Bound, Figure as TargetFigure, Row};
@@ -269,10 +268,12 @@ async fn prepare(
             && projected == head,
     }];
     eprintln!("bench: projections: timing replay's parts separately");
-    let parts = ReplayParts::measure(&mut connection, head).await?;
-    let write = report
-        .elapsed
-        .saturating_sub(parts.read + parts.decode + parts.fold);
+    let mut second = PgConnection::connect(&scratch.database_url)
+        .await
+        .context("cannot connect to the scratch database")?;
+    let parts = ReplayParts::measure(&mut connection, &mut second, head).await?;
+    second.close().await?;
+    let write = report.elapsed.saturating_sub(parts.read + parts.fold);
     checks.push(Check {
         description: format!(
             "the separate read and fold saw {} events of {} containers, as replay did",
@@ -291,12 +292,11 @@ async fn prepare(
     )
     .with_note(format!(
         "replay's own time; the process took {:.2} s in all, {}; measured apart with the \
-         library in the bench's process: read rows {:.2} s, into events by container {:.2} s, \
-         fold {:.2} s; so write and swap ≈ {:.2} s",
+         library in the bench's process: read and gather {:.2} s, fold {:.2} s; so write and \
+         swap ≈ {:.2} s",
         report.ran.elapsed.as_secs_f64(),
         crate::ran_note(&report.ran),
         parts.read.as_secs_f64(),
-        parts.decode.as_secs_f64(),
         parts.fold.as_secs_f64(),
         write.as_secs_f64()
     ));
@@ -702,61 +702,31 @@ async fn copy_plan_into_ledger(
 /// them by container, folding. What replay took beyond these is writing and swapping.
 struct ReplayParts {
     read: Duration,
-    decode: Duration,
     fold: Duration,
     events: u64,
     containers: usize,
 }
 
 impl ReplayParts {
-    async fn measure(connection: &mut PgConnection, head: i64) -> anyhow::Result<ReplayParts> {
-        let sql = format!("SELECT {REPLAY_EVENT_COLUMNS} FROM ledger WHERE position <= $1");
+    /// Replay's read (which gathers each container's history as it decodes) and its fold,
+    /// timed apart.
+    async fn measure(
+        connection: &mut PgConnection,
+        second: &mut PgConnection,
+        head: i64,
+    ) -> anyhow::Result<ReplayParts> {
         let started = Instant::now();
-        let mut rows = sqlx::query_as::<_, EventRow>(&sql)
-            .bind(head)
-            .fetch(&mut *connection);
-        let mut read_events = 0_u64;
-        while rows.try_next().await?.is_some() {
-            read_events += 1;
-        }
-        drop(rows);
+        let gathered = gather::gather(connection, second, head).await?;
         let read = started.elapsed();
-
-        // Timed per row, leaving out the waits for the next row, which the pass above timed.
-        let mut decode = Duration::ZERO;
-        let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
-        let mut events = 0_u64;
-        let mut rows = sqlx::query_as::<_, EventRow>(&sql)
-            .bind(head)
-            .fetch(&mut *connection);
-        while let Some(row) = rows.try_next().await? {
-            let started = Instant::now();
-            events += 1;
-            let event = row.into_event()?;
-            if let Some((container_id, entry)) = event.container {
-                histories
-                    .entry(ContainerKey {
-                        org_id: event.org_id,
-                        container_id,
-                    })
-                    .or_default()
-                    .push(entry);
-            }
-            decode += started.elapsed();
-        }
-        drop(rows);
-        assert_eq!(events, read_events, "both reads see the same ledger");
-
-        let containers = histories.len();
+        let containers = gathered.histories.len();
         let started = Instant::now();
-        let changes = Changes::from_histories(histories, Vec::new());
+        let changes = Changes::from_histories(gathered.histories, gathered.accounts);
         let fold = started.elapsed();
         drop(changes);
         Ok(ReplayParts {
             read,
-            decode,
             fold,
-            events,
+            events: gathered.events,
             containers,
         })
     }

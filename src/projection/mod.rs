@@ -6,6 +6,7 @@
 //! and `query` answers the API's reads (`org`: the console's reads of one org).
 
 pub mod catch_up;
+pub mod gather;
 pub mod model;
 pub mod notice;
 pub mod org;

@@ -212,7 +212,7 @@ impl Changes {
     /// The changes of a replay: every container's whole history and every org event,
     /// nothing stored before.
     pub fn from_histories(
-        histories: HashMap<ContainerKey, Vec<ContainerEntry>>,
+        histories: impl IntoIterator<Item = (ContainerKey, Vec<ContainerEntry>)>,
         accounts: Vec<(String, AccountEntry)>,
     ) -> Changes {
         let mut changes = Changes {

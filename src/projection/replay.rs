@@ -7,16 +7,15 @@
 //! old one. Readers see the old projection until the commit and the whole new one after it;
 //! a running projector continues from the new checkpoint. Only one replay runs at a time.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
 use sqlx::{Connection, PgConnection};
 
-use super::model::{Changes, ContainerKey};
-use super::store::{self, EventRow, BUILD, LIVE, REPLAY_EVENT_COLUMNS};
+use super::gather::{gather, Gathered};
+use super::model::Changes;
+use super::store::{self, BUILD, LIVE};
 use super::Error;
-use crate::runtime::ContainerEntry;
 
 /// The session advisory lock that lets one replay run at a time: `'replay'` in ASCII.
 pub const REPLAY_LOCK_KEY: i64 = 0x7265_706c_6179;
@@ -90,7 +89,7 @@ async fn build_and_swap(
         .fetch_one(&mut *connection)
         .await?;
     let prepared = started.elapsed();
-    let (changes, events, containers, read) = changes_up_to(connection, head).await?;
+    let (changes, events, containers, read) = changes_up_to(connection, helper, head).await?;
     let folded = started.elapsed();
 
     store::write_fresh(&mut *connection, helper, BUILD, changes, head).await?;
@@ -119,43 +118,20 @@ async fn build_and_swap(
 /// how long reading them took.
 async fn changes_up_to(
     connection: &mut PgConnection,
+    helper: &mut PgConnection,
     head: i64,
 ) -> Result<(Changes, u64, usize, Duration), Error> {
     let started = Instant::now();
-    let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> = HashMap::new();
-    let mut accounts = Vec::new();
-    let mut voided: Vec<(uuid::Uuid, i64)> = Vec::new();
-    let mut events = 0u64;
-    {
-        let sql = format!("SELECT {REPLAY_EVENT_COLUMNS} FROM ledger WHERE position <= $1");
-        let mut rows = sqlx::query_as::<_, EventRow>(&sql)
-            .bind(head)
-            .fetch(&mut *connection);
-        while let Some(row) = rows.try_next().await? {
-            events += 1;
-            let event = row.into_event()?;
-            if let Some(target) = event.voids {
-                voided.push((target, event.position));
-            }
-            if let Some(entry) = event.account {
-                accounts.push((event.org_id.clone(), entry));
-            }
-            if let Some((container_id, entry)) = event.container {
-                histories
-                    .entry(ContainerKey {
-                        org_id: event.org_id,
-                        container_id,
-                    })
-                    .or_default()
-                    .push(entry);
-            }
-        }
-    }
+    let Gathered {
+        mut histories,
+        mut accounts,
+        voided,
+        events,
+    } = gather(connection, helper, head).await?;
     let read = started.elapsed();
     // Voided events are left out as if they had never been stored; a container with
     // nothing left has no row.
-    let voided_ids: std::collections::HashSet<uuid::Uuid> =
-        voided.iter().map(|(id, _)| *id).collect();
+    let voided_ids: HashSet<uuid::Uuid> = voided.iter().map(|(id, _)| *id).collect();
     if !voided_ids.is_empty() {
         for entries in histories.values_mut() {
             entries.retain(|entry| !voided_ids.contains(&entry.event_id.as_uuid()));

@@ -39,24 +39,6 @@ pub const EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occur
      (data->>'eligible')::BOOLEAN AS eligible, \
      CASE WHEN type = 'ledger.event_voided' THEN (data->>'event_id')::UUID END AS voids";
 
-/// [`EVENT_COLUMNS`] for replay's read of the whole ledger: each value is taken out of
-/// `data` only for the event type whose [`EventRow::into_event`] reads it, and is NULL for
-/// the others, which do not read it. So a row costs Postgres at most one JSON look-up
-/// instead of six (each of which copies `data` out of the row first), and gives the same
-/// event. Only a ledger row holding a value Postgres cannot cast under a key its type does
-/// not read would differ: the projector's read would fail on it, replay's not.
-pub const REPLAY_EVENT_COLUMNS: &str = "position, id, type, org_id, container_id, occurred_at, \
-     recorded_at, \
-     CASE WHEN type = 'container.command_ran' THEN (data->>'duration_ms')::BIGINT END \
-         AS duration_ms, \
-     CASE WHEN type = 'container.port_published' THEN (data->>'port')::INTEGER END AS port, \
-     CASE WHEN type = 'org.plan_changed' THEN data->>'plan' END AS plan, \
-     CASE WHEN type = 'org.verification_changed' THEN (data->>'verified')::BOOLEAN END \
-         AS verified, \
-     CASE WHEN type = 'org.billing_eligibility_changed' THEN (data->>'eligible')::BOOLEAN END \
-         AS eligible, \
-     CASE WHEN type = 'ledger.event_voided' THEN (data->>'event_id')::UUID END AS voids";
-
 #[derive(Debug, PartialEq)]
 pub struct EventRow {
     position: i64,
@@ -74,9 +56,9 @@ pub struct EventRow {
     voids: Option<Uuid>,
 }
 
-/// By position, in the order of [`EVENT_COLUMNS`] (and [`REPLAY_EVENT_COLUMNS`]), which
-/// every query that reads an [`EventRow`] selects exactly: a replay decodes every row of
-/// the ledger, and finding each column by its name is a hash look-up per value.
+/// By position, in the order of [`EVENT_COLUMNS`], which every query that reads an
+/// [`EventRow`] selects exactly: finding each column by its name is a hash look-up per
+/// value.
 impl<'r> FromRow<'r, PgRow> for EventRow {
     fn from_row(row: &'r PgRow) -> sqlx::Result<EventRow> {
         Ok(EventRow {
@@ -137,45 +119,20 @@ impl EventRow {
     }
 
     pub fn into_event(self) -> Result<ProjectedEvent, Error> {
-        let event_id = EventId::from_uuid(self.id)
-            .map_err(|e| Error::corrupt(format!("position {}", self.position), e))?;
-        let change = match EventType::parse(&self.event_type) {
-            Some(EventType::OrgPlanChanged) => Some(AccountChange::Plan(
-                PlanId::parse(self.plan.as_deref().unwrap_or_default()).map_err(|e| {
-                    Error::corrupt(format!("the plan of position {}", self.position), e)
-                })?,
-            )),
-            Some(EventType::OrgVerificationChanged) => {
-                Some(AccountChange::Verified(self.verified.ok_or_else(|| {
-                    Error::Corrupt(format!("position {}: no verified", self.position))
-                })?))
-            }
-            Some(EventType::OrgBillingEligibilityChanged) => {
-                Some(AccountChange::BillingEligible(self.eligible.ok_or_else(
-                    || Error::Corrupt(format!("position {}: no eligible", self.position)),
-                )?))
-            }
-            _ => None,
-        };
-        let account = change.map(|change| AccountEntry {
-            occurred_at: self.occurred_at,
+        let (account, container) = EventFields {
             position: self.position,
-            event_id,
-            change,
-        });
-        let container = match (
-            self.container_id,
-            entry_kind(&self.event_type, self.duration_ms, self.port)?,
-        ) {
-            (Some(container_id), Some(kind)) => Some((
-                container_id,
-                ContainerEntry {
-                    occurred_at: self.occurred_at,
-                    position: self.position,
-                    event_id,
-                    kind,
-                },
-            )),
+            id: self.id,
+            event_type: &self.event_type,
+            occurred_at: self.occurred_at,
+            duration_ms: self.duration_ms,
+            port: self.port,
+            plan: self.plan.as_deref(),
+            verified: self.verified,
+            eligible: self.eligible,
+        }
+        .entries()?;
+        let container = match (self.container_id, container) {
+            (Some(container_id), Some(entry)) => Some((container_id, entry)),
             _ => None,
         };
         Ok(ProjectedEvent {
@@ -186,6 +143,60 @@ impl EventRow {
             account,
             voids: self.voids,
         })
+    }
+}
+
+/// The columns of a ledger row that decide its entries, borrowed from wherever the row was
+/// decoded: an [`EventRow`], or replay's binary read, which allocates nothing per row.
+pub(super) struct EventFields<'a> {
+    pub position: i64,
+    pub id: Uuid,
+    pub event_type: &'a str,
+    pub occurred_at: DateTime<Utc>,
+    pub duration_ms: Option<i64>,
+    pub port: Option<i32>,
+    pub plan: Option<&'a str>,
+    pub verified: Option<bool>,
+    pub eligible: Option<bool>,
+}
+
+impl EventFields<'_> {
+    /// The event's entry in its org's account (org events) and in its container's history
+    /// (container events of a type the runtime reads), when it has a container.
+    pub fn entries(&self) -> Result<(Option<AccountEntry>, Option<ContainerEntry>), Error> {
+        let position = self.position;
+        let event_id = EventId::from_uuid(self.id)
+            .map_err(|e| Error::corrupt(format!("position {position}"), e))?;
+        let change = match EventType::parse(self.event_type) {
+            Some(EventType::OrgPlanChanged) => Some(AccountChange::Plan(
+                PlanId::parse(self.plan.unwrap_or_default())
+                    .map_err(|e| Error::corrupt(format!("the plan of position {position}"), e))?,
+            )),
+            Some(EventType::OrgVerificationChanged) => {
+                Some(AccountChange::Verified(self.verified.ok_or_else(|| {
+                    Error::Corrupt(format!("position {position}: no verified"))
+                })?))
+            }
+            Some(EventType::OrgBillingEligibilityChanged) => Some(AccountChange::BillingEligible(
+                self.eligible
+                    .ok_or_else(|| Error::Corrupt(format!("position {position}: no eligible")))?,
+            )),
+            _ => None,
+        };
+        let account = change.map(|change| AccountEntry {
+            occurred_at: self.occurred_at,
+            position,
+            event_id,
+            change,
+        });
+        let container =
+            entry_kind(self.event_type, self.duration_ms, self.port)?.map(|kind| ContainerEntry {
+                occurred_at: self.occurred_at,
+                position,
+                event_id,
+                kind,
+            });
+        Ok((account, container))
     }
 }
 
