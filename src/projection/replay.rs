@@ -92,7 +92,7 @@ async fn build_and_swap(
     let (changes, events, containers, read) = changes_up_to(connection, helper, head).await?;
     let folded = started.elapsed();
 
-    store::write_fresh(&mut *connection, helper, BUILD, changes, head).await?;
+    let write = store::write_fresh(&mut *connection, helper, BUILD, changes, head).await?;
     let written = started.elapsed();
 
     swap(connection, head).await?;
@@ -102,6 +102,8 @@ async fn build_and_swap(
         read_ms = read.as_millis(),
         fold_ms = (folded - prepared - read).as_millis(),
         write_ms = (written - folded).as_millis(),
+        rows_ms = write.rows.as_millis(),
+        indexes_ms = write.indexes.as_millis(),
         swap_ms = (started.elapsed() - written).as_millis(),
         "replay's phases"
     );

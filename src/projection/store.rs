@@ -671,9 +671,11 @@ pub async fn write(
     changes: &mut Changes,
     position: i64,
 ) -> Result<(), Error> {
-    write_ports(connection, schema, changes, Load::Merge).await?;
+    let first = write_ports(connection, schema, changes, Load::Merge).await?;
+    count_first_publications(changes, first);
     recount_voided_ports(connection, schema, changes, position).await?;
-    write_containers(connection, schema, changes, Load::Merge).await?;
+    let lifecycles: Vec<_> = changes.lifecycles().collect();
+    write_containers(connection, schema, &lifecycles, Load::Merge).await?;
     write_anomalies(connection, schema, changes).await?;
     write_voids(connection, schema, changes).await?;
     write_rest(connection, schema, changes, Load::Merge).await?;
@@ -710,32 +712,73 @@ pub async fn write_fresh(
     schema: &str,
     mut changes: Changes,
     position: i64,
-) -> Result<(), Error> {
+) -> Result<FreshWrite, Error> {
+    let started = std::time::Instant::now();
     let mut transaction = connection.begin().await?;
     let indexes = strip_indexes(&mut transaction, schema, &FRESH_TABLES).await?;
-    write_ports(&mut transaction, schema, &mut changes, Load::Fresh).await?;
-    // Before the periods are written, as in [`write`] (a replay's changes have no voided
-    // ports, so this reads nothing).
-    recount_voided_ports(&mut transaction, schema, &mut changes, position).await?;
-    write_containers(&mut transaction, schema, &changes, Load::Fresh).await?;
-    let rows: Vec<(&ContainerKey, AnomalyRows)> =
-        changes.anomaly_rows(ANOMALIES_KEPT_MAX).collect();
-    // Nothing is stored to replace or trim: only the rows to insert count.
-    let inserted: Vec<(&ContainerKey, &Anomaly)> = rows
-        .iter()
-        .flat_map(|(key, rows)| rows.insert.iter().map(move |anomaly| (*key, anomaly)))
-        .collect();
-    insert_anomalies(&mut transaction, schema, &inserted).await?;
-    write_rest(&mut transaction, schema, &changes, Load::Fresh).await?;
     transaction.commit().await?;
+    // What [`write`] recounts after a void: a replay leaves voided events out before it
+    // counts anything, so its changes hold none.
+    assert!(
+        changes.voided_ports.is_empty(),
+        "a replay's changes count no voided publication"
+    );
+    // Every pair is stored for the first time: each is one entry of the map.
+    let pairs: Vec<(String, Period)> = changes
+        .ports
+        .keys()
+        .map(|key| (key.org_id.clone(), key.period))
+        .collect();
+    count_first_publications(&mut changes, pairs);
+    // Two connections at once, each writing half of the containers, one of them also the
+    // anomalies and the per-org tables, the other the ports: the build schema is read by no
+    // one until the swap, so each commits on its own.
+    let changes = &changes;
+    let lifecycles: Vec<_> = changes.lifecycles().collect();
+    let (first_half, second_half) = lifecycles.split_at(lifecycles.len() / 2);
+    let (containers, rest) = tokio::join!(
+        async {
+            let mut transaction = connection.begin().await?;
+            write_containers(&mut transaction, schema, first_half, Load::Fresh).await?;
+            let rows: Vec<(&ContainerKey, AnomalyRows)> =
+                changes.anomaly_rows(ANOMALIES_KEPT_MAX).collect();
+            // Nothing is stored to replace or trim: only the rows to insert count.
+            let inserted: Vec<(&ContainerKey, &Anomaly)> = rows
+                .iter()
+                .flat_map(|(key, rows)| rows.insert.iter().map(move |anomaly| (*key, anomaly)))
+                .collect();
+            insert_anomalies(&mut transaction, schema, &inserted).await?;
+            write_rest(&mut transaction, schema, changes, Load::Fresh).await?;
+            transaction.commit().await?;
+            Ok::<_, Error>(())
+        },
+        async {
+            let mut transaction = helper.begin().await?;
+            write_ports(&mut transaction, schema, changes, Load::Fresh).await?;
+            write_containers(&mut transaction, schema, second_half, Load::Fresh).await?;
+            transaction.commit().await?;
+            Ok::<_, Error>(())
+        }
+    );
+    containers?;
+    rest?;
+    let rows = started.elapsed();
     restore_indexes(&mut *connection, helper, &indexes).await?;
+    let indexes = started.elapsed() - rows;
     let mut transaction = connection.begin().await?;
     // `voided` kept its primary key (see [`FRESH_TABLES`]); a replay's changes remove no
     // container, so the rest of this deletes nothing.
-    write_voids(&mut transaction, schema, &changes).await?;
+    write_voids(&mut transaction, schema, changes).await?;
     write_checkpoint(&mut transaction, schema, position).await?;
     transaction.commit().await?;
-    Ok(())
+    Ok(FreshWrite { rows, indexes })
+}
+
+/// How long [`write_fresh`] took to write the rows and to build the indexes.
+#[derive(Debug, Clone, Copy)]
+pub struct FreshWrite {
+    pub rows: std::time::Duration,
+    pub indexes: std::time::Duration,
 }
 
 /// The per-org tables: period totals, open intervals, latest instants, account changes.
@@ -883,16 +926,18 @@ async fn execute_statement(connection: &mut PgConnection, statement: String) -> 
     Ok(())
 }
 
-/// Stores each (container, port, period) once with its first instant, and counts the pairs
-/// stored for the first time into their period's totals.
+/// Stores each (container, port, period) once with its first instant; returns the org and
+/// period of each pair stored for the first time under [`Load::Merge`] (under
+/// [`Load::Fresh`] every pair is, and nothing is returned: the caller counts them all).
 // Long: the merge and the fresh load of a chunk bind the same five column arrays; apart,
 // each would build them again.
 async fn write_ports(
     connection: &mut PgConnection,
     schema: &str,
-    changes: &mut Changes,
+    changes: &Changes,
     load: Load,
-) -> Result<(), Error> {
+) -> Result<Vec<(String, Period)>, Error> {
+    let mut first = Vec::new();
     let ports: Vec<_> = changes
         .ports
         .iter()
@@ -910,7 +955,7 @@ async fn write_ports(
             .collect();
         let numbers: Vec<i32> = chunk.iter().map(|(key, _)| i32::from(key.port)).collect();
         let firsts: Vec<DateTime<Utc>> = chunk.iter().map(|(_, at)| *at).collect();
-        let stored: Vec<(String, String)> = match load {
+        match load {
             Load::Merge => sqlx::query_as(&format!(
                 "INSERT INTO {schema}.port AS p (org_id, period, container_id, port, first_at) \
                  SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::INTEGER[], \
@@ -926,11 +971,16 @@ async fn write_ports(
             .bind(&firsts)
             .fetch_all(&mut *connection)
             .await
-            .map(|rows: Vec<(String, String, bool)>| {
-                rows.into_iter()
-                    .filter(|(_, _, inserted)| *inserted)
-                    .map(|(org, period, _)| (org, period))
-                    .collect()
+            .map_err(Error::from)
+            .and_then(|rows: Vec<(String, String, bool)>| {
+                for (org_id, period, inserted) in rows {
+                    if inserted {
+                        let period =
+                            Period::parse(&period).map_err(|e| Error::corrupt("period", e))?;
+                        first.push((org_id, period));
+                    }
+                }
+                Ok(())
             })?,
             Load::Fresh => {
                 sqlx::query(&format!(
@@ -945,32 +995,25 @@ async fn write_ports(
                 .bind(&firsts)
                 .execute(&mut *connection)
                 .await?;
-                // Every pair is new (one per map entry): each is stored for the first time.
-                orgs.iter()
-                    .zip(&periods)
-                    .map(|(org, period)| ((*org).to_owned(), period.clone()))
-                    .collect()
             }
-        };
-        for (org_id, period) in stored {
-            let period = Period::parse(&period).map_err(|e| Error::corrupt("period", e))?;
-            changes
-                .periods
-                .entry((org_id, period))
-                .or_default()
-                .ports_published += 1;
         }
     }
-    Ok(())
+    Ok(first)
+}
+
+/// Counts each pair stored for the first time into its period's totals.
+fn count_first_publications(changes: &mut Changes, first: Vec<(String, Period)>) {
+    for key in first {
+        changes.periods.entry(key).or_default().ports_published += 1;
+    }
 }
 
 async fn write_containers(
     connection: &mut PgConnection,
     schema: &str,
-    changes: &Changes,
+    lifecycles: &[(&ContainerKey, &Lifecycle)],
     load: Load,
 ) -> Result<(), Error> {
-    let lifecycles: Vec<_> = changes.lifecycles().collect();
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
         let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
         let ids: Vec<&str> = chunk
