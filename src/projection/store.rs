@@ -701,11 +701,11 @@ const FRESH_TABLES: [&str; 7] = [
 /// (so the schema ends as the function made it); creating a primary key's index also checks
 /// that no key was written twice.
 ///
-/// The rows are committed on `connection` before the indexes are built, so that `helper`
-/// (a second connection) can build half of them beside it: one backend building indexes
-/// one after another leaves a core idle. `schema` is not live until the replay swaps it in,
-/// so nobody sees it without its indexes; a replay that stops half-way leaves it to the
-/// next, which drops it. The checkpoint is written last, after the indexes.
+/// `connection` and `helper` (a second connection) each write and commit a share of the
+/// rows, then build the indexes between them: one backend doing either alone leaves a core
+/// idle. `schema` is not live until the replay swaps it in, so nobody sees it without its
+/// indexes; a replay that stops half-way leaves it to the next, which drops it. The
+/// checkpoint is written last, after the indexes.
 pub async fn write_fresh(
     connection: &mut PgConnection,
     helper: &mut PgConnection,
@@ -736,7 +736,7 @@ pub async fn write_fresh(
     let changes = &changes;
     let lifecycles: Vec<_> = changes.lifecycles().collect();
     let (first_half, second_half) = lifecycles.split_at(lifecycles.len() / 2);
-    let (containers, rest) = tokio::join!(
+    let (first, second) = tokio::join!(
         async {
             let mut transaction = connection.begin().await?;
             write_containers(&mut transaction, schema, first_half, Load::Fresh).await?;
@@ -760,8 +760,8 @@ pub async fn write_fresh(
             Ok::<_, Error>(())
         }
     );
-    containers?;
-    rest?;
+    first?;
+    second?;
     let rows = started.elapsed();
     restore_indexes(&mut *connection, helper, &indexes).await?;
     let indexes = started.elapsed() - rows;
