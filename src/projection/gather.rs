@@ -1,15 +1,15 @@
 //! Replay's read: every ledger event up to a head, gathered into each container's history
 //! and each org's account entries.
 //!
-//! A replay reads the whole ledger, and tally's side of that read, not Postgres's, set its
-//! pace: row by row through sqlx, each value was checked against its column's type,
-//! decoded through a generic decoder, and each row allocated its strings and a key of two
-//! more to find its container. So this read asks Postgres for `COPY … (FORMAT binary)` and
-//! decodes the tuples itself: each value is taken from the bytes where it lies, strings
-//! are borrowed from the message, and a container is looked up by borrowed strings,
-//! allocating only the first time it is seen. The query casts every column to the type
-//! decoded here, so a change of a column's type cannot be misread, and each value's length
-//! is checked against its type.
+//! A replay reads the whole ledger, so what each row costs tally counts. Row by row through
+//! sqlx, each value is checked against its column's type and decoded through a generic
+//! decoder, and each row would allocate its strings and a key of two more to find its
+//! container: tally's side would set the read's pace. So this read asks Postgres for
+//! `COPY … (FORMAT binary)` and decodes the tuples itself: each value is taken from the
+//! bytes where it lies, strings are borrowed from the message, and a container is looked
+//! up by borrowed strings, allocating only the first time it is seen. The query casts every
+//! column to the type decoded here, so a change of a column's type cannot be misread, and
+//! each value's length is checked against its type.
 
 use std::hash::{Hash, Hasher};
 
