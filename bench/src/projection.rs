@@ -698,8 +698,9 @@ async fn copy_plan_into_ledger(
     .await
 }
 
-/// Replay's work done again in parts, each timed: reading the rows, decoding and grouping
-/// them by container, folding. What replay took beyond these is writing and swapping.
+/// Replay's work done again in parts, each timed: reading the ledger (decoded and gathered
+/// by container as it arrives), then folding. What replay took beyond these is writing
+/// and swapping.
 struct ReplayParts {
     read: Duration,
     fold: Duration,
@@ -708,8 +709,6 @@ struct ReplayParts {
 }
 
 impl ReplayParts {
-    /// Replay's read (which gathers each container's history as it decodes) and its fold,
-    /// timed apart.
     async fn measure(
         connection: &mut PgConnection,
         second: &mut PgConnection,
