@@ -719,7 +719,11 @@ impl ReplayParts {
         let read = started.elapsed();
         let containers = gathered.histories.len();
         let started = Instant::now();
-        let changes = Changes::from_histories(gathered.histories, gathered.accounts);
+        let changes = Changes::from_histories_in_parts(
+            gathered.histories,
+            gathered.accounts,
+            tally::projection::replay::fold_parts(),
+        );
         let fold = started.elapsed();
         drop(changes);
         Ok(ReplayParts {

@@ -235,6 +235,84 @@ impl Changes {
         changes.finish()
     }
 
+    /// [`Self::from_histories`], with the histories dealt into `parts` shares folded at
+    /// once, each on a thread of its own, and the shares' changes merged: a replay folds
+    /// every container of the ledger, and each container's fold needs only its own
+    /// history. Blocks the calling thread until every share is folded.
+    pub fn from_histories_in_parts(
+        histories: impl IntoIterator<Item = (ContainerKey, Vec<ContainerEntry>)>,
+        accounts: Vec<(String, AccountEntry)>,
+        parts: usize,
+    ) -> Changes {
+        let parts = parts.max(1);
+        let mut shares: Vec<Vec<(ContainerKey, Vec<ContainerEntry>)>> =
+            (0..parts).map(|_| Vec::new()).collect();
+        for (index, history) in histories.into_iter().enumerate() {
+            shares[index % parts].push(history);
+        }
+        let first = shares.remove(0);
+        std::thread::scope(|scope| {
+            let others: Vec<_> = shares
+                .into_iter()
+                .map(|share| scope.spawn(|| Changes::from_histories(share, Vec::new())))
+                .collect();
+            let mut changes = Changes::from_histories(first, accounts);
+            for other in others {
+                changes.merge(other.join().expect("a fold does not panic"));
+            }
+            changes
+        })
+    }
+
+    /// Adds the finished changes of other containers (none of them in `self`) to these:
+    /// totals and open intervals add up, the latest instant and the earliest publication
+    /// are kept.
+    fn merge(&mut self, other: Changes) {
+        assert!(self.finished && other.finished, "merged before finish");
+        let Changes {
+            containers,
+            late,
+            periods,
+            open,
+            latest,
+            ports,
+            accounts,
+            voided,
+            voided_accounts,
+            voided_ports,
+            finished: _,
+        } = other;
+        for (key, change) in containers {
+            let previous = self.containers.insert(key, change);
+            assert!(previous.is_none(), "merged changes share a container");
+        }
+        self.late.extend(late);
+        for (key, delta) in periods {
+            let totals = self.periods.entry(key).or_default();
+            totals.closed_runtime_ms += delta.closed_runtime_ms;
+            totals.commands += delta.commands;
+            totals.command_ms += delta.command_ms;
+            totals.ports_published += delta.ports_published;
+        }
+        for (key, delta) in open {
+            let totals = self.open.entry(key).or_default();
+            totals.running += delta.running;
+            totals.since_offset_ms += delta.since_offset_ms;
+        }
+        for (org_id, at) in latest {
+            let kept = self.latest.entry(org_id).or_insert(at);
+            *kept = (*kept).max(at);
+        }
+        for (key, at) in ports {
+            let first = self.ports.entry(key).or_insert(at);
+            *first = (*first).min(at);
+        }
+        self.accounts.extend(accounts);
+        self.voided.extend(voided);
+        self.voided_accounts.extend(voided_accounts);
+        self.voided_ports.extend(voided_ports);
+    }
+
     /// Containers whose history must be read again: a late lifecycle event or a void
     /// reached them.
     pub fn late(&self) -> impl Iterator<Item = &ContainerKey> {

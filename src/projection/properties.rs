@@ -35,7 +35,7 @@ fn periods() -> Vec<Period> {
 type AnomalyTable = BTreeMap<(DateTime<Utc>, i64), Anomaly>;
 
 /// The projection's tables, in memory: what `store::write` does to them, row for row.
-#[derive(Default)]
+#[derive(Debug, Default, PartialEq)]
 struct Tables {
     /// How many anomalies a container keeps ([`ANOMALIES_KEPT_MAX`] in the store).
     kept_max: u64,
@@ -202,10 +202,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn projected_rounds_and_replay_equal_the_pure_rules_whatever_the_arrival_order_and_redelivery(
+    fn projected_rounds_and_replay_in_any_number_of_parts_equal_the_pure_rules_whatever_the_arrival_order_and_redelivery(
         (specs, arrivals, rounds) in any_arrivals(),
         after_ms in prop_oneof![Just(0i64), 0i64..40 * 86_400_000],
         kept_max in prop_oneof![1u64..4, Just(ANOMALIES_KEPT_MAX)],
+        parts in 1usize..5,
     ) {
         // The ledger stores each event once, at the position of its first arrival.
         let mut ledger: Vec<ProjectedEvent> = Vec::new();
@@ -254,6 +255,10 @@ proptest! {
         }
         let mut replayed = Tables { kept_max, ..Tables::default() };
         replayed.write(Changes::from_histories(histories.clone(), Vec::new()));
+        // Replay folds its histories in parts at once: dealt any way, the same tables.
+        let mut in_parts = Tables { kept_max, ..Tables::default() };
+        in_parts.write(Changes::from_histories_in_parts(histories.clone(), Vec::new(), parts));
+        prop_assert_eq!(&in_parts, &replayed);
 
         let timelines: HashMap<ContainerKey, ContainerTimeline> = histories
             .iter()

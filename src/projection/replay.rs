@@ -1,10 +1,10 @@
 //! `tally replay`: rebuilds every projection from the ledger.
 //!
 //! It builds into a fresh schema next to the live one — reading the ledger up to the head
-//! it finds at the start, folding each container's whole history in memory, writing the
-//! results in bulk with the checkpoint at that head — then, in one transaction that locks
-//! the live checkpoint (so no projector round is half-way), swaps the schemas and drops the
-//! old one. Readers see the old projection until the commit and the whole new one after it;
+//! it finds at the start, folding each container's whole history in memory (on every
+//! core), writing the results in bulk with the checkpoint at that head — then, in one
+//! transaction that locks the live checkpoint (so no projector round is half-way), swaps
+//! the schemas and drops the old one. Readers see the old projection until the commit and the whole new one after it;
 //! a running projector continues from the new checkpoint. Only one replay runs at a time.
 
 use std::collections::HashSet;
@@ -142,9 +142,18 @@ async fn changes_up_to(
         accounts.retain(|(_, entry)| !voided_ids.contains(&entry.event_id.as_uuid()));
     }
     let containers = histories.len();
-    let mut changes = Changes::from_histories(histories, accounts);
+    let mut changes = tokio::task::spawn_blocking(move || {
+        Changes::from_histories_in_parts(histories, accounts, fold_parts())
+    })
+    .await
+    .expect("a fold does not panic");
     changes.voided = voided;
     Ok((changes, events, containers, read))
+}
+
+/// How many parts replay folds at once: one for each core it may run on.
+pub fn fold_parts() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
 /// Swaps the built schema in for the live one, in one transaction that locks the live
