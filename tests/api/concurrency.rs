@@ -211,3 +211,80 @@ async fn an_append_waits_for_another_instance_holding_the_ledger_lock() {
     let appended = pending.await.unwrap().unwrap();
     assert_eq!(appended[0].position, 1);
 }
+
+/// The locked path: an append whose fast attempts both find the ledger other than they
+/// assumed reads the head and the stored ids under the lock itself. Forced here without
+/// timing: the test holds the ledger lock while this instance's append and then another
+/// instance's queue behind it (granted in the order they asked). Released, the first
+/// attempt finds the request's first id stored; the other instance then appends, so the
+/// second attempt finds the head moved; the locked path must still find the stored id
+/// and answer it as a duplicate, appending only the new event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_whose_fast_attempts_both_fail_finds_a_stored_id_under_the_lock_and_answers_it_as_a_duplicate(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let limits = AppendLimits {
+        queue_max: 8,
+        group_events_max: 8,
+    };
+    let (appender, _, _task) = Appender::start(db.pool().await, limits);
+    let (other, _, _other_task) = Appender::start(db.pool().await, limits);
+    let events = valid_events(2);
+    let stored = appender
+        .append(parse_events(&events[..1]))
+        .await
+        .expect("the first event is appended");
+    assert_eq!(stored[0].position, 1);
+
+    let mut holder = PgConnection::connect(&db.url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(tally::ledger::append::LEDGER_LOCK_KEY)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let again = parse_events(&events);
+    let pending = tokio::spawn(async move { appender.append(again).await });
+    waiting_for_the_ledger_lock(&pool, 1).await;
+    let meanwhile = parse_events(&valid_events(1));
+    let other_pending = tokio::spawn(async move { other.append(meanwhile).await });
+    waiting_for_the_ledger_lock(&pool, 2).await;
+    held.commit().await.unwrap();
+
+    let other_appended = other_pending
+        .await
+        .unwrap()
+        .expect("the other append succeeds");
+    assert_eq!(
+        other_appended[0].position, 2,
+        "the other instance appended between the two fast attempts"
+    );
+    let appended = pending.await.unwrap().expect("the append succeeds");
+    assert_eq!(
+        appended
+            .iter()
+            .map(|event| (event.position, event.duplicate))
+            .collect::<Vec<_>>(),
+        vec![(1, true), (3, false)],
+        "the stored event answered as a duplicate, the new one after the other instance's"
+    );
+    assert_eq!(positions(&pool).await, vec![1, 2, 3]);
+    let report = verify::verify(&pool).await.unwrap();
+    assert!(report.ok, "{report:?}");
+}
+
+/// Waits until `count` appends of this database wait for the ledger lock.
+async fn waiting_for_the_ledger_lock(pool: &sqlx::PgPool, count: i64) {
+    eventually(5, "appends wait for the ledger lock", || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        waiting == count
+    })
+    .await;
+}
