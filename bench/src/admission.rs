@@ -67,8 +67,11 @@ const STREAM_BATCH_EVENTS: usize = 10;
 /// own, as in the single-event phase of the ingest part.
 const CLIENTS: usize = 64;
 /// Connections the paced checks are spread over: a check waits for no earlier one unless
-/// all of them are still waiting for their answers.
-const PACED_CLIENTS: usize = 32;
+/// all of them are still waiting for their answers. As many as the closed loop has, so
+/// that half its rate is half the load on the connections too: each carries one request
+/// at a time, so at half the closed-loop rate they are all busy once an answer takes
+/// twice as long as it did in the closed loop (with half as many, once it takes as long).
+const PACED_CLIENTS: usize = CLIENTS;
 /// Checks (and `/healthz` requests) before measuring, so that connections, the pool and
 /// Postgres's caches and plans are warm.
 const WARMUP_REQUESTS: usize = 2_000;
