@@ -4,8 +4,9 @@
 //! it finds at the start, folding each container's whole history in memory (on every
 //! core), writing the results in bulk with the checkpoint at that head — then, in one
 //! transaction that locks the live checkpoint (so no projector round is half-way), swaps
-//! the schemas and drops the old one. Readers see the old projection until the commit and the whole new one after it;
-//! a running projector continues from the new checkpoint. Only one replay runs at a time.
+//! the schemas and drops the old one. Readers see the old projection until the commit and
+//! the whole new one after it; a running projector continues from the new checkpoint. Only
+//! one replay runs at a time.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
