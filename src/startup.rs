@@ -106,8 +106,8 @@ impl Service {
                 stream_health.clone(),
                 shutdown.clone(),
             )),
-            tokio::spawn(projector::run(
-                pool.clone(),
+            projector::start(
+                &config,
                 ProjectorSettings {
                     batch_max: config.projector_batch_max,
                     poll: Duration::from_millis(config.projector_poll_ms),
@@ -118,7 +118,7 @@ impl Service {
                 Some(projector_handoff),
                 Some(checker.cache().rounds()),
                 shutdown.clone(),
-            )),
+            ),
             tokio::spawn(admission::cache::listen(
                 pool.clone(),
                 checker.cache().clone(),

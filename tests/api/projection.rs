@@ -751,3 +751,58 @@ async fn commands_of_running_containers_within_the_hour_update_their_rows_withou
     assert_eq!(container_updates(&app).await, (stopped, expected));
     app.stop().await;
 }
+
+/// The projector runs on a thread of its own, with a pool of its own. Like the service's
+/// tasks, it stops with the runtime that started the service even when the service was
+/// never stopped, so that it does not go on projecting (and holding a session) for a
+/// service that no longer exists.
+#[test]
+fn a_service_whose_runtime_ends_without_a_stop_leaves_no_session_open_on_its_database() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (service, db, nats) = runtime.block_on(async {
+        let app = TestApp::spawn().await;
+        let (status, _) = app
+            .post_events(&json!({"events": [crate::helpers::valid_event("org_a", "box", 0)]}))
+            .await;
+        assert_eq!(status, 200);
+        crate::helpers::projected_to_head(&app.pool, "the event is projected").await;
+        let mut app = app;
+        app.pool.close().await;
+        let service = app.service.take().expect("the service runs");
+        (service, app.db, app.nats)
+    });
+    drop(service);
+    drop(runtime);
+
+    let checker = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    checker.block_on(async {
+        // One connection, so that the only session left of this test's is the one asking.
+        let mut connection = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url)
+            .await
+            .unwrap();
+        let mut sessions = i64::MAX;
+        for _ in 0..100 {
+            sessions = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .fetch_one(&mut connection)
+            .await
+            .unwrap();
+            if sessions == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert_eq!(sessions, 0, "every session of the service has ended");
+    });
+    drop(nats);
+    drop(db);
+}
