@@ -45,6 +45,10 @@ pub mod http;
 /// Wiring: starts every component of `tally serve` and stops them in order.
 pub mod startup;
 
+/// A component on a thread of its own, with a runtime of its own (the appender, the
+/// projector).
+pub mod own_thread;
+
 /// The command line: the clap definition, the dispatch, one module per subcommand.
 pub mod cli;
 

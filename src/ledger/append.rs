@@ -252,19 +252,10 @@ impl Appender {
             handoffs: handoffs.clone(),
         };
         let options = pool.connect_options();
-        let (stopped_sender, stopped) = oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name("tally-appender".to_owned())
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("the appender's runtime starts");
-                runtime.block_on(run(&options, limits, Dating::new(clock), receiver, outlets));
-                // Dropped unsent if `run` panics; the task below ends either way.
-                let _ = stopped_sender.send(());
-            })
-            .expect("the appender's thread starts");
+        let stopped = crate::own_thread::spawn("tally-appender", move || async move {
+            run(&options, limits, Dating::new(clock), receiver, outlets).await
+        });
+        // Ends when the appender has stopped, or panicked.
         let task = tokio::spawn(async move {
             let _ = stopped.await;
         });

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::{oneshot, watch, Notify};
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -264,13 +264,12 @@ pub async fn run(
 /// the projector does holds a connection.
 const PROJECTOR_CONNECTIONS: u32 = 1;
 
-/// Runs [`run`] on a thread of its own, with a single-threaded runtime and a pool of its
-/// own, opened there from `config` (a connection's socket is watched by the reactor of the
-/// runtime that opened it). On the service's runtime, every statement of a round, once
-/// answered, would wait behind every ready HTTP task before the round went on, and a check
-/// that waits for a round (read-your-writes) would wait that much longer. The task returned
-/// ends when the projector has stopped; dropped unfinished (its runtime shutting down), it
-/// stops the projector, as it would a task of that runtime.
+/// Runs [`run`] on a thread of its own ([`crate::own_thread`]), so that a check waiting for
+/// a round (read-your-writes) does not also wait, at each of the round's statements, for
+/// the ready HTTP tasks. Its pool, of one connection, is opened there from `config` (a
+/// connection's socket is watched by the reactor of the runtime that opened it). The task
+/// returned ends when the projector has stopped; dropped unfinished (its runtime shutting
+/// down), it stops the projector, as it would a task of that runtime.
 pub fn start(
     config: &Config,
     settings: ProjectorSettings,
@@ -285,30 +284,16 @@ pub fn start(
     };
     let stop = shutdown.child_token();
     let stop_when_dropped = stop.clone().drop_guard();
-    let (stopped_sender, stopped) = oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name("tally-projector".to_owned())
-        .spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("the projector's runtime starts");
-            runtime.block_on(async {
-                // Lazy: this fails only on a URL that the service's own pool parsed already.
-                match crate::ledger::db::connect(&config).await {
-                    Ok(pool) => {
-                        run(pool.clone(), settings, freshness, handoff, rounds, stop).await;
-                        pool.close().await;
-                    }
-                    Err(error) => {
-                        tracing::error!(error = %error, "the projector cannot make its pool")
-                    }
-                }
-            });
-            // Dropped unsent if the projector panics; the task below ends either way.
-            let _ = stopped_sender.send(());
-        })
-        .expect("the projector's thread starts");
+    let stopped = crate::own_thread::spawn("tally-projector", move || async move {
+        // Lazy: this fails only on a URL that the service's own pool parsed already.
+        match crate::ledger::db::connect(&config).await {
+            Ok(pool) => {
+                run(pool.clone(), settings, freshness, handoff, rounds, stop).await;
+                pool.close().await;
+            }
+            Err(error) => tracing::error!(error = %error, "the projector cannot make its pool"),
+        }
+    });
     tokio::spawn(async move {
         let _stop_when_dropped = stop_when_dropped;
         let _ = stopped.await;
