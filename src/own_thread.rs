@@ -16,14 +16,14 @@ where
     Fut: Future<Output = ()>,
 {
     let (finished_sender, finished) = oneshot::channel();
-    let described = format!("the {name} thread's runtime starts");
+    let thread_name = name.to_owned();
     std::thread::Builder::new()
         .name(name.to_owned())
         .spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .expect(&described);
+                .unwrap_or_else(|error| panic!("the {thread_name} runtime starts: {error}"));
             runtime.block_on(make());
             // Dropped unsent if the future panics.
             let _ = finished_sender.send(());

@@ -2,9 +2,9 @@
 //! and each org's account entries.
 //!
 //! A replay reads the whole ledger, so what each row costs tally counts. Row by row through
-//! sqlx, each value is checked against its column's type and decoded through a generic
-//! decoder, and each row would allocate its strings and a key of two more to find its
-//! container: tally's side would set the read's pace. So this read asks Postgres for
+//! sqlx, each value would be checked against its column's type and decoded through a
+//! generic decoder, and each row would allocate its strings and a key of two more to find
+//! its container: tally's side would set the read's pace. So this read asks Postgres for
 //! `COPY … (FORMAT binary)` and decodes the tuples itself: each value is taken from the
 //! bytes where it lies, strings are borrowed from the message, and a container is looked
 //! up by borrowed strings, allocating only the first time it is seen. The query casts every
