@@ -4,9 +4,9 @@
 //!
 //! It runs in the ingest part after the in-process phases and their checks, against the
 //! same running `tally serve` child: `wrk` posts single events from [`WRK_CONNECTIONS`]
-//! connections for `--outside-seconds` (a Lua script the bench writes, each request a
-//! body of the ingest workload under a fresh UUID, counting the answers that are 200 and
-//! new and keeping their positions); then, with the service idle, `pgbench -c 16` runs
+//! connections for `--outside-seconds` (a Lua script the bench writes, each request one of
+//! the ingest workload's commands of running containers under a fresh UUID, counting the
+//! answers that are 200 and new and keeping their positions); then, with the service idle, `pgbench -c 16` runs
 //! the yardstick's one-row INSERT a transaction into a table shaped like the ledger. Last,
 //! every event `wrk` got a 200 for is looked up in the ledger.
 
@@ -35,8 +35,15 @@ const LOAD_THREADS: usize = 2;
 /// counted as an answer, not dropped as a timeout.
 const WRK_TIMEOUT_SECONDS: u64 = crate::HTTP_TIMEOUT_MS / 1_000;
 /// Workload bodies the Lua script cycles through, each under fresh ids: enough variety of
-/// orgs, containers and types, and a script of a few hundred kilobytes at most.
+/// orgs and containers, and a script of a few hundred kilobytes at most.
 const TEMPLATES_MAX: usize = 1_000;
+/// The one event type the Lua script posts: issue 23 measures single events as commands of
+/// running containers, and a body repeated under fresh ids must stay such an event. The
+/// workload's commands are all of running containers. A repeated lifecycle body would not
+/// be: each repetition of a `container.stopped` or `container.created` is a late lifecycle
+/// event, which refolds its container's whole history, and every repetition makes that
+/// history longer (docs/benchmarks.md, "The outside measurement").
+const TEMPLATE_TYPE: &str = "container.command_ran";
 /// The table `pgbench` inserts into, shaped like the ledger as the yardstick's is.
 const OUTSIDE_TABLE: &str = "outside_single";
 /// How long `wrk` or `pgbench` may run beyond the seconds asked before the run fails.
@@ -230,18 +237,23 @@ async fn run_tool(command: &mut tokio::process::Command, seconds: u64) -> anyhow
     Ok(stdout)
 }
 
-/// The Lua script `wrk` runs. Each request is a body of the workload under a UUID of its
-/// own (`<prefix>-<thread>-4000-8000-<counter>`), so that every request is a new event
-/// and the ledger can be searched for them; `response` counts the 200s that were new and
-/// keeps their positions, and `done` prints what the threads counted.
+/// The Lua script `wrk` runs. Each request is one of the workload's single events that is a
+/// command of a running container ([`TEMPLATE_TYPE`]), under a UUID of its own
+/// (`<prefix>-<thread>-4000-8000-<counter>`), so that every request is a new event and the
+/// ledger can be searched for them; `response` counts the 200s that were new and keeps
+/// their positions, and `done` prints what the threads counted.
 fn lua_script(single_bodies: &[Bytes], token: &str, prefix: &str) -> anyhow::Result<String> {
-    anyhow::ensure!(
-        !single_bodies.is_empty(),
-        "single events to post from outside"
-    );
     let mut templates = String::new();
-    for body in single_bodies.iter().take(TEMPLATES_MAX) {
+    let mut kept = 0;
+    for body in single_bodies {
+        if kept == TEMPLATES_MAX {
+            break;
+        }
         let mut event: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)?;
+        if event.get("type").and_then(|kind| kind.as_str()) != Some(TEMPLATE_TYPE) {
+            continue;
+        }
+        kept += 1;
         event.remove("id").context("a single event has an id")?;
         let rest = serde_json::Value::Object(event).to_string();
         let rest = rest.strip_prefix('{').context("an object")?;
@@ -251,6 +263,10 @@ fn lua_script(single_bodies: &[Bytes], token: &str, prefix: &str) -> anyhow::Res
         );
         writeln!(templates, "  {{[==[{{\"id\":\"]==], [==[\",{rest}]==]}},")?;
     }
+    anyhow::ensure!(
+        kept > 0,
+        "no single event of the workload is a {TEMPLATE_TYPE} to post from outside"
+    );
     Ok(format!(
         r#"-- Written by tally-bench --outside; removed after the run.
 local templates = {{
@@ -479,6 +495,38 @@ mod tests {
         assert_eq!(answers.seconds, 2.0);
         assert_eq!(answers.p99_ms, 1.5);
         assert!(!answers.all_ok_check().passed);
+    }
+
+    #[test]
+    fn the_wrk_script_posts_only_the_commands_among_the_single_events() {
+        let body = |kind: &str, container: &str| {
+            Bytes::from(
+                serde_json::json!({
+                    "id": "0193a0a0-0000-7000-8000-000000000000",
+                    "type": kind,
+                    "org_id": "org_1",
+                    "container_id": container,
+                    "occurred_at": "2026-12-01T00:00:00.000Z",
+                    "data": {},
+                })
+                .to_string(),
+            )
+        };
+        let bodies = [
+            body("container.created", "ctr_created"),
+            body(TEMPLATE_TYPE, "ctr_command"),
+            body("container.stopped", "ctr_stopped"),
+        ];
+        let script = lua_script(&bodies, "token", "prefix").expect("a script");
+        assert!(script.contains("ctr_command"));
+        assert!(!script.contains("ctr_created") && !script.contains("ctr_stopped"));
+        assert!(
+            !script.contains("0193a0a0"),
+            "every request gets an id of its own"
+        );
+
+        let error = lua_script(&bodies[..1], "token", "prefix").expect_err("no command");
+        assert!(error.to_string().contains(TEMPLATE_TYPE), "{error}");
     }
 
     #[test]
