@@ -379,6 +379,18 @@ impl Changes {
             .map(|(key, change)| (key, &change.new))
     }
 
+    /// Whether this run left `key`'s intervals as they were stored before it, so that only
+    /// its last instant and anomaly count move (a command or a port of a running container,
+    /// the usual event); false for a container new to the projection.
+    pub fn intervals_unchanged(&self, key: &ContainerKey) -> bool {
+        self.containers.get(key).is_some_and(|change| {
+            change
+                .old
+                .as_ref()
+                .is_some_and(|old| old.intervals() == change.new.intervals())
+        })
+    }
+
     /// What to do to the kept anomalies of each container this run touched (none for a
     /// container whose rows go, see [`Self::removed`]), keeping the first `kept_max`.
     ///
@@ -635,6 +647,33 @@ mod tests {
         assert_eq!(changes.ports.len(), 1, "one pair, counted when stored");
         assert!(changes.open.values().all(|open| open.running == 0));
         assert_eq!(changes.latest["org"], at(1, 4));
+    }
+
+    #[test]
+    fn only_containers_stored_before_whose_intervals_the_run_left_alone_keep_their_intervals() {
+        // Stored: a, b and c created on Nov 1 and still running; d is new.
+        let running =
+            ContainerTimeline::fold(&[event(1, "a", at(1, 0), Created).container.unwrap().1])
+                .into_lifecycle();
+        let stored = ["a", "b", "c"].map(|container| (key(container), running.clone()));
+        let changes = Changes::apply(
+            &[
+                event(2, "a", at(2, 0), CommandRan { duration_ms: 1 }),
+                event(3, "b", at(2, 0), PortPublished { port: 443 }),
+                event(4, "c", at(2, 0), Stopped),
+                event(5, "d", at(2, 0), Created),
+                // A late command moves no interval either.
+                event(6, "a", at(1, 12), CommandRan { duration_ms: 1 }),
+            ],
+            &[],
+            HashMap::from(stored),
+        );
+        assert_eq!(changes.late().count(), 0);
+        let changes = changes.finish();
+        let unchanged: Vec<bool> = ["a", "b", "c", "d", "never touched"]
+            .map(|container| changes.intervals_unchanged(&key(container)))
+            .into();
+        assert_eq!(unchanged, [true, true, false, false, false]);
     }
 
     #[test]

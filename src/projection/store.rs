@@ -674,8 +674,12 @@ pub async fn write(
     let first = write_ports(connection, schema, changes, Load::Merge).await?;
     count_first_publications(changes, first);
     recount_voided_ports(connection, schema, changes, position).await?;
-    let lifecycles: Vec<_> = changes.lifecycles().collect();
-    write_containers(connection, schema, &lifecycles, Load::Merge).await?;
+    let (moved, rest): (Vec<_>, Vec<_>) = changes
+        .lifecycles()
+        .partition(|(key, _)| changes.intervals_unchanged(key));
+    let missing = move_containers(connection, schema, &moved).await?;
+    write_containers(connection, schema, &rest, Load::Merge).await?;
+    write_containers(connection, schema, &missing, Load::Merge).await?;
     write_anomalies(connection, schema, changes).await?;
     write_voids(connection, schema, changes).await?;
     write_rest(connection, schema, changes, Load::Merge).await?;
@@ -1026,18 +1030,9 @@ async fn write_containers(
             .collect();
         let totals: Vec<i64> = chunk
             .iter()
-            .map(|(_, lifecycle)| {
-                i64::try_from(lifecycle.anomalies_total()).expect("fewer anomalies than events")
-            })
+            .map(|(_, lifecycle)| anomalies_total(lifecycle))
             .collect();
-        let last_at: Vec<DateTime<Utc>> = chunk
-            .iter()
-            .map(|(_, lifecycle)| {
-                lifecycle
-                    .last_at()
-                    .expect("a touched container has an event")
-            })
-            .collect();
+        let last_at: Vec<DateTime<Utc>> = chunk.iter().map(|(_, l)| last_at(l)).collect();
         sqlx::query(&format!(
             "INSERT INTO {schema}.container \
                  (org_id, container_id, intervals, anomalies_total, last_at) \
@@ -1058,6 +1053,63 @@ async fn write_containers(
         .await?;
     }
     Ok(())
+}
+
+/// Moves the last instant and anomaly count of containers whose stored intervals this
+/// round left as they were ([`Changes::intervals_unchanged`]), without writing their
+/// intervals again: for most events of a busy platform (commands and ports of running
+/// containers) a round would otherwise parse each container's whole intervals into `jsonb`
+/// and go through `ON CONFLICT`'s insert attempt, only to store what the row already
+/// holds. Returns the chunks in which it did not find every row, for the upsert: none, since
+/// the round read each of these containers from its row under the checkpoint's lock, unless
+/// the table changed under it all the same (an operator's hand); the upsert then stores
+/// them whole, as it always did.
+async fn move_containers<'a>(
+    connection: &mut PgConnection,
+    schema: &str,
+    lifecycles: &[(&'a ContainerKey, &'a Lifecycle)],
+) -> Result<Vec<(&'a ContainerKey, &'a Lifecycle)>, Error> {
+    let mut missing = Vec::new();
+    for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
+        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
+        let ids: Vec<&str> = chunk
+            .iter()
+            .map(|(key, _)| key.container_id.as_str())
+            .collect();
+        let totals: Vec<i64> = chunk
+            .iter()
+            .map(|(_, lifecycle)| anomalies_total(lifecycle))
+            .collect();
+        let last_at: Vec<DateTime<Utc>> = chunk.iter().map(|(_, l)| last_at(l)).collect();
+        let updated = sqlx::query(&format!(
+            "UPDATE {schema}.container c SET anomalies_total = r.a, last_at = r.l \
+             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::TIMESTAMPTZ[]) \
+                 AS r(o, c, a, l) \
+             WHERE c.container_id = r.c AND c.org_id = r.o"
+        ))
+        .bind(&orgs)
+        .bind(&ids)
+        .bind(&totals)
+        .bind(&last_at)
+        .execute(&mut *connection)
+        .await?
+        .rows_affected();
+        // The upsert stores the same values again for the rows found.
+        if updated < chunk.len() as u64 {
+            missing.extend_from_slice(chunk);
+        }
+    }
+    Ok(missing)
+}
+
+fn anomalies_total(lifecycle: &Lifecycle) -> i64 {
+    i64::try_from(lifecycle.anomalies_total()).expect("fewer anomalies than events")
+}
+
+fn last_at(lifecycle: &Lifecycle) -> DateTime<Utc> {
+    lifecycle
+        .last_at()
+        .expect("a touched container has an event")
 }
 
 /// Appends each touched container's new anomalies to `container_anomaly` (or replaces
