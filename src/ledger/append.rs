@@ -43,6 +43,7 @@
 //! a group commit is that much shorter for every request waiting on it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -321,13 +322,21 @@ impl Appender {
 /// them for that reader, which reads the ledger instead. The groups are shared by the
 /// readers, not copied for each.
 const HANDOFF_GROUPS_MAX: usize = 32;
-/// Larger groups (batches) are not handed over: a reader reads many rows from the ledger
-/// at little cost per row, and the handoff's memory stays bounded.
-pub const HANDOFF_GROUP_EVENTS_MAX: usize = 1_000;
-/// Rows a reader keeps from what it was handed, at most. With the groups queued, a
-/// reader's handoff holds at most 48 000 rows (about 25 MB at the bench's 500 bytes a row;
-/// a row is at most a few kB; the projector keeps only the few hundred bytes it reads of one).
-const HANDOFF_ROWS_MAX: usize = 16 * HANDOFF_GROUP_EVENTS_MAX;
+/// Rows a reader keeps from what it was handed, at most (the newest).
+const HANDOFF_ROWS_MAX: usize = 16_000;
+/// Larger groups are not handed over: a reader keeps no more than [`HANDOFF_ROWS_MAX`]
+/// rows, so it would read part of one from the ledger anyway. Groups are at most the
+/// appender's group limit (10 000 events by default) unless one request is larger, so by
+/// default every group is handed over, batches too: read back, a batch group cost the relay
+/// and the projector, and their backends, about a tenth of the HTTP batch rate
+/// (docs/benchmarks.md).
+pub const HANDOFF_GROUP_EVENTS_MAX: usize = HANDOFF_ROWS_MAX;
+/// Rows waiting in one reader's queue at most, over its groups: a group that would take
+/// the reader past it is not handed to that reader, which reads the ledger instead. With
+/// the rows it keeps, a reader's handoff holds at most 48 000 rows (about 25 MB at the
+/// bench's 500 bytes a row; a row is at most a few kB; the projector keeps only the few
+/// hundred bytes it reads of one).
+const HANDOFF_QUEUED_ROWS_MAX: usize = 2 * HANDOFF_ROWS_MAX;
 
 /// What a reader tailing the ledger in memory keeps of each committed row: the row itself
 /// (the relay), or what it reads of it (the projector's events).
@@ -355,29 +364,51 @@ impl Handed for LedgerRow {
 /// Where the appender hands its commits over: one bounded queue per reader, shared with
 /// every handle so that a reader can join after the start.
 #[derive(Clone, Default)]
-struct Handoffs(Arc<Mutex<Vec<mpsc::Sender<Arc<Rows>>>>>);
+struct Handoffs(Arc<Mutex<Vec<Queue>>>);
+
+/// One reader's queue of groups, and how many rows its groups hold: bounded in both
+/// ([`HANDOFF_GROUPS_MAX`], [`HANDOFF_QUEUED_ROWS_MAX`]).
+struct Queue {
+    sender: mpsc::Sender<Arc<Rows>>,
+    rows: Arc<AtomicUsize>,
+}
 
 impl Handoffs {
     fn add<R: Handed>(&self) -> Committed<R> {
         let (sender, receiver) = mpsc::channel(HANDOFF_GROUPS_MAX);
+        let rows = Arc::new(AtomicUsize::new(0));
         self.0
             .lock()
             .expect("never held across a panic")
-            .push(sender);
-        Committed::new(receiver)
+            .push(Queue {
+                sender,
+                rows: Arc::clone(&rows),
+            });
+        Committed::new(receiver, rows)
     }
 
-    /// Hands `rows` to every reader whose queue has room; a reader that is gone is
+    /// Hands `rows` to every reader whose queue has room for them; a reader that is gone is
     /// forgotten, one that is full (slow, or not reading) reads the ledger instead. Never
     /// waits.
     fn hand_over(&self, rows: Rows) {
+        let count = rows.len();
         let rows = Arc::new(rows);
         self.0
             .lock()
             .expect("never held across a panic")
-            .retain(|reader| match reader.try_send(Arc::clone(&rows)) {
-                Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => true,
-                Err(mpsc::error::TrySendError::Closed(_)) => false,
+            .retain(|queue| {
+                // Only the readers take rows out, so the room seen here can only grow.
+                if queue.rows.load(Ordering::Acquire) + count > HANDOFF_QUEUED_ROWS_MAX {
+                    return !queue.sender.is_closed();
+                }
+                match queue.sender.try_send(Arc::clone(&rows)) {
+                    Ok(()) => {
+                        queue.rows.fetch_add(count, Ordering::AcqRel);
+                        true
+                    }
+                    Err(mpsc::error::TrySendError::Full(_)) => true,
+                    Err(mpsc::error::TrySendError::Closed(_)) => false,
+                }
             });
     }
 }
@@ -390,15 +421,25 @@ impl Handoffs {
 /// ledger, so what the reader sees is the ledger either way.
 pub struct Committed<R: Handed = LedgerRow> {
     receiver: mpsc::Receiver<Arc<Rows>>,
+    /// The rows of the groups in `receiver`, counted by the appender as it sends them.
+    queued: Arc<AtomicUsize>,
     pending: std::collections::VecDeque<R>,
 }
 
 impl<R: Handed> Committed<R> {
-    fn new(receiver: mpsc::Receiver<Arc<Rows>>) -> Committed<R> {
+    fn new(receiver: mpsc::Receiver<Arc<Rows>>, queued: Arc<AtomicUsize>) -> Committed<R> {
         Committed {
             receiver,
+            queued,
             pending: std::collections::VecDeque::new(),
         }
+    }
+
+    /// The next group in the queue, no longer counted against it.
+    fn next_group(&mut self) -> Option<Arc<Rows>> {
+        let rows = self.receiver.try_recv().ok()?;
+        self.queued.fetch_sub(rows.len(), Ordering::AcqRel);
+        Some(rows)
     }
 
     /// Up to `limit` rows following position `after`, in position order, when the rows
@@ -429,7 +470,7 @@ impl<R: Handed> Committed<R> {
     /// wakes, so that the rows the readers share are its no longer and the last reader
     /// takes them whole.
     pub fn receive(&mut self) {
-        while let Ok(rows) = self.receiver.try_recv() {
+        while let Some(rows) = self.next_group() {
             self.pending.extend(R::from_committed(rows));
         }
         let excess = self.pending.len().saturating_sub(HANDOFF_ROWS_MAX);
@@ -440,7 +481,7 @@ impl<R: Handed> Committed<R> {
     /// waiting to lead, a projector whose rounds another instance makes), so that it holds
     /// no rows it will never use.
     pub fn discard(&mut self) {
-        while self.receiver.try_recv().is_ok() {}
+        while self.next_group().is_some() {}
         self.pending.clear();
     }
 }
@@ -1015,7 +1056,7 @@ mod tests {
     /// A handoff holding rows at `positions`, as if handed over in that order.
     fn handed(positions: impl IntoIterator<Item = i64>) -> Committed<LedgerRow> {
         let (_sender, receiver) = mpsc::channel(1);
-        let mut committed = Committed::new(receiver);
+        let mut committed = Committed::new(receiver, Arc::default());
         committed.pending.extend(positions.into_iter().map(row));
         committed
     }
@@ -1046,6 +1087,72 @@ mod tests {
         let mut committed = handed(1..=3);
         assert_eq!(positions(committed.take_after(10, 10)), None);
         assert!(committed.pending.is_empty(), "stale rows are not kept");
+    }
+
+    /// A reader that keeps only positions.
+    #[derive(Debug, PartialEq)]
+    struct Position(i64);
+
+    impl Handed for Position {
+        fn position(&self) -> i64 {
+            self.0
+        }
+
+        fn from_committed(rows: Arc<Rows>) -> Vec<Position> {
+            rows.position.iter().copied().map(Position).collect()
+        }
+    }
+
+    /// A group holding only positions: enough for a reader of positions.
+    fn group(positions: std::ops::RangeInclusive<i64>) -> Rows {
+        Rows {
+            position: positions.collect(),
+            ..Rows::default()
+        }
+    }
+
+    fn first_and_last(rows: Option<Vec<Position>>) -> Option<(i64, i64)> {
+        let rows = rows?;
+        Some((rows.first()?.0, rows.last()?.0))
+    }
+
+    #[test]
+    fn a_reader_whose_queue_holds_its_limit_of_rows_is_handed_nothing_more_until_it_takes_them_in()
+    {
+        let handoffs = Handoffs::default();
+        let mut slow = handoffs.add::<Position>();
+        let mut quick = handoffs.add::<Position>();
+        let half = HANDOFF_QUEUED_ROWS_MAX as i64 / 2;
+        handoffs.hand_over(group(1..=half));
+        quick.receive();
+        handoffs.hand_over(group(half + 1..=2 * half));
+        quick.receive();
+        // The slow reader's queue holds its limit: one more row would pass it.
+        handoffs.hand_over(group(2 * half + 1..=2 * half + 1));
+        quick.receive();
+        assert_eq!(
+            first_and_last(quick.take_after(2 * half, 10)),
+            Some((2 * half + 1, 2 * half + 1)),
+            "a slow reader holds no other back"
+        );
+
+        slow.receive();
+        assert_eq!(slow.queued.load(Ordering::Acquire), 0);
+        assert_eq!(
+            first_and_last(slow.take_after(2 * half - HANDOFF_ROWS_MAX as i64, 2 * half as usize)),
+            Some((2 * half - HANDOFF_ROWS_MAX as i64 + 1, 2 * half)),
+            "the newest rows it keeps"
+        );
+        assert!(
+            slow.take_after(2 * half, 10).is_none(),
+            "the group it was not handed is read from the ledger"
+        );
+        handoffs.hand_over(group(2 * half + 2..=2 * half + 3));
+        assert_eq!(
+            first_and_last(slow.take_after(2 * half + 1, 10)),
+            Some((2 * half + 2, 2 * half + 3)),
+            "with room again, it is handed the next group"
+        );
     }
 
     #[test]
