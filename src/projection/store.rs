@@ -1019,20 +1019,11 @@ async fn write_containers(
     load: Load,
 ) -> Result<(), Error> {
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
-        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
-        let ids: Vec<&str> = chunk
-            .iter()
-            .map(|(key, _)| key.container_id.as_str())
-            .collect();
+        let columns = ContainerColumns::of(chunk);
         let intervals: Vec<String> = chunk
             .iter()
             .map(|(_, lifecycle)| encode_intervals(lifecycle))
             .collect();
-        let totals: Vec<i64> = chunk
-            .iter()
-            .map(|(_, lifecycle)| anomalies_total(lifecycle))
-            .collect();
-        let last_at: Vec<DateTime<Utc>> = chunk.iter().map(|(_, l)| last_at(l)).collect();
         sqlx::query(&format!(
             "INSERT INTO {schema}.container \
                  (org_id, container_id, intervals, anomalies_total, last_at) \
@@ -1044,15 +1035,49 @@ async fn write_containers(
                  anomalies_total = EXCLUDED.anomalies_total, last_at = EXCLUDED.last_at"
             )
         ))
-        .bind(&orgs)
-        .bind(&ids)
+        .bind(&columns.orgs)
+        .bind(&columns.ids)
         .bind(&intervals)
-        .bind(&totals)
-        .bind(&last_at)
+        .bind(&columns.totals)
+        .bind(&columns.last_at)
         .execute(&mut *connection)
         .await?;
     }
     Ok(())
+}
+
+/// The columns of a chunk of containers that both the upsert and the move write.
+struct ContainerColumns<'a> {
+    orgs: Vec<&'a str>,
+    ids: Vec<&'a str>,
+    totals: Vec<i64>,
+    last_at: Vec<DateTime<Utc>>,
+}
+
+impl<'a> ContainerColumns<'a> {
+    fn of(chunk: &[(&'a ContainerKey, &Lifecycle)]) -> ContainerColumns<'a> {
+        ContainerColumns {
+            orgs: chunk.iter().map(|(key, _)| key.org_id.as_str()).collect(),
+            ids: chunk
+                .iter()
+                .map(|(key, _)| key.container_id.as_str())
+                .collect(),
+            totals: chunk
+                .iter()
+                .map(|(_, lifecycle)| {
+                    i64::try_from(lifecycle.anomalies_total()).expect("fewer anomalies than events")
+                })
+                .collect(),
+            last_at: chunk
+                .iter()
+                .map(|(_, lifecycle)| {
+                    lifecycle
+                        .last_at()
+                        .expect("a touched container has an event")
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Moves the last instant and anomaly count of containers whose stored intervals this
@@ -1071,26 +1096,17 @@ async fn move_containers<'a>(
 ) -> Result<Vec<(&'a ContainerKey, &'a Lifecycle)>, Error> {
     let mut missing = Vec::new();
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
-        let orgs: Vec<&str> = chunk.iter().map(|(key, _)| key.org_id.as_str()).collect();
-        let ids: Vec<&str> = chunk
-            .iter()
-            .map(|(key, _)| key.container_id.as_str())
-            .collect();
-        let totals: Vec<i64> = chunk
-            .iter()
-            .map(|(_, lifecycle)| anomalies_total(lifecycle))
-            .collect();
-        let last_at: Vec<DateTime<Utc>> = chunk.iter().map(|(_, l)| last_at(l)).collect();
+        let columns = ContainerColumns::of(chunk);
         let updated = sqlx::query(&format!(
             "UPDATE {schema}.container c SET anomalies_total = r.a, last_at = r.l \
              FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::TIMESTAMPTZ[]) \
                  AS r(o, c, a, l) \
              WHERE c.container_id = r.c AND c.org_id = r.o"
         ))
-        .bind(&orgs)
-        .bind(&ids)
-        .bind(&totals)
-        .bind(&last_at)
+        .bind(&columns.orgs)
+        .bind(&columns.ids)
+        .bind(&columns.totals)
+        .bind(&columns.last_at)
         .execute(&mut *connection)
         .await?
         .rows_affected();
@@ -1100,16 +1116,6 @@ async fn move_containers<'a>(
         }
     }
     Ok(missing)
-}
-
-fn anomalies_total(lifecycle: &Lifecycle) -> i64 {
-    i64::try_from(lifecycle.anomalies_total()).expect("fewer anomalies than events")
-}
-
-fn last_at(lifecycle: &Lifecycle) -> DateTime<Utc> {
-    lifecycle
-        .last_at()
-        .expect("a touched container has an event")
 }
 
 /// Appends each touched container's new anomalies to `container_anomaly` (or replaces
