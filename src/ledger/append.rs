@@ -328,7 +328,7 @@ const HANDOFF_ROWS_MAX: usize = 16_000;
 /// rows, so it would read part of one from the ledger anyway. Groups are at most the
 /// appender's group limit (10 000 events by default) unless one request is larger, so by
 /// default every group is handed over, batches too: read back, a batch group cost the relay
-/// and the projector, and their backends, about a tenth of the HTTP batch rate
+/// and the projector, and their backends, some 5 to 10 % of the HTTP batch rate
 /// (docs/benchmarks.md).
 pub const HANDOFF_GROUP_EVENTS_MAX: usize = HANDOFF_ROWS_MAX;
 /// Rows waiting in one reader's queue at most, over its groups: a group that would take
@@ -401,12 +401,15 @@ impl Handoffs {
                 if queue.rows.load(Ordering::Acquire) + count > HANDOFF_QUEUED_ROWS_MAX {
                     return !queue.sender.is_closed();
                 }
+                // Counted before it is sent, so that the reader never takes out more than
+                // was counted in.
+                queue.rows.fetch_add(count, Ordering::AcqRel);
                 match queue.sender.try_send(Arc::clone(&rows)) {
-                    Ok(()) => {
-                        queue.rows.fetch_add(count, Ordering::AcqRel);
+                    Ok(()) => true,
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        queue.rows.fetch_sub(count, Ordering::AcqRel);
                         true
                     }
-                    Err(mpsc::error::TrySendError::Full(_)) => true,
                     Err(mpsc::error::TrySendError::Closed(_)) => false,
                 }
             });
