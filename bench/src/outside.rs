@@ -6,9 +6,9 @@
 //! same running `tally serve` child: `wrk` posts single events from [`WRK_CONNECTIONS`]
 //! connections for `--outside-seconds` (a Lua script the bench writes, each request one of
 //! the ingest workload's commands of running containers under a fresh UUID, counting the
-//! answers that are 200 and new and keeping their positions); then, with the service idle, `pgbench -c 16` runs
-//! the yardstick's one-row INSERT a transaction into a table shaped like the ledger. Last,
-//! every event `wrk` got a 200 for is looked up in the ledger.
+//! answers that are 200 and new and keeping their positions); then, with the service idle,
+//! `pgbench -c 16` runs the yardstick's one-row INSERT a transaction into a table shaped
+//! like the ledger. Last, every event `wrk` got a 200 for is looked up in the ledger.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

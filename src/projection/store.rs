@@ -677,9 +677,8 @@ pub async fn write(
     let (moved, rest): (Vec<_>, Vec<_>) = changes
         .lifecycles()
         .partition(|(key, _)| changes.intervals_unchanged(key));
-    let missing = move_containers(connection, schema, &moved).await?;
+    move_containers(connection, schema, &moved).await?;
     write_containers(connection, schema, &rest, Load::Merge).await?;
-    write_containers(connection, schema, &missing, Load::Merge).await?;
     write_anomalies(connection, schema, changes).await?;
     write_voids(connection, schema, changes).await?;
     write_rest(connection, schema, changes, Load::Merge).await?;
@@ -1085,16 +1084,14 @@ impl<'a> ContainerColumns<'a> {
 /// intervals again: for most events of a busy platform (commands and ports of running
 /// containers) a round would otherwise parse each container's whole intervals into `jsonb`
 /// and go through `ON CONFLICT`'s insert attempt, only to store what the row already
-/// holds. Returns the chunks in which it did not find every row, for the upsert: none, since
-/// the round read each of these containers from its row under the checkpoint's lock, unless
-/// the table changed under it all the same (an operator's hand); the upsert then stores
-/// them whole, as it always did.
-async fn move_containers<'a>(
+/// holds. The round read each of these rows under the checkpoint's lock; a row gone since
+/// (an operator's hand) fails the round, and the next one, finding no row, stores the
+/// container whole.
+async fn move_containers(
     connection: &mut PgConnection,
     schema: &str,
-    lifecycles: &[(&'a ContainerKey, &'a Lifecycle)],
-) -> Result<Vec<(&'a ContainerKey, &'a Lifecycle)>, Error> {
-    let mut missing = Vec::new();
+    lifecycles: &[(&ContainerKey, &Lifecycle)],
+) -> Result<(), Error> {
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
         let columns = ContainerColumns::of(chunk);
         let updated = sqlx::query(&format!(
@@ -1110,12 +1107,15 @@ async fn move_containers<'a>(
         .execute(&mut *connection)
         .await?
         .rows_affected();
-        // The upsert stores the same values again for the rows found.
-        if updated < chunk.len() as u64 {
-            missing.extend_from_slice(chunk);
+        if updated != chunk.len() as u64 {
+            return Err(Error::Corrupt(format!(
+                "{} of the {} container rows this round read were gone when it moved them",
+                chunk.len() as u64 - updated,
+                chunk.len()
+            )));
         }
     }
-    Ok(missing)
+    Ok(())
 }
 
 /// Appends each touched container's new anomalies to `container_anomaly` (or replaces
