@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::check::{self, Mismatch};
 use super::{Names, StreamFailure, HASH_HEADER, POSITION_HEADER};
-use crate::ledger::{read, Committed, LedgerRow};
+use crate::ledger::{self, read, Committed, LedgerRow};
 
 /// The session advisory lock that elects the one relaying instance.
 pub const RELAY_LOCK_KEY: i64 = 0x7461_6c6c_7972;
@@ -291,6 +291,10 @@ async fn relay(
     // Set here rather than at spawn, when the metrics recorder may not be installed yet.
     metrics::gauge!(crate::telemetry::RELAY_HALTED).set(0.0);
     tracing::info!(position = published, sequence, "relay resuming");
+    // Whether the relay is following this instance's commits: it was woken by one, or has
+    // just published rows handed over. Then a miss at or past this instance's head has
+    // nothing to read; other instances' appends are read when the poll wakes it.
+    let mut following = false;
     loop {
         // Checked between batches too, not only when caught up: a relay far behind (a
         // restored ledger, a long NATS outage) would otherwise hold the service's stop until
@@ -299,10 +303,11 @@ async fn relay(
         if shutdown.is_cancelled() {
             return Ok(());
         }
-        let rows = next_rows(
+        let own_head = following.then(|| *head.borrow());
+        let (rows, handed) = next_rows(
             pool,
             committed.as_deref_mut(),
-            published,
+            (published, own_head),
             settings.batch_max,
         )
         .await?;
@@ -310,13 +315,15 @@ async fn relay(
             metrics::gauge!(crate::telemetry::RELAY_LAG_EVENTS).set(0.0);
             tokio::select! {
                 _ = head.changed() => {
+                    following = true;
                     tokio::time::sleep(Duration::from_millis(LINGER_MS)).await;
                 }
-                _ = tokio::time::sleep(settings.poll) => {}
+                _ = tokio::time::sleep(settings.poll) => following = false,
                 _ = shutdown.cancelled() => return Ok(()),
             }
             continue;
         }
+        following = handed;
         (published, sequence) =
             publish(context, names, &rows, published, sequence, verified).await?;
         metrics::counter!(crate::telemetry::RELAY_PUBLISHED).increment(rows.len() as u64);
@@ -328,24 +335,31 @@ async fn relay(
     }
 }
 
-/// The rows to publish after `published`: this instance's own commits from memory when
-/// they continue the stream; anything else (another instance's appends, a gap) from the
-/// ledger.
+/// The rows to publish after `published`, and whether they were handed over: this
+/// instance's own commits from memory when they continue the stream; anything else
+/// (another instance's appends, a gap) from the ledger, unless `own_head` (this
+/// instance's head, given while the relay follows its commits) says there is nothing of
+/// this instance's to read ([`ledger::committed_after`]).
 async fn next_rows(
     pool: &PgPool,
     committed: Option<&mut Committed>,
-    published: i64,
+    (published, own_head): (i64, Option<i64>),
     batch_max: usize,
-) -> Result<Vec<LedgerRow>, Error> {
-    if let Some(rows) = committed.and_then(|committed| committed.take_after(published, batch_max)) {
-        metrics::counter!(crate::telemetry::RELAY_ROWS, "from" => "memory")
-            .increment(rows.len() as u64);
-        return Ok(rows);
+) -> Result<(Vec<LedgerRow>, bool), Error> {
+    if let Some(committed) = committed {
+        if let Some(rows) = committed.take_after(published, batch_max) {
+            metrics::counter!(crate::telemetry::RELAY_ROWS, "from" => "memory")
+                .increment(rows.len() as u64);
+            return Ok((rows, true));
+        }
+        if own_head.is_some_and(|head| !ledger::committed_after(head, published)) {
+            return Ok((Vec::new(), false));
+        }
     }
     let rows = read::read_after(pool, published, batch_max).await?;
     metrics::counter!(crate::telemetry::RELAY_ROWS, "from" => "ledger")
         .increment(rows.len() as u64);
-    Ok(rows)
+    Ok((rows, false))
 }
 
 /// Publishes `rows` (which continue `published`) after stream sequence `sequence`, each

@@ -338,6 +338,18 @@ pub const HANDOFF_GROUP_EVENTS_MAX: usize = HANDOFF_ROWS_MAX;
 /// hundred bytes it reads of one).
 const HANDOFF_QUEUED_ROWS_MAX: usize = 2 * HANDOFF_ROWS_MAX;
 
+/// Whether this instance may have committed rows after `after` that a reader's handoff
+/// does not hold ([`Committed::take_after`] missed): only when `own_head`, the appender's
+/// head ([`Appender::head`]) as the reader last saw it, is past `after`. A group is handed
+/// over before the head moves, so every group up to that head was offered to the reader,
+/// and a later one moves the head again, which wakes the reader. With the head at or
+/// before `after` there is nothing of this instance's to read from the ledger: other
+/// instances' appends are for the reader's poll to find, as is a group whose commit failed
+/// without telling whether it committed (it moves neither the handoff nor the head).
+pub fn committed_after(own_head: i64, after: i64) -> bool {
+    own_head > after
+}
+
 /// What a reader tailing the ledger in memory keeps of each committed row: the row itself
 /// (the relay), or what it reads of it (the projector's events).
 pub trait Handed: Sized {

@@ -13,8 +13,8 @@ pub mod rows;
 pub mod verify;
 
 pub use append::{
-    Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, Committed, Handed,
-    ACKNOWLEDGED_ORGS_MAX,
+    committed_after, Acknowledged, AppendError, AppendLimits, AppendedEvent, Appender, Committed,
+    Handed, ACKNOWLEDGED_ORGS_MAX,
 };
 pub use read::{Head, LedgerRow};
 pub use rows::Rows;

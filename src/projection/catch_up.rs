@@ -53,7 +53,7 @@ pub async fn to_head(pool: &PgPool, batch_max: usize, wait: Duration) -> Result<
         // A round that projects makes progress however long the backlog; only waiting on
         // another process's rounds is bounded.
         // A process without an appender has nothing in memory to project.
-        match project_once(pool, batch_max, Clock::system(), None, None).await? {
+        match project_once(pool, (batch_max, Clock::system()), None, None, None).await? {
             Round::Projected { .. } | Round::CaughtUp { .. } => {}
             Round::Busy if tokio::time::Instant::now() >= deadline => {
                 return Err(CatchUpError::Lagging {

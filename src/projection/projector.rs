@@ -202,15 +202,20 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut head = freshness.head.clone();
+    // Whether the rounds follow this instance's commits: woken by one, or right after a
+    // round from memory. Then a round whose handoff holds nothing after the checkpoint
+    // reads the ledger only when this instance's head is past it; a round the poll wakes
+    // (or the first) reads it on any miss, to find other instances' appends.
+    let mut following = false;
     while !shutdown.is_cancelled() {
         // Commits from here on are the next round's.
         let committed_before = *head.borrow_and_update();
         let round_started = Instant::now();
         let round = project_once(
             &pool,
-            settings.batch_max,
-            settings.clock,
+            (settings.batch_max, settings.clock),
             handoff.as_mut(),
+            following.then_some(committed_before),
             rounds.as_ref(),
         )
         .await;
@@ -231,6 +236,7 @@ pub async fn run(
                     .set((head_position - position).max(0) as f64);
                 // A round from memory stops at a gap (another instance's commits, rows
                 // dropped): what this instance committed before it began is due now.
+                following = handed;
                 if events == settings.batch_max || (handed && committed_before > position) {
                     continue;
                 }
@@ -255,7 +261,8 @@ pub async fn run(
             }
         }
         let waiting = (linger, settings.poll);
-        wait_for_commits(&mut head, waiting, &freshness, handoff.as_mut(), &shutdown).await;
+        following =
+            wait_for_commits(&mut head, waiting, &freshness, handoff.as_mut(), &shutdown).await;
     }
     tracing::info!("projector stopped");
 }
@@ -301,16 +308,17 @@ pub fn start(
 }
 
 /// Waits for the next round: a commit of this instance and then `linger` (unless a reader
-/// hurries it), or `poll` for other instances' commits, or `shutdown`. The commit's rows are
-/// taken in from `handoff` before lingering, so that the relay, which lingers less, finds
-/// them no longer shared and takes them without a copy.
+/// hurries it), or `poll` for other instances' commits, or `shutdown`; true when a commit
+/// of this instance woke it. The commit's rows are taken in from `handoff` before
+/// lingering, so that the relay, which lingers less, finds them no longer shared and takes
+/// them without a copy.
 async fn wait_for_commits(
     head: &mut watch::Receiver<i64>,
     (linger, poll): (Duration, Duration),
     freshness: &Freshness,
     handoff: Option<&mut Committed<ProjectedEvent>>,
     shutdown: &CancellationToken,
-) {
+) -> bool {
     tokio::select! {
         changed = head.changed() => {
             if changed.is_ok() {
@@ -321,25 +329,30 @@ async fn wait_for_commits(
                     _ = tokio::time::sleep(linger) => {}
                     _ = freshness.hurry.notified() => {}
                 }
+                true
             } else {
                 // The appender stopped; only polling is left.
                 tokio::time::sleep(poll).await;
+                false
             }
         }
-        _ = tokio::time::sleep(poll) => {}
-        _ = shutdown.cancelled() => {}
+        _ = tokio::time::sleep(poll) => false,
+        _ = shutdown.cancelled() => false,
     }
 }
 
 /// One round: projects up to `batch_max` events after the checkpoint, in one transaction;
 /// a reservation is consumed when it has not expired by `clock`. The events come from
-/// `handoff` when it holds those that follow the checkpoint, else from the ledger. What
-/// the round changed is kept in `rounds`, under the tag its notice carries.
+/// `handoff` when it holds those that follow the checkpoint, else from the ledger, unless
+/// `own_head` (this instance's head, given for a round that follows its commits) says
+/// there is nothing of this instance's to read ([`crate::ledger::committed_after`]): then
+/// the round is caught up. What the round changed is kept in `rounds`, under the tag its
+/// notice carries.
 pub async fn project_once(
     pool: &PgPool,
-    batch_max: usize,
-    clock: Clock,
+    (batch_max, clock): (usize, Clock),
     mut handoff: Option<&mut Committed<ProjectedEvent>>,
+    own_head: Option<i64>,
     rounds: Option<&Rounds>,
 ) -> Result<Round, super::Error> {
     let started = Instant::now();
@@ -352,7 +365,8 @@ pub async fn project_once(
         }
         return Ok(Round::Busy);
     };
-    let (events, handed) = next_events(&mut transaction, handoff, checkpoint, batch_max).await?;
+    let (events, handed) =
+        next_events(&mut transaction, handoff, (checkpoint, own_head), batch_max).await?;
     let Some(last) = events.last() else {
         return Ok(Round::CaughtUp {
             position: checkpoint,
@@ -456,13 +470,18 @@ fn record_round(
 async fn next_events(
     connection: &mut PgConnection,
     handoff: Option<&mut Committed<ProjectedEvent>>,
-    checkpoint: i64,
+    (checkpoint, own_head): (i64, Option<i64>),
     batch_max: usize,
 ) -> Result<(Vec<ProjectedEvent>, bool), super::Error> {
-    if let Some(events) = handoff.and_then(|handoff| handoff.take_after(checkpoint, batch_max)) {
-        metrics::counter!(crate::telemetry::PROJECTION_ROWS, "from" => "memory")
-            .increment(events.len() as u64);
-        return Ok((events, true));
+    if let Some(handoff) = handoff {
+        if let Some(events) = handoff.take_after(checkpoint, batch_max) {
+            metrics::counter!(crate::telemetry::PROJECTION_ROWS, "from" => "memory")
+                .increment(events.len() as u64);
+            return Ok((events, true));
+        }
+        if own_head.is_some_and(|head| !crate::ledger::committed_after(head, checkpoint)) {
+            return Ok((Vec::new(), false));
+        }
     }
     let events = store::read_events(connection, checkpoint, batch_max).await?;
     metrics::counter!(crate::telemetry::PROJECTION_ROWS, "from" => "ledger")

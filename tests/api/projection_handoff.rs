@@ -319,9 +319,15 @@ async fn project_both(
     let mut handed_rounds = Vec::new();
     loop {
         let handoff = handoff.as_deref_mut();
-        let round = project_once(memory, ROUND_EVENTS_MAX, Clock::system(), handoff, None)
-            .await
-            .unwrap();
+        let round = project_once(
+            memory,
+            (ROUND_EVENTS_MAX, Clock::system()),
+            handoff,
+            None,
+            None,
+        )
+        .await
+        .unwrap();
         let Round::Projected {
             events,
             position,
@@ -331,7 +337,7 @@ async fn project_both(
             assert!(matches!(round, Round::CaughtUp { .. }), "{round:?}");
             return handed_rounds;
         };
-        let mirrored = project_once(ledger, events, Clock::system(), None, None)
+        let mirrored = project_once(ledger, (events, Clock::system()), None, None, None)
             .await
             .unwrap();
         assert_eq!(
@@ -591,4 +597,51 @@ async fn a_running_projector_stopped_by_a_gap_in_memory_reads_the_rest_at_once_n
     .await;
     shutdown.cancel();
     projector.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_round_following_this_instances_commits_leaves_another_instances_appends_to_the_poll() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _relay, _task) = Appender::start(pool.clone(), LIMITS);
+    let (other, _other_relay, _other_task) = Appender::start(pool.clone(), LIMITS);
+    let mut handoff = appender.handoff::<ProjectedEvent>();
+    let s = Script::new();
+    let settings = (ROUND_EVENTS_MAX, Clock::system());
+    append_all(&appender, &[vec![s.created("org_a", "c1", 0)]]).await;
+    let own_head = *appender.head().borrow();
+    let round = project_once(&pool, settings, Some(&mut handoff), Some(own_head), None).await;
+    let projected = Round::Projected {
+        events: 1,
+        position: 1,
+        handed: true,
+    };
+    assert_eq!(round.unwrap(), projected);
+
+    // Position 2 is another instance's: nothing of this one's follows the checkpoint.
+    append_all(&other, &[vec![s.created("org_b", "c2", 1)]]).await;
+    let own_head = *appender.head().borrow();
+    assert_eq!(own_head, 1);
+    let round = project_once(&pool, settings, Some(&mut handoff), Some(own_head), None).await;
+    assert_eq!(round.unwrap(), Round::CaughtUp { position: 1 });
+
+    // A round the poll wakes follows no commit of this instance's, and reads the ledger.
+    let round = project_once(&pool, settings, Some(&mut handoff), None, None).await;
+    let projected = Round::Projected {
+        events: 1,
+        position: 2,
+        handed: false,
+    };
+    assert_eq!(round.unwrap(), projected);
+
+    // This instance's next commit follows it in memory again.
+    append_all(&appender, &[vec![s.command("org_a", "c1", 2, 10)]]).await;
+    let own_head = *appender.head().borrow();
+    let round = project_once(&pool, settings, Some(&mut handoff), Some(own_head), None).await;
+    let projected = Round::Projected {
+        events: 1,
+        position: 3,
+        handed: true,
+    };
+    assert_eq!(round.unwrap(), projected);
 }
