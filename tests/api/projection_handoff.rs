@@ -607,41 +607,38 @@ async fn a_round_following_this_instances_commits_leaves_another_instances_appen
     let (other, _other_relay, _other_task) = Appender::start(pool.clone(), LIMITS);
     let mut handoff = appender.handoff::<ProjectedEvent>();
     let s = Script::new();
-    let settings = (ROUND_EVENTS_MAX, Clock::system());
-    append_all(&appender, &[vec![s.created("org_a", "c1", 0)]]).await;
-    let own_head = *appender.head().borrow();
-    let round = project_once(&pool, settings, Some(&mut handoff), Some(own_head), None).await;
-    let projected = Round::Projected {
+    // One round, following this instance's commits (with its head) or woken by the poll.
+    async fn round(
+        pool: &PgPool,
+        handoff: &mut Committed<ProjectedEvent>,
+        own_head: Option<i64>,
+    ) -> Round {
+        let settings = (ROUND_EVENTS_MAX, Clock::system());
+        project_once(pool, settings, Some(handoff), own_head, None)
+            .await
+            .unwrap()
+    }
+    let following = || Some(*appender.head().borrow());
+    let one = |position, handed| Round::Projected {
         events: 1,
-        position: 1,
-        handed: true,
+        position,
+        handed,
     };
-    assert_eq!(round.unwrap(), projected);
+    append_all(&appender, &[vec![s.created("org_a", "c1", 0)]]).await;
+    assert_eq!(round(&pool, &mut handoff, following()).await, one(1, true));
 
     // Position 2 is another instance's: nothing of this one's follows the checkpoint.
     append_all(&other, &[vec![s.created("org_b", "c2", 1)]]).await;
-    let own_head = *appender.head().borrow();
-    assert_eq!(own_head, 1);
-    let round = project_once(&pool, settings, Some(&mut handoff), Some(own_head), None).await;
-    assert_eq!(round.unwrap(), Round::CaughtUp { position: 1 });
+    assert_eq!(*appender.head().borrow(), 1);
+    assert_eq!(
+        round(&pool, &mut handoff, following()).await,
+        Round::CaughtUp { position: 1 }
+    );
 
     // A round the poll wakes follows no commit of this instance's, and reads the ledger.
-    let round = project_once(&pool, settings, Some(&mut handoff), None, None).await;
-    let projected = Round::Projected {
-        events: 1,
-        position: 2,
-        handed: false,
-    };
-    assert_eq!(round.unwrap(), projected);
+    assert_eq!(round(&pool, &mut handoff, None).await, one(2, false));
 
     // This instance's next commit follows it in memory again.
     append_all(&appender, &[vec![s.command("org_a", "c1", 2, 10)]]).await;
-    let own_head = *appender.head().borrow();
-    let round = project_once(&pool, settings, Some(&mut handoff), Some(own_head), None).await;
-    let projected = Round::Projected {
-        events: 1,
-        position: 3,
-        handed: true,
-    };
-    assert_eq!(round.unwrap(), projected);
+    assert_eq!(round(&pool, &mut handoff, following()).await, one(3, true));
 }
