@@ -253,6 +253,9 @@ pub async fn run(
                     "projection round failed; will retry"
                 );
                 metrics::counter!(crate::telemetry::PROJECTION_ERRORS).increment(1);
+                // What the failed round took from memory is gone from it: the next reads
+                // the ledger on a miss.
+                following = false;
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
                     _ = shutdown.cancelled() => {}
