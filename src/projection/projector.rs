@@ -248,18 +248,10 @@ pub async fn run(
             }
             Ok(Round::Busy) => {}
             Err(error) => {
-                tracing::warn!(
-                    error = format!("{error:#}"),
-                    "projection round failed; will retry"
-                );
-                metrics::counter!(crate::telemetry::PROJECTION_ERRORS).increment(1);
                 // What the failed round took from memory is gone from it: the next reads
                 // the ledger on a miss.
                 following = false;
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
-                    _ = shutdown.cancelled() => {}
-                }
+                pause_after_failure(&error, &shutdown).await;
                 continue;
             }
         }
@@ -268,6 +260,19 @@ pub async fn run(
             wait_for_commits(&mut head, waiting, &freshness, handoff.as_mut(), &shutdown).await;
     }
     tracing::info!("projector stopped");
+}
+
+/// Logs a failed round and waits [`RETRY_DELAY_MS`] (or until `shutdown`) before the next.
+async fn pause_after_failure(error: &super::Error, shutdown: &CancellationToken) {
+    tracing::warn!(
+        error = format!("{error:#}"),
+        "projection round failed; will retry"
+    );
+    metrics::counter!(crate::telemetry::PROJECTION_ERRORS).increment(1);
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
+        _ = shutdown.cancelled() => {}
+    }
 }
 
 /// Connections of the projector's own pool: a round is one transaction, and nothing else
