@@ -192,6 +192,19 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
     let second = second_instance(&app).await;
     let (first, other) = (app.api.clone(), app.at(second.local_addr));
     warm(&app, &create("c9")).await;
+    // The second instance's listener connects on its own time: wait for both.
+    eventually(5, "both instances' listeners are connected", || async {
+        let listeners: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = $1 AND datname = current_database()",
+        )
+        .bind(LISTENER_APPLICATION_NAME)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        listeners == 2
+    })
+    .await;
     let terminated: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
          WHERE application_name = $1 AND datname = current_database()",
