@@ -1,6 +1,7 @@
 //! A headless Chromium of the test's own, driven through a chromedriver of its own on a free
-//! port: started per test, with a temporary profile, and killed (chromedriver and every
-//! browser process it started, as one process group) when the test ends, pass or fail.
+//! port: started per test, with a temporary profile and temporary directory, and killed
+//! (chromedriver and every browser process it started, as one process group) when the test
+//! ends, pass or fail; both directories go with it.
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::process::CommandExt;
@@ -59,15 +60,22 @@ fn free_port() -> u16 {
 struct Driver {
     child: Child,
     port: u16,
-    /// The browser's profile (`--user-data-dir`), removed after the group is killed.
-    profile: Option<tempfile::TempDir>,
+    /// Removed after the group is killed: the browser's profile (`--user-data-dir`) in
+    /// `profile/`, and in `tmp/` the `TMPDIR` of chromedriver and the browser, where
+    /// Chromium makes directories that a killed browser leaves behind.
+    scratch: Option<tempfile::TempDir>,
 }
 
 impl Driver {
     fn start() -> Driver {
         let port = free_port();
         let binary = chromedriver_binary();
+        let scratch = tempfile::tempdir().expect("a temporary directory");
+        for directory in ["profile", "tmp"] {
+            std::fs::create_dir(scratch.path().join(directory)).expect("a directory in it");
+        }
         let child = Command::new(&binary)
+            .env("TMPDIR", scratch.path().join("tmp"))
             .arg(format!("--port={port}"))
             .arg("--allowed-ips=127.0.0.1")
             .stdout(Stdio::null())
@@ -83,7 +91,7 @@ impl Driver {
         let driver = Driver {
             child,
             port,
-            profile: Some(tempfile::tempdir().expect("a temporary directory")),
+            scratch: Some(scratch),
         };
         let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -108,9 +116,9 @@ impl Drop for Driver {
         }
         let _ = self.child.wait();
         // Chromium's last processes may still be writing the profile as they die.
-        if let Some(profile) = self.profile.take() {
-            let path = profile.path().to_owned();
-            if profile.close().is_err() {
+        if let Some(scratch) = self.scratch.take() {
+            let path = scratch.path().to_owned();
+            if scratch.close().is_err() {
                 std::thread::sleep(Duration::from_millis(200));
                 let _ = std::fs::remove_dir_all(path);
             }
@@ -130,13 +138,11 @@ impl Browser {
     /// A new browser at 1280×800 for the service at `address`.
     pub async fn open(address: SocketAddr) -> Browser {
         let driver = Driver::start();
-        let profile = driver
-            .profile
+        let scratch = driver
+            .scratch
             .as_ref()
-            .unwrap()
-            .path()
-            .display()
-            .to_string();
+            .expect("kept until the driver is dropped");
+        let profile = scratch.path().join("profile").display().to_string();
         let mut options = json!({
             "args": [
                 "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,800",
