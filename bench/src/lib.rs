@@ -82,6 +82,9 @@ const SINGLE_BASELINE_CONNECTIONS: usize = 16;
 const SINGLE_BASELINE_TABLE: &str = "baseline_single";
 /// Events published one per message to the ingest stream.
 const NATS_EVENTS: usize = 100_000;
+/// Events a message in the second NATS phase, which publishes as many events again in
+/// batches (`{"events": [...]}`): the NATS path when producers batch, as HTTP's do.
+const NATS_BATCH_EVENTS: usize = 100;
 /// Organizations the events are spread over.
 const ORGS: usize = 100;
 /// Containers per organization: a few dozen sandboxes each, so a container has a history.
@@ -130,9 +133,14 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = SINGLE_CLIENTS)]
     pub single_clients: usize,
 
-    /// Events published to the NATS ingest stream, one per message.
+    /// Events published to the NATS ingest stream, one per message; as many again are
+    /// published in batches of `--nats-batch-events` a message.
     #[arg(long, default_value_t = NATS_EVENTS)]
     pub nats_events: usize,
+
+    /// Events a message in the batched NATS phase; at most the service's batch limit.
+    #[arg(long, default_value_t = NATS_BATCH_EVENTS)]
+    pub nats_batch_events: usize,
 
     /// Organizations the generated events are spread over.
     #[arg(long, default_value_t = ORGS)]
@@ -345,6 +353,7 @@ fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
         ("--single-events", args.single_events),
         ("--single-clients", args.single_clients),
         ("--nats-events", args.nats_events),
+        ("--nats-batch-events", args.nats_batch_events),
         ("--orgs", args.orgs),
     ];
     for (flag, count) in counts {
@@ -353,6 +362,11 @@ fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.http_batch_events <= config.batch_events_max,
         "--http-batch-events must be at most the service's batch limit of {}",
+        config.batch_events_max
+    );
+    anyhow::ensure!(
+        args.nats_batch_events <= config.batch_events_max,
+        "--nats-batch-events must be at most the service's batch limit of {}",
         config.batch_events_max
     );
     anyhow::ensure!(
@@ -501,6 +515,10 @@ struct Workload {
     single_bodies: Arc<Vec<Bytes>>,
     /// One native event per message.
     nats_payloads: Arc<Vec<Bytes>>,
+    /// Native batches of `--nats-batch-events`, one per message.
+    nats_batch_payloads: Arc<Vec<Bytes>>,
+    /// The events of `nats_batch_payloads`.
+    nats_batch_events: usize,
     /// The batch events as the ledger would store them at positions 1.., for the baselines.
     baseline: BaselineRows,
     /// The single events the same way, for the one-row-per-transaction baseline.
@@ -514,16 +532,21 @@ impl Workload {
         let started = Instant::now();
         let now = Utc::now();
         let mut rng = rand::rng();
-        let total = args.http_events + args.single_events + args.nats_events;
+        let total = args.http_events + args.single_events + 2 * args.nats_events;
         let mut producers = Producers::new(args.orgs, total, now);
         let batch_events = producers.events(&mut rng, args.http_events);
         let single_events = producers.events(&mut rng, args.single_events);
         let nats_events = producers.events(&mut rng, args.nats_events);
+        let nats_batch_events = producers.events(&mut rng, args.nats_events);
 
-        let batch_bodies: Vec<Bytes> = batch_events
-            .chunks(args.http_batch_events)
-            .map(|chunk| Bytes::from(format!("{{\"events\":[{}]}}", chunk.join(","))))
-            .collect();
+        let batches = |events: &[String], size: usize| -> Vec<Bytes> {
+            events
+                .chunks(size)
+                .map(|chunk| Bytes::from(format!("{{\"events\":[{}]}}", chunk.join(","))))
+                .collect()
+        };
+        let batch_bodies = batches(&batch_events, args.http_batch_events);
+        let nats_batch_payloads = batches(&nats_batch_events, args.nats_batch_events);
         let single_bodies: Vec<Bytes> = single_events.into_iter().map(Bytes::from).collect();
         let nats_payloads: Vec<Bytes> = nats_events.into_iter().map(Bytes::from).collect();
 
@@ -547,12 +570,13 @@ impl Workload {
         let batch_parsed = parse_all(&batch_bodies)?;
         let single_parsed = parse_all(&single_bodies)?;
         let nats_parsed = parse_all(&nats_payloads)?;
-        let mut ids =
-            HashSet::with_capacity(batch_parsed.len() + single_parsed.len() + nats_parsed.len());
+        let nats_batch_parsed = parse_all(&nats_batch_payloads)?;
+        let mut ids = HashSet::with_capacity(total);
         for event in batch_parsed
             .iter()
             .chain(&single_parsed)
             .chain(&nats_parsed)
+            .chain(&nats_batch_parsed)
         {
             assert!(
                 ids.insert(event.id.as_uuid()),
@@ -574,6 +598,8 @@ impl Workload {
             batch_bodies: Arc::new(batch_bodies),
             single_bodies: Arc::new(single_bodies),
             nats_payloads: Arc::new(nats_payloads),
+            nats_batch_payloads: Arc::new(nats_batch_payloads),
+            nats_batch_events: nats_batch_parsed.len(),
             baseline,
             single_baseline: Arc::new(single_baseline),
             ids,
@@ -581,7 +607,10 @@ impl Workload {
     }
 
     fn expected_events(&self) -> i64 {
-        let count = self.baseline.count + self.single_bodies.len() + self.nats_payloads.len();
+        let count = self.baseline.count
+            + self.single_bodies.len()
+            + self.nats_payloads.len()
+            + self.nats_batch_events;
         i64::try_from(count).expect("event counts fit in i64")
     }
 }
@@ -987,6 +1016,7 @@ async fn measure(
         batch_relayed: ingested.batch_relayed,
         single: ingested.single,
         nats_ingest: ingested.nats,
+        nats_batched: ingested.nats_batched,
         outside,
         checks,
         service: None,
@@ -1014,6 +1044,8 @@ struct IngestFigures {
     batch_relayed: Figure,
     single: Figure,
     nats: Figure,
+    /// The same path with `--nats-batch-events` events a message.
+    nats_batched: Figure,
 }
 
 impl<'a> Phases<'a> {
@@ -1041,8 +1073,8 @@ impl<'a> Phases<'a> {
         })
     }
 
-    /// The ingest part's workload: HTTP batches, single HTTP events, then NATS ingest;
-    /// closes the connection after them.
+    /// The ingest part's workload: HTTP batches, single HTTP events, then NATS ingest, an
+    /// event a message and then in batches; closes the connection after them.
     async fn ingest(
         mut self,
         workload: &Workload,
@@ -1069,13 +1101,27 @@ impl<'a> Phases<'a> {
                 args.single_clients,
             )
             .await?;
-        let nats = self.nats(&workload.nats_payloads).await?;
+        let nats = self
+            .nats(
+                "NATS ingest, publish to committed",
+                &workload.nats_payloads,
+                workload.nats_payloads.len(),
+            )
+            .await?;
+        let nats_batched = self
+            .nats(
+                &format!("NATS ingest, {} events a message", args.nats_batch_events),
+                &workload.nats_batch_payloads,
+                workload.nats_batch_events,
+            )
+            .await?;
         self.connection.close().await?;
         Ok(IngestFigures {
             batch,
             batch_relayed,
             single,
             nats,
+            nats_batched,
         })
     }
 }
@@ -1126,11 +1172,19 @@ impl Phases<'_> {
         Ok((figure, relayed))
     }
 
-    /// Publishes one event per message to the ingest stream and times from the first
-    /// publish until the appender has committed the last event.
-    async fn nats(&mut self, payloads: &Arc<Vec<Bytes>>) -> anyhow::Result<Figure> {
+    /// Publishes `payloads` (holding `events` events) to the ingest stream and times from
+    /// the first publish until the appender has committed the last event.
+    async fn nats(
+        &mut self,
+        label: &str,
+        payloads: &Arc<Vec<Bytes>>,
+        events: usize,
+    ) -> anyhow::Result<Figure> {
         checkpoint(&mut self.connection).await;
-        eprintln!("bench: NATS ingest: {} messages", payloads.len());
+        eprintln!(
+            "bench: {label}: {events} events in {} messages",
+            payloads.len()
+        );
         let wal_before = WalPosition::now(&mut self.connection).await?;
         let commits_before = GroupCommits::of(self.services).await?;
         let cpu_before = services_cpu(self.services)?;
@@ -1142,7 +1196,7 @@ impl Phases<'_> {
             self.names.subject("tally.ingest.bench"),
             payloads.clone(),
         )));
-        self.head += i64::try_from(payloads.len())?;
+        self.head += i64::try_from(events)?;
         wait_for_head(self.pool(), self.head).await?;
         let ingested = started.elapsed();
         let cpu = services_cpu(self.services)? - cpu_before;
@@ -1153,20 +1207,16 @@ impl Phases<'_> {
         let group_commits = GroupCommits::of(self.services).await?.since(commits_before);
         let wal = WalPosition::now(&mut self.connection)
             .await?
-            .since(wal_before, "NATS ingest");
+            .since(wal_before, label);
         wait_for_relay(self.nats, self.names, self.head).await?;
         let projected = wait_for_projection(self.pool(), self.head).await?;
-        Ok(Figure::new(
-            "NATS ingest, publish to committed",
-            payloads.len(),
-            ingested,
-        )
-        .with_group_commits(group_commits)
-        .with_wal(wal)
-        .with_note(service_cpu_note(cpu, ingested))
-        .with_note(split)
-        .with_note(format!("all acks after {:.2} s", published.as_secs_f64()))
-        .with_note(projected_note(started.elapsed(), projected)))
+        Ok(Figure::new(label, events, ingested)
+            .with_group_commits(group_commits)
+            .with_wal(wal)
+            .with_note(service_cpu_note(cpu, ingested))
+            .with_note(split)
+            .with_note(format!("all acks after {:.2} s", published.as_secs_f64()))
+            .with_note(projected_note(started.elapsed(), projected)))
     }
 }
 
@@ -2160,12 +2210,13 @@ async fn ledger_checks(
     let mut checks = vec![Check {
         description: format!(
             "ledger holds {count} events at positions {}..{}, expected {expected} \
-             ({} HTTP batch + {} HTTP single + {} NATS)",
+             ({} HTTP batch + {} HTTP single + {} NATS + {} NATS in batches)",
             first.unwrap_or(0),
             last.unwrap_or(0),
             workload.baseline.count,
             workload.single_bodies.len(),
-            workload.nats_payloads.len()
+            workload.nats_payloads.len(),
+            workload.nats_batch_events
         ),
         passed: count == expected && first == Some(1) && last == Some(expected),
     }];
@@ -2236,6 +2287,7 @@ struct Report {
     batch_relayed: Figure,
     single: Figure,
     nats_ingest: Figure,
+    nats_batched: Figure,
     /// With `--outside`: `wrk` against the service, `pgbench` doing the yardstick.
     outside: Option<outside::Figures>,
     checks: Vec<Check>,
@@ -2304,6 +2356,14 @@ impl Report {
             (
                 &self.nats_ingest,
                 ratio(&self.nats_ingest, &baselines.publish, "JetStream publish"),
+            ),
+            (
+                &self.nats_batched,
+                format!(
+                    "{} (in events), {}",
+                    ratio(&self.nats_batched, &baselines.publish, "JetStream publish"),
+                    ratio(&self.nats_batched, &self.batch, "HTTP batches")
+                ),
             ),
         ];
         let header = [

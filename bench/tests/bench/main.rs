@@ -208,6 +208,17 @@ async fn the_bench_refuses_an_outside_measurement_longer_than_five_minutes_befor
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_refuses_nats_batches_past_the_services_batch_limit_before_it_creates_anything() {
+    let limit = Config::new("postgres://unused", "nats://unused").batch_events_max;
+    let past = (limit + 1).to_string();
+    let error = refusal(&["--only", "ingest", "--nats-batch-events", &past]).await;
+    assert_eq!(
+        error,
+        format!("--nats-batch-events must be at most the service's batch limit of {limit}")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bench_runs_the_workloads_through_one_and_three_instances_and_prints_them_side_by_side_with_every_check_passing(
 ) {
     let _alone = ONE_BENCH_AT_A_TIME.lock().await;
