@@ -49,6 +49,7 @@ struct Run {
     batch: Figure,
     single: Figure,
     nats: Figure,
+    nats_batched: Figure,
     admission: Through,
     storage: Storage,
     /// Events each instance's appender committed during the ingest phases.
@@ -59,13 +60,17 @@ struct Run {
     usage: [Vec<child::ProcessUsage>; 2],
 }
 
+/// The rows of the table, one per [`Run::figures`].
+const FIGURES: usize = 6;
+
 impl Run {
     /// The table's rows, in order.
-    fn figures(&self) -> [&Figure; 5] {
+    fn figures(&self) -> [&Figure; FIGURES] {
         [
             &self.batch,
             &self.single,
             &self.nats,
+            &self.nats_batched,
             &self.admission.closed,
             &self.admission.paced,
         ]
@@ -77,6 +82,7 @@ struct Ingested {
     batch: Figure,
     single: Figure,
     nats: Figure,
+    nats_batched: Figure,
     storage: Storage,
     appended: Vec<u64>,
     checks: Vec<Check>,
@@ -153,6 +159,7 @@ pub(super) async fn run(
             batch: ingested.batch,
             single: ingested.single,
             nats: ingested.nats,
+            nats_batched: ingested.nats_batched,
             admission,
             storage: ingested.storage,
             appended: ingested.appended,
@@ -242,6 +249,7 @@ async fn measure_ingest(
         batch: figures.batch,
         single: figures.single,
         nats: figures.nats,
+        nats_batched: figures.nats_batched,
         storage,
         appended,
         checks,
@@ -321,7 +329,8 @@ fn print(runs: &[Run], args: &BenchArgs) {
     println!();
     println!(
         "tally-bench, instances: the ingest workload ({} HTTP events in batches of {} from {} \
-         clients, {} single events from {} clients, {} NATS messages) and the admission \
+         clients, {} single events from {} clients, {} NATS messages and as many events in \
+         messages of {}) and the admission \
          workload ({} orgs, {} checks) through 1{} tally serve on one database and one \
          nats-server; HTTP clients spread round-robin over the instances, NATS messages \
          fetched by each from the one ingest consumer",
@@ -331,6 +340,7 @@ fn print(runs: &[Run], args: &BenchArgs) {
         args.single_events,
         args.single_clients,
         args.nats_events,
+        args.nats_batch_events,
         args.admission.admission_orgs,
         args.admission.admission_checks,
         if runs.len() > 1 {
@@ -351,8 +361,8 @@ fn print(runs: &[Run], args: &BenchArgs) {
         header.push(format!("per second, {ratio}"));
         header.push(format!("p99, {ratio}"));
     }
-    let figures: Vec<[&Figure; 5]> = runs.iter().map(Run::figures).collect();
-    let cells: Vec<Vec<String>> = (0..5)
+    let figures: Vec<[&Figure; FIGURES]> = runs.iter().map(Run::figures).collect();
+    let cells: Vec<Vec<String>> = (0..FIGURES)
         .map(|row| {
             let mut cells = vec![figures[0][row].label.clone()];
             for run in &figures {
