@@ -359,16 +359,17 @@ fn check_args(config: &Config, args: &BenchArgs) -> anyhow::Result<()> {
     for (flag, count) in counts {
         anyhow::ensure!(count > 0, "{flag} must be at least 1");
     }
-    anyhow::ensure!(
-        args.http_batch_events <= config.batch_events_max,
-        "--http-batch-events must be at most the service's batch limit of {}",
-        config.batch_events_max
-    );
-    anyhow::ensure!(
-        args.nats_batch_events <= config.batch_events_max,
-        "--nats-batch-events must be at most the service's batch limit of {}",
-        config.batch_events_max
-    );
+    let batches = [
+        ("--http-batch-events", args.http_batch_events),
+        ("--nats-batch-events", args.nats_batch_events),
+    ];
+    for (flag, events) in batches {
+        anyhow::ensure!(
+            events <= config.batch_events_max,
+            "{flag} must be at most the service's batch limit of {}",
+            config.batch_events_max
+        );
+    }
     anyhow::ensure!(
         (1..=outside::OUTSIDE_SECONDS_MAX).contains(&args.outside_seconds),
         "--outside-seconds must be between 1 and {}, got {}",
