@@ -51,8 +51,15 @@ async fn three_copies_of_each_stream_asked_of_a_server_outside_a_cluster_make_th
 ) {
     let app = TestApp::spawn_with(|config| config.stream_replicas = 3).await;
     let anyone = app.without_token();
-    eventually(30, "the instance is not ready", || async {
-        anyone.get("/readyz").await.status == 503
+    // The relay and the ingest consumer each make their streams on their own time: wait
+    // until both have been refused, not only the first.
+    eventually(30, "the instance is not ready for both streams", || async {
+        let ready = anyone.get("/readyz").await;
+        let streams = ready.json()["streams"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        ready.status == 503 && streams.contains("TALLY_LEDGER") && streams.contains("TALLY_INGEST")
     })
     .await;
     let ready = anyone.get("/readyz").await;
