@@ -47,6 +47,17 @@ impl CpuSplit {
         })
     }
 
+    /// The machine's busy core-seconds between two readings: every process on it, the
+    /// load generator and the service alike. Divided by what a phase did, it is what the
+    /// phase cost the machine per event, which is what two figures on the same cores can
+    /// be compared by.
+    pub(crate) fn machine_seconds(
+        before: Option<CpuSplit>,
+        after: Option<CpuSplit>,
+    ) -> Option<f64> {
+        Some((after?.busy - before?.busy).max(0.0))
+    }
+
     /// "CPU cores: tally serve A, Postgres B, nats-server C, the bench D, machine E busy of
     /// F" between two readings.
     pub(crate) fn describe(before: Option<CpuSplit>, after: Option<CpuSplit>) -> String {

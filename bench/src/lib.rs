@@ -971,18 +971,20 @@ async fn measure(
     workload: &Workload,
     nats: &jetstream::Context,
 ) -> anyhow::Result<Report> {
-    let mut phases = Phases::new(std::slice::from_ref(service), nats, scratch).await?;
+    let services = std::slice::from_ref(service);
+    let mut phases = Phases::new(services, nats, scratch).await?;
     let connection = &mut phases.connection;
     let baselines = Baselines {
-        copy: baseline_copy(connection, &workload.baseline).await?,
-        unnest: baseline_unnest(connection, &workload.baseline).await?,
+        copy: baseline_copy(connection, services, &workload.baseline).await?,
+        unnest: baseline_unnest(connection, services, &workload.baseline).await?,
         single_rows: baseline_single_rows(
             connection,
+            services,
             &scratch.database_url,
             &workload.single_baseline,
         )
         .await?,
-        publish: baseline_publish(nats, scratch, &workload.nats_payloads).await?,
+        publish: baseline_publish(nats, services, scratch, &workload.nats_payloads).await?,
     };
     let ingested = phases.ingest(workload, args).await?;
 
@@ -1146,7 +1148,7 @@ impl Phases<'_> {
         let started = Instant::now();
         let posted = self.endpoint.post_all(bodies, clients).await?;
         let cpu = services_cpu(self.services)? - cpu_before;
-        let split = cpu::CpuSplit::describe(split_before, cpu::CpuSplit::now(self.services));
+        let split_after = cpu::CpuSplit::now(self.services);
         let group_commits = GroupCommits::of(self.services).await?.since(commits_before);
         let wal = WalPosition::now(&mut self.connection)
             .await?
@@ -1168,7 +1170,7 @@ impl Phases<'_> {
             .with_retries(posted.retries)
             .with_wal(wal)
             .with_note(service_cpu_note(cpu, posted.elapsed))
-            .with_note(split)
+            .with_cpu(split_before, split_after)
             .with_note(projected_note(started.elapsed(), projected));
         Ok((figure, relayed))
     }
@@ -1201,7 +1203,7 @@ impl Phases<'_> {
         wait_for_head(self.pool(), self.head).await?;
         let ingested = started.elapsed();
         let cpu = services_cpu(self.services)? - cpu_before;
-        let split = cpu::CpuSplit::describe(split_before, cpu::CpuSplit::now(self.services));
+        let split_after = cpu::CpuSplit::now(self.services);
         let published = (&mut publisher.0)
             .await
             .context("the publishing task failed")??;
@@ -1215,7 +1217,7 @@ impl Phases<'_> {
             .with_group_commits(group_commits)
             .with_wal(wal)
             .with_note(service_cpu_note(cpu, ingested))
-            .with_note(split)
+            .with_cpu(split_before, split_after)
             .with_note(format!("all acks after {:.2} s", published.as_secs_f64()))
             .with_note(projected_note(started.elapsed(), projected)))
     }
@@ -1496,12 +1498,14 @@ async fn create_baseline_table(connection: &mut PgConnection, name: &str) -> any
 
 async fn baseline_copy(
     connection: &mut PgConnection,
+    services: &[child::Served],
     rows: &BaselineRows,
 ) -> anyhow::Result<Figure> {
     create_baseline_table(connection, "baseline").await?;
     checkpoint(connection).await;
     eprintln!("bench: baseline COPY of {} rows", rows.count);
     let wal_before = WalPosition::now(connection).await?;
+    let split_before = cpu::CpuSplit::now(services);
     let started = Instant::now();
     let statement = format!(
         "COPY baseline ({}) FROM STDIN WITH (FORMAT csv)",
@@ -1513,6 +1517,7 @@ async fn baseline_copy(
     }
     let copied = copy.finish().await?;
     let elapsed = started.elapsed();
+    let split_after = cpu::CpuSplit::now(services);
     let wal = WalPosition::now(connection)
         .await?
         .since(wal_before, "COPY");
@@ -1521,11 +1526,14 @@ async fn baseline_copy(
         "COPY stored {copied} rows of {}",
         rows.count
     );
-    Ok(Figure::new("COPY, one connection", rows.count, elapsed).with_wal(wal))
+    Ok(Figure::new("COPY, one connection", rows.count, elapsed)
+        .with_wal(wal)
+        .with_cpu(split_before, split_after))
 }
 
 async fn baseline_unnest(
     connection: &mut PgConnection,
+    services: &[child::Served],
     rows: &BaselineRows,
 ) -> anyhow::Result<Figure> {
     sqlx::query("TRUNCATE baseline")
@@ -1534,6 +1542,7 @@ async fn baseline_unnest(
     checkpoint(connection).await;
     eprintln!("bench: baseline INSERT … UNNEST of {} rows", rows.count);
     let mut latencies = Vec::with_capacity(rows.batches.len());
+    let split_before = cpu::CpuSplit::now(services);
     let started = Instant::now();
     for batch in &rows.batches {
         let sent = Instant::now();
@@ -1543,8 +1552,11 @@ async fn baseline_unnest(
         assert_eq!(inserted, batch.len() as u64, "UNNEST inserts every row");
     }
     let elapsed = started.elapsed();
+    let split_after = cpu::CpuSplit::now(services);
     let label = format!("INSERT UNNEST x{}, one connection", rows.batches[0].len());
-    Ok(Figure::new(label, rows.count, elapsed).with_latencies(&latencies))
+    Ok(Figure::new(label, rows.count, elapsed)
+        .with_latencies(&latencies)
+        .with_cpu(split_before, split_after))
 }
 
 /// The yardstick for single events: each row in a transaction of its own (one
@@ -1554,6 +1566,7 @@ async fn baseline_unnest(
 /// its last one is committed.
 async fn baseline_single_rows(
     connection: &mut PgConnection,
+    services: &[child::Served],
     database_url: &str,
     rows: &Arc<Rows>,
 ) -> anyhow::Result<Figure> {
@@ -1576,6 +1589,7 @@ async fn baseline_single_rows(
     }
     let wal_before = WalPosition::now(connection).await?;
     let next = Arc::new(AtomicUsize::new(0));
+    let split_before = cpu::CpuSplit::now(services);
     let started = Instant::now();
     let mut tasks = JoinSet::new();
     for mut inserter in connections {
@@ -1607,6 +1621,7 @@ async fn baseline_single_rows(
         latencies.extend(joined.context("a baseline inserter panicked")??);
     }
     let elapsed = started.elapsed();
+    let split_after = cpu::CpuSplit::now(services);
     let wal = WalPosition::now(connection)
         .await?
         .since(wal_before, "INSERT one row per transaction");
@@ -1614,11 +1629,13 @@ async fn baseline_single_rows(
     let label = format!("INSERT 1 row per transaction, {SINGLE_BASELINE_CONNECTIONS} connections");
     Ok(Figure::new(label, rows.len(), elapsed)
         .with_latencies(&latencies)
-        .with_wal(wal))
+        .with_wal(wal)
+        .with_cpu(split_before, split_after))
 }
 
 async fn baseline_publish(
     nats: &jetstream::Context,
+    services: &[child::Served],
     scratch: &Scratch,
     payloads: &Arc<Vec<Bytes>>,
 ) -> anyhow::Result<Figure> {
@@ -1640,12 +1657,13 @@ async fn baseline_publish(
         "bench: baseline JetStream publish of {} messages",
         payloads.len()
     );
+    let split_before = cpu::CpuSplit::now(services);
     let elapsed = publish_all(nats.clone(), scratch.baseline_subject(), payloads.clone()).await?;
-    Ok(Figure::new(
-        "JetStream async publish",
-        payloads.len(),
-        elapsed,
-    ))
+    let split_after = cpu::CpuSplit::now(services);
+    Ok(
+        Figure::new("JetStream async publish", payloads.len(), elapsed)
+            .with_cpu(split_before, split_after),
+    )
 }
 
 /// Publishes every payload with JetStream async publish and returns once every ack is in.
@@ -1998,6 +2016,8 @@ struct Figure {
     /// p50 and p99, in milliseconds.
     latency_ms: Option<(f64, f64)>,
     group_commits: Option<GroupCommits>,
+    /// The machine's busy core-seconds over the timed part (see [`Figure::with_cpu`]).
+    machine_seconds: Option<f64>,
     notes: Vec<String>,
 }
 
@@ -2009,6 +2029,7 @@ impl Figure {
             elapsed,
             latency_ms: None,
             group_commits: None,
+            machine_seconds: None,
             notes: Vec::new(),
         }
     }
@@ -2044,6 +2065,24 @@ impl Figure {
     fn with_wal(self, wal_bytes: u64) -> Figure {
         let per_event = wal_bytes as f64 / self.count as f64;
         self.with_note(format!("WAL {per_event:.0} B/event"))
+    }
+
+    /// Notes who used the CPU between the readings `before` and `after` (taken around the
+    /// timed part) and what the machine spent per event.
+    fn with_cpu(mut self, before: Option<cpu::CpuSplit>, after: Option<cpu::CpuSplit>) -> Figure {
+        self.machine_seconds = cpu::CpuSplit::machine_seconds(before, after);
+        self.notes.push(cpu::CpuSplit::describe(before, after));
+        if let Some(microseconds) = self.cpu_per_event_us() {
+            self.notes
+                .push(format!("machine CPU {microseconds:.0} µs an event"));
+        }
+        self
+    }
+
+    /// The machine's CPU per event over the timed part, in microseconds, when measured.
+    fn cpu_per_event_us(&self) -> Option<f64> {
+        let seconds = self.machine_seconds?;
+        (self.count > 0 && seconds > 0.0).then(|| seconds / self.count as f64 * 1e6)
     }
 
     fn with_retries(self, retries: u64) -> Figure {
@@ -2416,6 +2455,7 @@ impl Report {
             );
             let (value, over) = (figure.per_second(), reference.per_second());
             Row::new(target, values, value, over, bound, text)
+                .with_cpu_per_event(figure.cpu_per_event_us(), reference.cpu_per_event_us())
         };
         let baselines = &self.baselines;
         let (single, batch) = (&self.single, &self.batch);

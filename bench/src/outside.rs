@@ -19,6 +19,7 @@ use bytes::Bytes;
 use rand::Rng;
 use sqlx::PgConnection;
 
+use crate::cpu::CpuSplit;
 use crate::targets::{per_second, Bound, Figure, Row};
 use crate::{create_baseline_table, Check, SINGLE_BASELINE_CONNECTIONS, SINGLE_BASELINE_TABLE};
 
@@ -64,19 +65,27 @@ pub(crate) struct Figures {
     wrk_p99_ms: f64,
     /// One-row transactions a second, by `pgbench`.
     rows_per_second: f64,
+    /// What the machine spent per event answered to `wrk` and per row `pgbench` committed,
+    /// in microseconds, each over its tool's run.
+    cpu_per_event_us: (Option<f64>, Option<f64>),
 }
 
 impl Figures {
     /// Two lines under the ingest part's table.
     pub(crate) fn print(&self) {
+        let cpu = |microseconds: Option<f64>| {
+            microseconds.map_or_else(String::new, |us| format!(", machine CPU {us:.0} µs each"))
+        };
         println!(
             "- outside, {} s each: wrk, {WRK_CONNECTIONS} connections, {:.0} single events/s \
-             (p99 {:.2} ms); pgbench -c {SINGLE_BASELINE_CONNECTIONS}, {:.0} one-row INSERTs/s; \
-             {:.3} x",
+             (p99 {:.2} ms{}); pgbench -c {SINGLE_BASELINE_CONNECTIONS}, {:.0} one-row \
+             INSERTs/s{}; {:.3} x",
             self.seconds,
             self.events_per_second,
             self.wrk_p99_ms,
+            cpu(self.cpu_per_event_us.0),
             self.rows_per_second,
+            cpu(self.cpu_per_event_us.1),
             self.events_per_second / self.rows_per_second
         );
         println!();
@@ -96,6 +105,7 @@ impl Figures {
             Bound::AtLeast(1.5),
             "≥ 1.5 ×",
         )
+        .with_cpu_per_event(self.cpu_per_event_us.0, self.cpu_per_event_us.1)
     }
 }
 
@@ -136,6 +146,8 @@ pub(crate) async fn measure(
         &lua_script(single_bodies, token, &prefix)?,
     )?;
     eprintln!("bench: outside: wrk, {WRK_CONNECTIONS} connections, {seconds} s of single events");
+    // The machine's CPU alone: the service's share is in the ingest part's figures.
+    let wrk_before = CpuSplit::now(&[]);
     let output = run_tool(
         tokio::process::Command::new(&wrk)
             .arg(format!("-t{LOAD_THREADS}"))
@@ -148,6 +160,7 @@ pub(crate) async fn measure(
         seconds,
     )
     .await?;
+    let wrk_cpu = CpuSplit::machine_seconds(wrk_before, CpuSplit::now(&[]));
     let answered = WrkAnswers::parse(&output)?;
     let mut checks = vec![answered.all_ok_check()];
     checks.push(acknowledged_in_ledger(pool, &answered, &prefix).await?);
@@ -160,6 +173,7 @@ pub(crate) async fn measure(
         &format!("tally-bench-{prefix}.sql"),
         &pgbench_script(&mut connection).await?,
     )?;
+    let pgbench_before = CpuSplit::now(&[]);
     let output = run_tool(
         tokio::process::Command::new(&pgbench)
             .args(["-n", "-M", "prepared"])
@@ -172,6 +186,7 @@ pub(crate) async fn measure(
         seconds,
     )
     .await?;
+    let pgbench_cpu = CpuSplit::machine_seconds(pgbench_before, CpuSplit::now(&[]));
     let (transactions, rows_per_second) = parse_pgbench(&output)?;
     let inserted: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {OUTSIDE_TABLE}"))
         .fetch_one(&mut connection)
@@ -189,9 +204,18 @@ pub(crate) async fn measure(
             events_per_second: answered.ok as f64 / answered.seconds,
             wrk_p99_ms: answered.p99_ms,
             rows_per_second,
+            cpu_per_event_us: (
+                per_event_us(wrk_cpu, answered.ok),
+                per_event_us(pgbench_cpu, transactions),
+            ),
         },
         checks,
     })
+}
+
+/// Busy core-seconds over `count` things done, in microseconds each.
+fn per_event_us(seconds: Option<f64>, count: u64) -> Option<f64> {
+    (count > 0).then_some(seconds? / count as f64 * 1e6)
 }
 
 /// A file of the bench's in the temporary directory, removed when dropped.

@@ -81,6 +81,11 @@ pub struct Row {
     pub bound: Bound,
     /// The target as issue 23 says it.
     pub target: String,
+    /// For rates of events: what the whole machine spent per event, in microseconds, for
+    /// the figure and for its reference, each over its own timed part. Two rates on the
+    /// same cores differ by this much when both keep the cores busy; where the rate ratio
+    /// is further off than this one, the figure was waiting, not working.
+    pub cpu_per_event_us: Option<(f64, f64)>,
 }
 
 impl Row {
@@ -99,7 +104,18 @@ impl Row {
             ratio: value / reference,
             bound,
             target: target.into(),
+            cpu_per_event_us: None,
         }
+    }
+
+    /// The machine's CPU per event of the figure and of its reference, when both are known.
+    pub(crate) fn with_cpu_per_event(
+        mut self,
+        figure_us: Option<f64>,
+        reference_us: Option<f64>,
+    ) -> Row {
+        self.cpu_per_event_us = figure_us.zip(reference_us);
+        self
     }
 
     pub fn met(&self) -> bool {
@@ -143,7 +159,14 @@ impl Summary {
         println!();
         println!("tally-bench, targets (issue 23; every ratio within this run):");
         println!();
-        let header = ["figure", "measured", "ratio", "target", "verdict"];
+        let header = [
+            "figure",
+            "measured",
+            "ratio",
+            "target",
+            "verdict",
+            "machine CPU an event",
+        ];
         let cells: Vec<Vec<String>> = self
             .rows
             .iter()
@@ -154,6 +177,13 @@ impl Summary {
                     format!("{:.3}", row.ratio),
                     row.target.clone(),
                     verdict(row.met()).to_owned(),
+                    row.cpu_per_event_us
+                        .map_or_else(crate::dash, |(figure, reference)| {
+                            format!(
+                                "{figure:.0} µs vs {reference:.0} µs ({:.2} ×)",
+                                figure / reference
+                            )
+                        }),
                 ]
             })
             .collect();
@@ -193,6 +223,27 @@ mod tests {
                 row(Figure::Single, ratio, bound).met(),
                 met,
                 "{ratio} {bound:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_row_gives_the_machines_cpu_per_event_only_when_both_sides_were_measured() {
+        let measured = row(Figure::Single, 1.0, Bound::AtLeast(1.5));
+        assert_eq!(
+            measured
+                .clone()
+                .with_cpu_per_event(Some(170.0), Some(200.0))
+                .cpu_per_event_us,
+            Some((170.0, 200.0))
+        );
+        for (figure, reference) in [(None, Some(200.0)), (Some(170.0), None), (None, None)] {
+            assert_eq!(
+                measured
+                    .clone()
+                    .with_cpu_per_event(figure, reference)
+                    .cpu_per_event_us,
+                None
             );
         }
     }

@@ -38,6 +38,20 @@ fn assert_targets(summary: &Summary, figures: &[TargetFigure]) {
     }
 }
 
+/// Asserts that each row of `figures` in `summary` gives what the machine spent per event
+/// for the figure and for its reference: both measured, finite and positive.
+fn assert_cpu_per_event(summary: &Summary, figures: &[TargetFigure]) {
+    for figure in figures {
+        let row = summary.row(*figure).expect("the row is in the summary");
+        let (measured, reference) = row
+            .cpu_per_event_us
+            .unwrap_or_else(|| panic!("no CPU per event in {row:?}"));
+        for microseconds in [measured, reference] {
+            assert!(microseconds.is_finite() && microseconds > 0.0, "{row:?}");
+        }
+    }
+}
+
 async fn scratch_databases(pool: &PgPool) -> HashSet<String> {
     sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'tally_bench_%'")
         .fetch_all(pool)
@@ -124,6 +138,14 @@ async fn the_bench_runs_ingest_admission_anomalies_and_audit_on_small_sizes_with
             TargetFigure::ClosedChecks,
         ],
     );
+    assert_cpu_per_event(
+        &summary,
+        &[
+            TargetFigure::Single,
+            TargetFigure::Batches,
+            TargetFigure::Nats,
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,6 +205,8 @@ async fn the_bench_drives_single_events_from_outside_with_wrk_and_the_yardstick_
             TargetFigure::Nats,
         ],
     );
+    // wrk's and pgbench's runs last seconds, long enough for /proc's ticks to count.
+    assert_cpu_per_event(&summary, &[TargetFigure::Outside]);
 }
 
 /// The error the bench refuses `arguments` with (after `--serve-binary` and a path where
