@@ -5,8 +5,10 @@
 //! Postgres forks a backend per connection; a backend's time is read from its own
 //! `/proc/<pid>/stat` while it lives and from the postmaster's reaped-children time
 //! (`cutime` + `cstime`) after it exits, so summing both over every `postgres` process
-//! counts each backend once, whenever it started or ended. The sums are of every such
-//! process on the machine: another client of the same server is counted too.
+//! counts each backend once, whenever it started or ended, except between its exit and
+//! the postmaster reaping it: a phase takes its last reading before it closes the
+//! connections it opened. The sums are of every such process on the machine: another
+//! client of the same server is counted too.
 
 use std::time::{Duration, Instant};
 

@@ -1612,16 +1612,23 @@ async fn baseline_single_rows(
                 latencies.push(sent.elapsed());
                 anyhow::ensure!(inserted == 1, "an INSERT of one row inserted {inserted}");
             }
-            inserter.close().await?;
-            anyhow::Ok(latencies)
+            anyhow::Ok((latencies, inserter))
         });
     }
     let mut latencies = Vec::with_capacity(rows.len());
+    let mut inserters = Vec::with_capacity(SINGLE_BASELINE_CONNECTIONS);
     while let Some(joined) = tasks.join_next().await {
-        latencies.extend(joined.context("a baseline inserter panicked")??);
+        let (done, inserter) = joined.context("a baseline inserter panicked")??;
+        latencies.extend(done);
+        inserters.push(inserter);
     }
     let elapsed = started.elapsed();
+    // Before the connections close: a backend that has exited is counted only once
+    // Postgres has reaped it, which may be after this reading.
     let split_after = cpu::CpuSplit::now(services);
+    for inserter in inserters {
+        inserter.close().await?;
+    }
     let wal = WalPosition::now(connection)
         .await?
         .since(wal_before, "INSERT one row per transaction");
