@@ -60,6 +60,14 @@ impl CpuSplit {
         Some((after?.busy - before?.busy).max(0.0))
     }
 
+    /// `seconds` of the machine's CPU (from [`CpuSplit::machine_seconds`]) over `count`
+    /// things done, in microseconds each; `None` when either is unknown or nothing, as a
+    /// part too short for `/proc`'s ticks reads.
+    pub(crate) fn per_event_us(seconds: Option<f64>, count: u64) -> Option<f64> {
+        let seconds = seconds?;
+        (count > 0 && seconds > 0.0).then(|| seconds / count as f64 * 1e6)
+    }
+
     /// "CPU cores: tally serve A, Postgres B, nats-server C, the bench D, machine E busy of
     /// F" between two readings.
     pub(crate) fn describe(before: Option<CpuSplit>, after: Option<CpuSplit>) -> String {
@@ -169,6 +177,14 @@ mod tests {
         assert_eq!(name, "postgres: x (y)");
         assert_eq!(seconds, 3.5);
         assert_eq!(own_seconds(stat), Some(3.0));
+    }
+
+    #[test]
+    fn cpu_per_event_is_unknown_for_nothing_done_or_no_tick_counted() {
+        assert_eq!(CpuSplit::per_event_us(Some(1.5), 1_000), Some(1_500.0));
+        assert_eq!(CpuSplit::per_event_us(Some(1.5), 0), None);
+        assert_eq!(CpuSplit::per_event_us(Some(0.0), 1_000), None);
+        assert_eq!(CpuSplit::per_event_us(None, 1_000), None);
     }
 
     #[test]

@@ -2088,8 +2088,7 @@ impl Figure {
 
     /// The machine's CPU per event over the timed part, in microseconds, when measured.
     fn cpu_per_event_us(&self) -> Option<f64> {
-        let seconds = self.machine_seconds?;
-        (self.count > 0 && seconds > 0.0).then(|| seconds / self.count as f64 * 1e6)
+        cpu::CpuSplit::per_event_us(self.machine_seconds, u64::try_from(self.count).ok()?)
     }
 
     fn with_retries(self, retries: u64) -> Figure {

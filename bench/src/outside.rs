@@ -205,17 +205,12 @@ pub(crate) async fn measure(
             wrk_p99_ms: answered.p99_ms,
             rows_per_second,
             cpu_per_event_us: (
-                per_event_us(wrk_cpu, answered.ok),
-                per_event_us(pgbench_cpu, transactions),
+                CpuSplit::per_event_us(wrk_cpu, answered.ok),
+                CpuSplit::per_event_us(pgbench_cpu, transactions),
             ),
         },
         checks,
     })
-}
-
-/// Busy core-seconds over `count` things done, in microseconds each.
-fn per_event_us(seconds: Option<f64>, count: u64) -> Option<f64> {
-    (count > 0).then_some(seconds? / count as f64 * 1e6)
 }
 
 /// A file of the bench's in the temporary directory, removed when dropped.
