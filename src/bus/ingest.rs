@@ -9,11 +9,14 @@
 //! with the error in headers and then acknowledged, so it cannot loop. Only a message that
 //! failed for a passing reason (database down, queue full) is nak'ed and retried later.
 //!
-//! Batches go through three stages joined by bounded channels: fetching, appending and
-//! settling (dead letters, then the batch's acknowledgements, flushed once). So the next
-//! batch is fetched while one is appended and the one before is settled. Stopping lets the
-//! batch being appended commit and be settled, and naks the batches fetched but not
-//! appended, so that they are redelivered at once.
+//! Batches go through three stages joined by bounded channels: fetching, appending (each
+//! message parsed and checked, then the appends of the whole batch queued in one submission,
+//! so that they share a group commit) and settling (waiting for the batch's commit, then
+//! its dead letters, then its acknowledgements, flushed once). So the next batch is fetched
+//! while one is prepared, and prepared and queued while the one before commits and is
+//! settled: the appender does not wait for a batch to be parsed. Stopping lets the batches
+//! queued commit and be settled, and naks the batches fetched but not queued, so that they
+//! are redelivered at once.
 
 use std::time::Duration;
 
@@ -23,7 +26,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::jetstream::{self, consumer::pull, AckKind, Message};
 use async_nats::HeaderMap;
-use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -31,8 +35,8 @@ use super::Names;
 use crate::error_code::ErrorCode;
 use crate::event::cloudevent;
 use crate::event::parse::{parse_envelope, BodyKind, Envelope};
-use crate::event::TimeBounds;
-use crate::ledger::{legacy_ids, plans, AppendError, Appender};
+use crate::event::{Event, TimeBounds};
+use crate::ledger::{legacy_ids, plans, AppendError, AppendedEvent, Appender};
 use sqlx::PgPool;
 
 /// The durable consumer's name.
@@ -44,17 +48,19 @@ pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
 pub const ACK_WAIT_SECONDS: u64 = 30;
 /// Unacknowledged messages the server lets this consumer hold, over all instances. Each
-/// instance's pipeline holds at most four batches (one fetched ahead, one being appended,
-/// one waiting to be settled, one being settled), 4 000 messages at the default
-/// [`crate::config::INGEST_FETCH_MAX`]: this leaves room for several instances, a larger
-/// configured fetch, and the messages of a stopped instance until they are redelivered.
+/// instance's pipeline holds at most four batches (one fetched ahead, one being prepared,
+/// one queued and waiting to be settled, one committing or being settled), 4 000 messages
+/// at the default [`crate::config::INGEST_FETCH_MAX`]: this leaves room for several
+/// instances, a larger configured fetch, and the messages of a stopped instance until they
+/// are redelivered.
 const MAX_ACK_PENDING: i64 = 20_000;
 /// Fetched batches that wait for the appending stage: one, so that the next fetch runs
 /// while a batch is appended, and no more, because each message waiting counts against
 /// [`ACK_WAIT_SECONDS`] and [`MAX_ACK_PENDING`] and could go to another instance instead.
 const FETCHED_AHEAD_MAX: usize = 1;
-/// Appended batches that wait for the settling stage: one, so that the next batch is
-/// appended while one is acknowledged, and no more, for the same reasons.
+/// Queued batches that wait for the settling stage: one, so that the next batch is
+/// prepared and queued while one commits and is acknowledged, and no more, for the same
+/// reasons.
 const APPENDED_AHEAD_MAX: usize = 1;
 /// How long one fetch waits for messages when the stream is idle.
 const FETCH_EXPIRES_MS: u64 = 500;
@@ -186,12 +192,14 @@ async fn fetch_batches(
     Ok(())
 }
 
-/// Appends each fetched batch and passes it on with its verdicts, until `shutdown` or until
-/// a neighbouring stage stops; then hands back the batches fetched but not appended.
+/// Queues each fetched batch's appends and passes it on to be settled once they have
+/// committed, until `shutdown` or until a neighbouring stage stops; then hands back the
+/// batches fetched but not queued. While one batch commits, the next is prepared and queued
+/// behind it, so the appender does not wait for its messages to be parsed.
 async fn append_batches(
     context: &jetstream::Context,
     mut fetched: mpsc::Receiver<Vec<Message>>,
-    appended: mpsc::Sender<(Vec<Message>, Vec<Verdict>)>,
+    appended: mpsc::Sender<Appending>,
     (pool, appender, settings): (&PgPool, &Appender, &IngestSettings),
     shutdown: &CancellationToken,
 ) {
@@ -204,9 +212,10 @@ async fn append_batches(
                 None => return,
             },
         };
-        // The batch in hand is finished even when stopping: its appends are queued already.
-        let verdicts = append_batch(pool, appender, settings, &messages).await;
-        if appended.send((messages, verdicts)).await.is_err() {
+        // The batch in hand is finished even when stopping: it is queued, and the settling
+        // stage waits for its commit.
+        let appending = append_batch(pool, appender, settings, messages).await;
+        if appended.send(appending).await.is_err() {
             break;
         }
     }
@@ -240,13 +249,15 @@ async fn flush(context: &jetstream::Context) -> anyhow::Result<()> {
     .context("cannot send the acknowledgements")
 }
 
-/// Settles each appended batch in turn; an error stops the pipeline.
+/// Settles each batch in turn once its appends have committed or failed; an error stops
+/// the pipeline.
 async fn settle_batches(
     context: &jetstream::Context,
     names: &Names,
-    mut appended: mpsc::Receiver<(Vec<Message>, Vec<Verdict>)>,
+    mut appended: mpsc::Receiver<Appending>,
 ) -> anyhow::Result<()> {
-    while let Some((messages, verdicts)) = appended.recv().await {
+    while let Some(appending) = appended.recv().await {
+        let (messages, verdicts) = appending.verdicts().await;
         settle(context, names, &messages, verdicts).await?;
     }
     Ok(())
@@ -259,40 +270,86 @@ enum Verdict {
     Retry(AppendError),
 }
 
-/// The verdict on each message of a batch, once every append it made has committed or failed.
+/// A batch whose appends are queued: each message with its verdict when it was not
+/// appended, and how its appends end.
+struct Appending {
+    messages: Vec<Message>,
+    /// Per message, its verdict if it was not appended, else how many events it appended.
+    prepared: Vec<Result<usize, Verdict>>,
+    appended: BoxFuture<'static, Vec<Result<Vec<AppendedEvent>, AppendError>>>,
+}
+
+impl Appending {
+    /// The batch's messages and the verdict on each, once every append has committed or
+    /// failed.
+    async fn verdicts(self) -> (Vec<Message>, Vec<Verdict>) {
+        let mut appended = self.appended.await.into_iter();
+        let verdicts = self
+            .prepared
+            .into_iter()
+            .map(|prepared| match prepared {
+                Ok(count) => {
+                    let result = appended.next().expect("one result for each list appended");
+                    appended_verdict(count, result)
+                }
+                Err(verdict) => verdict,
+            })
+            .collect();
+        (self.messages, verdicts)
+    }
+}
+
+/// Prepares each message of a batch and queues the appends of those that can be appended,
+/// each message's events atomically on their own and all of them in one submission, so that
+/// the batch goes into one group commit rather than a few messages at a time.
 async fn append_batch(
     pool: &PgPool,
     appender: &Appender,
     settings: &IngestSettings,
-    messages: &[Message],
-) -> Vec<Verdict> {
+    messages: Vec<Message>,
+) -> Appending {
     let bounds = TimeBounds {
         now: settings.clock.now(),
         backdate_max: settings.backdate_max,
     };
-    // All appends are queued before any is awaited, so the batch shares group commits.
-    futures::future::join_all(
+    let prepared = futures::future::join_all(
         messages
             .iter()
-            .map(|message| verdict(message, pool, appender, settings, bounds)),
+            .map(|message| prepare(message, pool, settings, bounds)),
     )
-    .await
+    .await;
+    let mut lists = Vec::with_capacity(prepared.len());
+    let prepared = prepared
+        .into_iter()
+        .map(|prepared| {
+            prepared.map(|events| {
+                let count = events.len();
+                lists.push(events);
+                count
+            })
+        })
+        .collect();
+    Appending {
+        messages,
+        prepared,
+        appended: appender.append_each(lists).boxed(),
+    }
 }
 
-/// What becomes of one message: its events parsed, checked and appended.
-async fn verdict(
+/// One message's events, parsed and checked, ready to append; or its verdict when it cannot
+/// be appended (dead letter) or cannot be checked now (retry).
+async fn prepare(
     message: &Message,
     pool: &PgPool,
-    appender: &Appender,
     settings: &IngestSettings,
     bounds: TimeBounds,
-) -> Verdict {
+) -> Result<Vec<Event>, Verdict> {
     let headers = message_headers(message);
     let content_type = headers
         .iter()
         .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
         .and_then(|(_, value)| std::str::from_utf8(value).ok());
-    let parsed = Envelope::select(
+    let mut events = Envelope::select(
         content_type,
         cloudevent::has_ce_header(headers.iter().map(|(name, _)| *name)),
         Some(BodyKind::Native),
@@ -306,31 +363,34 @@ async fn verdict(
             bounds,
             settings.batch_events_max,
         )
-    });
-    let mut events = match parsed {
-        Ok(events) => events,
-        Err(error) => {
-            return Verdict::DeadLetter {
-                code: error.code().as_str(),
-                message: error.describe(),
-            }
-        }
-    };
+    })
+    .map_err(|error| Verdict::DeadLetter {
+        code: error.code().as_str(),
+        message: error.describe(),
+    })?;
     match plans::unknown_reference(pool, &events).await {
         Ok(None) => {}
         Ok(Some((index, plan))) => {
-            return Verdict::DeadLetter {
+            return Err(Verdict::DeadLetter {
                 code: ErrorCode::UnknownPlan.as_str(),
                 message: format!("event {index}: plan {plan:?} is not defined"),
-            }
+            })
         }
-        Err(error) => return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))),
+        Err(error) => {
+            return Err(Verdict::Retry(AppendError::Store(std::sync::Arc::new(
+                error,
+            ))))
+        }
     }
-    if let Err(error) = legacy_ids::adopt(pool, &mut events).await {
-        return Verdict::Retry(AppendError::Store(std::sync::Arc::new(error)));
-    }
-    let count = events.len();
-    match appender.append(events).await {
+    legacy_ids::adopt(pool, &mut events)
+        .await
+        .map_err(|error| Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))))?;
+    Ok(events)
+}
+
+/// What becomes of a message whose `count` events were appended with `result`.
+fn appended_verdict(count: usize, result: Result<Vec<AppendedEvent>, AppendError>) -> Verdict {
+    match result {
         Ok(_) => Verdict::Stored(count),
         Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
             code: ErrorCode::IdempotencyConflict.as_str(),

@@ -1,8 +1,9 @@
 //! The appender: the one writer that orders the ledger.
 //!
 //! Producers (HTTP handlers, the NATS ingest consumer) send append requests over a bounded
-//! queue. One task takes every request waiting, up to a group limit, and appends them all in
-//! one transaction (group commit) under `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`. Under that
+//! queue, one request a submission or, from the NATS ingest, a fetched batch's requests in
+//! one ([`Appender::append_each`]). One task takes every request waiting, up to a group
+//! limit, and appends them all in one transaction (group commit) under `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`. Under that
 //! lock the head is read, the next positions follow it and the lock is released by the
 //! commit. So positions are assigned in commit order with no gaps, across any number of
 //! instances: a reader tailing by position can never see position n+1 before n is visible.
@@ -42,7 +43,8 @@
 //! commit than Postgres spends executing it. A thread of its own is woken by the kernel directly, and
 //! a group commit is that much shorter for every request waiting on it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -155,7 +157,8 @@ pub fn is_content_error(error: &sqlx::Error) -> bool {
 
 #[derive(Debug, Clone, Copy)]
 pub struct AppendLimits {
-    /// Requests waiting in the queue.
+    /// Submissions waiting in the queue: one request each from [`Appender::append`], or
+    /// all the requests of one [`Appender::append_each`].
     pub queue_max: usize,
     /// Events per group commit (a single larger request still goes alone).
     pub group_events_max: usize,
@@ -164,6 +167,44 @@ pub struct AppendLimits {
 struct Request {
     events: Vec<Event>,
     reply: oneshot::Sender<Result<Vec<AppendedEvent>, AppendError>>,
+}
+
+impl Request {
+    /// A request for `events`, and what its caller waits on for the answer.
+    fn new(events: Vec<Event>) -> (Request, Waiting) {
+        let orgs = events
+            .iter()
+            .map(|event| {
+                let every_org = event.event_type == EventType::PlanDefined;
+                (event.org_id.clone(), every_org)
+            })
+            .collect();
+        let (reply, response) = oneshot::channel();
+        (Request { events, reply }, Waiting { orgs, response })
+    }
+}
+
+/// A queued request, seen from its caller: the orgs of its events (and whether each is a
+/// plan definition, which counts for every org), and where its answer arrives.
+struct Waiting {
+    orgs: Vec<(OrgId, bool)>,
+    response: oneshot::Receiver<Result<Vec<AppendedEvent>, AppendError>>,
+}
+
+impl Waiting {
+    /// The request's answer, once each of its events' orgs has its position recorded in
+    /// `acknowledged`.
+    async fn answered(
+        self,
+        acknowledged: &Mutex<Acknowledged>,
+    ) -> Result<Vec<AppendedEvent>, AppendError> {
+        let appended = self.response.await.map_err(|_| AppendError::Stopped)??;
+        let mut acknowledged = acknowledged.lock().expect("never held across a panic");
+        for ((org, every_org), event) in self.orgs.iter().zip(&appended) {
+            acknowledged.record(org.as_str(), event.position, *every_org);
+        }
+        Ok(appended)
+    }
 }
 
 /// Orgs whose last acknowledged position [`Acknowledged`] holds at most; past it they are
@@ -215,7 +256,7 @@ impl Acknowledged {
 /// dropped and the queue is drained, so stopping never loses an accepted request.
 #[derive(Clone)]
 pub struct Appender {
-    sender: mpsc::Sender<Request>,
+    sender: mpsc::Sender<Vec<Request>>,
     head: watch::Receiver<i64>,
     acknowledged: Arc<Mutex<Acknowledged>>,
     handoffs: Handoffs,
@@ -279,26 +320,60 @@ impl Appender {
         if events.is_empty() {
             return Ok(Vec::new());
         }
-        let orgs: Vec<(OrgId, bool)> = events
-            .iter()
-            .map(|event| {
-                let every_org = event.event_type == EventType::PlanDefined;
-                (event.org_id.clone(), every_org)
+        let (request, waiting) = Request::new(events);
+        self.submit(vec![request])?;
+        waiting.answered(&self.acknowledged).await
+    }
+
+    /// Appends each list of events atomically on its own, as [`Appender::append`] would,
+    /// with every list queued in one submission, here and now: the returned future only
+    /// waits for the answers, so a caller can prepare its next lists while these commit.
+    /// The appender takes a submission's lists into the same group commit (past the events
+    /// of one group, into consecutive groups), instead of starting a group with the first
+    /// few while the rest are still being queued. One list's failure is its own: a list
+    /// that reuses an id with other content, or that Postgres refuses, fails alone. The
+    /// results are in the order of `lists`.
+    pub fn append_each(
+        &self,
+        lists: Vec<Vec<Event>>,
+    ) -> impl Future<Output = Vec<Result<Vec<AppendedEvent>, AppendError>>> + Send + 'static {
+        let mut requests = Vec::with_capacity(lists.len());
+        let waiting: Vec<Option<Waiting>> = lists
+            .into_iter()
+            .map(|events| {
+                (!events.is_empty()).then(|| {
+                    let (request, waiting) = Request::new(events);
+                    requests.push(request);
+                    waiting
+                })
             })
             .collect();
-        let (reply, response) = oneshot::channel();
-        self.sender
-            .try_send(Request { events, reply })
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => AppendError::Overloaded,
-                mpsc::error::TrySendError::Closed(_) => AppendError::Stopped,
-            })?;
-        let appended = response.await.map_err(|_| AppendError::Stopped)??;
-        let mut acknowledged = self.acknowledged.lock().expect("never held across a panic");
-        for ((org, every_org), event) in orgs.iter().zip(&appended) {
-            acknowledged.record(org.as_str(), event.position, *every_org);
+        let refused = if requests.is_empty() {
+            None
+        } else {
+            self.submit(requests).err()
+        };
+        let acknowledged = Arc::clone(&self.acknowledged);
+        async move {
+            let mut results = Vec::with_capacity(waiting.len());
+            for waiting in waiting {
+                results.push(match (waiting, &refused) {
+                    (None, _) => Ok(Vec::new()),
+                    (Some(_), Some(error)) => Err(error.clone()),
+                    (Some(waiting), None) => waiting.answered(&acknowledged).await,
+                });
+            }
+            results
         }
-        Ok(appended)
+    }
+
+    /// Queues `requests` as one submission, or refuses them all when the queue is full or
+    /// the appender has stopped.
+    fn submit(&self, requests: Vec<Request>) -> Result<(), AppendError> {
+        self.sender.try_send(requests).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => AppendError::Overloaded,
+            mpsc::error::TrySendError::Closed(_) => AppendError::Stopped,
+        })
     }
 
     /// The last position this appender committed; wakes whoever tails the ledger.
@@ -505,7 +580,7 @@ async fn run(
     options: &PgConnectOptions,
     limits: AppendLimits,
     mut dating: Dating,
-    mut receiver: mpsc::Receiver<Request>,
+    mut receiver: mpsc::Receiver<Vec<Request>>,
     outlets: Outlets,
 ) {
     // The head this appender last committed; `None` when unknown (start, or after an error
@@ -516,8 +591,12 @@ async fn run(
     // is watched by this thread's reactor. Dropped after any error, so that a broken
     // connection is replaced.
     let mut connection: Option<PgConnection> = None;
-    while let Some(first) = receiver.recv().await {
-        let (group, events) = gather(first, &mut receiver, limits.group_events_max);
+    // Requests received and not yet in a group: the rest of a submission that held more
+    // events than a group takes.
+    let mut received: VecDeque<Request> = VecDeque::new();
+    while let Some((group, events)) =
+        next_group(&mut received, &mut receiver, limits.group_events_max).await
+    {
         let started = Instant::now();
         let result = match connected(&mut connection, options).await {
             Ok(connection) => commit_group(connection, &group, &mut committed, &mut dating).await,
@@ -563,26 +642,50 @@ async fn run(
     tracing::info!("appender stopped");
 }
 
-/// The requests of one group commit, `first` and those queued behind it, up to
-/// `group_events_max` events; and how many events they hold. Everything that queued up
-/// during the last commit goes into this one. Nothing here waits for more: on this thread a
-/// yield would let no producer run, and the appender is already the bottleneck when the
-/// queue is long.
+/// The next group commit's requests and events ([`gather`]), waiting for a submission when
+/// none is left over from the last; `None` once the queue is closed and drained.
+async fn next_group(
+    received: &mut VecDeque<Request>,
+    receiver: &mut mpsc::Receiver<Vec<Request>>,
+    group_events_max: usize,
+) -> Option<(Vec<Request>, usize)> {
+    loop {
+        if received.is_empty() {
+            received.extend(receiver.recv().await?);
+        }
+        let (group, events) = gather(received, receiver, group_events_max);
+        if !group.is_empty() {
+            return Some((group, events));
+        }
+    }
+}
+
+/// The requests of one group commit: those `received` and those queued behind them, in
+/// order, up to `group_events_max` events (a single larger request still goes alone); and
+/// how many events they hold. What a submission holds past the limit stays in `received`
+/// for the next group. Everything that queued up during the last commit goes into this one.
+/// Nothing here waits for more: on this thread a yield would let no producer run, and the
+/// appender is already the bottleneck when the queue is long.
 fn gather(
-    first: Request,
-    receiver: &mut mpsc::Receiver<Request>,
+    received: &mut VecDeque<Request>,
+    receiver: &mut mpsc::Receiver<Vec<Request>>,
     group_events_max: usize,
 ) -> (Vec<Request>, usize) {
-    let mut events = first.events.len();
-    let mut group = vec![first];
-    while events < group_events_max {
-        match receiver.try_recv() {
-            Ok(request) => {
-                events += request.events.len();
-                group.push(request);
+    let mut group = Vec::new();
+    let mut events = 0;
+    while group.is_empty() || events < group_events_max {
+        if received.is_empty() {
+            match receiver.try_recv() {
+                Ok(requests) => received.extend(requests),
+                Err(_) => break,
             }
-            Err(_) => break,
         }
+        let Some(request) = received.pop_front() else {
+            // An empty submission: none is sent, but nothing here depends on that.
+            continue;
+        };
+        events += request.events.len();
+        group.push(request);
     }
     (group, events)
 }

@@ -7,6 +7,7 @@ mod admission_cache;
 mod admission_consistency;
 mod anomalies;
 mod append_isolation;
+mod append_submissions;
 mod audit;
 mod checker;
 mod concurrency;
