@@ -21,6 +21,22 @@ async fn transactions_by_position(pool: &PgPool) -> Vec<(i64, String)> {
         .unwrap()
 }
 
+/// An appender on `pool` with these limits, and the task that ends when it stops.
+fn start(
+    pool: &PgPool,
+    queue_max: usize,
+    group_events_max: usize,
+) -> (Appender, tokio::task::JoinHandle<()>) {
+    let (appender, _, task) = Appender::start(
+        pool.clone(),
+        AppendLimits {
+            queue_max,
+            group_events_max,
+        },
+    );
+    (appender, task)
+}
+
 /// `sizes.len()` lists of fresh valid events, list `n` holding `sizes[n]` events.
 fn lists(sizes: &[usize]) -> Vec<Vec<Event>> {
     let events = parse_events(&valid_events(sizes.iter().sum()));
@@ -35,13 +51,7 @@ fn lists(sizes: &[usize]) -> Vec<Vec<Event>> {
 async fn every_list_of_one_submission_is_stored_in_one_group_commit_in_the_order_of_the_lists() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (appender, _, _task) = Appender::start(
-        pool.clone(),
-        AppendLimits {
-            queue_max: 8,
-            group_events_max: 1_000,
-        },
-    );
+    let (appender, _task) = start(&pool, 8, 1_000);
     let sizes: Vec<usize> = (0..200).map(|n| 1 + n % 3).collect();
     let results = appender.append_each(lists(&sizes)).await;
 
@@ -77,13 +87,7 @@ async fn a_submission_with_more_events_than_a_group_takes_is_stored_in_consecuti
 ) {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (appender, _, _task) = Appender::start(
-        pool.clone(),
-        AppendLimits {
-            queue_max: 8,
-            group_events_max: 10,
-        },
-    );
+    let (appender, _task) = start(&pool, 8, 10);
     // Seven lists of three: a group takes lists while it holds fewer than ten events, so
     // the first takes four lists (twelve events) and the second the other three.
     let sizes = [3; 7];
@@ -117,13 +121,7 @@ async fn a_list_that_reuses_an_id_with_other_content_fails_alone_and_a_list_sent
 ) {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (appender, _, _task) = Appender::start(
-        pool.clone(),
-        AppendLimits {
-            queue_max: 8,
-            group_events_max: 1_000,
-        },
-    );
+    let (appender, _task) = start(&pool, 8, 1_000);
     let values = valid_events(4);
     let stored = appender
         .append(parse_events(&values[..1]))
@@ -174,13 +172,7 @@ async fn a_submission_that_finds_the_queue_full_is_refused_as_overloaded_for_eve
 ) {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (appender, _, _task) = Appender::start(
-        pool.clone(),
-        AppendLimits {
-            queue_max: 1,
-            group_events_max: 1_000,
-        },
-    );
+    let (appender, _task) = start(&pool, 1, 1_000);
     let mut lock = hold_ledger_lock(&db.url).await;
     // The appender takes the first request and waits for the lock with it; the second
     // submission fills the queue's one place.
@@ -189,17 +181,7 @@ async fn a_submission_that_finds_the_queue_full_is_refused_as_overloaded_for_eve
         let events = parse_events(&valid_events(1));
         async move { appender.append(events).await }
     });
-    eventually(5, "the appender waits for the ledger lock", || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        waiting == 1
-    })
-    .await;
+    waiting_for_the_ledger_lock(&pool, 1).await;
     let second = appender.append_each(lists(&[2]));
     let refused = appender.append_each(vec![
         parse_events(&valid_events(1)),

@@ -273,18 +273,3 @@ async fn an_append_whose_fast_attempts_both_fail_finds_a_stored_id_under_the_loc
     let report = verify::verify(&pool).await.unwrap();
     assert!(report.ok, "{report:?}");
 }
-
-/// Waits until `count` appends of this database wait for the ledger lock.
-async fn waiting_for_the_ledger_lock(pool: &sqlx::PgPool, count: i64) {
-    eventually(5, "appends wait for the ledger lock", || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        waiting == count
-    })
-    .await;
-}

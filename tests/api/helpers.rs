@@ -960,3 +960,18 @@ fn wait_until_listening(port: u16) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Waits until `count` appends of this database wait for the ledger lock.
+pub async fn waiting_for_the_ledger_lock(pool: &sqlx::PgPool, count: i64) {
+    eventually(5, "appends wait for the ledger lock", || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        waiting == count
+    })
+    .await;
+}
