@@ -18,7 +18,7 @@
 //! queued commit and be settled, and naks the batches fetched but not queued, so that they
 //! are redelivered at once.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 // anyhow, not a typed error, for the consumer's own failures (NATS, acks): they end at its
 // loop, which logs them and consumes again; none reaches an HTTP answer. What a message's
@@ -67,6 +67,10 @@ const FETCH_EXPIRES_MS: u64 = 500;
 /// How long a batch's acknowledgements may take to be written: as long as a dead-letter
 /// publish may wait for its confirmation (the client's default request timeout).
 const FLUSH_TIMEOUT_MS: u64 = 5_000;
+/// A step of the pipeline (a fetch past its expiry, preparing a batch, settling it once
+/// committed) that takes longer than this is logged as a warning, with the step and its
+/// time: a consumer that stalls shows in the log, unless it waited for the appender.
+const SLOW_STEP_MS: u64 = 1_000;
 /// Delay before a message that failed for a passing reason is redelivered.
 const RETRY_DELAY_MS: u64 = 1_000;
 /// Longest error text put in a header.
@@ -175,6 +179,7 @@ async fn fetch_batches(
 ) -> anyhow::Result<()> {
     // The slot is reserved before the fetch, so at most one fetched batch waits.
     while let Ok(slot) = fetched.reserve().await {
+        let started = Instant::now();
         let mut batch = consumer
             .fetch()
             .max_messages(fetch_max)
@@ -185,6 +190,14 @@ async fn fetch_batches(
         while let Some(message) = batch.next().await {
             messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
         }
+        // A fetch ends when the server says so, at the latest at its expiry; the client
+        // ends it itself only seconds later, if the server's word was lost.
+        slow_step(
+            "fetching a batch",
+            started,
+            FETCH_EXPIRES_MS,
+            messages.len(),
+        );
         if !messages.is_empty() {
             slot.send(messages);
         }
@@ -214,7 +227,9 @@ async fn append_batches(
         };
         // The batch in hand is finished even when stopping: it is queued, and the settling
         // stage waits for its commit.
+        let started = Instant::now();
         let appending = append_batch(pool, appender, settings, messages).await;
+        slow_step("preparing a batch", started, 0, appending.messages.len());
         if appended.send(appending).await.is_err() {
             break;
         }
@@ -257,10 +272,27 @@ async fn settle_batches(
     mut appended: mpsc::Receiver<Appending>,
 ) -> anyhow::Result<()> {
     while let Some(appending) = appended.recv().await {
+        // Not timed: a batch of large messages is several group commits, seconds of them.
         let (messages, verdicts) = appending.verdicts().await;
+        let started = Instant::now();
         settle(context, names, &messages, verdicts).await?;
+        slow_step("settling a batch", started, 0, messages.len());
     }
     Ok(())
+}
+
+/// Logs a step that began at `started` and took more than [`SLOW_STEP_MS`] past the
+/// `expected_ms` it may take.
+fn slow_step(step: &str, started: Instant, expected_ms: u64, messages: usize) {
+    let took = started.elapsed();
+    if took > Duration::from_millis(expected_ms + SLOW_STEP_MS) {
+        tracing::warn!(
+            step,
+            seconds = took.as_secs_f64(),
+            messages,
+            "an ingest step was slow"
+        );
+    }
 }
 
 /// What to do with one message once its append has been tried.
