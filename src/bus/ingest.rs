@@ -408,16 +408,18 @@ async fn prepare(
                 message: format!("event {index}: plan {plan:?} is not defined"),
             })
         }
-        Err(error) => {
-            return Err(Verdict::Retry(AppendError::Store(std::sync::Arc::new(
-                error,
-            ))))
-        }
+        Err(error) => return Err(unreadable(error)),
     }
     legacy_ids::adopt(pool, &mut events)
         .await
-        .map_err(|error| Verdict::Retry(AppendError::Store(std::sync::Arc::new(error))))?;
+        .map_err(unreadable)?;
     Ok(events)
+}
+
+/// The verdict on a message that could not be checked because the database did not answer:
+/// redelivered later.
+fn unreadable(error: sqlx::Error) -> Verdict {
+    Verdict::Retry(AppendError::Store(std::sync::Arc::new(error)))
 }
 
 /// What becomes of a message whose `count` events were appended with `result`.

@@ -3,10 +3,11 @@
 //! Producers (HTTP handlers, the NATS ingest consumer) send append requests over a bounded
 //! queue, one request a submission or, from the NATS ingest, a fetched batch's requests in
 //! one ([`Appender::append_each`]). One task takes every request waiting, up to a group
-//! limit, and appends them all in one transaction (group commit) under `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`. Under that
-//! lock the head is read, the next positions follow it and the lock is released by the
-//! commit. So positions are assigned in commit order with no gaps, across any number of
-//! instances: a reader tailing by position can never see position n+1 before n is visible.
+//! limit, and appends them all in one transaction (group commit) under
+//! `pg_advisory_xact_lock(LEDGER_LOCK_KEY)`. Under that lock the head is read, the next
+//! positions follow it and the lock is released by the commit. So positions are assigned
+//! in commit order with no gaps, across any number of instances: a reader tailing by
+//! position can never see position n+1 before n is visible.
 //! A request is answered only after its commit.
 //!
 //! The fast path is one round trip: the appender remembers the head it last committed,
