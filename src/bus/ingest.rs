@@ -10,14 +10,15 @@
 //! failed for a passing reason (database down, queue full) is nak'ed and retried later.
 //!
 //! Batches go through three stages joined by bounded channels: fetching, appending (each
-//! message parsed and checked, then the appends of the whole batch queued in one submission,
-//! so that they share a group commit) and settling (waiting for the batch's commit, then
-//! its dead letters, then its acknowledgements, flushed once). So the next batch is fetched
-//! while one is prepared, and prepared and queued while the one before commits and is
-//! settled: the appender does not wait for a batch to be parsed. Stopping lets the batches
-//! queued commit and be settled, and naks the batches fetched but not queued, so that they
-//! are redelivered at once.
+//! message parsed and checked, the batch's CloudEvents given their legacy ids in one query,
+//! then the appends of the whole batch queued in one submission, so that they share a group
+//! commit) and settling (waiting for the batch's commit, then its dead letters, then its
+//! acknowledgements, flushed once). So the next batch is fetched while one is prepared, and
+//! prepared and queued while the one before commits and is settled: the appender does not
+//! wait for a batch to be parsed. Stopping lets the batches queued commit and be settled,
+//! and naks the batches fetched but not queued, so that they are redelivered at once.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 // anyhow, not a typed error, for the consumer's own failures (NATS, acks): they end at its
@@ -344,12 +345,13 @@ async fn append_batch(
         now: settings.clock.now(),
         backdate_max: settings.backdate_max,
     };
-    let prepared = futures::future::join_all(
+    let mut prepared = futures::future::join_all(
         messages
             .iter()
             .map(|message| prepare(message, pool, settings, bounds)),
     )
     .await;
+    adopt_legacy_ids(pool, &mut prepared).await;
     let mut lists = Vec::with_capacity(prepared.len());
     let prepared = prepared
         .into_iter()
@@ -368,8 +370,9 @@ async fn append_batch(
     }
 }
 
-/// One message's events, parsed and checked, ready to append; or its verdict when it cannot
-/// be appended (dead letter) or cannot be checked now (retry).
+/// One message's events, parsed and checked (all but their legacy ids, which
+/// [`adopt_legacy_ids`] looks up for the whole batch); or its verdict when it cannot be
+/// appended (dead letter) or cannot be checked now (retry).
 async fn prepare(
     message: &Message,
     pool: &PgPool,
@@ -381,7 +384,7 @@ async fn prepare(
         .iter()
         .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
         .and_then(|(_, value)| std::str::from_utf8(value).ok());
-    let mut events = Envelope::select(
+    let events = Envelope::select(
         content_type,
         cloudevent::has_ce_header(headers.iter().map(|(name, _)| *name)),
         Some(BodyKind::Native),
@@ -408,18 +411,46 @@ async fn prepare(
                 message: format!("event {index}: plan {plan:?} is not defined"),
             })
         }
-        Err(error) => return Err(unreadable(error)),
+        Err(error) => return Err(unreadable(Arc::new(error))),
     }
-    legacy_ids::adopt(pool, &mut events)
-        .await
-        .map_err(unreadable)?;
     Ok(events)
+}
+
+/// Gives the CloudEvents of a batch's prepared messages that the ledger holds under their
+/// legacy id that id ([`legacy_ids::adopt`]), with one query for the whole batch rather than
+/// one for each message. When the query fails, each message that holds a CloudEvent is
+/// retried; the others need no answer from it.
+async fn adopt_legacy_ids(pool: &PgPool, prepared: &mut [Result<Vec<Event>, Verdict>]) {
+    let cloudevent = |event: &Event| event.origin.is_some();
+    if !prepared.iter().flatten().flatten().any(cloudevent) {
+        return;
+    }
+    let lengths: Vec<usize> = prepared
+        .iter()
+        .map(|events| events.as_ref().map_or(0, Vec::len))
+        .collect();
+    let mut all: Vec<Event> = prepared
+        .iter_mut()
+        .filter_map(|events| events.as_mut().ok())
+        .flat_map(std::mem::take)
+        .collect();
+    let adopted = legacy_ids::adopt(pool, &mut all).await.map_err(Arc::new);
+    let mut all = all.into_iter();
+    for (message, length) in prepared.iter_mut().zip(lengths) {
+        let Ok(events) = message else { continue };
+        events.extend(all.by_ref().take(length));
+        if let Err(error) = &adopted {
+            if events.iter().any(cloudevent) {
+                *message = Err(unreadable(Arc::clone(error)));
+            }
+        }
+    }
 }
 
 /// The verdict on a message that could not be checked because the database did not answer:
 /// redelivered later.
-fn unreadable(error: sqlx::Error) -> Verdict {
-    Verdict::Retry(AppendError::Store(std::sync::Arc::new(error)))
+fn unreadable(error: Arc<sqlx::Error>) -> Verdict {
+    Verdict::Retry(AppendError::Store(error))
 }
 
 /// What becomes of a message whose `count` events were appended with `result`.

@@ -514,22 +514,7 @@ async fn a_cloudevent_stored_under_its_legacy_id_deduplicates_its_retry() {
     let app = TestApp::spawn().await;
     let at = ago(30);
     let event = cloudevent("org_old", "evt-9", &at);
-    // Stored by an earlier version: the same event under its legacy id.
-    let bounds = tally::event::TimeBounds {
-        now: Utc::now(),
-        backdate_max: chrono::Duration::days(35),
-    };
-    let mut old = tally::event::parse::parse_body(
-        BodyKind::CloudEvent,
-        event.to_string().as_bytes(),
-        bounds,
-        10,
-    )
-    .unwrap();
-    let legacy = legacy_cloudevent_ledger_id("/provider/acme", "evt-9");
-    old[0].id = legacy;
-    let appender = &app.service.as_ref().unwrap().appender;
-    appender.append(old).await.unwrap();
+    let legacy = store_under_legacy_id(&app, &event).await;
 
     for kind in [
         "application/cloudevents+json",
@@ -587,6 +572,106 @@ async fn a_cloudevent_stored_under_its_legacy_id_deduplicates_its_retry() {
     );
     assert_eq!(app.ledger_count().await, 2);
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 0);
+    app.stop().await;
+}
+
+/// Stores `event` (a CloudEvent of source `/provider/acme`) under its legacy id, as an
+/// earlier version did, through `app`'s appender; returns that id.
+async fn store_under_legacy_id(app: &TestApp, event: &Value) -> tally::event::EventId {
+    let bounds = tally::event::TimeBounds {
+        now: Utc::now(),
+        backdate_max: chrono::Duration::days(35),
+    };
+    let mut old = tally::event::parse::parse_body(
+        BodyKind::CloudEvent,
+        event.to_string().as_bytes(),
+        bounds,
+        10,
+    )
+    .unwrap();
+    let legacy = legacy_cloudevent_ledger_id("/provider/acme", event["id"].as_str().unwrap());
+    old[0].id = legacy;
+    let appender = &app.service.as_ref().unwrap().appender;
+    appender.append(old).await.unwrap();
+    legacy
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_messages_fetched_together_keep_their_own_events_and_legacy_ids() {
+    let app = TestApp::spawn().await;
+    let at = ago(30);
+    for id in ["evt-1", "evt-2"] {
+        store_under_legacy_id(&app, &cloudevent("org_old", id, &at)).await;
+    }
+    let js = app.nats.jetstream().await;
+    eventually(10, "the ingest stream exists", || async {
+        js.get_stream("TALLY_INGEST").await.is_ok()
+    })
+    .await;
+    // Published without waiting in between, so that the consumer fetches them together:
+    // retries of both legacy events (one alone, one in a batch with a new event), a message
+    // that is dead-lettered between them, a new event, and another org's event with the
+    // same source and id as a legacy one.
+    let messages = [
+        (
+            "application/cloudevents+json",
+            cloudevent("org_old", "evt-1", &at),
+        ),
+        (
+            "application/cloudevents+json",
+            json!({"specversion": "1.0", "id": "evt-x"}),
+        ),
+        (
+            "application/cloudevents-batch+json",
+            json!([
+                cloudevent("org_old", "evt-3", &at),
+                cloudevent("org_old", "evt-2", &at)
+            ]),
+        ),
+        (
+            "application/cloudevents+json",
+            cloudevent("org_old", "evt-4", &at),
+        ),
+        (
+            "application/cloudevents+json",
+            cloudevent("org_new", "evt-1", &at),
+        ),
+    ];
+    let mut acks = Vec::new();
+    for (kind, body) in messages {
+        let mut headers = HeaderMap::new();
+        headers.insert("Content-Type", kind);
+        acks.push(
+            js.publish_with_headers("tally.ingest.batch", headers, body.to_string().into())
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    eventually(10, "the ingest work queue is empty", || async {
+        stream_messages(&js, "TALLY_INGEST").await == 0
+    })
+    .await;
+    // The two legacy events, evt-3, evt-4 and org_new's evt-1; the retries are duplicates.
+    assert_eq!(app.ledger_count().await, 5);
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 1);
+    let stored: Vec<String> = sqlx::query_scalar("SELECT id::TEXT FROM ledger ORDER BY position")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    for (org, id) in [
+        ("org_old", "evt-3"),
+        ("org_old", "evt-4"),
+        ("org_new", "evt-1"),
+    ] {
+        let expected = cloudevent_ledger_id(org, "/provider/acme", id).to_string();
+        assert!(
+            stored.contains(&expected),
+            "{org} {id} is not stored: {stored:?}"
+        );
+    }
     app.stop().await;
 }
 
