@@ -484,6 +484,9 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
     let mut draws = Draws(seed);
     let (mut compared, mut rounds_advancing) = (0, 0);
     for round in 0..40 {
+        // From before the first check of the round: a reconnection while the later checks
+        // wait drops the facts the earlier ones kept.
+        let listens_before = cache.stats().listens;
         // Checked until kept (a read that a notice overtook is not); events dated after
         // now leave the answers to Postgres, but the facts are kept all the same.
         let requests: Vec<(Value, Request)> = ["acme", "crowded"]
@@ -497,7 +500,18 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
             })
             .await;
         }
-        let (advanced_before, listens_before) = (cache.stats().advanced, cache.stats().listens);
+        let reconnected = || cache.stats().listens != listens_before;
+        // Each check waits for its org's own events first, so no round touches acme or
+        // crowded once their facts are kept: every fact is still kept when the round's
+        // events are posted.
+        for (body, request) in &requests {
+            assert!(
+                cache.kept(request).is_some() || reconnected(),
+                "seed {seed:#x}, round {round}: {body} dropped before the round's events were posted; {:?}",
+                cache.stats()
+            );
+        }
+        let advanced_before = cache.stats().advanced;
         // Each round has events of both orgs whose facts are kept, so that it advances
         // both (facts it does not touch stay at their own checkpoint).
         let count = 2 + draws.below(8);
@@ -518,7 +532,7 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
         }
         answered(200, app.post_events(&json!({ "events": events })).await);
         notices_heard(&app, "the round's notice is heard").await;
-        if cache.stats().listens != listens_before {
+        if reconnected() {
             // The listener lost its connection (a machine too busy to hear a heartbeat
             // within its deadline) and dropped every fact, as it must: nothing to compare.
             continue;
@@ -528,7 +542,8 @@ async fn facts_this_instances_rounds_advance_equal_facts_read_afresh_at_the_inst
             let Some(kept) = cache.kept(request) else {
                 assert!(
                     account && acme,
-                    "seed {seed:#x}, round {round}: {body} dropped"
+                    "seed {seed:#x}, round {round}: {body} dropped; {:?}",
+                    cache.stats()
                 );
                 continue;
             };
