@@ -46,7 +46,7 @@ use std::time::Duration;
 // anyhow, not a typed error, for the listener's failures: they end at its loop, which logs
 // them and listens again; none reaches an HTTP answer.
 use anyhow::Context as _;
-use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -65,6 +65,8 @@ pub const ORGS_MAX: usize = 100_000;
 pub const ENTRIES_MAX: usize = 200_000;
 /// The application name of the listener's connection, so that operators can tell it apart.
 pub const LISTENER_APPLICATION_NAME: &str = "tally admission listener";
+/// The application name of the connection that sends this instance's heartbeats.
+pub const HEARTBEAT_APPLICATION_NAME: &str = "tally admission heartbeat";
 /// How long the listener waits before connecting again after it lost its connection.
 const RECONNECT_DELAY_MS: u64 = 200;
 /// How often each instance sends the channel an empty notice, which changes nothing, so
@@ -607,24 +609,24 @@ async fn listen_once(
     cache: &FactsCache,
     heartbeat: Heartbeat,
 ) -> anyhow::Result<()> {
-    // A pool of one connection of its own: the service's pool keeps all its connections,
-    // and closing it does not wait for this one.
-    let options = pool
-        .connect_options()
-        .as_ref()
-        .clone()
-        .application_name(LISTENER_APPLICATION_NAME);
+    // Pools of one connection of their own: the service's pool keeps all its connections,
+    // and closing it does not wait for these.
     let own = PgPoolOptions::new()
         .max_connections(1)
-        .connect_with(options)
+        .connect_with(named(pool, LISTENER_APPLICATION_NAME))
         .await?;
     let mut listener = PgListener::connect_with(&own).await?;
     // Lost is told at once, not after reconnecting, which could lose notices unseen.
     listener.eager_reconnect(false);
     listener.listen(CHANNEL).await?;
-    // Sent on the service's pool, so that hearing it proves the whole way from a writer's
-    // NOTIFY to this connection. It never ends; it is dropped with this function.
-    let beating = send_heartbeats(pool, heartbeat);
+    // Sent on a connection of their own, not the service's pool: a pool that requests keep
+    // busy for the deadline must not pass for a lost connection, which would empty the
+    // cache just when it saves the most reads. It never ends; it is dropped with this
+    // function, and with it the connection.
+    let beats = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(named(pool, HEARTBEAT_APPLICATION_NAME));
+    let beating = send_heartbeats(&beats, heartbeat);
     tokio::pin!(beating);
     // Trusted only once heard: `LISTEN` succeeds behind a pooler that never delivers.
     // The first notice tells nothing this instance needs (the cache is empty until the
@@ -652,6 +654,15 @@ async fn listen_once(
             }
         }
     }
+}
+
+/// `pool`'s connect options under `application_name`, so that operators can tell the
+/// connection apart.
+fn named(pool: &PgPool, application_name: &str) -> PgConnectOptions {
+    pool.connect_options()
+        .as_ref()
+        .clone()
+        .application_name(application_name)
 }
 
 /// The next notice, heard within `deadline` while `beating` sends heartbeats.

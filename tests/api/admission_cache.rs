@@ -13,7 +13,9 @@ use uuid::Uuid;
 use crate::admission::ready_org;
 use crate::helpers::{ago, answered, eventually, projected_to_head, Api, TestApp, TestDb, TOKEN};
 use crate::plans::pro_plan;
-use tally::admission::cache::{self, CacheStats, FactsCache, Heartbeat, LISTENER_APPLICATION_NAME};
+use tally::admission::cache::{
+    self, CacheStats, FactsCache, Heartbeat, HEARTBEAT_APPLICATION_NAME, LISTENER_APPLICATION_NAME,
+};
 use tally::admission::{self, Checker, Request};
 use tally::billing::Action;
 use tally::event::canonical::timestamp;
@@ -330,6 +332,88 @@ async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
         "it kept its first connection for four deadlines"
     );
     shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_listener_keeps_listening_while_every_connection_of_the_services_pool_is_busy() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (cache, shutdown) = own_listener(
+        &pool,
+        Heartbeat {
+            interval: Some(Duration::from_millis(100)),
+            deadline: Duration::from_millis(900),
+        },
+    );
+    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    // As under a flood of reads: every connection of the pool taken, for four deadlines.
+    let mut busy = Vec::new();
+    for _ in 0..pool.options().get_max_connections() {
+        busy.push(pool.acquire().await.unwrap());
+    }
+    assert_eq!(pool.num_idle(), 0, "the whole pool is held");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        cache.is_listening(),
+        "it still answers from memory: {:?}",
+        cache.stats()
+    );
+    assert_eq!(
+        cache.stats().listens,
+        1,
+        "it kept its first connection while the pool was busy"
+    );
+    drop(busy);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_lost_heartbeat_connection_is_replaced_while_the_listener_keeps_listening() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (cache, shutdown) = own_listener(
+        &pool,
+        Heartbeat {
+            interval: Some(Duration::from_millis(100)),
+            deadline: Duration::from_millis(900),
+        },
+    );
+    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    assert_eq!(heartbeat_connections(&pool).await, 1);
+    let terminated: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(HEARTBEAT_APPLICATION_NAME)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(terminated, [true]);
+    // Terminated between two heartbeats or in one; either way the next one connects again.
+    eventually(5, "the heartbeats connected again", || async {
+        heartbeat_connections(&pool).await == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(cache.is_listening(), "{:?}", cache.stats());
+    assert_eq!(
+        cache.stats().listens,
+        1,
+        "losing the heartbeats' connection is not losing the listening one"
+    );
+    shutdown.cancel();
+}
+
+/// Connections open under [`HEARTBEAT_APPLICATION_NAME`] to `pool`'s database.
+async fn heartbeat_connections(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(HEARTBEAT_APPLICATION_NAME)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 #[tokio::test]
