@@ -65,6 +65,11 @@ const FETCHED_AHEAD_MAX: usize = 1;
 const APPENDED_AHEAD_MAX: usize = 1;
 /// How long one fetch waits for messages when the stream is idle.
 const FETCH_EXPIRES_MS: u64 = 500;
+/// How long past its expiry a fetch is waited for before it is ended here. The server ends
+/// a fetch with a status at its expiry and delivers nothing for it afterwards; when that
+/// status does not arrive, the client would wait 5 s more before ending the fetch itself,
+/// and the whole pipeline with it.
+const FETCH_GRACE_MS: u64 = 1_000;
 /// How long a batch's acknowledgements may take to be written: as long as a dead-letter
 /// publish may wait for its confirmation (the client's default request timeout).
 const FLUSH_TIMEOUT_MS: u64 = 5_000;
@@ -171,8 +176,10 @@ async fn ingest_consumer(
 }
 
 /// Fetches a batch whenever the channel has room for it, until the appending stage stops
-/// taking them. A fetch is never cut short (it ends within [`FETCH_EXPIRES_MS`]), so that
-/// every message delivered reaches the appending stage, which appends it or hands it back.
+/// taking them. A fetch is not cut short before the server can deliver nothing more for it
+/// ([`FETCH_GRACE_MS`] past its expiry), and then every message already received is taken,
+/// so that every message delivered reaches the appending stage, which appends it or hands
+/// it back.
 async fn fetch_batches(
     consumer: &jetstream::consumer::PullConsumer,
     fetch_max: usize,
@@ -181,29 +188,54 @@ async fn fetch_batches(
     // The slot is reserved before the fetch, so at most one fetched batch waits.
     while let Ok(slot) = fetched.reserve().await {
         let started = Instant::now();
-        let mut batch = consumer
+        let batch = consumer
             .fetch()
             .max_messages(fetch_max)
             .expires(Duration::from_millis(FETCH_EXPIRES_MS))
             .messages()
             .await?;
-        let mut messages = Vec::new();
-        while let Some(message) = batch.next().await {
-            messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
+        let deadline = started + Duration::from_millis(FETCH_EXPIRES_MS + FETCH_GRACE_MS);
+        let (messages, ended) = take_until(batch, deadline.into())
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        if ended {
+            // A fetch ends when the server says so, at the latest at its expiry.
+            slow_step(
+                "fetching a batch",
+                started,
+                FETCH_EXPIRES_MS,
+                messages.len(),
+            );
+        } else {
+            tracing::warn!(
+                messages = messages.len(),
+                "a fetch did not end by its expiry; ended here {FETCH_GRACE_MS} ms after it"
+            );
         }
-        // A fetch ends when the server says so, at the latest at its expiry; the client
-        // ends it itself only seconds later, if the server's word was lost.
-        slow_step(
-            "fetching a batch",
-            started,
-            FETCH_EXPIRES_MS,
-            messages.len(),
-        );
         if !messages.is_empty() {
             slot.send(messages);
         }
     }
     Ok(())
+}
+
+/// The items of `stream` until it ends (then `true`), or until `deadline` once it has
+/// nothing at hand (then `false`); an item that is an error ends it with that error.
+/// Whatever the stream has received by the deadline is taken, however many items that is
+/// (`timeout_at` polls the stream before its clock, and a task's spent budget holds both
+/// back alike).
+async fn take_until<T, E>(
+    mut stream: impl futures::Stream<Item = Result<T, E>> + Unpin,
+    deadline: tokio::time::Instant,
+) -> Result<(Vec<T>, bool), E> {
+    let mut taken = Vec::new();
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(item)) => taken.push(item?),
+            Ok(None) => return Ok((taken, true)),
+            Err(_) => return Ok((taken, false)),
+        }
+    }
 }
 
 /// Queues each fetched batch's appends and passes it on to be settled once they have
@@ -598,4 +630,56 @@ async fn dead_letter(
         .await
         .context("cannot publish to the dead-letter stream")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use futures::{stream, StreamExt};
+    use tokio::time::{Duration, Instant};
+
+    use super::take_until;
+
+    #[tokio::test]
+    async fn a_fetch_that_ends_gives_every_message_and_says_it_ended() {
+        let messages = stream::iter((0..5).map(Ok::<_, Infallible>));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert_eq!(
+            take_until(messages, deadline).await.unwrap(),
+            ((0..5).collect(), true)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_fetch_whose_end_never_comes_is_ended_at_the_deadline_with_what_it_delivered() {
+        let messages = stream::iter((0..5).map(Ok::<_, Infallible>)).chain(stream::pending());
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let (taken, ended) = take_until(messages, deadline).await.unwrap();
+        assert_eq!((taken, ended), ((0..5).collect(), false));
+        assert!(Instant::now() >= deadline);
+    }
+
+    #[tokio::test]
+    async fn every_message_received_by_the_deadline_is_taken_past_the_tasks_budget() {
+        // Received and waiting, more than a task may take from a channel in one turn; the
+        // sender stays, so the fetch does not end.
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        for n in 0..1_000 {
+            sender.send(Ok::<_, Infallible>(n)).unwrap();
+        }
+        let messages = Box::pin(stream::unfold(receiver, |mut receiver| async {
+            receiver.recv().await.map(|message| (message, receiver))
+        }));
+        let (taken, ended) = take_until(messages, Instant::now()).await.unwrap();
+        assert_eq!((taken.len(), ended), (1_000, false));
+        drop(sender);
+    }
+
+    #[tokio::test]
+    async fn an_error_in_a_fetch_is_its_outcome() {
+        let messages = stream::iter([Ok(1), Err("lost"), Ok(2)]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert_eq!(take_until(messages, deadline).await, Err("lost"));
+    }
 }
