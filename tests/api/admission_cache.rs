@@ -196,25 +196,10 @@ async fn losing_the_listening_connection_empties_the_cache_until_it_listens_agai
     warm(&app, &create("c9")).await;
     // The second instance's listener connects on its own time: wait for both.
     eventually(5, "both instances' listeners are connected", || async {
-        let listeners: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE application_name = $1 AND datname = current_database()",
-        )
-        .bind(LISTENER_APPLICATION_NAME)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        listeners == 2
+        connections(&app.pool, LISTENER_APPLICATION_NAME).await == 2
     })
     .await;
-    let terminated: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE application_name = $1 AND datname = current_database()",
-    )
-    .bind(LISTENER_APPLICATION_NAME)
-    .fetch_all(&app.pool)
-    .await
-    .unwrap();
+    let terminated = terminate(&app.pool, LISTENER_APPLICATION_NAME).await;
     // Both instances listen; both lose their connection.
     assert_eq!(terminated, [true, true]);
     // Granted while nobody listens (the listeners connect again 200 ms later): its notice
@@ -271,6 +256,37 @@ const SILENT: Heartbeat = Heartbeat {
     deadline: Duration::from_millis(300),
 };
 
+/// Heartbeats ten times a deadline, so that a test sees several deadlines in seconds.
+const QUICK: Heartbeat = Heartbeat {
+    interval: Some(Duration::from_millis(100)),
+    deadline: Duration::from_millis(900),
+};
+
+/// Connections named `application_name` open to `pool`'s database.
+async fn connections(pool: &sqlx::PgPool, application_name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(application_name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Terminates the connections named `application_name` to `pool`'s database: one `true` for
+/// each.
+async fn terminate(pool: &sqlx::PgPool, application_name: &str) -> Vec<bool> {
+    sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND datname = current_database()",
+    )
+    .bind(application_name)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn a_listener_that_hears_nothing_within_its_deadline_takes_its_connection_for_lost_and_listens_again(
 ) {
@@ -316,13 +332,7 @@ async fn a_listener_that_never_hears_a_notice_never_answers_from_memory() {
 async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (cache, shutdown) = own_listener(
-        &pool,
-        Heartbeat {
-            interval: Some(Duration::from_millis(100)),
-            deadline: Duration::from_millis(900),
-        },
-    );
+    let (cache, shutdown) = own_listener(&pool, QUICK);
     eventually(5, "it listens", || async { cache.is_listening() }).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert!(cache.is_listening());
@@ -338,13 +348,7 @@ async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
 async fn a_listener_keeps_listening_while_every_connection_of_the_services_pool_is_busy() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (cache, shutdown) = own_listener(
-        &pool,
-        Heartbeat {
-            interval: Some(Duration::from_millis(100)),
-            deadline: Duration::from_millis(900),
-        },
-    );
+    let (cache, shutdown) = own_listener(&pool, QUICK);
     eventually(5, "it listens", || async { cache.is_listening() }).await;
     // As under a flood of reads: every connection of the pool taken, for four deadlines.
     let mut busy = Vec::new();
@@ -371,27 +375,13 @@ async fn a_listener_keeps_listening_while_every_connection_of_the_services_pool_
 async fn a_lost_heartbeat_connection_is_replaced_while_the_listener_keeps_listening() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (cache, shutdown) = own_listener(
-        &pool,
-        Heartbeat {
-            interval: Some(Duration::from_millis(100)),
-            deadline: Duration::from_millis(900),
-        },
-    );
+    let (cache, shutdown) = own_listener(&pool, QUICK);
     eventually(5, "it listens", || async { cache.is_listening() }).await;
-    assert_eq!(heartbeat_connections(&pool).await, 1);
-    let terminated: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE application_name = $1 AND datname = current_database()",
-    )
-    .bind(HEARTBEAT_APPLICATION_NAME)
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert_eq!(terminated, [true]);
+    assert_eq!(connections(&pool, HEARTBEAT_APPLICATION_NAME).await, 1);
+    assert_eq!(terminate(&pool, HEARTBEAT_APPLICATION_NAME).await, [true]);
     // Terminated between two heartbeats or in one; either way the next one connects again.
     eventually(5, "the heartbeats connected again", || async {
-        heartbeat_connections(&pool).await == 1
+        connections(&pool, HEARTBEAT_APPLICATION_NAME).await == 1
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -402,18 +392,6 @@ async fn a_lost_heartbeat_connection_is_replaced_while_the_listener_keeps_listen
         "losing the heartbeats' connection is not losing the listening one"
     );
     shutdown.cancel();
-}
-
-/// Connections open under [`HEARTBEAT_APPLICATION_NAME`] to `pool`'s database.
-async fn heartbeat_connections(pool: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity \
-         WHERE application_name = $1 AND datname = current_database()",
-    )
-    .bind(HEARTBEAT_APPLICATION_NAME)
-    .fetch_one(pool)
-    .await
-    .unwrap()
 }
 
 #[tokio::test]
