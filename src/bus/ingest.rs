@@ -194,8 +194,10 @@ async fn fetch_batches(
             .expires(Duration::from_millis(FETCH_EXPIRES_MS))
             .messages()
             .await?;
-        let deadline = started + Duration::from_millis(FETCH_EXPIRES_MS + FETCH_GRACE_MS);
-        let (messages, ended) = take_until(batch, deadline.into())
+        // From when the request is sent: the server's expiry runs from when it has it.
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(FETCH_EXPIRES_MS + FETCH_GRACE_MS);
+        let (messages, ended) = take_until(batch, deadline)
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
         if ended {
