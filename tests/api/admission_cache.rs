@@ -262,6 +262,28 @@ const QUICK: Heartbeat = Heartbeat {
     deadline: Duration::from_millis(900),
 };
 
+/// A [`QUICK`] listener on `pool`'s database, once it listens.
+async fn listening(pool: &sqlx::PgPool) -> (FactsCache, tokio_util::sync::CancellationToken) {
+    let (cache, shutdown) = own_listener(pool, QUICK);
+    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    (cache, shutdown)
+}
+
+/// After `wait`, `cache` still answers, on the connection it first listened on.
+async fn on_its_first_connection_after(cache: &FactsCache, wait: Duration, when: &str) {
+    tokio::time::sleep(wait).await;
+    assert!(
+        cache.is_listening(),
+        "it still answers from memory {when}: {:?}",
+        cache.stats()
+    );
+    assert_eq!(
+        cache.stats().listens,
+        1,
+        "it kept its first connection {when}"
+    );
+}
+
 /// Connections named `application_name` open to `pool`'s database.
 async fn connections(pool: &sqlx::PgPool, application_name: &str) -> i64 {
     sqlx::query_scalar(
@@ -332,15 +354,8 @@ async fn a_listener_that_never_hears_a_notice_never_answers_from_memory() {
 async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (cache, shutdown) = own_listener(&pool, QUICK);
-    eventually(5, "it listens", || async { cache.is_listening() }).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(cache.is_listening());
-    assert_eq!(
-        cache.stats().listens,
-        1,
-        "it kept its first connection for four deadlines"
-    );
+    let (cache, shutdown) = listening(&pool).await;
+    on_its_first_connection_after(&cache, Duration::from_secs(4), "for four deadlines").await;
     shutdown.cancel();
 }
 
@@ -348,25 +363,14 @@ async fn heartbeats_keep_a_listener_listening_while_nothing_else_is_notified() {
 async fn a_listener_keeps_listening_while_every_connection_of_the_services_pool_is_busy() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (cache, shutdown) = own_listener(&pool, QUICK);
-    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    let (cache, shutdown) = listening(&pool).await;
     // As under a flood of reads: every connection of the pool taken, for four deadlines.
     let mut busy = Vec::new();
     for _ in 0..pool.options().get_max_connections() {
         busy.push(pool.acquire().await.unwrap());
     }
     assert_eq!(pool.num_idle(), 0, "the whole pool is held");
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(
-        cache.is_listening(),
-        "it still answers from memory: {:?}",
-        cache.stats()
-    );
-    assert_eq!(
-        cache.stats().listens,
-        1,
-        "it kept its first connection while the pool was busy"
-    );
+    on_its_first_connection_after(&cache, Duration::from_secs(4), "while the pool was busy").await;
     drop(busy);
     shutdown.cancel();
 }
@@ -375,8 +379,7 @@ async fn a_listener_keeps_listening_while_every_connection_of_the_services_pool_
 async fn a_lost_heartbeat_connection_is_replaced_while_the_listener_keeps_listening() {
     let db = TestDb::new().await;
     let pool = db.pool().await;
-    let (cache, shutdown) = own_listener(&pool, QUICK);
-    eventually(5, "it listens", || async { cache.is_listening() }).await;
+    let (cache, shutdown) = listening(&pool).await;
     assert_eq!(connections(&pool, HEARTBEAT_APPLICATION_NAME).await, 1);
     assert_eq!(terminate(&pool, HEARTBEAT_APPLICATION_NAME).await, [true]);
     // Terminated between two heartbeats or in one; either way the next one connects again.
@@ -384,13 +387,12 @@ async fn a_lost_heartbeat_connection_is_replaced_while_the_listener_keeps_listen
         connections(&pool, HEARTBEAT_APPLICATION_NAME).await == 1
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(cache.is_listening(), "{:?}", cache.stats());
-    assert_eq!(
-        cache.stats().listens,
-        1,
-        "losing the heartbeats' connection is not losing the listening one"
-    );
+    on_its_first_connection_after(
+        &cache,
+        Duration::from_secs(2),
+        "when its heartbeats' connection was lost",
+    )
+    .await;
     shutdown.cancel();
 }
 
