@@ -38,6 +38,7 @@ macro_rules! error_codes {
 error_codes! {
     AlreadyVoided = "already_voided",
     AmbiguousContainer = "ambiguous_container",
+    AmountsOutOfRange = "amounts_out_of_range",
     BatchTooLarge = "batch_too_large",
     BodyTimeout = "body_timeout",
     BodyTooLarge = "body_too_large",
@@ -181,6 +182,7 @@ mod tests {
     const WIRE: &[&str] = &[
         "already_voided",
         "ambiguous_container",
+        "amounts_out_of_range",
         "batch_too_large",
         "body_timeout",
         "body_too_large",

@@ -169,9 +169,14 @@ impl ReportLine {
             .filter(|quantity| !quantity.is_sign_negative())?;
         let container_id = self.resource_id.as_deref()?;
         ContainerId::parse(container_id).ok()?;
-        let ms = (quantity * Decimal::from(unit.ms()))
-            .round_dp_with_strategy(0, RoundingStrategy::MidpointAwayFromZero);
-        Some((container_id, i64::try_from(ms).unwrap_or(i64::MAX)))
+        // Saturated past `i64` (a quantity no report can have since reports' numbers are
+        // bounded, `report::NUMBER_MAX`, but a report stored before may).
+        let ms = quantity
+            .checked_mul(Decimal::from(unit.ms()))
+            .map(|ms| ms.round_dp_with_strategy(0, RoundingStrategy::MidpointAwayFromZero))
+            .and_then(|ms| i64::try_from(ms).ok())
+            .unwrap_or(i64::MAX);
+        Some((container_id, ms))
     }
 
     /// The precision money derived from this line is kept at: the line's own `BilledCost`
@@ -226,6 +231,14 @@ pub struct Reconciled {
     pub currency: String,
 }
 
+/// A figure past what `Decimal` holds: a line's expected cost when its cost is past
+/// `report::NUMBER_MAX` (stored before reports' numbers were bounded), or a sum of lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the figures of report line {line} are out of range")]
+pub struct OutOfRange {
+    pub line: i64,
+}
+
 /// Reconciles one line (file line `report_line`) against the ledger's records of its
 /// container id, counting the ledger's runtime over the line's charge period up to `as_of`.
 /// A line that is not runtime is `not_runtime`, whatever the ledger holds.
@@ -235,7 +248,7 @@ pub fn reconcile_line(
     ledger: &[LedgerContainer<'_>],
     tolerance: Tolerance,
     as_of: DateTime<Utc>,
-) -> Reconciled {
+) -> Result<Reconciled, OutOfRange> {
     let mut reconciled = Reconciled {
         report_line: Some(report_line),
         org_id: line.org_id.clone(),
@@ -249,7 +262,7 @@ pub fn reconcile_line(
         currency: line.currency.clone(),
     };
     let Some((_, provider_runtime_ms)) = line.runtime() else {
-        return reconciled;
+        return Ok(reconciled);
     };
     let window = line.charge_period.until(as_of);
     // The container the line is about: the tagged org's, else the only one.
@@ -281,30 +294,39 @@ pub fn reconcile_line(
         }
         None => (0, Status::MissingInLedger),
     };
-    let expected_cost = expected_cost(line, ledger_runtime_ms, provider_runtime_ms);
+    let out_of_range = OutOfRange { line: report_line };
+    let expected_cost =
+        expected_cost(line, ledger_runtime_ms, provider_runtime_ms).ok_or(out_of_range)?;
     reconciled.status = status;
     reconciled.compared = Some(Compared {
         ledger_runtime_ms,
         provider_runtime_ms,
         delta_ms: provider_runtime_ms - ledger_runtime_ms,
         expected_cost,
-        cost_delta: line.billed_cost - expected_cost,
+        cost_delta: line
+            .billed_cost
+            .checked_sub(expected_cost)
+            .ok_or(out_of_range)?,
     });
-    reconciled
+    Ok(reconciled)
 }
 
 /// Ledger hours × (BilledCost / provider hours), rounded half-up to the line's money
 /// precision (so that lines and the exact totals of their figures agree); a line with no
 /// provider quantity carries no unit price, so nothing is expected from it.
-fn expected_cost(line: &ReportLine, ledger_ms: i64, provider_ms: i64) -> Decimal {
+/// `None` when it is past what `Decimal` holds.
+fn expected_cost(line: &ReportLine, ledger_ms: i64, provider_ms: i64) -> Option<Decimal> {
     let scale = line.money_scale();
     if provider_ms == 0 {
-        return Decimal::new(0, scale);
+        return Some(Decimal::new(0, scale));
     }
-    let mut expected = (line.billed_cost * Decimal::from(ledger_ms) / Decimal::from(provider_ms))
+    let mut expected = line
+        .billed_cost
+        .checked_mul(Decimal::from(ledger_ms))?
+        .checked_div(Decimal::from(provider_ms))?
         .round_dp_with_strategy(scale, RoundingStrategy::MidpointAwayFromZero);
     expected.rescale(scale);
-    expected
+    Some(expected)
 }
 
 /// The line for a container the report does not mention although the ledger has it
@@ -348,6 +370,17 @@ mod tests {
     use super::*;
     use crate::runtime::{ContainerEntry, ContainerTimeline, EntryKind};
     use chrono::{Duration, TimeZone};
+
+    /// The line reconciled, its figures in range.
+    fn reconcile_line(
+        report_line: i64,
+        line: &ReportLine,
+        ledger: &[LedgerContainer],
+        tolerance: Tolerance,
+        as_of: DateTime<Utc>,
+    ) -> Reconciled {
+        super::reconcile_line(report_line, line, ledger, tolerance, as_of).expect("in range")
+    }
 
     fn at(hour: i64) -> DateTime<Utc> {
         Utc.with_ymd_and_hms(2026, 11, 10, 0, 0, 0).unwrap() + Duration::hours(hour)
@@ -530,6 +563,25 @@ mod tests {
         let whole = reconcile(&line(0, 10, "32400", "1"), &known(&ran), at(100));
         assert_eq!(compared(&whole).expected_cost.to_string(), "0.33");
     }
+
+    #[test]
+    fn a_line_whose_expected_cost_would_not_fit_is_out_of_range_and_one_at_the_bound_fits() {
+        // 10 h in the ledger against 1 ms billed: the cost is multiplied by 36 000 000.
+        let ran = lifecycle(&[(0, Some(10))]);
+        let as_of = at(100);
+        let past = line(0, 10, "0.001", &Decimal::MAX.to_string());
+        assert_eq!(
+            super::reconcile_line(9, &past, &known(&ran), Tolerance::default(), as_of),
+            Err(OutOfRange { line: 9 })
+        );
+        let bound = crate::billing::report::NUMBER_MAX;
+        let at_bound = line(0, 10, "0.001", &bound.to_string());
+        let result = reconcile(&at_bound, &known(&ran), as_of);
+        assert_eq!(
+            compared(&result).expected_cost,
+            Decimal::from(bound) * Decimal::from(36_000_000)
+        );
+    }
 }
 
 #[cfg(test)]
@@ -642,7 +694,7 @@ mod runtime_tests {
             lifecycle: &lifecycle,
         }];
         let credit = usage("Credit", Some("Hours"), Some("ctr_1"));
-        let result = reconcile_line(7, &credit, &ledger, Tolerance::default(), Utc::now());
+        let result = reconcile_line(7, &credit, &ledger, Tolerance::default(), Utc::now()).unwrap();
         assert_eq!(result.status, Status::NotRuntime);
         assert_eq!(result.compared, None);
         assert_eq!(

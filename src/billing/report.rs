@@ -45,6 +45,12 @@ const TEXT_MAX: usize = 256;
 /// The longest resource id kept: provider ids (ARNs, Azure resource paths) run to about a
 /// thousand characters.
 pub const RESOURCE_ID_MAX: usize = 2_048;
+/// The largest magnitude a report's number (`BilledCost`, `ConsumedQuantity`) may have:
+/// 10^12, far past any one line of a real bill. It keeps every figure reconciling derives
+/// from a line inside `Decimal`: a line's expected cost is at most its cost times the
+/// milliseconds of its charge period (under 3.2 × 10^14 for years 1 to 9999), divided by
+/// at least one.
+pub const NUMBER_MAX: i64 = 1_000_000_000_000;
 
 /// Why a report is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -333,6 +339,16 @@ impl<'a> Cells<'a> {
                     format!("{value:?} is not a decimal number"),
                 )
             })
+            .and_then(|number| {
+                if number.abs() <= Decimal::from(NUMBER_MAX) {
+                    return Ok(number);
+                }
+                Err(self.error(
+                    name,
+                    ErrorCode::InvalidNumber,
+                    format!("{value} is out of range: at most {NUMBER_MAX} either way"),
+                ))
+            })
     }
 
     fn optional_decimal(&self, name: &'static str) -> Result<Option<Decimal>, ReportError> {
@@ -482,6 +498,25 @@ mod tests {
             error_of(&float_cost),
             (2, Some("BilledCost".into()), "invalid_number")
         );
+        let huge_cost = report(&[
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,-1000000000000.01,USD,,",
+        ]);
+        assert_eq!(
+            error_of(&huge_cost),
+            (2, Some("BilledCost".into()), "invalid_number")
+        );
+        let huge_quantity = report(&[
+            good,
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1000000000001,Hours,1,USD,,",
+        ]);
+        assert_eq!(
+            error_of(&huge_quantity),
+            (3, Some("ConsumedQuantity".into()), "invalid_number")
+        );
+        let at_the_limit = report(&[
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1000000000000,Days,-1000000000000,USD,,",
+        ]);
+        assert!(parse_all(at_the_limit.as_bytes()).is_ok());
         let backwards =
             report(&["Usage,2026-11-01T01:00:00Z,2026-11-01T00:00:00Z,c1,1,Seconds,1,USD,,"]);
         assert_eq!(

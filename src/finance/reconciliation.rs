@@ -35,6 +35,9 @@ pub struct Summary {
 pub enum ReconcileError {
     #[error("no report {0}")]
     UnknownReport(Uuid),
+    /// A line's figures, or their sum up to that line, are past what `Decimal` holds.
+    #[error(transparent)]
+    OutOfRange(#[from] reconcile::OutOfRange),
     #[error(transparent)]
     Store(#[from] super::Error),
 }
@@ -97,13 +100,17 @@ struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, line: &Reconciled) {
+    /// `None`, leaving the tally part-added, when a sum would be past what `Decimal` holds.
+    fn add(&mut self, line: &Reconciled) -> Option<()> {
         self.count += 1;
-        self.provider_cost += line.provider_cost;
+        self.provider_cost = self.provider_cost.checked_add(line.provider_cost)?;
         if let Some(compared) = &line.compared {
-            *self.expected_cost.get_or_insert(Decimal::ZERO) += compared.expected_cost;
-            *self.cost_delta.get_or_insert(Decimal::ZERO) += compared.cost_delta;
+            let expected = self.expected_cost.get_or_insert(Decimal::ZERO);
+            *expected = expected.checked_add(compared.expected_cost)?;
+            let delta = self.cost_delta.get_or_insert(Decimal::ZERO);
+            *delta = delta.checked_add(compared.cost_delta)?;
         }
+        Some(())
     }
 
     /// Each figure rounded once to the currency's minor unit, and exactly as summed.
@@ -230,23 +237,27 @@ impl Progress {
         &mut self,
         transaction: &mut sqlx::Transaction<'_, sqlx::Postgres>,
         lines: &[Reconciled],
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), ReconcileError> {
         for line in lines {
             *self.counts.entry(line.status).or_default() += 1;
             let tally = self.currencies.entry(line.currency.clone()).or_default();
-            tally.total.add(line);
+            let org = line.org_id.clone().unwrap_or_default();
             tally
-                .by_status
-                .entry(line.status.as_str())
-                .or_default()
-                .add(line);
-            tally
-                .by_org
-                .entry(line.org_id.clone().unwrap_or_default())
-                .or_default()
-                .add(line);
+                .total
+                .add(line)
+                .and_then(|()| {
+                    tally
+                        .by_status
+                        .entry(line.status.as_str())
+                        .or_default()
+                        .add(line)
+                })
+                .and_then(|()| tally.by_org.entry(org).or_default().add(line))
+                .ok_or(reconcile::OutOfRange {
+                    line: line.report_line.unwrap_or(0),
+                })?;
         }
-        insert(transaction, self.id, &mut self.seq, lines).await
+        Ok(insert(transaction, self.id, &mut self.seq, lines).await?)
     }
 
     /// The number of lines of every status, zeros included.
@@ -337,7 +348,7 @@ async fn reconcile_lines(
                 .or_default()
                 .push(stored);
         }
-        let results = reconcile_round(&lines, &known, tolerance, as_of, progress);
+        let results = reconcile_round(&lines, &known, tolerance, as_of, progress)?;
         progress.record(transaction, &results).await?;
     }
 }
@@ -350,7 +361,7 @@ fn reconcile_round(
     tolerance: Tolerance,
     as_of: DateTime<Utc>,
     progress: &mut Progress,
-) -> Vec<Reconciled> {
+) -> Result<Vec<Reconciled>, reconcile::OutOfRange> {
     let mut results = Vec::with_capacity(lines.len());
     for (number, line) in lines {
         let container = line.runtime().map(|(id, _)| id);
@@ -374,9 +385,9 @@ fn reconcile_round(
         }
         results.push(reconcile::reconcile_line(
             *number, line, &ledger, tolerance, as_of,
-        ));
+        )?);
     }
-    results
+    Ok(results)
 }
 
 /// One `missing_in_provider` line for each container that ran in the report's window

@@ -141,6 +141,10 @@ pub async fn post_reconciliation(
             ErrorCode::ReportNotFound,
             format!("no report {id}"),
         ),
+        ReconcileError::OutOfRange(out_of_range) => ApiError::invalid(
+            ErrorCode::AmountsOutOfRange,
+            format!("{out_of_range}: the amounts cannot be reconciled; nothing was stored"),
+        ),
         ReconcileError::Store(error) => ApiError::from(error),
     })?;
     Ok((

@@ -315,3 +315,93 @@ async fn a_generated_month_for_twenty_orgs_reconciles_to_exactly_the_planted_dis
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_figures_overflow_is_422(
+) {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    let events = json!({"events": [
+        {"id": Uuid::new_v4(), "type": "container.created", "org_id": "acme", "container_id": "c_big", "occurred_at": at(5)},
+        {"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme", "container_id": "c_big", "occurred_at": at(3)},
+    ]});
+    answered(200, app.post_events(&events).await);
+    projected_to_head(&app.pool, "the events are projected").await;
+    let csv = |cost: &str| {
+        format!(
+            "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory\n\
+             {},{},c_big,0.001,Seconds,{cost},USD,\"{{\"\"org_id\"\":\"\"acme\"\"}}\",Usage",
+            at(6),
+            at(2)
+        )
+    };
+    let refused = answered(422, app.post_report(csv("1000000000000.01")).await);
+    assert_eq!(
+        refused["error"]["details"][0]["code"], "invalid_number",
+        "{refused}"
+    );
+    let reports: i64 = sqlx::query_scalar("SELECT count(*) FROM provider_report")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(reports, 0, "a refused report stores nothing");
+
+    // At the bound: 2 h in the ledger against 1 ms billed is 7 200 000 times the cost.
+    let report = answered(201, app.post_report(csv("1000000000000")).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    assert_eq!(
+        result["totals"]["currencies"]["USD"]["total"]["expected_cost_exact"],
+        "7200000000000000000.00",
+        "{result}"
+    );
+
+    // As a version that did not bound the numbers could have stored it: the expected
+    // cost of 2 h at the largest decimal a millisecond is past what a decimal holds.
+    sqlx::raw_sql(
+        "ALTER TABLE provider_report_line DISABLE TRIGGER provider_report_line_immutable;
+         UPDATE provider_report_line SET billed_cost = 79228162514264337593543950335;
+         ALTER TABLE provider_report_line ENABLE TRIGGER provider_report_line_immutable;",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let count = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT (SELECT count(*) FROM reconciliation) + (SELECT count(*) FROM reconciliation_line)",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+    };
+    let before = count().await;
+    let (status, refused) = app
+        .post_reconciliation(&json!({"report_id": report["report_id"]}))
+        .await;
+    assert_eq!(status, 422, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "amounts_out_of_range",
+        "{refused}"
+    );
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("line 2"),
+        "{refused}"
+    );
+    assert_eq!(
+        count().await,
+        before,
+        "a refused reconciliation stores nothing"
+    );
+    // The service still answers, and answers the same again.
+    let (again, _) = app
+        .post_reconciliation(&json!({"report_id": report["report_id"]}))
+        .await;
+    assert_eq!(again, 422);
+}
