@@ -73,6 +73,19 @@ name_id!(
     /// The organization an event belongs to; the unit of billing.
     OrgId
 );
+
+/// The org id `plan.defined` events are recorded under: plans belong to no org.
+pub const PLANS_ORG_ID: &str = "_plans";
+/// The org id `ledger.events_added` records go under: a correction may span orgs.
+pub const CORRECTIONS_ORG_ID: &str = "_corrections";
+
+impl OrgId {
+    /// Whether tally records its own events under this org ([`PLANS_ORG_ID`],
+    /// [`CORRECTIONS_ORG_ID`]): no producer's event and no token may name it.
+    pub fn is_reserved(&self) -> bool {
+        [PLANS_ORG_ID, CORRECTIONS_ORG_ID].contains(&self.as_str())
+    }
+}
 name_id!(
     /// A sandbox container, as the container provider names it.
     ContainerId

@@ -23,13 +23,11 @@ use super::events::{EventInput, EventResult};
 use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::event::parse::{parse_body, BodyKind};
-use crate::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds};
+use crate::event::{Event, EventData, EventId, EventType, OrgId, TimeBounds, CORRECTIONS_ORG_ID};
 use crate::ledger::plans;
 
 /// The longest reason a correction may give.
 pub const REASON_MAX: usize = 1_024;
-/// The org id `ledger.events_added` records go under: a correction may span orgs.
-pub const CORRECTIONS_ORG_ID: &str = "_corrections";
 /// How far back an added event may go: the ledger's useful past, not the producers' bound.
 const ADDED_BACKDATE_DAYS: i64 = 3_660;
 

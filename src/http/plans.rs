@@ -20,12 +20,9 @@ use super::AppState;
 use crate::billing::Plan;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
-use crate::event::{Event, EventData, EventError, EventId, EventType, OrgId, PlanId};
+use crate::event::{Event, EventData, EventError, EventId, EventType, OrgId, PlanId, PLANS_ORG_ID};
 use crate::ledger::plans::{self, PlanVersion};
 use crate::ledger::read;
-
-/// The org id `plan.defined` events are recorded under: plans belong to no org.
-pub const PLANS_ORG_ID: &str = "_plans";
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()

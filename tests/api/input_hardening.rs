@@ -103,6 +103,44 @@ async fn a_leap_second_as_of_is_refused_rather_than_echoed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orgs_tally_records_its_own_events_under_are_refused_to_producers_corrections_and_tokens(
+) {
+    let app = TestApp::spawn().await;
+    for org in [tally::event::PLANS_ORG_ID, tally::event::CORRECTIONS_ORG_ID] {
+        let native = valid_event(org, "ctr_1", 0);
+        let mut account = valid_event(org, "ctr_1", 1);
+        account["type"] = json!("org.verification_changed");
+        account["data"] = json!({"verified": true});
+        account.as_object_mut().unwrap().remove("container_id");
+        let refused = [
+            app.post_events(&native).await,
+            app.post_events(&json!({"events": [account]})).await,
+            app.post_raw(
+                "application/cloudevents+json",
+                cloudevent(org, "evt-1", &ago(5)).to_string().into_bytes(),
+            )
+            .await,
+            app.post_corrections(&json!({"events": [native], "reason": "r"}))
+                .await,
+        ];
+        for (status, body) in refused {
+            assert_eq!(status, 422, "{org}: {body}");
+            assert_eq!(detail_code(&body), "reserved_org_id", "{org}: {body}");
+        }
+        let (status, body) = app
+            .post_token(&json!({"scopes": ["usage:read"], "org_id": org}))
+            .await;
+        assert_eq!(status, 422, "{org}: {body}");
+        assert_eq!(body["error"]["code"], "reserved_org_id", "{org}: {body}");
+    }
+    assert_eq!(app.ledger_count().await, 0, "nothing was stored");
+    // An org id that only starts the same way is any org's.
+    let (status, body) = app.post_events(&valid_event("_plans2", "ctr_1", 0)).await;
+    assert_eq!(status, 200, "{body}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
     let app = TestApp::spawn().await;
     let nul = "a\u{0}b";
