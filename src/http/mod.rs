@@ -140,10 +140,14 @@ pub fn app(state: AppState) -> Router {
         state.clone(),
         auth::require_token,
     ));
-    let (routes, _document) = routers(v1).split_for_parts();
+    let (routes, document) = routers(v1).split_for_parts();
     let timeout = state.request_timeout;
     let concurrency_max = state.concurrency_max.max(1);
     routes
+        .route_layer(middleware::from_fn_with_state(
+            query::parameterless(&document),
+            query::refuse_any_query,
+        ))
         // The console is HTML, not API: beside `/v1`, outside its token check and outside
         // the OpenAPI document.
         .merge(console::router())

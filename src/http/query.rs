@@ -4,13 +4,17 @@
 //! here (the server refuses it first). Values are read as text and checked by the route,
 //! each with its own code.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, Query};
+use axum::extract::{FromRequestParts, MatchedPath, Query, Request};
 use axum::http::request::Parts;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use utoipa::openapi::path::ParameterIn;
+use utoipa::openapi::OpenApi;
 
 use super::body::field_names;
 use super::error::ApiError;
@@ -55,6 +59,66 @@ fn typed<T: QueryParams>(params: HashMap<String, String>) -> Result<T, ApiError>
             format!("the query does not fit the route: {error}"),
         )
     })
+}
+
+/// The operations of the OpenAPI document that take no query parameter, as (method,
+/// path) with the method in upper case: their handlers read no query string, so that
+/// [`refuse_any_query`] refuses every parameter sent to them rather than ignoring it.
+pub(super) fn parameterless(document: &OpenApi) -> Arc<HashSet<(String, String)>> {
+    let mut operations = HashSet::new();
+    for (path, item) in &document.paths.paths {
+        let methods = [
+            ("GET", &item.get),
+            ("PUT", &item.put),
+            ("POST", &item.post),
+            ("DELETE", &item.delete),
+            ("PATCH", &item.patch),
+        ];
+        for (method, operation) in methods {
+            let Some(operation) = operation else { continue };
+            let takes_query = operation
+                .parameters
+                .iter()
+                .flatten()
+                .any(|parameter| matches!(parameter.parameter_in, ParameterIn::Query));
+            if !takes_query {
+                operations.insert((method.to_owned(), path.clone()));
+            }
+        }
+    }
+    Arc::new(operations)
+}
+
+/// Refuses a request to an operation that takes no query parameter ([`parameterless`])
+/// when it sends one: 422 `unknown_parameter`, before the handler runs, so that
+/// `POST /v1/events?dry_run=true` stores nothing. Other operations read their query with
+/// [`StrictQuery`], which refuses a name it does not know in the route's own words.
+pub(super) async fn refuse_any_query(
+    operations: axum::extract::State<Arc<HashSet<(String, String)>>>,
+    path: MatchedPath,
+    request: Request,
+    next: Next,
+) -> Response {
+    let sent = request.uri().query().and_then(|query| {
+        url::form_urlencoded::parse(query.as_bytes())
+            .map(|(name, _)| name.into_owned())
+            .next()
+    });
+    let operation = (
+        request.method().as_str().to_owned(),
+        path.as_str().to_owned(),
+    );
+    match sent {
+        Some(name) if operations.contains(&operation) => ApiError::invalid(
+            ErrorCode::UnknownParameter,
+            format!(
+                "{name}: {} {} takes no query parameter; nothing was done",
+                operation.0, operation.1
+            ),
+        )
+        .into_response(),
+        _ => next.run(request).await,
+    }
 }
 
 /// Whether `format` asks for JSON rather than CSV (the default).

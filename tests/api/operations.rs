@@ -286,6 +286,69 @@ fn documented(document: &serde_json::Value) -> Vec<(String, String, String)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_of_the_openapi_document_refuses_a_query_parameter_it_does_not_take_and_does_nothing(
+) {
+    let app = TestApp::spawn().await;
+    let (status, document) = app.get_json("/openapi.json").await;
+    assert_eq!(status, 200);
+    let tokens = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM api_token")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap()
+    };
+    let tokens_before = tokens().await;
+    let mut accepted = Vec::new();
+    for (method, path, concrete) in documented(&document) {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let target = format!("{concrete}?dry_run=true");
+        let (status, body) = app.send(method.clone(), &target, None).await.status_json();
+        if status != 422 || body["error"]["code"] != "unknown_parameter" {
+            accepted.push(format!("{method} {path}: {status} {body}"));
+        }
+    }
+    assert_eq!(accepted, Vec::<String>::new());
+    // With a body that would be stored: still refused, and nothing is.
+    let event = valid_event("org_dry", "ctr_1", 0);
+    let (status, body) = app
+        .send(Method::POST, "/v1/events?dry_run=true", Some(&event))
+        .await
+        .status_json();
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (422, Some("unknown_parameter")),
+        "{body}"
+    );
+    let plan = json!({"name": "Pro", "included_runtime_ms": 3_600_000, "max_running": 2,
+        "overage": "deny", "currency": "usd", "sandbox_allowed": true});
+    let (status, body) = app
+        .send(Method::PUT, "/v1/plans/pro?dry_run=1", Some(&plan))
+        .await
+        .status_json();
+    assert_eq!(status, 422, "{body}");
+    let (status, body) = app
+        .send(
+            Method::POST,
+            "/v1/tokens?dry_run=1",
+            Some(&json!({"scopes": ["usage:read"]})),
+        )
+        .await
+        .status_json();
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(app.ledger_count().await, 0, "nothing was stored");
+    assert_eq!(tokens().await, tokens_before, "no token was made");
+    let (status, body) = app.post_events(&event).await;
+    assert_eq!(
+        status, 200,
+        "the same event without the parameter is stored: {body}"
+    );
+    let (status, _) = app.post_token(&json!({"scopes": ["usage:read"]})).await;
+    assert_eq!(status, 201);
+    assert_eq!(tokens().await, tokens_before + 1);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_answers_every_operation_of_the_openapi_document_and_refuses_every_other_method_on_its_paths(
 ) {
     let app = TestApp::spawn().await;
