@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::auth::Principal;
 use super::body::{present, RequestBody, StrictJson};
-use super::consistency::{Consistency, ConsistencyParams};
+use super::consistency::{reachable, Consistency, ConsistencyParams};
 use super::error::{ApiError, ErrorBody};
 use super::query::StrictQuery;
 use super::AppState;
@@ -347,9 +347,11 @@ impl FromRequestParts<AppState> for AdmissionWait {
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Response> {
         let StrictQuery(params) =
             StrictQuery::<ConsistencyParams>::from_request_parts(parts, state).await?;
-        wait(state, &params, &parts.headers)
-            .map(AdmissionWait)
-            .map_err(IntoResponse::into_response)
+        let mut wait = wait(state, &params, &parts.headers).map_err(IntoResponse::into_response)?;
+        wait.min_position = reachable(state, wait.min_position)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(AdmissionWait(wait))
     }
 }
 

@@ -123,7 +123,7 @@ impl Consistency {
     async fn wanted(self, state: &AppState) -> Result<i64, ApiError> {
         Ok(match self {
             Consistency::Eventual => 0,
-            Consistency::AtLeast(position) => position,
+            Consistency::AtLeast(position) => reachable(state, position).await?,
             Consistency::Head => read::head(&state.pool).await?.position,
         })
     }
@@ -221,6 +221,27 @@ fn lagging(state: &AppState, wanted: i64, checkpoint: i64) -> ApiError {
             state.read_wait.as_millis()
         ),
     )
+}
+
+/// `min_position` as a position a read can wait for: 422 `invalid_min_position` when it is
+/// past the ledger's head, for no event was acknowledged there and no wait would reach it
+/// (a 503 would have the caller retry for ever). The head is read only when the projection
+/// is not known to be there already.
+pub async fn reachable(state: &AppState, position: i64) -> Result<i64, ApiError> {
+    if state.freshness.projected_at_least(position) {
+        return Ok(position);
+    }
+    let head = read::head(&state.pool).await?.position;
+    if position > head {
+        return Err(ApiError::invalid(
+            ErrorCode::InvalidMinPosition,
+            format!(
+                "min_position {position} is past the ledger's head {head}: no event was \
+                 acknowledged there"
+            ),
+        ));
+    }
+    Ok(position)
 }
 
 fn min_position(name: &str, value: &str) -> Result<i64, ApiError> {

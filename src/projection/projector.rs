@@ -146,6 +146,12 @@ impl Freshness {
         });
     }
 
+    /// Whether a projector is known to have committed `position` or past it (this
+    /// instance's rounds and the notices it heard), without a read.
+    pub fn projected_at_least(&self, position: i64) -> bool {
+        *self.projected.borrow() >= position
+    }
+
     /// The last position this instance acknowledged with an event of `org` (or a plan
     /// definition): what a read-your-writes reader of that org waits for.
     pub fn wanted_for(&self, org: &str) -> i64 {

@@ -195,13 +195,36 @@ async fn a_read_past_the_projection_is_503_after_the_wait_and_an_eventual_read_a
     assert_eq!(status, 200, "{answer}");
     assert!(answer["position"].as_i64().unwrap() >= acknowledged);
     assert_eq!(answer["commands"], 1);
-    // Past the head nothing will come within the wait.
-    let path = format!("{usage}&min_position={}", acknowledged + 1_000);
-    let (status, _, answer) = app.get(&path).await.with_retry_after();
+    // Past the head nothing was acknowledged and no wait would reach it: the caller's
+    // mistake, refused at once, on reads and on admission checks alike.
+    let past = acknowledged + 1_000;
+    let (status, retry_after, answer) = app
+        .get(&format!("{usage}&min_position={past}"))
+        .await
+        .with_retry_after();
+    assert_eq!(
+        (status, &answer["error"]["code"], retry_after),
+        (422, &json!("invalid_min_position"), None),
+        "{answer}"
+    );
+    let (status, answer) = app
+        .post_json(
+            &format!("/v1/admission/check?min_position={past}"),
+            &json!({"org_id": "org_c", "action": "create"}),
+        )
+        .await;
     assert_eq!(
         (status, &answer["error"]["code"]),
-        (503, &json!("projection_lagging"))
+        (422, &json!("invalid_min_position")),
+        "{answer}"
     );
+    let (status, answer) = app
+        .post_json(
+            &format!("/v1/admission/check?min_position={acknowledged}"),
+            &json!({"org_id": "org_c", "action": "create"}),
+        )
+        .await;
+    assert_eq!(status, 200, "the head itself is waited for: {answer}");
     app.stop().await;
 }
 
