@@ -522,6 +522,14 @@ fn check_url(value: &str) -> Result<(), EventError> {
             format!("data.url: must be at most {URL_LENGTH_MAX} bytes"),
         ));
     }
+    // The parser drops tabs and line breaks and keeps the rest, while the ledger keeps the
+    // text as sent: what is stored must be what was checked, and what a console shows.
+    if value.chars().any(is_hidden) {
+        return Err(EventError::new(
+            ErrorCode::InvalidData,
+            "data.url: must not hold whitespace, control or bidirectional formatting characters",
+        ));
+    }
     let url = url::Url::parse(value)
         .map_err(|e| EventError::new(ErrorCode::InvalidData, format!("data.url: {e}")))?;
     if url.scheme() != "https" || url.host().is_none() {
@@ -530,7 +538,21 @@ fn check_url(value: &str) -> Result<(), EventError> {
             "data.url: must be an https URL with a host",
         ));
     }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(EventError::new(
+            ErrorCode::InvalidData,
+            "data.url: must not carry a user name or password",
+        ));
+    }
     Ok(())
+}
+
+/// Whitespace, a control character, or a formatting character that reorders or hides
+/// text (bidirectional controls, zero-width characters, the byte order mark).
+fn is_hidden(c: char) -> bool {
+    c.is_whitespace()
+        || c.is_control()
+        || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2069}' | '\u{FEFF}')
 }
 
 #[cfg(test)]

@@ -462,6 +462,25 @@ mod tests {
             single_code(port(json!({"port": 80, "url": "http://x.example"}))),
             "invalid_data"
         );
+        for hidden in [
+            "https://x.example/\nSet-Cookie: a=b",
+            "https://x.example/a b",
+            "https://x.example/\t",
+            "https://x.example/\u{202E}gpj.exe",
+            "https://x\u{200B}.example/",
+            "https://user:secret@x.example/",
+            "https://user@x.example/",
+        ] {
+            assert_eq!(
+                single_code(port(json!({"port": 80, "url": hidden}))),
+                "invalid_data",
+                "{hidden:?}"
+            );
+        }
+        assert!(native(&port(
+            json!({"port": 443, "url": "https://x.example/a%20b?q=%0A"})
+        ))
+        .is_ok());
         let long_url = format!("https://x.example/{}", "a".repeat(2048));
         assert_eq!(
             single_code(port(json!({"port": 80, "url": long_url}))),
