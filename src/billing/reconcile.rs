@@ -286,7 +286,8 @@ pub fn reconcile_line(
             (ledger_ms, status)
         }
         // Known, but to another org (or to several, with no tag to choose): the provider
-        // bills the wrong tenant, or the ledger does.
+        // bills the wrong tenant, or the ledger does. Against the first org of the ledger's
+        // (`ledger` is in org id order), so that every run gives the same line.
         None if !ledger.is_empty() => {
             let first = ledger[0];
             reconciled.org_id = Some(first.org_id.to_owned());

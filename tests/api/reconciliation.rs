@@ -405,3 +405,67 @@ async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_fig
         .await;
     assert_eq!(again, 422);
 }
+
+#[tokio::test]
+async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_the_same_org_at_every_run(
+) {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at =
+        |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
+    let event = |kind: &str, org: &str, minutes_ago: i64| {
+        json!({"id": Uuid::new_v4(), "type": kind, "org_id": org, "container_id": "shared",
+               "occurred_at": at(minutes_ago)})
+    };
+    // org_b's container is written first, so that a read in storage order finds it first.
+    answered(
+        200,
+        app.post_events(&event("container.created", "org_b", 300))
+            .await,
+    );
+    answered(
+        200,
+        app.post_events(&event("container.created", "org_a", 290))
+            .await,
+    );
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
+         {},{},shared,1,Hours,1.00,USD,Usage",
+        at(360),
+        at(120)
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let mut charged = Vec::new();
+    for round in 0..4 {
+        // Each round moves the containers' rows (a command, a stop, a resume) in between.
+        let kind = [
+            "container.command_ran",
+            "container.stopped",
+            "container.resumed",
+        ][round % 3];
+        for org in ["org_b", "org_a"] {
+            let mut moved = event(kind, org, 100 - round as i64);
+            if kind == "container.command_ran" {
+                moved["data"] =
+                    json!({"command_id": format!("c{round}"), "exit_code": 0, "duration_ms": 5});
+            }
+            answered(200, app.post_events(&moved).await);
+        }
+        projected_to_head(&app.pool, "the moves are projected").await;
+        let result = answered(
+            201,
+            app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+                .await,
+        );
+        let id = result["reconciliation_id"].as_str().unwrap();
+        let (_, lines) = app
+            .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+            .await;
+        let line = &lines["lines"][0];
+        assert_eq!(line["status"], "org_mismatch", "{lines}");
+        charged.push((line["org_id"].clone(), line["expected_cost"].clone()));
+    }
+    let first = charged[0].clone();
+    assert_eq!(first.0, "org_a", "the first org by id: {charged:?}");
+    assert!(charged.iter().all(|run| *run == first), "{charged:?}");
+}
