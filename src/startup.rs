@@ -164,6 +164,9 @@ impl Service {
             verify_passes: std::sync::Arc::new(tokio::sync::Semaphore::new(
                 crate::http::ledger::VERIFY_PASSES_MAX,
             )),
+            day_reads: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                crate::http::usage::day_reads_max(config.db_pool_max),
+            )),
             finance_batch_orgs: i64::from(config.finance_batch_orgs),
             read_wait: Duration::from_millis(config.read_wait_ms),
             clock: config.clock,

@@ -80,6 +80,8 @@ pub struct Inner {
     pub token_limits: auth::TokenLimits,
     /// Verify passes in progress on this instance: [`ledger::VERIFY_PASSES_MAX`].
     pub verify_passes: Arc<tokio::sync::Semaphore>,
+    /// Per-day usage reads in progress on this instance: [`usage::day_reads_max`].
+    pub day_reads: Arc<tokio::sync::Semaphore>,
     /// Orgs per batch of a period close or usage export.
     pub finance_batch_orgs: i64,
     /// How long a read of derived figures waits for the projection (`TALLY_READ_WAIT_MS`).

@@ -107,6 +107,14 @@ pub(super) fn path_org(principal: &Principal, org_id: &str) -> Result<OrgId, Api
     Ok(org_id)
 }
 
+/// How many per-day usage reads (`window=day`) run at once on an instance: a quarter of
+/// its pool, at least one. Each reads its org's commands of the period from the ledger (0.8 s
+/// for an org with half a million of them), so without a bound one token's burst of them
+/// held every connection and the service answered nothing else.
+pub fn day_reads_max(pool_max: u32) -> usize {
+    usize::try_from(pool_max / 4).unwrap_or(1).max(1)
+}
+
 /// An org's usage in one period, as of an instant.
 #[utoipa::path(
     get,
@@ -158,6 +166,14 @@ pub async fn get_usage(
         }
     };
     let (position, priced, days) = if by_day {
+        // Waits for a turn as long as a read waits for the projection, then refuses.
+        let turn = tokio::time::timeout(state.read_wait, state.day_reads.clone().acquire_owned());
+        let Ok(Ok(_turn)) = turn.await else {
+            return Err(ApiError::unavailable(
+                ErrorCode::Overloaded,
+                "too many per-day usage reads are in progress on this instance; retry later",
+            ));
+        };
         let AtPosition {
             position,
             figures: (priced, days),

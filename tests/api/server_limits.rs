@@ -457,3 +457,62 @@ async fn stopping_lets_a_request_in_progress_finish_and_closes_idle_connections(
     stopping.await.unwrap();
     assert_eq!(app.ledger_count().await, 5);
 }
+
+/// Per-day usage reads each read their org's commands from the ledger; one token's burst
+/// of them once held every connection of the pool. With the ledger locked, so that a day
+/// read holds its connection until the test lets go, a burst of them gets one turn (a
+/// quarter of a pool of four) and 503 `overloaded` for the rest after the wait, while the
+/// pool still serves the readiness check; the read that had the turn then answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_per_day_usage_reads_takes_a_quarter_of_the_pool_and_the_rest_are_503() {
+    let app = TestApp::spawn_with(|config| {
+        config.db_pool_max = 4;
+        config.read_wait_ms = 300;
+    })
+    .await;
+    let (status, body) = app.post_events(&valid_event("org_day", "ctr_1", 0)).await;
+    assert_eq!(status, 200, "{body}");
+    projected_to_head(&app.pool, "the event is projected").await;
+    let period = tally::runtime::Period::containing(app.now()).to_string();
+    let path = format!("/v1/orgs/org_day/usage?period={period}&window=day");
+
+    let mut lock = app.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE ledger IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let reads: Vec<_> = (0..8)
+        .map(|_| {
+            let api = app.with_min_position(None);
+            let path = path.clone();
+            tokio::spawn(async move { api.get(&path).await.status_json() })
+        })
+        .collect();
+    eventually(10, "a day read waits for the ledger", || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        waiting >= 1
+    })
+    .await;
+    // Longer than a turn is waited for: every read without one has been refused by now.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let (status, ready) = app.without_token().get_json("/readyz").await;
+    assert_eq!(status, 200, "the pool still serves: {ready}");
+    lock.rollback().await.unwrap();
+
+    let mut answered = Vec::new();
+    for read in reads {
+        let (status, body) = read.await.unwrap();
+        answered.push((status, body["error"]["code"].as_str().map(str::to_owned)));
+    }
+    answered.sort();
+    let mut expected = vec![(503, Some("overloaded".to_owned())); 7];
+    expected.insert(0, (200, None));
+    assert_eq!(answered, expected);
+    app.stop().await;
+}
