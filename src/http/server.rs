@@ -13,8 +13,9 @@
 //!   progress is closed, or, when every one has a request in progress, the new one is
 //!   answered 503 `too_many_connections` and closed ([`Registry`]);
 //! - front-door refusals that hyper's router cannot express as JSON: a URI longer than
-//!   [`URI_MAX_BYTES`] (414 `uri_too_long`) and a repeated query parameter (422
-//!   `duplicate_query_parameter`, as every route answers an unknown one).
+//!   [`URI_MAX_BYTES`] (414 `uri_too_long`), a repeated query parameter (422
+//!   `duplicate_query_parameter`, as every route answers an unknown one) and a header that
+//!   must come once given twice (400 `duplicate_header`).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -242,6 +243,16 @@ fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
             format!("the request target is longer than {URI_MAX_BYTES} bytes"),
         ));
     }
+    if let Some(name) = SINGLE_HEADERS
+        .iter()
+        .find(|name| request.headers().get_all(**name).iter().nth(1).is_some())
+    {
+        return Some(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::DuplicateHeader,
+            format!("{name}: is given more than once; send it once"),
+        ));
+    }
     let query = request.uri().query()?;
     repeated_parameter(query).map(|name| {
         ApiError::new(
@@ -251,6 +262,16 @@ fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
         )
     })
 }
+
+/// Headers a request may carry once: which of two a handler reads (the first) and which a
+/// proxy in front reads (often the last) would otherwise be a matter of chance, and the two
+/// could name another token or another body type.
+const SINGLE_HEADERS: [&str; 4] = [
+    "authorization",
+    "content-type",
+    "content-encoding",
+    super::consistency::MIN_POSITION_HEADER,
+];
 
 /// The first query parameter name that appears twice, once decoded: no route takes a
 /// list, and which of two values a route would read is not something to leave to chance.

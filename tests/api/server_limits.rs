@@ -397,6 +397,51 @@ async fn a_repeated_query_parameter_is_a_json_422_naming_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_that_must_come_once_given_twice_is_a_400_naming_it_and_nothing_is_stored() {
+    let app = TestApp::spawn().await;
+    let body = valid_event("org_twice", "ctr_1", 0).to_string();
+    for (name, first, second) in [
+        (
+            "authorization",
+            format!("Bearer {TOKEN}"),
+            "Bearer another".to_owned(),
+        ),
+        (
+            "content-type",
+            "application/json".to_owned(),
+            "application/cloudevents+json".to_owned(),
+        ),
+        ("content-encoding", "identity".to_owned(), "gzip".to_owned()),
+        ("tally-min-position", "0".to_owned(), "1".to_owned()),
+    ] {
+        let mut request = app
+            .without_token()
+            .request(reqwest::Method::POST, "/v1/events")
+            .body(body.clone());
+        if name != "content-type" {
+            request = request.header("content-type", "application/json");
+        }
+        if name != "authorization" {
+            request = request.header("authorization", format!("Bearer {TOKEN}"));
+        }
+        let reply = request
+            .header(name, first)
+            .header(name, second)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 400, "{name}");
+        let text = reply.text().await.unwrap();
+        assert_eq!(error_code(&text), "duplicate_header", "{name}: {text}");
+        assert!(text.contains(name), "{text}");
+    }
+    assert_eq!(app.ledger_count().await, 0);
+    let (status, body) = app.post_raw("application/json", body.into_bytes()).await;
+    assert_eq!(status, 200, "once each, it is stored: {body}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_target_longer_than_8_kib_is_a_json_414_however_long_it_is() {
     let app = TestApp::spawn().await;
     // 10 000 reaches the router; 100 000 is past what hyper's parser takes (65 534), where
