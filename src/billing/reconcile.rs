@@ -169,13 +169,12 @@ impl ReportLine {
             .filter(|quantity| !quantity.is_sign_negative())?;
         let container_id = self.resource_id.as_deref()?;
         ContainerId::parse(container_id).ok()?;
-        // Saturated past `i64` (a quantity no report can have since reports' numbers are
-        // bounded, `report::NUMBER_MAX`, but a report stored before may).
+        // [`PAST_RANGE_MS`] when the milliseconds do not fit in an `i64`.
         let ms = quantity
             .checked_mul(Decimal::from(unit.ms()))
             .map(|ms| ms.round_dp_with_strategy(0, RoundingStrategy::MidpointAwayFromZero))
             .and_then(|ms| i64::try_from(ms).ok())
-            .unwrap_or(i64::MAX);
+            .unwrap_or(PAST_RANGE_MS);
         Some((container_id, ms))
     }
 
@@ -231,8 +230,14 @@ pub struct Reconciled {
     pub currency: String,
 }
 
-/// A figure past what `Decimal` holds: a line's expected cost when its cost is past
-/// `report::NUMBER_MAX` (stored before reports' numbers were bounded), or a sum of lines.
+/// The provider runtime of a line whose quantity in milliseconds does not fit in an `i64`
+/// (over 292 million years): such a line is [`OutOfRange`].
+pub const PAST_RANGE_MS: i64 = i64::MAX;
+
+/// A line whose figures cannot be computed exactly: its runtime is [`PAST_RANGE_MS`], or
+/// its expected cost, or a sum of lines, is past what a `Decimal` holds at the line's
+/// precision (a cost past `report::COST_MAX`, stored before costs were bounded, or a
+/// runtime of thousands of years against a millisecond billed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the figures of report line {line} are out of range")]
 pub struct OutOfRange {
@@ -264,6 +269,10 @@ pub fn reconcile_line(
     let Some((_, provider_runtime_ms)) = line.runtime() else {
         return Ok(reconciled);
     };
+    let out_of_range = OutOfRange { line: report_line };
+    if provider_runtime_ms == PAST_RANGE_MS {
+        return Err(out_of_range);
+    }
     let window = line.charge_period.until(as_of);
     // The container the line is about: the tagged org's, else the only one.
     let own = match &line.org_id {
@@ -286,8 +295,8 @@ pub fn reconcile_line(
             (ledger_ms, status)
         }
         // Known, but to another org (or to several, with no tag to choose): the provider
-        // bills the wrong tenant, or the ledger does. Against the first org of the ledger's
-        // (`ledger` is in org id order), so that every run gives the same line.
+        // bills the wrong tenant, or the ledger does. Against the first org of `ledger`,
+        // which its caller gives in org id order, so that every run gives the same line.
         None if !ledger.is_empty() => {
             let first = ledger[0];
             reconciled.org_id = Some(first.org_id.to_owned());
@@ -295,7 +304,6 @@ pub fn reconcile_line(
         }
         None => (0, Status::MissingInLedger),
     };
-    let out_of_range = OutOfRange { line: report_line };
     let expected_cost =
         expected_cost(line, ledger_runtime_ms, provider_runtime_ms).ok_or(out_of_range)?;
     reconciled.status = status;
@@ -304,10 +312,7 @@ pub fn reconcile_line(
         provider_runtime_ms,
         delta_ms: provider_runtime_ms - ledger_runtime_ms,
         expected_cost,
-        cost_delta: line
-            .billed_cost
-            .checked_sub(expected_cost)
-            .ok_or(out_of_range)?,
+        cost_delta: exact_sum(line.billed_cost, -expected_cost).ok_or(out_of_range)?,
     });
     Ok(reconciled)
 }
@@ -315,19 +320,34 @@ pub fn reconcile_line(
 /// Ledger hours × (BilledCost / provider hours), rounded half-up to the line's money
 /// precision (so that lines and the exact totals of their figures agree); a line with no
 /// provider quantity carries no unit price, so nothing is expected from it.
-/// `None` when it is past what `Decimal` holds.
+/// `None` when it cannot be held at that precision: `Decimal` keeps 28 digits and, past
+/// them, rounds a product to fewer places or stops a rescale short, where a reconciliation
+/// is exact or is not made.
 fn expected_cost(line: &ReportLine, ledger_ms: i64, provider_ms: i64) -> Option<Decimal> {
     let scale = line.money_scale();
     if provider_ms == 0 {
         return Some(Decimal::new(0, scale));
     }
-    let mut expected = line
-        .billed_cost
-        .checked_mul(Decimal::from(ledger_ms))?
+    let product = line.billed_cost.checked_mul(Decimal::from(ledger_ms))?;
+    // (A zero product comes back at scale 0, and loses nothing.)
+    if product.scale() < line.billed_cost.scale() && !product.is_zero() {
+        return None;
+    }
+    let mut expected = product
         .checked_div(Decimal::from(provider_ms))?
         .round_dp_with_strategy(scale, RoundingStrategy::MidpointAwayFromZero);
     expected.rescale(scale);
-    Some(expected)
+    (expected.scale() == scale || expected.is_zero()).then_some(expected)
+}
+
+/// `a + b` at the precision of the finer of them; `None` when it cannot be held at it.
+/// (`Decimal` rounds a sum to fewer places rather than fail when its digits run out, and
+/// gives back an operand unchanged when the other is zero.)
+pub fn exact_sum(a: Decimal, b: Decimal) -> Option<Decimal> {
+    let places = a.scale().max(b.scale());
+    let mut sum = a.checked_add(b)?;
+    sum.rescale(places);
+    (sum.scale() == places).then_some(sum)
 }
 
 /// The line for a container the report does not mention although the ledger has it
@@ -575,12 +595,25 @@ mod tests {
             super::reconcile_line(9, &past, &known(&ran), Tolerance::default(), as_of),
             Err(OutOfRange { line: 9 })
         );
-        let bound = crate::billing::report::NUMBER_MAX;
+        let bound = crate::billing::report::COST_MAX;
         let at_bound = line(0, 10, "0.001", &bound.to_string());
         let result = reconcile(&at_bound, &known(&ran), as_of);
         assert_eq!(
             compared(&result).expected_cost,
             Decimal::from(bound) * Decimal::from(36_000_000)
+        );
+        // Inside the bound, but 24 digits before the point and 10 after do not fit in 28.
+        let fine = line(0, 10, "0.001", "999999999999999.9999999999");
+        assert_eq!(
+            super::reconcile_line(9, &fine, &known(&ran), Tolerance::default(), as_of),
+            Err(OutOfRange { line: 9 })
+        );
+        // Days whose milliseconds pass an i64.
+        let mut days = line(0, 10, "200000000000", "1");
+        days.unit = Some("Days".into());
+        assert_eq!(
+            super::reconcile_line(9, &days, &known(&ran), Tolerance::default(), as_of),
+            Err(OutOfRange { line: 9 })
         );
     }
 }

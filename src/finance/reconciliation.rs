@@ -103,12 +103,12 @@ impl Tally {
     /// `None`, leaving the tally part-added, when a sum would be past what `Decimal` holds.
     fn add(&mut self, line: &Reconciled) -> Option<()> {
         self.count += 1;
-        self.provider_cost = self.provider_cost.checked_add(line.provider_cost)?;
+        self.provider_cost = reconcile::exact_sum(self.provider_cost, line.provider_cost)?;
         if let Some(compared) = &line.compared {
             let expected = self.expected_cost.get_or_insert(Decimal::ZERO);
-            *expected = expected.checked_add(compared.expected_cost)?;
+            *expected = reconcile::exact_sum(*expected, compared.expected_cost)?;
             let delta = self.cost_delta.get_or_insert(Decimal::ZERO);
-            *delta = delta.checked_add(compared.cost_delta)?;
+            *delta = reconcile::exact_sum(*delta, compared.cost_delta)?;
         }
         Some(())
     }
@@ -347,6 +347,11 @@ async fn reconcile_lines(
                 .entry(stored.container_id.clone())
                 .or_default()
                 .push(stored);
+        }
+        // Each id's orgs in bytewise order, whatever order the rows came in: a line is
+        // compared with the first of them (`reconcile_line`), the same at every run.
+        for orgs in known.values_mut() {
+            orgs.sort_by(|a, b| a.org_id.cmp(&b.org_id));
         }
         let results = reconcile_round(&lines, &known, tolerance, as_of, progress)?;
         progress.record(transaction, &results).await?;

@@ -1530,11 +1530,8 @@ pub async fn containers_by_ids(
     connection: &mut PgConnection,
     container_ids: &[&str],
 ) -> Result<Vec<StoredContainer>, Error> {
-    // In (container, org) order: a container id several orgs share is reconciled against
-    // the first of them, the same one at every run.
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
-        "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE container_id = ANY($1) \
-         ORDER BY container_id, org_id"
+        "SELECT {CONTAINER_COLUMNS} FROM {LIVE}.container WHERE container_id = ANY($1)"
     ))
     .bind(container_ids)
     .fetch_all(connection)

@@ -336,7 +336,7 @@ async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_fig
             at(2)
         )
     };
-    let refused = answered(422, app.post_report(csv("1000000000000.01")).await);
+    let refused = answered(422, app.post_report(csv("1000000000000000.01")).await);
     assert_eq!(
         refused["error"]["details"][0]["code"], "invalid_number",
         "{refused}"
@@ -348,7 +348,7 @@ async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_fig
     assert_eq!(reports, 0, "a refused report stores nothing");
 
     // At the bound: 2 h in the ledger against 1 ms billed is 7 200 000 times the cost.
-    let report = answered(201, app.post_report(csv("1000000000000")).await);
+    let report = answered(201, app.post_report(csv("1000000000000000")).await);
     let result = answered(
         201,
         app.post_reconciliation(&json!({"report_id": report["report_id"]}))
@@ -356,7 +356,7 @@ async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_fig
     );
     assert_eq!(
         result["totals"]["currencies"]["USD"]["total"]["expected_cost_exact"],
-        "7200000000000000000.00",
+        "7200000000000000000000.00",
         "{result}"
     );
 
