@@ -382,11 +382,17 @@ impl<'a> Cells<'a> {
         };
         match tags.get("org_id") {
             None => Ok(None),
-            Some(Value::String(org)) => OrgId::parse(org)
-                .map(|org| Some(org.as_str().to_owned()))
-                .map_err(|error| {
-                    self.error("Tags", ErrorCode::InvalidTags, format!("org_id: {error}"))
-                }),
+            Some(Value::String(org)) => match OrgId::parse(org) {
+                Ok(org) if org.is_reserved() => Err(self.error(
+                    "Tags",
+                    ErrorCode::InvalidTags,
+                    format!("org_id: {org} is reserved: tally records its own events under it"),
+                )),
+                Ok(org) => Ok(Some(org.as_str().to_owned())),
+                Err(error) => {
+                    Err(self.error("Tags", ErrorCode::InvalidTags, format!("org_id: {error}")))
+                }
+            },
             Some(_) => Err(self.error("Tags", ErrorCode::InvalidTags, "org_id must be a string")),
         }
     }
@@ -470,6 +476,13 @@ mod tests {
         ]);
         let lines = parse_all(text.as_bytes()).unwrap();
         assert_eq!(lines[0].report.org_id.as_deref(), Some("acme"));
+        let reserved = report(&[
+            r#"Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,"{""org_id"":""_corrections""}",y"#,
+        ]);
+        assert_eq!(
+            error_of(&reserved),
+            (2, Some("Tags".into()), "invalid_tags")
+        );
     }
 
     #[test]

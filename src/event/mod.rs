@@ -523,11 +523,14 @@ fn check_url(value: &str) -> Result<(), EventError> {
         ));
     }
     // The parser drops tabs and line breaks and keeps the rest, while the ledger keeps the
-    // text as sent: what is stored must be what was checked, and what a console shows.
-    if value.chars().any(is_hidden) {
+    // text as sent: what is stored must be what was checked, and what a console shows. So
+    // printable ASCII only, which no whitespace, control or invisible character is; a host
+    // of other letters goes in punycode and anything else percent-encoded.
+    if !value.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(EventError::new(
             ErrorCode::InvalidData,
-            "data.url: must not hold whitespace, control or bidirectional formatting characters",
+            "data.url: must be printable ASCII (no whitespace or control characters; a host in \
+             punycode, other characters percent-encoded)",
         ));
     }
     let url = url::Url::parse(value)
@@ -545,14 +548,6 @@ fn check_url(value: &str) -> Result<(), EventError> {
         ));
     }
     Ok(())
-}
-
-/// Whitespace, a control character, or a formatting character that reorders or hides
-/// text (bidirectional controls, zero-width characters, the byte order mark).
-fn is_hidden(c: char) -> bool {
-    c.is_whitespace()
-        || c.is_control()
-        || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2069}' | '\u{FEFF}')
 }
 
 #[cfg(test)]

@@ -468,6 +468,9 @@ mod tests {
             "https://x.example/\t",
             "https://x.example/\u{202E}gpj.exe",
             "https://x\u{200B}.example/",
+            "https://x.example/\u{061C}",
+            "https://x.example/\u{E0041}",
+            "https://bücher.example/",
             "https://user:secret@x.example/",
             "https://user@x.example/",
         ] {

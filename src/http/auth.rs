@@ -285,10 +285,15 @@ async fn principal(
             org_id: None,
         }));
     }
+    // A token bound to an org tally records its own events under (made before such orgs
+    // were reserved) is nobody's: it would read every org's corrections or plans.
     let row: Option<(Uuid, Vec<String>, Option<String>)> = sqlx::query_as(
-        "SELECT id, scopes, org_id FROM api_token WHERE secret_sha256 = $1 AND revoked_at IS NULL",
+        "SELECT id, scopes, org_id FROM api_token \
+         WHERE secret_sha256 = $1 AND revoked_at IS NULL \
+           AND (org_id IS NULL OR org_id <> ALL($2))",
     )
     .bind(&digest[..])
+    .bind([crate::event::PLANS_ORG_ID, crate::event::CORRECTIONS_ORG_ID])
     .fetch_optional(pool)
     .await?;
     Ok(row.map(|(id, scopes, org_id)| Principal {

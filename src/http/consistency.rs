@@ -225,10 +225,11 @@ fn lagging(state: &AppState, wanted: i64, checkpoint: i64) -> ApiError {
 
 /// `min_position` as a position a read can wait for: 422 `invalid_min_position` when it is
 /// past the ledger's head, for no event was acknowledged there and no wait would reach it
-/// (a 503 would have the caller retry for ever). The head is read only when the projection
-/// is not known to be there already.
+/// (a 503 would have the caller retry for ever). The head is read only when neither the
+/// projection nor this instance's appender is known to be there already.
 pub async fn reachable(state: &AppState, position: i64) -> Result<i64, ApiError> {
-    if state.freshness.projected_at_least(position) {
+    if state.freshness.projected_at_least(position) || state.freshness.committed_at_least(position)
+    {
         return Ok(position);
     }
     let head = read::head(&state.pool).await?.position;

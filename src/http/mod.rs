@@ -138,18 +138,21 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 }
 
 pub fn app(state: AppState) -> Router {
-    let v1 = v1().route_layer(middleware::from_fn_with_state(
-        state.clone(),
-        auth::require_token,
-    ));
-    let (routes, document) = routers(v1).split_for_parts();
+    // After the token check (a route layer added later runs first): an unknown caller is
+    // 401 whatever it sends.
+    let v1 = v1()
+        .route_layer(middleware::from_fn_with_state(
+            query::parameterless(&v1().into_openapi()),
+            query::refuse_any_query,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    let (routes, _document) = routers(v1).split_for_parts();
     let timeout = state.request_timeout;
     let concurrency_max = state.concurrency_max.max(1);
     routes
-        .route_layer(middleware::from_fn_with_state(
-            query::parameterless(&document),
-            query::refuse_any_query,
-        ))
         // The console is HTML, not API: beside `/v1`, outside its token check and outside
         // the OpenAPI document.
         .merge(console::router())

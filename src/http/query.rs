@@ -61,7 +61,7 @@ fn typed<T: QueryParams>(params: HashMap<String, String>) -> Result<T, ApiError>
     })
 }
 
-/// The operations of the OpenAPI document that take no query parameter, as (method,
+/// The `/v1` operations of an OpenAPI document that take no query parameter, as (method,
 /// path) with the method in upper case: their handlers read no query string, so that
 /// [`refuse_any_query`] refuses every parameter sent to them rather than ignoring it.
 pub(super) fn parameterless(document: &OpenApi) -> Arc<HashSet<(String, String)>> {
@@ -104,10 +104,12 @@ pub(super) async fn refuse_any_query(
             .map(|(name, _)| name.into_owned())
             .next()
     });
-    let operation = (
-        request.method().as_str().to_owned(),
-        path.as_str().to_owned(),
-    );
+    // HEAD is answered by the GET handler, and is the GET operation of the document.
+    let method = match request.method().as_str() {
+        "HEAD" => "GET",
+        method => method,
+    };
+    let operation = (method.to_owned(), path.as_str().to_owned());
     match sent {
         Some(name) if operations.contains(&operation) => ApiError::invalid(
             ErrorCode::UnknownParameter,

@@ -146,6 +146,11 @@ impl Freshness {
         });
     }
 
+    /// Whether this instance's appender has committed `position` or past it.
+    pub fn committed_at_least(&self, position: i64) -> bool {
+        *self.head.borrow() >= position
+    }
+
     /// Whether a projector is known to have committed `position` or past it (this
     /// instance's rounds and the notices it heard), without a read.
     pub fn projected_at_least(&self, position: i64) -> bool {

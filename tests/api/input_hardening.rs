@@ -134,6 +134,20 @@ async fn the_orgs_tally_records_its_own_events_under_are_refused_to_producers_co
         assert_eq!(body["error"]["code"], "reserved_org_id", "{org}: {body}");
     }
     assert_eq!(app.ledger_count().await, 0, "nothing was stored");
+    // A token bound to one before they were reserved answers as no token.
+    let (status, token) = app
+        .post_token(&json!({"scopes": ["audit"], "org_id": "org_x"}))
+        .await;
+    assert_eq!(status, 201, "{token}");
+    let bound = app.with_token(token["token"].as_str().unwrap());
+    let (status, body) = bound.get_json("/v1/whoami").await;
+    assert_eq!(status, 200, "{body}");
+    sqlx::query("UPDATE api_token SET org_id = '_corrections' WHERE org_id = 'org_x'")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let (status, body) = bound.get_json("/v1/whoami").await;
+    assert_eq!(status, 401, "{body}");
     // An org id that only starts the same way is any org's.
     let (status, body) = app.post_events(&valid_event("_plans2", "ctr_1", 0)).await;
     assert_eq!(status, 200, "{body}");
