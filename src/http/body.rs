@@ -28,6 +28,27 @@ use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::event::storable;
 
+/// Refuses a body sent under a content coding other than `identity`: 415
+/// `unsupported_content_encoding`. Only provider reports take gzip; any other route read a
+/// gzipped body as its text and answered that it was not UTF-8.
+pub fn identity_only(headers: &HeaderMap) -> Result<(), ApiError> {
+    for value in headers.get_all(header::CONTENT_ENCODING) {
+        let text = value.to_str().unwrap_or("(not text)");
+        let coded = text
+            .split(',')
+            .map(str::trim)
+            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case("identity"));
+        if coded || value.to_str().is_err() {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                ErrorCode::UnsupportedContentEncoding,
+                format!("Content-Encoding {text:?}: this route takes its body as sent (identity)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The body as a JSON object.
 pub async fn json_object(
     state: &AppState,
@@ -45,6 +66,7 @@ pub async fn json_object(
             "Content-Type must be application/json",
         ));
     }
+    identity_only(headers)?;
     let bytes = read_body(body, state.body_max_bytes).await?;
     match parse_strict(&bytes)? {
         Value::Object(fields) => Ok(fields),

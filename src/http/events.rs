@@ -113,6 +113,7 @@ pub async fn post_events(
         cloudevent::has_ce_header(headers.keys().map(|name| name.as_str())),
         None,
     )?;
+    super::body::identity_only(&headers)?;
     let bytes = super::body::read_body(body, state.body_max_bytes).await?;
     let bounds = TimeBounds {
         now: state.clock.now(),

@@ -155,6 +155,44 @@ async fn the_orgs_tally_records_its_own_events_under_are_refused_to_producers_co
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_body_under_a_content_coding_is_415_wherever_only_provider_reports_take_one() {
+    let app = TestApp::spawn().await;
+    let event = valid_event("org_gz", "ctr_1", 0).to_string();
+    let plan = json!({"name": "Pro", "included_runtime_ms": 3_600_000, "max_running": 2,
+        "overage": "deny", "currency": "usd", "sandbox_allowed": true})
+    .to_string();
+    for (method, path, body) in [
+        (reqwest::Method::POST, "/v1/events", event.clone()),
+        (reqwest::Method::PUT, "/v1/plans/pro", plan),
+    ] {
+        for coding in ["gzip", "br", "identity, deflate"] {
+            let reply = app
+                .request(method.clone(), path)
+                .header("content-type", "application/json")
+                .header("content-encoding", coding)
+                .body(body.clone())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(reply.status(), 415, "{path} {coding}");
+            let text = reply.text().await.unwrap();
+            assert!(text.contains("unsupported_content_encoding"), "{text}");
+        }
+    }
+    assert_eq!(app.ledger_count().await, 0, "nothing was stored");
+    let reply = app
+        .request(reqwest::Method::POST, "/v1/events")
+        .header("content-type", "application/json")
+        .header("content-encoding", "identity")
+        .body(event)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 200, "identity is the body as sent");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_is_refused_with_422_naming_the_field_wherever_text_enters() {
     let app = TestApp::spawn().await;
     let nul = "a\u{0}b";
