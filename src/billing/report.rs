@@ -382,17 +382,11 @@ impl<'a> Cells<'a> {
         };
         match tags.get("org_id") {
             None => Ok(None),
-            Some(Value::String(org)) => match OrgId::parse(org) {
-                Ok(org) if org.is_reserved() => Err(self.error(
-                    "Tags",
-                    ErrorCode::InvalidTags,
-                    format!("org_id: {org} is reserved: tally records its own events under it"),
-                )),
-                Ok(org) => Ok(Some(org.as_str().to_owned())),
-                Err(error) => {
-                    Err(self.error("Tags", ErrorCode::InvalidTags, format!("org_id: {error}")))
-                }
-            },
+            Some(Value::String(org)) => OrgId::parse_unreserved(org)
+                .map(|org| Some(org.as_str().to_owned()))
+                .map_err(|error| {
+                    self.error("Tags", ErrorCode::InvalidTags, format!("org_id: {error}"))
+                }),
             Some(_) => Err(self.error("Tags", ErrorCode::InvalidTags, "org_id must be a string")),
         }
     }

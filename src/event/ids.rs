@@ -8,6 +8,8 @@ use std::fmt;
 
 use uuid::Uuid;
 
+use crate::error_code::ErrorCode;
+
 /// The longest org, container or plan id we accept, in characters.
 /// Long enough for any provider's resource ids; short enough to keep NATS subjects small.
 pub const NAME_LENGTH_MAX: usize = 64;
@@ -25,6 +27,18 @@ pub enum IdError {
     NotUuid,
     #[error("must not be the nil UUID")]
     NilUuid,
+    #[error("{0} is reserved: tally records its own plan versions and corrections under it")]
+    Reserved(String),
+}
+
+impl IdError {
+    /// The code of an org id refused for this: `reserved_org_id` or `invalid_org_id`.
+    pub fn org_code(&self) -> ErrorCode {
+        match self {
+            IdError::Reserved(_) => ErrorCode::ReservedOrgId,
+            _ => ErrorCode::InvalidOrgId,
+        }
+    }
 }
 
 fn check_name(value: &str) -> Result<(), IdError> {
@@ -79,11 +93,20 @@ pub const PLANS_ORG_ID: &str = "_plans";
 /// The org id `ledger.events_added` records go under: a correction may span orgs.
 pub const CORRECTIONS_ORG_ID: &str = "_corrections";
 
+/// Whether tally records its own events under `org_id` ([`PLANS_ORG_ID`],
+/// [`CORRECTIONS_ORG_ID`]): no producer's event, token or report tag may name it.
+pub fn is_reserved_org(org_id: &str) -> bool {
+    [PLANS_ORG_ID, CORRECTIONS_ORG_ID].contains(&org_id)
+}
+
 impl OrgId {
-    /// Whether tally records its own events under this org ([`PLANS_ORG_ID`],
-    /// [`CORRECTIONS_ORG_ID`]): no producer's event and no token may name it.
-    pub fn is_reserved(&self) -> bool {
-        [PLANS_ORG_ID, CORRECTIONS_ORG_ID].contains(&self.as_str())
+    /// An org id a caller names: a valid one that is not reserved ([`is_reserved_org`]).
+    pub fn parse_unreserved(value: &str) -> Result<OrgId, IdError> {
+        let org = OrgId::parse(value)?;
+        if is_reserved_org(org.as_str()) {
+            return Err(IdError::Reserved(value.to_owned()));
+        }
+        Ok(org)
     }
 }
 name_id!(
@@ -137,6 +160,24 @@ mod tests {
         assert!(OrgId::parse("org_8f2k").is_ok());
         assert!(ContainerId::parse("ctr-51x_A").is_ok());
         assert!(OrgId::parse(&"a".repeat(64)).is_ok());
+    }
+
+    #[test]
+    fn a_callers_org_id_may_not_be_one_tally_records_its_own_events_under() {
+        for reserved in [PLANS_ORG_ID, CORRECTIONS_ORG_ID] {
+            let refused = OrgId::parse_unreserved(reserved).unwrap_err();
+            assert_eq!(refused, IdError::Reserved(reserved.to_owned()));
+            assert_eq!(refused.org_code(), ErrorCode::ReservedOrgId);
+            assert!(
+                OrgId::parse(reserved).is_ok(),
+                "tally itself still names it"
+            );
+        }
+        assert!(OrgId::parse_unreserved("_plans2").is_ok());
+        assert_eq!(
+            OrgId::parse_unreserved("a b").unwrap_err().org_code(),
+            ErrorCode::InvalidOrgId
+        );
     }
 
     #[test]

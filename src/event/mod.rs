@@ -16,7 +16,9 @@ use chrono::{DateTime, Duration, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
-pub use ids::{ContainerId, EventId, IdError, OrgId, PlanId, CORRECTIONS_ORG_ID, PLANS_ORG_ID};
+pub use ids::{
+    is_reserved_org, ContainerId, EventId, IdError, OrgId, PlanId, CORRECTIONS_ORG_ID, PLANS_ORG_ID,
+};
 
 use crate::error_code::ErrorCode;
 
@@ -301,18 +303,8 @@ impl Unchecked<'_> {
                 format!("unknown event type {:?}", self.event_type),
             )
         })?;
-        let org_id = OrgId::parse(self.org_id).map_err(|e| {
-            EventError::new(ErrorCode::InvalidOrgId, format!("{}: {e}", names.org_id))
-        })?;
-        if org_id.is_reserved() {
-            return Err(EventError::new(
-                ErrorCode::ReservedOrgId,
-                format!(
-                    "{}: {org_id} is reserved: tally records its own plan versions and corrections under it",
-                    names.org_id
-                ),
-            ));
-        }
+        let org_id = OrgId::parse_unreserved(self.org_id)
+            .map_err(|e| EventError::new(e.org_code(), format!("{}: {e}", names.org_id)))?;
         let container_id = match (event_type.is_container_event(), self.container_id) {
             (true, None) => {
                 return Err(EventError::new(

@@ -241,21 +241,20 @@ impl Progress {
         for line in lines {
             *self.counts.entry(line.status).or_default() += 1;
             let tally = self.currencies.entry(line.currency.clone()).or_default();
+            // (A `missing_in_provider` line has no report line, and no money to overflow.)
+            let out_of_range = reconcile::OutOfRange {
+                line: line.report_line.unwrap_or(0),
+            };
             let org = line.org_id.clone().unwrap_or_default();
+            let by_status = tally.by_status.entry(line.status.as_str()).or_default();
+            by_status.add(line).ok_or(out_of_range)?;
             tally
-                .total
+                .by_org
+                .entry(org)
+                .or_default()
                 .add(line)
-                .and_then(|()| {
-                    tally
-                        .by_status
-                        .entry(line.status.as_str())
-                        .or_default()
-                        .add(line)
-                })
-                .and_then(|()| tally.by_org.entry(org).or_default().add(line))
-                .ok_or(reconcile::OutOfRange {
-                    line: line.report_line.unwrap_or(0),
-                })?;
+                .ok_or(out_of_range)?;
+            tally.total.add(line).ok_or(out_of_range)?;
         }
         Ok(insert(transaction, self.id, &mut self.seq, lines).await?)
     }

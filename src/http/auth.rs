@@ -285,17 +285,16 @@ async fn principal(
             org_id: None,
         }));
     }
-    // A token bound to an org tally records its own events under (made before such orgs
-    // were reserved) is nobody's: it would read every org's corrections or plans.
     let row: Option<(Uuid, Vec<String>, Option<String>)> = sqlx::query_as(
-        "SELECT id, scopes, org_id FROM api_token \
-         WHERE secret_sha256 = $1 AND revoked_at IS NULL \
-           AND (org_id IS NULL OR org_id <> ALL($2))",
+        "SELECT id, scopes, org_id FROM api_token WHERE secret_sha256 = $1 AND revoked_at IS NULL",
     )
     .bind(&digest[..])
-    .bind([crate::event::PLANS_ORG_ID, crate::event::CORRECTIONS_ORG_ID])
     .fetch_optional(pool)
     .await?;
+    // A token bound to an org tally records its own events under (made before such orgs
+    // were reserved) is nobody's: it would read every org's corrections or plans.
+    let row =
+        row.filter(|(_, _, org_id)| !org_id.as_deref().is_some_and(crate::event::is_reserved_org));
     Ok(row.map(|(id, scopes, org_id)| Principal {
         id: id.to_string(),
         scopes: scopes

@@ -28,25 +28,44 @@ use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::event::storable;
 
-/// Refuses a body sent under a content coding other than `identity`: 415
-/// `unsupported_content_encoding`. Only provider reports take gzip; any other route read a
-/// gzipped body as its text and answered that it was not UTF-8.
-pub fn identity_only(headers: &HeaderMap) -> Result<(), ApiError> {
+/// The content codings the body was sent under, in lower case, `identity` left out; 415
+/// `unsupported_content_encoding` when `Content-Encoding` is not text.
+pub fn content_codings(headers: &HeaderMap) -> Result<Vec<String>, ApiError> {
+    let mut codings = Vec::new();
     for value in headers.get_all(header::CONTENT_ENCODING) {
-        let text = value.to_str().unwrap_or("(not text)");
-        let coded = text
-            .split(',')
-            .map(str::trim)
-            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case("identity"));
-        if coded || value.to_str().is_err() {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                ErrorCode::UnsupportedContentEncoding,
-                format!("Content-Encoding {text:?}: this route takes its body as sent (identity)"),
-            ));
-        }
+        let value = value
+            .to_str()
+            .map_err(|_| unsupported_coding("Content-Encoding is not text".into()))?;
+        codings.extend(
+            value
+                .split(',')
+                .map(|coding| coding.trim().to_ascii_lowercase())
+                .filter(|coding| !coding.is_empty() && coding != "identity"),
+        );
     }
-    Ok(())
+    Ok(codings)
+}
+
+/// 415 `unsupported_content_encoding`.
+pub fn unsupported_coding(message: String) -> ApiError {
+    ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ErrorCode::UnsupportedContentEncoding,
+        message,
+    )
+}
+
+/// Refuses a body sent under any content coding: only provider reports take one (gzip);
+/// any other route read a gzipped body as its text and answered that it was not UTF-8.
+pub fn identity_only(headers: &HeaderMap) -> Result<(), ApiError> {
+    let codings = content_codings(headers)?;
+    if codings.is_empty() {
+        return Ok(());
+    }
+    Err(unsupported_coding(format!(
+        "Content-Encoding {:?}: this route takes its body as sent (identity)",
+        codings.join(", ")
+    )))
 }
 
 /// The body as a JSON object.

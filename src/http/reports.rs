@@ -228,25 +228,8 @@ fn encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
             ))
         }
     };
-    let unsupported = |message: String| {
-        ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ErrorCode::UnsupportedContentEncoding,
-            message,
-        )
-    };
-    let mut codings = Vec::new();
-    for value in headers.get_all(header::CONTENT_ENCODING) {
-        let value = value
-            .to_str()
-            .map_err(|_| unsupported("Content-Encoding is not text".into()))?;
-        codings.extend(
-            value
-                .split(',')
-                .map(|coding| coding.trim().to_ascii_lowercase())
-                .filter(|coding| !coding.is_empty() && coding != "identity"),
-        );
-    }
+    let unsupported = super::body::unsupported_coding;
+    let codings = super::body::content_codings(headers)?;
     match (codings.as_slice(), gzip_type) {
         ([], false) => Ok(Encoding::Plain),
         ([], true) => Ok(Encoding::Gzip),

@@ -154,17 +154,9 @@ fn token_scopes(scopes: Option<&Value>) -> Result<Vec<Scope>, ApiError> {
 fn token_org(org_id: Option<&Value>) -> Result<Option<OrgId>, ApiError> {
     match org_id {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(org)) => match OrgId::parse(org) {
-            Ok(org) if org.is_reserved() => Err(ApiError::invalid(
-                ErrorCode::ReservedOrgId,
-                format!("org_id: {org} is reserved: tally records its own events under it"),
-            )),
-            Ok(org) => Ok(Some(org)),
-            Err(error) => Err(ApiError::invalid(
-                ErrorCode::InvalidOrgId,
-                format!("org_id: {error}"),
-            )),
-        },
+        Some(Value::String(org)) => OrgId::parse_unreserved(org)
+            .map(Some)
+            .map_err(|error| ApiError::invalid(error.org_code(), format!("org_id: {error}"))),
         Some(_) => Err(ApiError::invalid(
             ErrorCode::InvalidOrgId,
             "org_id: must be a string",
