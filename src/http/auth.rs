@@ -31,6 +31,7 @@ use uuid::Uuid;
 use super::error::ApiError;
 use super::AppState;
 use crate::error_code::ErrorCode;
+use crate::event::EventType;
 
 /// What a 429 for a token past its limit asks the client to wait, in seconds: its other
 /// requests are typically done in milliseconds.
@@ -241,6 +242,24 @@ impl Principal {
             )),
             _ => Ok(()),
         }
+    }
+
+    /// 403 when a bound token sends an account event (`org.*`), the `index`th of its
+    /// batch: plans, verification and billing eligibility set what an org is billed and
+    /// allowed, so they come from the platform's account system, not from the org itself.
+    pub fn check_account_event(&self, index: usize, event_type: EventType) -> Result<(), ApiError> {
+        if self.org_id.is_none() || event_type.is_container_event() {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::OrgBoundToken,
+            format!(
+                "event {index}: {} is an account event, which a token bound to an org may \
+                 not send; nothing was stored",
+                event_type.as_str()
+            ),
+        ))
     }
 }
 

@@ -91,6 +91,7 @@ impl From<crate::ledger::AppendedEvent> for EventResult {
         (status = 200, body = EventsResponse, description = "stored (or already stored)"),
         (status = 400, body = ErrorBody, description = "not JSON"),
         (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody, description = "the token lacks `events:write`, or is bound to an org and an event is another org's or an account event (`org.*`)"),
         (status = 409, body = ErrorBody, description = "an id was stored before with other content"),
         (status = 413, body = ErrorBody, description = "body or batch too large"),
         (status = 415, body = ErrorBody, description = "no envelope recognised, or binary-mode data that is not JSON"),
@@ -133,8 +134,9 @@ pub async fn post_events(
         metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => e.code().as_str())
             .increment(1);
     })?;
-    for event in &events {
+    for (index, event) in events.iter().enumerate() {
         principal.check_org(event.org_id.as_str())?;
+        principal.check_account_event(index, event.event_type)?;
     }
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
         metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => ErrorCode::UnknownPlan.as_str())

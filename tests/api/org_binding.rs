@@ -124,14 +124,44 @@ fn probes(rule: &RouteRule, fixture: &Fixture) -> Vec<Probe> {
     let previous = Period::containing(period.start() - chrono::Duration::milliseconds(1));
     let one = |path: String, body, expect| vec![probe(method.clone(), path, body, expect)];
     match (rule.method, rule.path) {
-        ("POST", "/v1/events") => one(
-            "/v1/events".into(),
-            json_body(
-                json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": ORG_B,
-                             "container_id": "cb_new", "occurred_at": fixture.minute_ago}),
-            ),
-            Expect::Refused("org_not_allowed"),
-        ),
+        ("POST", "/v1/events") => {
+            let own = |event_type: &str, data: Value| {
+                json!({"id": Uuid::new_v4(), "type": event_type, "org_id": ORG_A,
+                       "occurred_at": fixture.minute_ago, "data": data})
+            };
+            // Its own org's account events, alone or after one of its container events:
+            // a bound token may not set its own plan, verification or billing.
+            let mut created = own("container.created", Value::Null);
+            created["container_id"] = json!("ca_new");
+            created.as_object_mut().unwrap().remove("data");
+            let account = [
+                own("org.plan_changed", json!({"plan": "pro"})),
+                own("org.verification_changed", json!({"verified": false})),
+                own(
+                    "org.billing_eligibility_changed",
+                    json!({"eligible": false}),
+                ),
+            ];
+            let mut probes = vec![probe(
+                method.clone(),
+                "/v1/events".into(),
+                json_body(
+                    json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": ORG_B,
+                           "container_id": "cb_new", "occurred_at": fixture.minute_ago}),
+                ),
+                Expect::Refused("org_not_allowed"),
+            )];
+            probes.extend(account.into_iter().map(|event| {
+                let body = json!({"events": [created.clone(), event]});
+                probe(
+                    method.clone(),
+                    "/v1/events".into(),
+                    json_body(body),
+                    Expect::Refused("org_bound_token"),
+                )
+            }));
+            probes
+        }
         ("GET", "/v1/orgs/{org_id}/usage") => one(
             format!("/v1/orgs/{ORG_B}/usage?period={period}"),
             None,
