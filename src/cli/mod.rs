@@ -84,9 +84,9 @@ pub enum PeriodsCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum ExportCommand {
-    /// Usage per org for a period, as CSV (`--format json` for JSON lines). The projection is
-    /// first brought to the ledger head; the position the figures reflect goes to standard
-    /// error as `position N`.
+    /// Usage per org for a period, as CSV (`--format json` for JSON lines); a closed period
+    /// as its close froze it. The projection is first brought to the ledger head; the
+    /// position the figures reflect goes to standard error as `position N`.
     Usage {
         #[arg(long)]
         period: String,

@@ -1,5 +1,6 @@
 //! The usage export (contract §5, §6): every org's priced row for a period, then the
-//! adjustments of closed periods, all in one repeatable-read snapshot, produced by a task
+//! adjustments of closed periods, or, for a closed period, the rows its close froze; all
+//! in one repeatable-read snapshot, produced by a task
 //! a bounded number of batches ahead of its reader, so its memory is bounded whatever the
 //! number of orgs.
 
@@ -36,7 +37,8 @@ pub struct UsageExport<S> {
 /// periods whose next open period is `period` ([`periods`]), in batches of at most
 /// `batch_orgs` orgs, all read in one repeatable-read snapshot by a task that runs at most
 /// [`QUEUED_BATCHES_MAX`] batches ahead of the reader. Dropping the stream stops the task.
-/// With `only_org` (a token bound to that org), only that org is listed and priced. The
+/// With `only_org` (a token bound to that org), only that org is listed and priced. A
+/// closed `period` is the rows its close stored instead, at the close's position. The
 /// snapshot is taken here, with the checkpoint, so that the position is known before the
 /// first byte is written.
 pub async fn usage_export(
@@ -48,20 +50,32 @@ pub async fn usage_export(
 ) -> Result<UsageExport<impl Stream<Item = Result<Part, Error>> + Send>, Error> {
     assert!(batch_orgs > 0, "a batch holds at least one org");
     let mut transaction = crate::ledger::db::read_snapshot(pool).await?;
-    // The first read takes the snapshot: the checkpoint and every row come from it.
-    let position = store::checkpoint(&mut transaction, LIVE).await?;
+    // The first read takes the snapshot: the close, the checkpoint and every row come
+    // from it. A closed period is its snapshot, at the position it was closed at.
+    let closed_at = periods::close_position(&mut transaction, period).await?;
+    let position = match closed_at {
+        Some(position) => position,
+        None => store::checkpoint(&mut transaction, LIVE).await?,
+    };
     let (sender, receiver) = tokio::sync::mpsc::channel(QUEUED_BATCHES_MAX);
     tokio::spawn(async move {
         let only_org = only_org.as_deref();
-        let produced = produce(
-            &mut transaction,
-            period,
-            as_of,
-            batch_orgs,
-            only_org,
-            &sender,
-        )
-        .await;
+        let produced = match closed_at {
+            Some(_) => {
+                produce_frozen(&mut transaction, period, batch_orgs, only_org, &sender).await
+            }
+            None => {
+                produce(
+                    &mut transaction,
+                    period,
+                    as_of,
+                    batch_orgs,
+                    only_org,
+                    &sender,
+                )
+                .await
+            }
+        };
         let ended = match produced {
             Ok(()) => transaction.commit().await.map_err(Error::from),
             Err(error) => Err(error),
@@ -128,6 +142,30 @@ async fn produce(
             {
                 return Ok(());
             }
+        }
+    }
+    Ok(())
+}
+
+/// Fills `sender` with closed period `period`'s snapshot rows, as the close stored them,
+/// in batches; no adjustments (those of a closed period go to the next open one, never to
+/// a closed one). Returns early once the reader has gone.
+async fn produce_frozen(
+    transaction: &mut PgConnection,
+    period: Period,
+    batch_orgs: i64,
+    only_org: Option<&str>,
+    sender: &tokio::sync::mpsc::Sender<Result<Part, Error>>,
+) -> Result<(), Error> {
+    let mut after = String::new();
+    loop {
+        let rows = periods::snapshot_after(&mut *transaction, period, &after, batch_orgs, only_org)
+            .await?;
+        let Some(last) = rows.last() else { break };
+        after.clone_from(&last.org_id);
+        let full = rows.len() as i64 == batch_orgs;
+        if sender.send(Ok(Part::Rows(rows))).await.is_err() || !full {
+            return Ok(());
         }
     }
     Ok(())

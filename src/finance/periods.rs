@@ -558,21 +558,14 @@ pub async fn get(pool: &PgPool, period: Period) -> Result<Option<Closed>, Error>
     let mut rows_total: i64 = 0;
     let mut after = String::new();
     loop {
-        let rows: Vec<SnapshotRow> = sqlx::query_as(&format!(
-            "SELECT {SNAPSHOT_COLUMNS} FROM period_snapshot \
-             WHERE period = $1 AND org_id > $2 ORDER BY org_id LIMIT $3"
-        ))
-        .bind(period.to_string())
-        .bind(&after)
-        .bind(SNAPSHOT_READ_ROWS)
-        .fetch_all(&mut *connection)
-        .await?;
+        let rows =
+            snapshot_after(&mut connection, period, &after, SNAPSHOT_READ_ROWS, None).await?;
         let Some(last) = rows.last() else { break };
         after.clone_from(&last.org_id);
         let count = rows.len() as i64;
         rows_total += count;
         for row in rows {
-            hasher.update(row.figures(period).csv().as_bytes());
+            hasher.update(row.csv().as_bytes());
         }
         if count < SNAPSHOT_READ_ROWS {
             break;
@@ -587,6 +580,42 @@ pub async fn get(pool: &PgPool, period: Period) -> Result<Option<Closed>, Error>
         verified: recomputed[..] == sha256[..] && rows_total == orgs,
         position,
     }))
+}
+
+/// The ledger position closed period `period` was closed at; `None` when it is not closed.
+pub async fn close_position(
+    connection: &mut PgConnection,
+    period: Period,
+) -> sqlx::Result<Option<i64>> {
+    sqlx::query_scalar("SELECT ledger_position FROM period_close WHERE period = $1")
+        .bind(period.to_string())
+        .fetch_optional(connection)
+        .await
+}
+
+/// One page of closed period `period`'s snapshot: the rows of the orgs after `after`, at
+/// most `limit`, in org order; with `only_org`, that org's alone.
+pub async fn snapshot_after(
+    connection: &mut PgConnection,
+    period: Period,
+    after: &str,
+    limit: i64,
+    only_org: Option<&str>,
+) -> sqlx::Result<Vec<Figures>> {
+    Ok(sqlx::query_as::<_, SnapshotRow>(&format!(
+        "SELECT {SNAPSHOT_COLUMNS} FROM period_snapshot \
+         WHERE period = $1 AND org_id > $2 AND ($4::text IS NULL OR org_id = $4) \
+         ORDER BY org_id LIMIT $3"
+    ))
+    .bind(period.to_string())
+    .bind(after)
+    .bind(limit)
+    .bind(only_org)
+    .fetch_all(connection)
+    .await?
+    .into_iter()
+    .map(|row| row.figures(period))
+    .collect())
 }
 
 /// An adjustment: how a closed period's figures for one org differ now from its snapshot,

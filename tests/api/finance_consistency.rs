@@ -351,8 +351,8 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
     assert_eq!(closed_period["orgs"], expected.len(), "{closed_period}");
 
     // The command line reads the system clock, whose current period may have begun a
-    // moment ago; the closed period's export (figures as they are, not the snapshot) has
-    // room for a run after its close on any day.
+    // moment ago; a run in the closed period after its close has room on any day, and
+    // shows as the closed period's adjustment in the export of the current one.
     let end = closed.end();
     let events = run(
         "org_cli",
@@ -363,7 +363,7 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
     let acknowledged = append(&appender, &events).await;
     let (ok, stdout, stderr) = tally(
         &db.url,
-        &["export", "usage", "--period", &closed.to_string()],
+        &["export", "usage", "--period", &current.to_string()],
     );
     assert!(ok, "{stderr}");
     assert!(
@@ -382,6 +382,15 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
         position >= acknowledged,
         "{position} short of {acknowledged}"
     );
+    // The closed period's own export is its snapshot: the run recorded after the close
+    // is in the adjustment only.
+    let (ok, stdout, stderr) = tally(
+        &db.url,
+        &["export", "usage", "--period", &closed.to_string()],
+    );
+    assert!(ok, "{stderr}");
+    assert!(!stdout.contains("org_cli"), "{stdout}");
+    assert_eq!(stdout.lines().count(), 1 + expected.len(), "{stdout}");
 }
 
 /// While another process holds the projection's checkpoint (as a running service's

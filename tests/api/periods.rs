@@ -1,8 +1,11 @@
-//! Period close: figures frozen in a hashed snapshot; a late event leaves it
-//! untouched and shows as an adjustment in the next open period's export.
+//! Period close: figures frozen in a hashed snapshot, which is the closed period's export;
+//! a late event leaves it untouched and shows as an adjustment in the next open period's
+//! export.
 
 use chrono::Duration;
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tally::finance::pricing::USAGE_CSV_HEADER;
 use uuid::Uuid;
 
 use crate::helpers::{projected_to_head, TestApp};
@@ -88,12 +91,40 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         .map(|event| &event["id"])
         .collect();
     assert_eq!(caused_by.iter().collect::<Vec<_>>(), late_ids);
-    // The closed period's own export still shows the figures as they are now, not frozen.
-    let (_, closed_csv) = app.get_usage_export(&format!("period={closed}")).await;
-    assert!(
-        closed_csv.contains(&format!("acme,free,{closed},18000000,")),
-        "{closed_csv}"
+    // The closed period's own export is its snapshot, byte for byte the bytes its hash
+    // covers, at the position it was closed at: the late hours are in the adjustment
+    // above only, never in both.
+    let (status, closed_csv) = app.get_usage_export(&format!("period={closed}")).await;
+    assert_eq!(status, 200, "{closed_csv}");
+    assert_eq!(
+        closed_csv,
+        format!("{USAGE_CSV_HEADER}\nacme,free,{closed},10800000,0,10800000,0.00,USD,0,0\n")
     );
+    assert_eq!(
+        json!(hex::encode(Sha256::digest(closed_csv.as_bytes()))),
+        snapshot["sha256"]
+    );
+    let (_, closed_json) = app
+        .get_usage_export(&format!("period={closed}&format=json"))
+        .await;
+    let closed_json: Value = serde_json::from_str(&closed_json).unwrap();
+    assert_eq!(closed_json["position"], snapshot["position"]);
+    assert_eq!(closed_json["rows"][0]["runtime_ms"], 3 * 3_600_000);
+    assert_eq!(closed_json["adjustments"], json!([]));
+    // A token bound to an org reads its own row of the snapshot, and nothing of others'.
+    for (org, rows) in [("acme", 1), ("other", 0)] {
+        let token = app
+            .post_token(&json!({"scopes": ["finance"], "org_id": org}))
+            .await;
+        let token = token.1["token"].as_str().unwrap().to_owned();
+        let (status, bound_csv) = app
+            .with_token(&token)
+            .get_usage_export(&format!("period={closed}"))
+            .await;
+        assert_eq!(status, 200, "{bound_csv}");
+        let expected: Vec<&str> = closed_csv.lines().take(1 + rows).collect();
+        assert_eq!(bound_csv.lines().collect::<Vec<_>>(), expected, "{org}");
+    }
     assert_eq!(app.get_period("2026-13").await.0, 422);
     assert_eq!(app.get_period(&current.to_string()).await.0, 404);
     app.stop().await;
