@@ -463,15 +463,33 @@ fn instant<S: serde::Serializer>(value: &DateTime<Utc>, serializer: S) -> Result
 }
 
 /// A text cell of `lines.csv`: quoted when it holds a comma, a quote or a line break
-/// (resource ids and categories are the provider's text, kept as given).
+/// (resource ids and categories are the provider's text, kept as given), and written with
+/// a leading `'` when a spreadsheet would run it as a formula ([`runs_as_formula`]).
 fn csv_text(value: Option<&str>) -> String {
     let Some(value) = value else {
         return String::new();
     };
+    let value = match runs_as_formula(value) {
+        true => std::borrow::Cow::Owned(format!("'{value}")),
+        false => std::borrow::Cow::Borrowed(value),
+    };
     if value.contains([',', '"', '\n', '\r']) {
         format!("\"{}\"", value.replace('"', "\"\""))
     } else {
-        value.to_owned()
+        value.into_owned()
+    }
+}
+
+/// Whether a spreadsheet opening the CSV would read `value` as a formula it can run: it
+/// begins with `=`, `+`, `@`, a tab or a carriage return, or with `-` and holds more than
+/// an id's letters, digits, `_` and `-` (`-c1` is an id a spreadsheet cannot call
+/// anything with; `-1+cmd|' /C calc'!A0` is not).
+fn runs_as_formula(value: &str) -> bool {
+    let id_alphabet = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    match value.chars().next() {
+        Some('=' | '+' | '@' | '\t' | '\r') => true,
+        Some('-') => !value.chars().all(id_alphabet),
+        _ => false,
     }
 }
 
@@ -660,6 +678,26 @@ mod tests {
         );
         assert_eq!(csv_text(Some("say \"hi\"")), "\"say \"\"hi\"\"\"");
         assert_eq!(csv_text(Some("two\nlines")), "\"two\nlines\"");
+    }
+
+    #[test]
+    fn a_provider_text_cell_a_spreadsheet_would_run_is_written_after_an_apostrophe() {
+        for (cell, written) in [
+            (
+                "=HYPERLINK(\"http://x\")",
+                "\"'=HYPERLINK(\"\"http://x\"\")\"",
+            ),
+            ("+1+1", "'+1+1"),
+            ("@SUM(A1)", "'@SUM(A1)"),
+            ("\tx", "'\tx"),
+            ("-1+cmd|' /C calc'!A0", "'-1+cmd|' /C calc'!A0"),
+            ("-2,3", "\"'-2,3\""),
+            // An id of tally's alphabet, even one starting with `-`, stays as it is.
+            ("-c1", "-c1"),
+            ("c=1", "c=1"),
+        ] {
+            assert_eq!(csv_text(Some(cell)), written, "{cell}");
+        }
     }
 
     #[test]

@@ -469,3 +469,40 @@ async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_the_sa
     assert_eq!(first.0, "org_a", "the first org by id: {charged:?}");
     assert!(charged.iter().all(|run| *run == first), "{charged:?}");
 }
+
+#[tokio::test]
+async fn provider_text_a_spreadsheet_would_run_is_written_after_an_apostrophe_in_lines_csv_only() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at =
+        |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
+    let formula = "=HYPERLINK(\"http://evil.example\",\"x\")";
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
+         {},{},\"{}\",1,Hours,1.00,USD,@SUM(A1)",
+        at(120),
+        at(60),
+        formula.replace('"', "\"\"")
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let (status, lines) = app.get_lines(id).await;
+    assert_eq!(status, 200, "{lines}");
+    let line = lines.lines().nth(1).unwrap();
+    assert!(
+        line.starts_with(",\"'=HYPERLINK(\"\"http://evil.example\"\",\"\"x\"\")\","),
+        "{line}"
+    );
+    assert!(line.ends_with(",'@SUM(A1)"), "{line}");
+    // The JSON keeps the provider's text as given.
+    let (_, json) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
+    assert_eq!(json["lines"][0]["container_id"], formula, "{json}");
+    assert_eq!(json["lines"][0]["charge_category"], "@SUM(A1)", "{json}");
+}
