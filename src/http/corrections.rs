@@ -3,6 +3,13 @@
 //! bound, recorded with a `ledger.events_added` naming them, why, and who. Nothing is ever
 //! changed in place: the projections take a voided event back as if it had never been
 //! stored, and both events stay in the ledger and its chain.
+//!
+//! Corrections are stored one at a time across every instance (a [`Turn`]), each checked
+//! against the ledger under that turn: a void of an event already voided is 409 however
+//! many are sent at once, and added events sent again store nothing, no second record
+//! either, and answer with the record that added them.
+
+use std::collections::HashSet;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -30,6 +37,61 @@ use crate::ledger::plans;
 pub const REASON_MAX: usize = 1_024;
 /// How far back an added event may go: the ledger's useful past, not the producers' bound.
 const ADDED_BACKDATE_DAYS: i64 = 3_660;
+/// The advisory lock every instance's corrections take in turn.
+pub const CORRECTIONS_LOCK_KEY: i64 = 0x636f_7272_6563;
+
+/// A correction's turn: this instance's one permit, then the lock every instance's
+/// corrections take, held in a transaction of its own until the turn is dropped (its
+/// rollback releases the lock). Each instance lets one correction wait for the lock, so
+/// corrections queued behind it hold no pool connection.
+struct Turn {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    lock: sqlx::Transaction<'static, sqlx::Postgres>,
+}
+
+impl Turn {
+    /// Waits for a turn, at most `TALLY_READ_WAIT_MS` for the permit and as long again for
+    /// the lock; past either, 503 `overloaded` with `Retry-After`.
+    async fn take(state: &AppState) -> Result<Turn, ApiError> {
+        let busy = || {
+            ApiError::unavailable(
+                ErrorCode::Overloaded,
+                "another correction is being stored; retry later",
+            )
+        };
+        let permit = state.corrections.clone().acquire_owned();
+        let Ok(Ok(permit)) = tokio::time::timeout(state.read_wait, permit).await else {
+            return Err(busy());
+        };
+        let mut lock = state.pool.begin().await?;
+        let wait_ms = state.read_wait.as_millis();
+        sqlx::query(&format!("SET LOCAL lock_timeout = '{wait_ms}ms'"))
+            .execute(&mut *lock)
+            .await?;
+        let locked = sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(CORRECTIONS_LOCK_KEY)
+            .execute(&mut *lock)
+            .await;
+        match locked {
+            Ok(_) => Ok(Turn {
+                _permit: permit,
+                lock,
+            }),
+            // lock_not_available: lock_timeout ran out.
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("55P03") => {
+                Err(busy())
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Ends the turn at once rather than when the connection next goes back to the pool.
+    async fn end(self) {
+        if let Err(error) = self.lock.rollback().await {
+            tracing::warn!(%error, "a correction's turn did not end cleanly; its connection drops it");
+        }
+    }
+}
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -100,6 +162,7 @@ pub async fn post_void(
             )
         })?;
     let reason = reason(&body.reason)?;
+    let turn = Turn::take(&state).await?;
     let org_id = voidable_org(&state.pool, event_id).await?;
     let void = Event {
         id: EventId::from_uuid(Uuid::now_v7()).expect("a v7 UUID is not nil"),
@@ -116,6 +179,7 @@ pub async fn post_void(
     };
     let id = void.id.as_uuid();
     let appended = state.appender.append(vec![void]).await?;
+    turn.end().await;
     tracing::info!(voided = %event_id, by = %principal.id, "event voided");
     Ok((
         StatusCode::CREATED,
@@ -192,12 +256,17 @@ impl RequestBody for AddedRequest {
 pub struct AddedResponse {
     /// One per added event, in input order.
     results: Vec<EventResult>,
-    /// The `ledger.events_added` record of who added them and why.
-    record_id: Uuid,
+    /// The `ledger.events_added` record of who added them and why: with `201`, this
+    /// correction's, naming the events it stored; with `200` (every event was stored
+    /// before), the first record naming them all, or null when none does.
+    record_id: Option<Uuid>,
 }
 
 /// Add events the producers never sent (for example a `stopped` the provider confirms),
-/// beyond the backdate bound; recorded with who and why.
+/// beyond the backdate bound; recorded with who and why. Sent again, it stores nothing
+/// and answers `200` with the record that added them; a voided event is not added again
+/// (409 `already_voided`). Past `TALLY_READ_WAIT_MS` waiting for another correction, 503
+/// `overloaded`.
 #[utoipa::path(
     post,
     path = "/v1/corrections/events",
@@ -205,11 +274,12 @@ pub struct AddedResponse {
     operation_id = "post_correction_events",
     request_body(content = AddedRequest),
     responses(
+        (status = 200, body = AddedResponse, description = "every event was stored before: nothing stored"),
         (status = 201, body = AddedResponse),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
-        (status = 409, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "an id stored with other content, or a voided event"),
         (status = 413, body = ErrorBody),
         (status = 415, body = ErrorBody),
         (status = 422, body = ErrorBody),
@@ -240,6 +310,30 @@ pub async fn post_events(
             format!("event {index}: plan {plan:?} is not defined"),
         ));
     }
+    let turn = Turn::take(&state).await?;
+    refuse_voided(&state.pool, &events).await?;
+    let stored = stored_ids(&state.pool, &events).await?;
+    let new: Vec<String> = events
+        .iter()
+        .filter(|event| !stored.contains(&event.id.as_uuid()))
+        .map(|event| event.id.to_string())
+        .collect();
+    if new.is_empty() {
+        // Sent again: each is a duplicate (or 409 for other content), and no record is
+        // added; the answer names the record that added them all, if one did.
+        let ids: Vec<String> = events.iter().map(|event| event.id.to_string()).collect();
+        let appended = state.appender.append(events).await?;
+        let record_id = adding_record(&state.pool, &ids).await?;
+        turn.end().await;
+        return Ok((
+            StatusCode::OK,
+            Json(AddedResponse {
+                results: appended.into_iter().map(EventResult::from).collect(),
+                record_id,
+            }),
+        ));
+    }
+    // The record names the events this correction stores, not those stored before.
     let record = Event {
         id: EventId::from_uuid(Uuid::now_v7()).expect("a v7 UUID is not nil"),
         event_type: EventType::LedgerEventsAdded,
@@ -247,7 +341,7 @@ pub async fn post_events(
         container_id: None,
         occurred_at: state.clock.now().trunc_subsecs(3),
         data: EventData::Correction(json!({
-            "event_ids": events.iter().map(|event| event.id.to_string()).collect::<Vec<_>>(),
+            "event_ids": new,
             "reason": reason,
             "by": principal.id,
         })),
@@ -256,15 +350,63 @@ pub async fn post_events(
     let record_id = record.id.as_uuid();
     events.push(record);
     let mut appended = state.appender.append(events).await?;
+    turn.end().await;
     appended.pop();
-    tracing::info!(count = appended.len(), by = %principal.id, "events added by correction");
+    tracing::info!(count = new.len(), by = %principal.id, "events added by correction");
     Ok((
         StatusCode::CREATED,
         Json(AddedResponse {
             results: appended.into_iter().map(EventResult::from).collect(),
-            record_id,
+            record_id: Some(record_id),
         }),
     ))
+}
+
+/// 409 `already_voided` when an event to add is one the ledger holds voided: a void is
+/// final, and the event is added again under a new id.
+async fn refuse_voided(pool: &PgPool, events: &[Event]) -> Result<(), ApiError> {
+    let ids: Vec<String> = events.iter().map(|event| event.id.to_string()).collect();
+    let voided: Option<String> = sqlx::query_scalar(
+        "SELECT data->>'event_id' FROM ledger \
+         WHERE type = 'ledger.event_voided' AND data->>'event_id' = ANY($1) LIMIT 1",
+    )
+    .bind(&ids)
+    .fetch_optional(pool)
+    .await?;
+    let Some(index) = voided.and_then(|voided| ids.iter().position(|id| *id == voided)) else {
+        return Ok(());
+    };
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        ErrorCode::AlreadyVoided,
+        format!(
+            "event {index}: {} is voided, and stays voided; add it again under a new id",
+            ids[index]
+        ),
+    ))
+}
+
+/// Which of `events` the ledger holds already, by id.
+async fn stored_ids(pool: &PgPool, events: &[Event]) -> Result<HashSet<Uuid>, ApiError> {
+    let ids: Vec<Uuid> = events.iter().map(|event| event.id.as_uuid()).collect();
+    let stored: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM ledger_ids WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(pool)
+        .await?;
+    Ok(stored.into_iter().collect())
+}
+
+/// The first correction record naming every one of `ids`; `None` when no one record does
+/// (they were sent by producers, or added by several corrections).
+async fn adding_record(pool: &PgPool, ids: &[String]) -> Result<Option<Uuid>, ApiError> {
+    Ok(sqlx::query_scalar(
+        "SELECT id FROM ledger WHERE org_id = $1 AND type = 'ledger.events_added' \
+           AND data->'event_ids' @> $2::jsonb ORDER BY position LIMIT 1",
+    )
+    .bind(CORRECTIONS_ORG_ID)
+    .bind(json!(ids).to_string())
+    .fetch_optional(pool)
+    .await?)
 }
 
 fn reason(reason: &Option<Value>) -> Result<String, ApiError> {

@@ -82,6 +82,9 @@ pub struct Inner {
     pub verify_passes: Arc<tokio::sync::Semaphore>,
     /// Per-day usage reads in progress on this instance: [`usage::day_reads_max`].
     pub day_reads: Arc<tokio::sync::Semaphore>,
+    /// The correction being stored by this instance: one at a time, so that at most one
+    /// connection per instance waits for the corrections' lock ([`corrections`]).
+    pub corrections: Arc<tokio::sync::Semaphore>,
     /// Orgs per batch of a period close or usage export.
     pub finance_batch_orgs: i64,
     /// How long a read of derived figures waits for the projection (`TALLY_READ_WAIT_MS`).

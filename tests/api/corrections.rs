@@ -6,7 +6,9 @@ use chrono::{Duration, DurationRound};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{mid_period_clock, ok, projected_to_head, run_verify, TestApp};
+use futures::future::join_all;
+
+use crate::helpers::{mid_period_clock, ok, projected_to_head, run_verify, TestApp, TOKEN};
 
 /// Every service here runs on this clock, mid-period, so that the last hours are all this
 /// period's whatever the day.
@@ -313,4 +315,155 @@ async fn replays_binary_read_gathers_every_event_exactly_as_the_projectors_row_r
     assert_eq!(histories.len(), 2);
     assert_eq!(accounts.len(), 3);
     assert_eq!(voided.len(), 1);
+}
+
+/// Ledger rows of `kind`.
+async fn stored_of(app: &TestApp, kind: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE type = $1")
+        .bind(kind)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// The positions of a corrections answer's results.
+fn positions(answer: &Value) -> Vec<Value> {
+    answer["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|result| result["position"].clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn corrections_sent_ten_times_at_once_to_two_instances_are_stored_once_and_retries_store_nothing(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    let mut config = tally::config::Config::new(&app.db.url, &app.nats.url);
+    config.bootstrap_token = Some(TOKEN.to_string());
+    config.clock = app.clock;
+    let second = tally::startup::Service::start(config).await.unwrap();
+    let instances = [app.api.clone(), app.at(second.local_addr)];
+    let history = shared("acme");
+    assert_eq!(app.post_events(&json!({"events": history})).await.0, 200);
+
+    // Ten voids of one event at once: one is stored, the others are 409.
+    let void = json!({"event_id": history[1]["id"], "reason": "a duplicate command"});
+    let voids = join_all((0..10).map(|n| {
+        let (instance, void) = (instances[n % 2].clone(), void.clone());
+        async move { instance.post_void(&void).await }
+    }))
+    .await;
+    let count = |status: u16| voids.iter().filter(|(s, _)| *s == status).count();
+    assert_eq!((count(201), count(409)), (1, 9), "{voids:?}");
+    assert_eq!(stored_of(&app, "ledger.event_voided").await, 1);
+    // The command counts as never stored: as an org that never sent it.
+    let mut clean = shared("clean");
+    clean.remove(1);
+    assert_eq!(app.post_events(&json!({"events": clean})).await.0, 200);
+    projected_to_head(&app.pool, "the void and the clean org are projected").await;
+    assert_eq!(figures(&app, "acme").await, figures(&app, "clean").await);
+
+    // Ten identical corrections at once: the events and one record naming them are
+    // stored; every answer names that record and the events' positions.
+    let added = vec![
+        event("acme", "container.resumed", 50, json!({})),
+        event("acme", "container.stopped", 45, json!({})),
+    ];
+    let body = json!({"events": added, "reason": "provider confirms the run"});
+    let answers = join_all((0..10).map(|n| {
+        let (instance, body) = (instances[n % 2].clone(), body.clone());
+        async move { instance.post_corrections(&body).await }
+    }))
+    .await;
+    let created: Vec<&Value> = answers
+        .iter()
+        .filter(|(status, _)| *status == 201)
+        .map(|(_, answer)| answer)
+        .collect();
+    assert_eq!(created.len(), 1, "{answers:?}");
+    let (record, stored_at) = (&created[0]["record_id"], positions(created[0]));
+    for (status, answer) in &answers {
+        assert!(*status == 201 || *status == 200, "{answer}");
+        assert_eq!(
+            (&answer["record_id"], positions(answer)),
+            (record, stored_at.clone()),
+            "{answer}"
+        );
+    }
+    assert_eq!(stored_of(&app, "ledger.events_added").await, 1);
+    // A retry later stores nothing either.
+    let (status, retried) = app.post_corrections(&body).await;
+    assert_eq!((status, &retried["record_id"]), (200, record), "{retried}");
+
+    // Events the producers sent: nothing stored, and no record names them.
+    let (status, sent) = app
+        .post_corrections(&json!({"events": clean, "reason": "sent already"}))
+        .await;
+    assert_eq!((status, &sent["record_id"]), (200, &Value::Null), "{sent}");
+    // One stored and one new: the record names the new one only.
+    let new = event("acme", "container.resumed", 30, json!({}));
+    let (status, mixed) = app
+        .post_corrections(&json!({"events": [added[0], new], "reason": "one more run"}))
+        .await;
+    assert_eq!(status, 201, "{mixed}");
+    let records = ok(app.get_events("type=ledger.events_added").await);
+    assert_eq!(records["events"][1]["id"], mixed["record_id"]);
+    assert_eq!(
+        records["events"][1]["data"]["event_ids"],
+        json!([new["id"]])
+    );
+    assert_eq!(stored_of(&app, "ledger.events_added").await, 2);
+    // A voided event is not added again: 409, nothing stored.
+    let before = app.ledger_count().await;
+    let (status, refused) = app
+        .post_corrections(&json!({"events": [history[1]], "reason": "undo the void"}))
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (409, Some("already_voided")),
+        "{refused}"
+    );
+    assert_eq!(app.ledger_count().await, before);
+    second.stop().await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_correction_waiting_past_the_read_wait_for_another_is_503_and_stores_nothing() {
+    let app = TestApp::spawn_with(|config| config.read_wait_ms = 300).await;
+    let history = shared("acme");
+    assert_eq!(app.post_events(&json!({"events": history})).await.0, 200);
+    // Another instance's correction, as far as this one can tell, holds the turn.
+    let mut other = app.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(tally::http::corrections::CORRECTIONS_LOCK_KEY)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let before = app.ledger_count().await;
+    let void = json!({"event_id": history[1]["id"], "reason": "a duplicate command"});
+    let added = json!({"events": [event("acme", "container.resumed", 50, json!({}))],
+                       "reason": "provider confirms the run"});
+    let (status, busy) = app.post_void(&void).await;
+    assert_eq!(
+        (status, busy["error"]["code"].as_str()),
+        (503, Some("overloaded")),
+        "{busy}"
+    );
+    let (status, busy) = app.post_corrections(&added).await;
+    assert_eq!(
+        (status, busy["error"]["code"].as_str()),
+        (503, Some("overloaded"))
+    );
+    assert_eq!(app.ledger_count().await, before);
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(tally::http::corrections::CORRECTIONS_LOCK_KEY)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    assert_eq!(app.post_void(&void).await.0, 201);
+    assert_eq!(app.post_corrections(&added).await.0, 201);
+    app.stop().await;
 }
