@@ -5,6 +5,7 @@
 
 use chrono::Utc;
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 use tally::clock::Clock;
 use tally::runtime::Period;
 use uuid::Uuid;
@@ -232,14 +233,20 @@ async fn a_close_of_many_batches_is_an_accepted_job_that_freezes_every_org_and_l
         ORGS.div_ceil(3),
         "the orgs with usage in the current period"
     );
-    // The closed period's own export: every org, as priced now, in many batches.
+    // The closed period's own export: every org as the close froze it, in many batches,
+    // hashing to the stored sha256; the late runs are in the adjustments only.
     let (_, csv) = app.get_usage_export(&format!("period={last}")).await;
     let exported: Vec<String> = csv
         .lines()
         .skip(1)
         .map(|line| format!("{line}\n"))
         .collect();
-    assert_eq!(exported, expected_rows(&app, last).await);
+    assert_eq!(exported, expected);
+    assert_ne!(exported, expected_rows(&app, last).await);
+    assert_eq!(
+        serde_json::json!(hex::encode(Sha256::digest(csv.as_bytes()))),
+        done["closed"]["sha256"]
+    );
     app.stop().await;
 }
 
