@@ -18,7 +18,7 @@ use super::AppState;
 use crate::billing::overage::{minor_unit_digits, round_amount};
 use crate::error_code::ErrorCode;
 use crate::event::{canonical, storable};
-use crate::event::{ContainerId, OrgId};
+use crate::event::{ContainerId, OrgId, FUTURE_SKEW_MAX_SECONDS};
 use crate::projection::model::ANOMALIES_KEPT_MAX;
 use crate::projection::org::{self, DayUsage};
 use crate::projection::query::{self, AtPosition, ContainerFound, PricedUsage};
@@ -521,19 +521,32 @@ fn anomalies_limit(value: Option<&str>) -> Result<usize, ApiError> {
 }
 
 /// `as_of` from a query parameter, truncated to the millisecond like event times; `now`
-/// when absent.
+/// when absent. Figures cover what has happened: an instant ahead of `now` by no more
+/// than a producer's clock may be (the events' future bound) is read as `now`, one further
+/// ahead is 422 `invalid_as_of`.
 pub(super) fn as_of(value: Option<&str>, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
+    let now = now.trunc_subsecs(3);
     let Some(value) = value else {
-        return Ok(now.trunc_subsecs(3));
+        return Ok(now);
     };
-    storable::parse_instant(value)
+    let instant = storable::parse_instant(value)
         .map(|instant| instant.trunc_subsecs(3))
         .map_err(|error| {
             invalid(
                 error.code_or(ErrorCode::InvalidAsOf),
                 format!("as_of: {error}"),
             )
-        })
+        })?;
+    if instant > now + chrono::Duration::seconds(FUTURE_SKEW_MAX_SECONDS) {
+        return Err(invalid(
+            ErrorCode::InvalidAsOf,
+            format!(
+                "as_of: {value} is more than {FUTURE_SKEW_MAX_SECONDS} s ahead of the server \
+                 clock; figures cover only what has happened"
+            ),
+        ));
+    }
+    Ok(instant.min(now))
 }
 
 /// The refusal of a query parameter the route does not know.

@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use tally::event::canonical;
 use tally::event::parse::{cloudevent_ledger_id, legacy_cloudevent_ledger_id, BodyError, BodyKind};
 use tally::ledger::{read, AppendLimits, Appender};
+use uuid::Uuid;
 
 use crate::helpers::*;
 
@@ -99,6 +100,49 @@ async fn a_leap_second_as_of_is_refused_rather_than_echoed() {
         .await;
     assert_eq!(status, 422, "{body}");
     assert_eq!(body["error"]["code"], "leap_second", "{body}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_as_of_past_the_future_bound_is_refused_and_one_within_it_reads_as_now() {
+    let app = TestApp::spawn_mid_period().await;
+    let now = app.now();
+    let period = tally::runtime::Period::containing(now).to_string();
+    let created = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "org_1",
+                         "container_id": "ctr_1", "occurred_at": app.ago(3_600)});
+    assert_eq!(app.post_events(&created).await.0, 200);
+    let at = |seconds: i64| {
+        tally::event::canonical::timestamp(now + chrono::Duration::seconds(seconds))
+            .replace('+', "%2B")
+    };
+    // A month ahead would count a month of runtime that has not happened.
+    let ahead = at(tally::event::FUTURE_SKEW_MAX_SECONDS + 60);
+    for (status, body) in [
+        app.get_usage("org_1", &format!("period={period}&as_of={ahead}"))
+            .await,
+        app.get_container("ctr_1", &format!("as_of={ahead}")).await,
+        app.get_json(&format!("/v1/orgs/org_1?as_of={ahead}")).await,
+    ] {
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (422, Some("invalid_as_of")),
+            "{body}"
+        );
+    }
+    // Within a producer's clock skew: read as the server's now, and said so.
+    let (status, usage) = app
+        .get_usage("org_1", &format!("period={period}&as_of={}", at(60)))
+        .await;
+    assert_eq!(status, 200, "{usage}");
+    let answered: chrono::DateTime<Utc> = usage["as_of"].as_str().unwrap().parse().unwrap();
+    assert!(answered <= app.now(), "{usage}");
+    let created_at: chrono::DateTime<Utc> =
+        created["occurred_at"].as_str().unwrap().parse().unwrap();
+    assert_eq!(
+        usage["runtime_ms"].as_i64().unwrap(),
+        (answered - created_at).num_milliseconds(),
+        "counted up to the answer's as_of: {usage}"
+    );
     app.stop().await;
 }
 
