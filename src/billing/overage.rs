@@ -162,6 +162,33 @@ fn price(overage_ms: i64, plan: &Plan) -> Decimal {
     Decimal::from(overage_ms) * plan.overage_price_per_hour / Decimal::from(3_600_000)
 }
 
+/// The currencies a plan may be priced in and a provider report may bill in: the ISO 4217
+/// codes of money in use, with the funds codes (`BOV`, `CHE`, `CLF`, …), and codes
+/// withdrawn since 2021 (`CUC`, `HRK`, `SLL`, `ZWL`) so that reports of those months still
+/// import. Not precious metals, special drawing rights, or the testing and "no currency"
+/// codes (`XAU`, `XDR`, `XTS`, `XXX`, …): nothing is billed in them.
+pub const CURRENCIES: [&str; 170] = [
+    "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT",
+    "BGN", "BHD", "BIF", "BMD", "BND", "BOB", "BOV", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD",
+    "CAD", "CDF", "CHE", "CHF", "CHW", "CLF", "CLP", "CNY", "COP", "COU", "CRC", "CUC", "CUP",
+    "CVE", "CZK", "DJF", "DKK", "DOP", "DZD", "EGP", "ERN", "ETB", "EUR", "FJD", "FKP", "GBP",
+    "GEL", "GHS", "GIP", "GMD", "GNF", "GTQ", "GYD", "HKD", "HNL", "HRK", "HTG", "HUF", "IDR",
+    "ILS", "INR", "IQD", "IRR", "ISK", "JMD", "JOD", "JPY", "KES", "KGS", "KHR", "KMF", "KPW",
+    "KRW", "KWD", "KYD", "KZT", "LAK", "LBP", "LKR", "LRD", "LSL", "LYD", "MAD", "MDL", "MGA",
+    "MKD", "MMK", "MNT", "MOP", "MRU", "MUR", "MVR", "MWK", "MXN", "MXV", "MYR", "MZN", "NAD",
+    "NGN", "NIO", "NOK", "NPR", "NZD", "OMR", "PAB", "PEN", "PGK", "PHP", "PKR", "PLN", "PYG",
+    "QAR", "RON", "RSD", "RUB", "RWF", "SAR", "SBD", "SCR", "SDG", "SEK", "SGD", "SHP", "SLE",
+    "SLL", "SOS", "SRD", "SSP", "STN", "SVC", "SYP", "SZL", "THB", "TJS", "TMT", "TND", "TOP",
+    "TRY", "TTD", "TWD", "TZS", "UAH", "UGX", "USD", "USN", "UYI", "UYU", "UYW", "UZS", "VED",
+    "VES", "VND", "VUV", "WST", "XAF", "XCD", "XCG", "XOF", "XPF", "YER", "ZAR", "ZMW", "ZWG",
+    "ZWL",
+];
+
+/// Whether `code` is one of [`CURRENCIES`].
+pub fn is_currency(code: &str) -> bool {
+    CURRENCIES.binary_search(&code).is_ok()
+}
+
 /// Digits after the decimal point of a currency's minor unit (ISO 4217); 2 unless listed.
 pub fn minor_unit_digits(currency: &str) -> u32 {
     match currency {
@@ -184,6 +211,21 @@ pub fn round_amount(amount: Decimal, currency: &str) -> Decimal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_currencies_are_sorted_once_each_and_hold_every_code_with_its_own_minor_unit() {
+        assert!(CURRENCIES.windows(2).all(|pair| pair[0] < pair[1]));
+        for code in [
+            "BIF", "CLP", "DJF", "GNF", "ISK", "JPY", "KMF", "KRW", "PYG", "RWF", "UGX", "UYI",
+            "VND", "VUV", "XAF", "XOF", "XPF", "BHD", "IQD", "JOD", "KWD", "LYD", "OMR", "TND",
+            "CLF", "UYW", "USD", "EUR",
+        ] {
+            assert!(is_currency(code), "{code}");
+        }
+        for code in ["ABC", "XAU", "XDR", "XTS", "XXX", "usd", "US", "USDD", ""] {
+            assert!(!is_currency(code), "{code}");
+        }
+    }
     use crate::billing::Overage as Mode;
     use crate::event::{EventId, PlanId};
     use crate::runtime::{AccountChange, AccountEntry, Period};

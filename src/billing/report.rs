@@ -362,13 +362,13 @@ impl<'a> Cells<'a> {
 
     fn currency(&self) -> Result<&'a str, ReportError> {
         let currency = self.required("BillingCurrency")?;
-        if currency.len() == 3 && currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        if super::overage::is_currency(currency) {
             return Ok(currency);
         }
         Err(self.error(
             "BillingCurrency",
             ErrorCode::InvalidCurrency,
-            format!("{currency:?} is not an ISO 4217 code"),
+            format!("{currency:?} is not an ISO 4217 currency in use"),
         ))
     }
 
@@ -501,6 +501,16 @@ mod tests {
             error_of(&bad_number),
             (3, Some("ConsumedQuantity".into()), "invalid_number")
         );
+        for currency in ["ABC", "XTS", "usd"] {
+            let line = format!(
+                "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,0.5,{currency},,"
+            );
+            assert_eq!(
+                error_of(&report(&[good, &line])),
+                (3, Some("BillingCurrency".into()), "invalid_currency"),
+                "{currency}"
+            );
+        }
         let float_cost =
             report(&["Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1e3,USD,,"]);
         assert_eq!(

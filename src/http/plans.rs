@@ -17,6 +17,7 @@ use utoipa_axum::routes;
 use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
+use crate::billing::overage::is_currency;
 use crate::billing::Plan;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
@@ -274,6 +275,17 @@ pub async fn put_plan(
     // Back to the fields as sent: `Plan::parse` also reads stored `plan.defined` data.
     let body = serde_json::to_value(&definition).map_err(|error| ApiError::internal(&error))?;
     let plan = Plan::parse(&id, &body).map_err(|problems| invalid_plan(&problems))?;
+    // Checked here rather than by `Plan::parse`, which must go on reading versions stored
+    // before the list was.
+    if !is_currency(&plan.currency) {
+        return Err(invalid_plan(&[EventError::new(
+            ErrorCode::InvalidCurrency,
+            format!(
+                "currency: {:?} is not an ISO 4217 currency in use",
+                plan.currency
+            ),
+        )]));
+    }
     let versions = plans::versions(&state.pool, &id).await?;
     if let Some(current) = versions.last().filter(|current| current.plan == plan) {
         return Ok((StatusCode::OK, Json(StoredPlanResponse::from(current))));

@@ -91,6 +91,9 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
             with("currency", json!("dollars")),
             "invalid_currency",
         ),
+        // Three capitals, but no currency anyone bills in.
+        ("pro", with("currency", json!("ABC")), "invalid_currency"),
+        ("pro", with("currency", json!("XAU")), "invalid_currency"),
         (
             "pro",
             with("overage", json!("sometimes")),
