@@ -19,6 +19,7 @@ use super::query::{QueryParams, StrictQuery};
 use super::reconciliations::{self, LineRow, LINE_COLUMNS};
 use super::AppState;
 use crate::billing::reconcile::Status;
+use crate::billing::report::RESOURCE_ID_MAX;
 use crate::error_code::ErrorCode;
 use crate::event::OrgId;
 use crate::finance::catalog;
@@ -31,9 +32,6 @@ pub const LINES_MAX: usize = 1_000;
 /// `TALLY_REPORT_MAX_BYTES`), and a bound on how many rows one page may make the database
 /// step over.
 pub const OFFSET_MAX: u64 = 10_000_000;
-/// The longest `container_id` filter, in bytes: a line's resource id is the provider's
-/// text (an ARN, a path), longer than a container id may be.
-pub const RESOURCE_ID_MAX_BYTES: usize = 1_024;
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(get_lines_page))
@@ -192,10 +190,12 @@ impl Filters {
             .container_id
             .as_deref()
             .map(|value| {
-                if value.is_empty() || value.len() > RESOURCE_ID_MAX_BYTES {
+                // A line's resource id is the provider's text (an ARN, a path), as long as
+                // a report may give it.
+                if value.is_empty() || value.chars().count() > RESOURCE_ID_MAX {
                     return Err(ApiError::invalid(
                         ErrorCode::InvalidContainerId,
-                        format!("container_id: 1 to {RESOURCE_ID_MAX_BYTES} bytes"),
+                        format!("container_id: 1 to {RESOURCE_ID_MAX} characters"),
                     ));
                 }
                 Ok(value.to_owned())

@@ -506,3 +506,52 @@ async fn provider_text_a_spreadsheet_would_run_is_written_after_an_apostrophe_in
     assert_eq!(json["lines"][0]["container_id"], formula, "{json}");
     assert_eq!(json["lines"][0]["charge_category"], "@SUM(A1)", "{json}");
 }
+
+#[tokio::test]
+async fn the_lines_of_a_resource_id_as_long_as_a_report_may_give_are_found_by_it() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at =
+        |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
+    // The longest ResourceId a report may hold: an Azure-like path. (In a query, an id of
+    // that many characters outside ASCII would pass the request target's 8 192 bytes.)
+    let longest = format!(
+        "/subscriptions/{}",
+        "a".repeat(tally::billing::report::RESOURCE_ID_MAX - 15)
+    );
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
+         {},{},{longest},1,Hours,1.00,USD,Usage\n\
+         {},{},other,1,Hours,1.00,USD,Usage",
+        at(120),
+        at(60),
+        at(120),
+        at(60)
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let page = answered(
+        200,
+        app.get_json(&format!(
+            "/v1/reconciliations/{id}/lines?container_id={longest}"
+        ))
+        .await,
+    );
+    assert_eq!(page["total"], 1, "{page}");
+    assert_eq!(page["lines"][0]["container_id"], longest.as_str());
+    let (status, refused) = app
+        .get_json(&format!(
+            "/v1/reconciliations/{id}/lines?container_id={longest}a"
+        ))
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (422, Some("invalid_container_id")),
+        "{refused}"
+    );
+}
