@@ -103,6 +103,9 @@ pub const FINANCE_BATCH_ORGS: u32 = 1_000;
 /// ledger by tens of milliseconds, so two seconds is far past normal lag and still short
 /// enough for a caller to retry.
 pub const READ_WAIT_MS: u64 = 2_000;
+/// The longest read wait that may be set: an hour. (Also the bound of a correction's wait
+/// for another, whose lock timeout 0 would mean no bound at all.)
+pub const READ_WAIT_MS_MAX: u64 = 3_600_000;
 
 /// Connections to the read database (`TALLY_READ_DATABASE_URL`): audit pages and exports
 /// are the only reads sent there, and each holds one connection for its length, so a few
@@ -222,7 +225,8 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub finance_batch_orgs: u32,
 
-    #[arg(long, env = "TALLY_READ_WAIT_MS", default_value_t = READ_WAIT_MS)]
+    #[arg(long, env = "TALLY_READ_WAIT_MS", default_value_t = READ_WAIT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=READ_WAIT_MS_MAX))]
     pub read_wait_ms: u64,
 
     /// What "now" is for the service's rules: the system clock, unless a test sets it.
@@ -376,6 +380,18 @@ mod tests {
         let past = (READ_DB_POOL_LIMIT + 1).to_string();
         for bad in ["0", past.as_str(), "x"] {
             assert!(parse(&["--read-db-pool-max", bad]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_read_wait_takes_a_millisecond_to_an_hour_and_refuses_past_it() {
+        let max = READ_WAIT_MS_MAX.to_string();
+        for (flag, wait) in [("1", 1), (max.as_str(), READ_WAIT_MS_MAX)] {
+            assert_eq!(parse(&["--read-wait-ms", flag]).unwrap().read_wait_ms, wait);
+        }
+        let past = (READ_WAIT_MS_MAX + 1).to_string();
+        for bad in ["0", past.as_str(), "-1"] {
+            assert!(parse(&["--read-wait-ms", bad]).is_err(), "{bad}");
         }
     }
 

@@ -31,7 +31,7 @@ use uuid::Uuid;
 use super::error::ApiError;
 use super::AppState;
 use crate::error_code::ErrorCode;
-use crate::event::EventType;
+use crate::event::{Event, EventType};
 
 /// What a 429 for a token past its limit asks the client to wait, in seconds: its other
 /// requests are typically done in milliseconds.
@@ -244,10 +244,20 @@ impl Principal {
         }
     }
 
+    /// 403 unless the principal may send every one of `events`: each of an org it may act
+    /// on, and, for a token bound to an org, a container event.
+    pub fn check_events(&self, events: &[Event]) -> Result<(), ApiError> {
+        for (index, event) in events.iter().enumerate() {
+            self.check_org(event.org_id.as_str())?;
+            self.check_account_event(index, event.event_type)?;
+        }
+        Ok(())
+    }
+
     /// 403 when a bound token sends an account event (`org.*`), the `index`th of its
     /// batch: plans, verification and billing eligibility set what an org is billed and
     /// allowed, so they come from the platform's account system, not from the org itself.
-    pub fn check_account_event(&self, index: usize, event_type: EventType) -> Result<(), ApiError> {
+    fn check_account_event(&self, index: usize, event_type: EventType) -> Result<(), ApiError> {
         if self.org_id.is_none() || event_type.is_container_event() {
             return Ok(());
         }

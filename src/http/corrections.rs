@@ -93,6 +93,24 @@ impl Turn {
     }
 }
 
+/// Runs `work` (a correction's check and append) in a turn, on a task of its own: the turn
+/// lasts until `work` has answered even when the request is dropped first (its timeout, a
+/// client gone), so no other correction checks the ledger while `work`'s append may still
+/// be stored.
+async fn in_turn<T, F>(state: &AppState, work: F) -> Result<T, ApiError>
+where
+    F: std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+    T: Send + 'static,
+{
+    let turn = Turn::take(state).await?;
+    let task = tokio::spawn(async move {
+        let done = work.await;
+        turn.end().await;
+        done
+    });
+    task.await.map_err(|error| ApiError::internal(&error))?
+}
+
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(post_void))
@@ -162,7 +180,19 @@ pub async fn post_void(
             )
         })?;
     let reason = reason(&body.reason)?;
-    let turn = Turn::take(&state).await?;
+    let by = principal.id.clone();
+    let void = in_turn(&state, void(state.clone(), event_id, reason, by)).await?;
+    tracing::info!(voided = %event_id, by = %principal.id, "event voided");
+    Ok((StatusCode::CREATED, Json(void)))
+}
+
+/// Appends the void of `event_id`, in a correction's turn.
+async fn void(
+    state: AppState,
+    event_id: EventId,
+    reason: String,
+    by: String,
+) -> Result<VoidResponse, ApiError> {
     let org_id = voidable_org(&state.pool, event_id).await?;
     let void = Event {
         id: EventId::from_uuid(Uuid::now_v7()).expect("a v7 UUID is not nil"),
@@ -173,22 +203,17 @@ pub async fn post_void(
         data: EventData::Correction(json!({
             "event_id": event_id.to_string(),
             "reason": reason,
-            "by": principal.id,
+            "by": by,
         })),
         origin: None,
     };
     let id = void.id.as_uuid();
     let appended = state.appender.append(vec![void]).await?;
-    turn.end().await;
-    tracing::info!(voided = %event_id, by = %principal.id, "event voided");
-    Ok((
-        StatusCode::CREATED,
-        Json(VoidResponse {
-            id,
-            position: appended[0].position,
-            voided_event_id: event_id.as_uuid(),
-        }),
-    ))
+    Ok(VoidResponse {
+        id,
+        position: appended[0].position,
+        voided_event_id: event_id.as_uuid(),
+    })
 }
 
 /// The org of the event to void: 404 when the ledger has no such event, 422 when its type
@@ -216,14 +241,7 @@ async fn voidable_org(pool: &PgPool, event_id: EventId) -> Result<String, ApiErr
             format!("{event_type} events cannot be voided (plans change by new versions; corrections stand)"),
         ));
     }
-    let voided_before: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM ledger WHERE type = 'ledger.event_voided' \
-                        AND data->>'event_id' = $1)",
-    )
-    .bind(event_id.to_string())
-    .fetch_one(pool)
-    .await?;
-    if voided_before {
+    if voided_among(pool, &[event_id.to_string()]).await?.is_some() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::AlreadyVoided,
@@ -258,7 +276,8 @@ pub struct AddedResponse {
     results: Vec<EventResult>,
     /// The `ledger.events_added` record of who added them and why: with `201`, this
     /// correction's, naming the events it stored; with `200` (every event was stored
-    /// before), the first record naming them all, or null when none does.
+    /// before), that of the correction this one repeats (the last record naming any of
+    /// them), or null when none does.
     record_id: Option<Uuid>,
 }
 
@@ -298,7 +317,7 @@ pub async fn post_events(
         now: state.clock.now(),
         backdate_max: chrono::Duration::days(ADDED_BACKDATE_DAYS),
     };
-    let mut events = parse_body(
+    let events = parse_body(
         BodyKind::Native,
         batch.to_string().as_bytes(),
         bounds,
@@ -310,28 +329,36 @@ pub async fn post_events(
             format!("event {index}: plan {plan:?} is not defined"),
         ));
     }
-    let turn = Turn::take(&state).await?;
-    refuse_voided(&state.pool, &events).await?;
+    let by = principal.id.clone();
+    let (status, added) = in_turn(&state, add(state.clone(), events, reason, by)).await?;
+    tracing::info!(count = added.results.len(), created = status == StatusCode::CREATED, by = %principal.id, "events added by correction");
+    Ok((status, Json(added)))
+}
+
+/// Appends the events of a correction not stored yet, with a record naming them, in a
+/// correction's turn: `201`; or, when every one is stored already, nothing: `200`.
+async fn add(
+    state: AppState,
+    mut events: Vec<Event>,
+    reason: String,
+    by: String,
+) -> Result<(StatusCode, AddedResponse), ApiError> {
+    let ids: Vec<String> = events.iter().map(|event| event.id.to_string()).collect();
+    refuse_voided(&state.pool, &ids).await?;
     let stored = stored_ids(&state.pool, &events).await?;
-    let new: Vec<String> = events
+    let new: Vec<&String> = ids
         .iter()
-        .filter(|event| !stored.contains(&event.id.as_uuid()))
-        .map(|event| event.id.to_string())
+        .zip(&events)
+        .filter(|(_, event)| !stored.contains(&event.id.as_uuid()))
+        .map(|(id, _)| id)
         .collect();
     if new.is_empty() {
         // Sent again: each is a duplicate (or 409 for other content), and no record is
-        // added; the answer names the record that added them all, if one did.
-        let ids: Vec<String> = events.iter().map(|event| event.id.to_string()).collect();
+        // added; the answer names the record that added them, if one did.
         let appended = state.appender.append(events).await?;
         let record_id = adding_record(&state.pool, &ids).await?;
-        turn.end().await;
-        return Ok((
-            StatusCode::OK,
-            Json(AddedResponse {
-                results: appended.into_iter().map(EventResult::from).collect(),
-                record_id,
-            }),
-        ));
+        let results = appended.into_iter().map(EventResult::from).collect();
+        return Ok((StatusCode::OK, AddedResponse { results, record_id }));
     }
     // The record names the events this correction stores, not those stored before.
     let record = Event {
@@ -340,39 +367,32 @@ pub async fn post_events(
         org_id: OrgId::parse(CORRECTIONS_ORG_ID).expect("a valid org id"),
         container_id: None,
         occurred_at: state.clock.now().trunc_subsecs(3),
-        data: EventData::Correction(json!({
-            "event_ids": new,
-            "reason": reason,
-            "by": principal.id,
-        })),
+        data: EventData::Correction(json!({"event_ids": new, "reason": reason, "by": by})),
         origin: None,
     };
-    let record_id = record.id.as_uuid();
+    let record_id = Some(record.id.as_uuid());
     events.push(record);
     let mut appended = state.appender.append(events).await?;
-    turn.end().await;
     appended.pop();
-    tracing::info!(count = new.len(), by = %principal.id, "events added by correction");
-    Ok((
-        StatusCode::CREATED,
-        Json(AddedResponse {
-            results: appended.into_iter().map(EventResult::from).collect(),
-            record_id: Some(record_id),
-        }),
-    ))
+    let results = appended.into_iter().map(EventResult::from).collect();
+    Ok((StatusCode::CREATED, AddedResponse { results, record_id }))
 }
 
-/// 409 `already_voided` when an event to add is one the ledger holds voided: a void is
-/// final, and the event is added again under a new id.
-async fn refuse_voided(pool: &PgPool, events: &[Event]) -> Result<(), ApiError> {
-    let ids: Vec<String> = events.iter().map(|event| event.id.to_string()).collect();
-    let voided: Option<String> = sqlx::query_scalar(
+/// One of the events `ids` names that the ledger holds voided, if any.
+async fn voided_among(pool: &PgPool, ids: &[String]) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar(
         "SELECT data->>'event_id' FROM ledger \
          WHERE type = 'ledger.event_voided' AND data->>'event_id' = ANY($1) LIMIT 1",
     )
-    .bind(&ids)
+    .bind(ids)
     .fetch_optional(pool)
-    .await?;
+    .await
+}
+
+/// 409 `already_voided` when an event to add (`ids`, in the batch's order) is one the
+/// ledger holds voided: a void is final, and the event is added again under a new id.
+async fn refuse_voided(pool: &PgPool, ids: &[String]) -> Result<(), ApiError> {
+    let voided = voided_among(pool, ids).await?;
     let Some(index) = voided.and_then(|voided| ids.iter().position(|id| *id == voided)) else {
         return Ok(());
     };
@@ -396,15 +416,17 @@ async fn stored_ids(pool: &PgPool, events: &[Event]) -> Result<HashSet<Uuid>, Ap
     Ok(stored.into_iter().collect())
 }
 
-/// The first correction record naming every one of `ids`; `None` when no one record does
-/// (they were sent by producers, or added by several corrections).
+/// The last correction record naming any of `ids`: that of the correction a retry
+/// repeats. A record names only the events it stored, so each id is in one record at
+/// most, and once that correction stored its events every one of `ids` was stored: no
+/// later record names any. `None` when none does (producers sent them all).
 async fn adding_record(pool: &PgPool, ids: &[String]) -> Result<Option<Uuid>, ApiError> {
     Ok(sqlx::query_scalar(
         "SELECT id FROM ledger WHERE org_id = $1 AND type = 'ledger.events_added' \
-           AND data->'event_ids' @> $2::jsonb ORDER BY position LIMIT 1",
+           AND data->'event_ids' ?| $2 ORDER BY position DESC LIMIT 1",
     )
     .bind(CORRECTIONS_ORG_ID)
-    .bind(json!(ids).to_string())
+    .bind(ids)
     .fetch_optional(pool)
     .await?)
 }

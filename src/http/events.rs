@@ -134,10 +134,7 @@ pub async fn post_events(
         metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => e.code().as_str())
             .increment(1);
     })?;
-    for (index, event) in events.iter().enumerate() {
-        principal.check_org(event.org_id.as_str())?;
-        principal.check_account_event(index, event.event_type)?;
-    }
+    principal.check_events(&events)?;
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
         metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => ErrorCode::UnknownPlan.as_str())
             .increment(1);

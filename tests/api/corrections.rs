@@ -339,10 +339,18 @@ fn positions(answer: &Value) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn corrections_sent_ten_times_at_once_to_two_instances_are_stored_once_and_retries_store_nothing(
 ) {
-    let app = TestApp::spawn_mid_period().await;
+    // Five corrections queue on each instance: a slow machine must not turn a wait into
+    // a 503.
+    const WAIT_MS: u64 = 30_000;
+    let app = TestApp::spawn_with(|config| {
+        config.clock = mid_period_clock();
+        config.read_wait_ms = WAIT_MS;
+    })
+    .await;
     let mut config = tally::config::Config::new(&app.db.url, &app.nats.url);
     config.bootstrap_token = Some(TOKEN.to_string());
     config.clock = app.clock;
+    config.read_wait_ms = WAIT_MS;
     let second = tally::startup::Service::start(config).await.unwrap();
     let instances = [app.api.clone(), app.at(second.local_addr)];
     let history = shared("acme");
@@ -404,19 +412,22 @@ async fn corrections_sent_ten_times_at_once_to_two_instances_are_stored_once_and
     }
     assert_eq!(stored_of(&app, "ledger.events_added").await, 1);
     // A retry later stores nothing either.
+    let before = app.ledger_count().await;
     let (status, retried) = app.post_corrections(&body).await;
     assert_eq!((status, &retried["record_id"]), (200, record), "{retried}");
+    assert_eq!(app.ledger_count().await, before);
 
     // Events the producers sent: nothing stored, and no record names them.
     let (status, sent) = app
         .post_corrections(&json!({"events": clean, "reason": "sent already"}))
         .await;
     assert_eq!((status, &sent["record_id"]), (200, &Value::Null), "{sent}");
-    // One stored and one new: the record names the new one only.
+    assert_eq!(app.ledger_count().await, before);
+    // One added before and one new: the record names the new one only, and a retry of
+    // the same batch answers with that record, not the one that added the first.
     let new = event("acme", "container.resumed", 30, json!({}));
-    let (status, mixed) = app
-        .post_corrections(&json!({"events": [added[0], new], "reason": "one more run"}))
-        .await;
+    let mixed_body = json!({"events": [added[0], new], "reason": "one more run"});
+    let (status, mixed) = app.post_corrections(&mixed_body).await;
     assert_eq!(status, 201, "{mixed}");
     let records = ok(app.get_events("type=ledger.events_added").await);
     assert_eq!(records["events"][1]["id"], mixed["record_id"]);
@@ -425,8 +436,15 @@ async fn corrections_sent_ten_times_at_once_to_two_instances_are_stored_once_and
         json!([new["id"]])
     );
     assert_eq!(stored_of(&app, "ledger.events_added").await, 2);
-    // A voided event is not added again: 409, nothing stored.
     let before = app.ledger_count().await;
+    let (status, retried) = app.post_corrections(&mixed_body).await;
+    assert_eq!(
+        (status, &retried["record_id"]),
+        (200, &mixed["record_id"]),
+        "{retried}"
+    );
+    assert_eq!(app.ledger_count().await, before);
+    // A voided event is not added again: 409, nothing stored.
     let (status, refused) = app
         .post_corrections(&json!({"events": [history[1]], "reason": "undo the void"}))
         .await;
@@ -475,5 +493,48 @@ async fn a_correction_waiting_past_the_read_wait_for_another_is_503_and_stores_n
         .unwrap();
     assert_eq!(app.post_void(&void).await.0, 201);
     assert_eq!(app.post_corrections(&added).await.0, 201);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_void_whose_request_timed_out_keeps_its_turn_until_its_append_is_stored() {
+    let app = TestApp::spawn_with(|config| {
+        config.clock = mid_period_clock();
+        config.request_timeout_ms = 1_000;
+    })
+    .await;
+    let history = shared("acme");
+    assert_eq!(app.post_events(&json!({"events": history})).await.0, 200);
+    // The ledger held, as a slow commit holds it: the void's append waits behind it.
+    let mut holder = app.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(tally::ledger::append::LEDGER_LOCK_KEY)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let void = json!({"event_id": history[1]["id"], "reason": "a duplicate command"});
+    let (status, first) = app.post_void(&void).await;
+    assert_ne!(
+        status, 201,
+        "the first request ends before its append: {first}"
+    );
+    // A retry, while the first void is still on its way to the ledger.
+    let retry = tokio::spawn({
+        let (api, void) = (app.api.clone(), void.clone());
+        async move { api.post_void(&void).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(tally::ledger::append::LEDGER_LOCK_KEY)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let (status, retried) = retry.await.unwrap();
+    assert_eq!(
+        (status, retried["error"]["code"].as_str()),
+        (409, Some("already_voided")),
+        "{retried}"
+    );
+    assert_eq!(stored_of(&app, "ledger.event_voided").await, 1);
     app.stop().await;
 }
