@@ -164,9 +164,10 @@ fn price(overage_ms: i64, plan: &Plan) -> Decimal {
 
 /// The currencies a plan may be priced in and a provider report may bill in: the ISO 4217
 /// codes of money in use, with the funds codes (`BOV`, `CHE`, `CLF`, …), and codes
-/// withdrawn since 2021 (`CUC`, `HRK`, `SLL`, `ZWL`) so that reports of those months still
-/// import. Not precious metals, special drawing rights, or the testing and "no currency"
-/// codes (`XAU`, `XDR`, `XTS`, `XXX`, …): nothing is billed in them.
+/// withdrawn or being replaced since 2021 (`ANG`, `BGN`, `CUC`, `HRK`, `SLL`, `ZWL`) so
+/// that reports of those months still import. Not precious metals, special drawing
+/// rights, or the testing and "no currency" codes (`XAU`, `XDR`, `XTS`, `XXX`, …): nothing
+/// is billed in them.
 pub const CURRENCIES: [&str; 170] = [
     "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT",
     "BGN", "BHD", "BIF", "BMD", "BND", "BOB", "BOV", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD",

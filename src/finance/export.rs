@@ -52,7 +52,7 @@ pub async fn usage_export(
     let mut transaction = crate::ledger::db::read_snapshot(pool).await?;
     // The first read takes the snapshot: the close, the checkpoint and every row come
     // from it. A closed period is its snapshot, at the position it was closed at.
-    let closed_at = periods::close_position(&mut transaction, period).await?;
+    let closed_at = periods::close_position(&mut *transaction, period).await?;
     let position = match closed_at {
         Some(position) => position,
         None => store::checkpoint(&mut transaction, LIVE).await?,

@@ -583,13 +583,13 @@ pub async fn get(pool: &PgPool, period: Period) -> Result<Option<Closed>, Error>
 }
 
 /// The ledger position closed period `period` was closed at; `None` when it is not closed.
-pub async fn close_position(
-    connection: &mut PgConnection,
+pub async fn close_position<'c>(
+    executor: impl sqlx::PgExecutor<'c>,
     period: Period,
 ) -> sqlx::Result<Option<i64>> {
     sqlx::query_scalar("SELECT ledger_position FROM period_close WHERE period = $1")
         .bind(period.to_string())
-        .fetch_optional(connection)
+        .fetch_optional(executor)
         .await
 }
 

@@ -18,6 +18,7 @@ use super::consistency::Consistency;
 use super::error::{ApiError, ErrorBody};
 
 use super::query::{wants_json, QueryParams, StrictQuery};
+use super::replica::ReadPool;
 use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::finance::export::{self, Part};
@@ -377,7 +378,9 @@ impl QueryParams for ExportParams {
 
 /// Usage of every org in a period, priced: one row per org (a token bound to an org gets
 /// that org's row only). A closed period is its snapshot: the rows its close stored, byte
-/// for byte what its `sha256` covers, at the position it was closed at. By default the export first waits until the projection has
+/// for byte what its `sha256` covers, at the position it was closed at, read at once from
+/// the primary (the consistency parameters are checked, and have nothing to wait for).
+/// By default the export first waits until the projection has
 /// reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
 /// for that position instead, `consistency=eventual` not at all; past `TALLY_READ_WAIT_MS`,
 /// 503 `projection_lagging`). With a read database (`TALLY_READ_DATABASE_URL`) the export
@@ -411,14 +414,19 @@ pub async fn get_usage_export(
 ) -> Result<Response, ApiError> {
     let period = export_period(params.period.as_deref())?;
     let json_format = wants_json(params.format.as_deref())?;
-    // On the read database when one is set, once it has replayed the position wanted.
-    let reads = Consistency::parse(
+    let consistency = Consistency::parse(
         params.min_position.as_deref(),
         params.consistency.as_deref(),
         &headers,
-    )?
-    .settle_reads(&state)
-    .await?;
+    )?;
+    // A closed period is the snapshot its close stored, read on the primary: nothing to
+    // wait for, and a read database may not hold the close yet. Any other is read on the
+    // read database when one is set, once it has replayed the position wanted.
+    let closed = crate::finance::periods::close_position(&state.pool, period).await?;
+    let reads = match closed {
+        Some(_) => ReadPool::primary(&state),
+        None => consistency.settle_reads(&state).await?,
+    };
     let as_of = state.clock.now().trunc_subsecs(3).min(period.end());
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.

@@ -464,7 +464,7 @@ fn instant<S: serde::Serializer>(value: &DateTime<Utc>, serializer: S) -> Result
 
 /// A text cell of `lines.csv`: quoted when it holds a comma, a quote or a line break
 /// (resource ids and categories are the provider's text, kept as given), and written with
-/// a leading `'` when a spreadsheet would run it as a formula ([`runs_as_formula`]).
+/// a leading `'` when a spreadsheet would read it as a formula ([`runs_as_formula`]).
 fn csv_text(value: Option<&str>) -> String {
     let Some(value) = value else {
         return String::new();
@@ -480,17 +480,11 @@ fn csv_text(value: Option<&str>) -> String {
     }
 }
 
-/// Whether a spreadsheet opening the CSV would read `value` as a formula it can run: it
-/// begins with `=`, `+`, `@`, a tab or a carriage return, or with `-` and holds more than
-/// an id's letters, digits, `_` and `-` (`-c1` is an id a spreadsheet cannot call
-/// anything with; `-1+cmd|' /C calc'!A0` is not).
+/// Whether a spreadsheet opening the CSV would read `value` as a formula: it begins with
+/// `=`, `+`, `-`, `@`, a tab or a carriage return (`-1+cmd|' /C calc'!A0` runs a command;
+/// even `-c1` shows the negated value of cell C1 instead of the id).
 fn runs_as_formula(value: &str) -> bool {
-    let id_alphabet = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
-    match value.chars().next() {
-        Some('=' | '+' | '@' | '\t' | '\r') => true,
-        Some('-') => !value.chars().all(id_alphabet),
-        _ => false,
-    }
+    value.starts_with(['=', '+', '-', '@', '\t', '\r'])
 }
 
 impl LineRow {
@@ -692,9 +686,10 @@ mod tests {
             ("\tx", "'\tx"),
             ("-1+cmd|' /C calc'!A0", "'-1+cmd|' /C calc'!A0"),
             ("-2,3", "\"'-2,3\""),
-            // An id of tally's alphabet, even one starting with `-`, stays as it is.
-            ("-c1", "-c1"),
+            ("-c1", "'-c1"),
+            // Only the first character counts.
             ("c=1", "c=1"),
+            ("c-1", "c-1"),
         ] {
             assert_eq!(csv_text(Some(cell)), written, "{cell}");
         }

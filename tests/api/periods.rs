@@ -125,6 +125,18 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         let expected: Vec<&str> = closed_csv.lines().take(1 + rows).collect();
         assert_eq!(bound_csv.lines().collect::<Vec<_>>(), expected, "{org}");
     }
+    // Nothing to wait for: with the projection held behind an acknowledged event, the
+    // closed period is answered at once, frozen (a period still open would wait, then be
+    // 503 projection_lagging).
+    let mut hold = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT position FROM proj.checkpoint FOR UPDATE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+    assert_eq!(app.post_events(&run("c3", 4, 3)).await.0, 200);
+    let (status, held) = app.get_usage_export(&format!("period={closed}")).await;
+    assert_eq!((status, &held), (200, &closed_csv));
+    hold.rollback().await.unwrap();
     assert_eq!(app.get_period("2026-13").await.0, 422);
     assert_eq!(app.get_period(&current.to_string()).await.0, 404);
     app.stop().await;

@@ -514,7 +514,7 @@ async fn the_lines_of_a_resource_id_as_long_as_a_report_may_give_are_found_by_it
     let at =
         |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
     // The longest ResourceId a report may hold: an Azure-like path. (In a query, an id of
-    // that many characters outside ASCII would pass the request target's 8 192 bytes.)
+    // that many characters outside ASCII would exceed the request target's 8 192 bytes.)
     let longest = format!(
         "/subscriptions/{}",
         "a".repeat(tally::billing::report::RESOURCE_ID_MAX - 15)
