@@ -470,27 +470,37 @@ async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_the_sa
     assert!(charged.iter().all(|run| *run == first), "{charged:?}");
 }
 
-#[tokio::test]
-async fn provider_text_a_spreadsheet_would_run_is_written_after_an_apostrophe_in_lines_csv_only() {
-    let app = TestApp::spawn().await;
+/// Imports a report of one line per `(resource_id, category)`, each an hour ending an hour
+/// ago, billed 1.00 USD, and reconciles it: the reconciliation's id.
+async fn reconciled(app: &TestApp, lines: &[(&str, &str)]) -> String {
     let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
     let at =
         |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
-    let formula = "=HYPERLINK(\"http://evil.example\",\"x\")";
-    let csv = format!(
-        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
-         {},{},\"{}\",1,Hours,1.00,USD,@SUM(A1)",
-        at(120),
-        at(60),
-        formula.replace('"', "\"\"")
+    let mut csv = String::from(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory",
     );
+    for (resource_id, category) in lines {
+        csv.push_str(&format!(
+            "\n{},{},{resource_id},1,Hours,1.00,USD,{category}",
+            at(120),
+            at(60)
+        ));
+    }
     let report = answered(201, app.post_report(csv).await);
     let result = answered(
         201,
         app.post_reconciliation(&json!({"report_id": report["report_id"]}))
             .await,
     );
-    let id = result["reconciliation_id"].as_str().unwrap();
+    result["reconciliation_id"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn provider_text_a_spreadsheet_would_run_is_written_after_an_apostrophe_in_lines_csv_only() {
+    let app = TestApp::spawn().await;
+    let formula = "=HYPERLINK(\"http://evil.example\",\"x\")";
+    let quoted = format!("\"{}\"", formula.replace('"', "\"\""));
+    let id = &reconciled(&app, &[(&quoted, "@SUM(A1)")]).await;
     let (status, lines) = app.get_lines(id).await;
     assert_eq!(status, 200, "{lines}");
     let line = lines.lines().nth(1).unwrap();
@@ -510,31 +520,13 @@ async fn provider_text_a_spreadsheet_would_run_is_written_after_an_apostrophe_in
 #[tokio::test]
 async fn the_lines_of_a_resource_id_as_long_as_a_report_may_give_are_found_by_it() {
     let app = TestApp::spawn().await;
-    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
-    let at =
-        |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
     // The longest ResourceId a report may hold: an Azure-like path. (In a query, an id of
     // that many characters outside ASCII would exceed the request target's 8 192 bytes.)
     let longest = format!(
         "/subscriptions/{}",
         "a".repeat(tally::billing::report::RESOURCE_ID_MAX - 15)
     );
-    let csv = format!(
-        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
-         {},{},{longest},1,Hours,1.00,USD,Usage\n\
-         {},{},other,1,Hours,1.00,USD,Usage",
-        at(120),
-        at(60),
-        at(120),
-        at(60)
-    );
-    let report = answered(201, app.post_report(csv).await);
-    let result = answered(
-        201,
-        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
-            .await,
-    );
-    let id = result["reconciliation_id"].as_str().unwrap();
+    let id = reconciled(&app, &[(&longest, "Usage"), ("other", "Usage")]).await;
     let page = answered(
         200,
         app.get_json(&format!(
