@@ -10,6 +10,9 @@ pub async fn usage(config: &Config, period: &str, format: &str) -> anyhow::Resul
     use futures::StreamExt;
     use std::io::Write;
     let period = crate::runtime::Period::parse(period)?;
+    if period.start() > chrono::Utc::now() {
+        anyhow::bail!("--period {period}: has not begun; it has no usage to export");
+    }
     let json = match format {
         "csv" => false,
         "json" => true,

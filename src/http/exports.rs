@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use chrono::SubsecRound;
+use chrono::{DateTime, SubsecRound, Utc};
 use futures::StreamExt;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -376,8 +376,9 @@ impl QueryParams for ExportParams {
     }
 }
 
-/// Usage of every org in a period, priced: one row per org (a token bound to an org gets
-/// that org's row only). A closed period is its snapshot: the rows its close stored, byte
+/// Usage of every org in a period that has begun (else 422 `invalid_period`), priced: one
+/// row per org (a token bound to an org gets that org's row only). A closed period is its
+/// snapshot: the rows its close stored, byte
 /// for byte what its `sha256` covers, at the position it was closed at, read at once from
 /// the primary (the consistency parameters are checked, and have nothing to wait for).
 /// By default the export first waits until the projection has
@@ -412,7 +413,7 @@ pub async fn get_usage_export(
     headers: HeaderMap,
     StrictQuery(params): StrictQuery<ExportParams>,
 ) -> Result<Response, ApiError> {
-    let period = export_period(params.period.as_deref())?;
+    let period = export_period(params.period.as_deref(), state.clock.now())?;
     let json_format = wants_json(params.format.as_deref())?;
     let consistency = Consistency::parse(
         params.min_position.as_deref(),
@@ -516,13 +517,21 @@ pub struct AdjustmentSchema {
     caused_by: Vec<uuid::Uuid>,
 }
 
-/// The export's `period`, required: `YYYY-MM`.
-fn export_period(period: Option<&str>) -> Result<Period, ApiError> {
+/// The export's `period`, required: `YYYY-MM`, begun by `now` (a period still to come has
+/// no usage; its export would list running orgs with zeros).
+fn export_period(period: Option<&str>, now: DateTime<Utc>) -> Result<Period, ApiError> {
     let period = period.ok_or_else(|| {
         ApiError::invalid(ErrorCode::InvalidPeriod, "period is required: YYYY-MM")
     })?;
-    Period::parse(period)
-        .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))
+    let period = Period::parse(period)
+        .map_err(|error| ApiError::invalid(ErrorCode::InvalidPeriod, error.to_string()))?;
+    if period.start() > now {
+        return Err(ApiError::invalid(
+            ErrorCode::InvalidPeriod,
+            format!("period {period} has not begun; it has no usage to export"),
+        ));
+    }
+    Ok(period)
 }
 
 /// Writes a usage export's parts as CSV lines or as the members of one JSON object.

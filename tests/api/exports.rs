@@ -63,5 +63,33 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
 
     let (bad, _) = app.get_usage_export("period=2026-13").await;
     assert_eq!(bad, 422);
+
+    // A period still to come has no usage: refused, where it listed every org with a
+    // container running into it, with zeros.
+    let running = json!({"id": Uuid::new_v4(), "type": "container.created", "org_id": "running",
+                         "container_id": "r1", "occurred_at": at(1)});
+    assert_eq!(app.post_events(&running).await.0, 200);
+    projected_to_head(&app.pool, "the running container is projected").await;
+    let (status, refused) = app
+        .get_usage_export(&format!("period={}", period.next()))
+        .await;
+    let refused: Value = serde_json::from_str(&refused).unwrap();
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (422, Some("invalid_period")),
+        "{refused}"
+    );
+    // The command line reads the system clock.
+    let next = tally::runtime::Period::containing(chrono::Utc::now()).next();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["export", "usage", "--period", &next.to_string()])
+        .env("DATABASE_URL", &app.db.url)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("has not begun"), "{stderr}");
+    assert!(output.stdout.is_empty());
     app.stop().await;
 }
