@@ -1,8 +1,7 @@
 //! The usage export (contract §5, §6): every org's priced row for a period, then the
 //! adjustments of closed periods, or, for a closed period, the rows its close froze; all
-//! in one repeatable-read snapshot, produced by a task
-//! a bounded number of batches ahead of its reader, so its memory is bounded whatever the
-//! number of orgs.
+//! in one repeatable-read snapshot, produced by a task a bounded number of batches ahead
+//! of its reader, so its memory is bounded whatever the number of orgs.
 
 use chrono::{DateTime, Utc};
 use futures::Stream;

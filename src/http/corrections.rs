@@ -41,8 +41,8 @@ const ADDED_BACKDATE_DAYS: i64 = 3_660;
 pub const CORRECTIONS_LOCK_KEY: i64 = 0x636f_7272_6563;
 
 /// A correction's turn: this instance's one permit, then the lock every instance's
-/// corrections take, held in a transaction of its own until the turn is dropped (its
-/// rollback releases the lock). Each instance lets one correction wait for the lock, so
+/// corrections take, held in a transaction of its own until the turn ends or is dropped
+/// (its rollback releases the lock). Each instance lets one correction wait for the lock, so
 /// corrections queued behind it hold no pool connection.
 struct Turn {
     _permit: tokio::sync::OwnedSemaphorePermit,
@@ -283,7 +283,8 @@ pub struct AddedResponse {
 
 /// Add events the producers never sent (for example a `stopped` the provider confirms),
 /// beyond the backdate bound; recorded with who and why. Sent again, it stores nothing
-/// and answers `200` with the record that added them; a voided event is not added again
+/// and answers `200` with the record of the correction it repeats; a voided event is not
+/// added again
 /// (409 `already_voided`). Past `TALLY_READ_WAIT_MS` waiting for another correction, 503
 /// `overloaded`.
 #[utoipa::path(

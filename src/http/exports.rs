@@ -378,11 +378,10 @@ impl QueryParams for ExportParams {
 
 /// Usage of every org in a period that has begun (else 422 `invalid_period`), priced: one
 /// row per org (a token bound to an org gets that org's row only). A closed period is its
-/// snapshot: the rows its close stored, byte
-/// for byte what its `sha256` covers, at the position it was closed at, read at once from
-/// the primary (the consistency parameters are checked, and have nothing to wait for).
-/// By default the export first waits until the projection has
-/// reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
+/// snapshot: the rows its close stored, byte for byte what its `sha256` covers, at the
+/// position it was closed at, read at once from the primary (the consistency parameters
+/// are checked, and have nothing to wait for). Otherwise the export first waits until the
+/// projection has reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
 /// for that position instead, `consistency=eventual` not at all; past `TALLY_READ_WAIT_MS`,
 /// 503 `projection_lagging`). With a read database (`TALLY_READ_DATABASE_URL`) the export
 /// reads there and waits until its replayed projection has reached that position (past the

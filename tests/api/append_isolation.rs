@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use serde_json::json;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 use tally::event::{CloudEventOrigin, ContainerCreated, Event, EventData};
 use tally::ledger::append::LEDGER_LOCK_KEY;
 use tally::ledger::{verify, AppendError, AppendLimits, AppendedEvent, Appender};
@@ -35,27 +35,6 @@ async fn refuse_marked_names(pool: &PgPool) {
     .execute(pool)
     .await
     .unwrap();
-}
-
-/// Holds the ledger lock on a connection of its own, as another instance in the middle of
-/// a commit would: appends queue up behind it and go into one group commit once it is
-/// released, so that a refused request shares its group with good ones.
-async fn hold_ledger_lock(url: &str) -> PgConnection {
-    let mut connection = PgConnection::connect(url).await.unwrap();
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(LEDGER_LOCK_KEY)
-        .execute(&mut connection)
-        .await
-        .unwrap();
-    connection
-}
-
-async fn release_ledger_lock(mut connection: PgConnection) {
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(LEDGER_LOCK_KEY)
-        .execute(&mut connection)
-        .await
-        .unwrap();
 }
 
 /// Lets the requests spawned so far reach the appender's queue while the lock is held.
@@ -131,7 +110,9 @@ async fn a_request_postgres_refuses_for_its_content_fails_alone_and_the_rest_of_
             }
         })
         .collect();
-    let lock = hold_ledger_lock(&db.url).await;
+    // The ledger lock held, as another instance in the middle of a commit holds it: the
+    // appends queue up behind it and go into one group commit once it is released.
+    let lock = hold_advisory_lock(&db.url, LEDGER_LOCK_KEY).await;
     let appending = {
         let appender = appender.clone();
         tokio::spawn(async move {
@@ -141,7 +122,7 @@ async fn a_request_postgres_refuses_for_its_content_fails_alone_and_the_rest_of_
         })
     };
     let_requests_queue().await;
-    release_ledger_lock(lock).await;
+    release_advisory_lock(lock, LEDGER_LOCK_KEY).await;
     let results = appending.await.unwrap();
 
     assert_unstorable(&results[POISONED], &["22P05"]);
@@ -187,7 +168,7 @@ async fn content_the_database_refuses_is_a_422_for_its_caller_while_another_orgs
         .collect();
     bodies.insert(GOOD / 2, refused.clone());
 
-    let lock = hold_ledger_lock(&app.db.url).await;
+    let lock = hold_advisory_lock(&app.db.url, LEDGER_LOCK_KEY).await;
     let requests: Vec<_> = bodies
         .iter()
         .map(|body| {
@@ -196,7 +177,7 @@ async fn content_the_database_refuses_is_a_422_for_its_caller_while_another_orgs
         })
         .collect();
     let_requests_queue().await;
-    release_ledger_lock(lock).await;
+    release_advisory_lock(lock, LEDGER_LOCK_KEY).await;
 
     let mut answers = Vec::new();
     for request in requests {
@@ -358,7 +339,7 @@ async fn two_hundred_racing_requests_of_five_orgs_on_two_instances_with_poisoned
         appenders.push(appender);
     }
 
-    let lock = hold_ledger_lock(&db.url).await;
+    let lock = hold_advisory_lock(&db.url, LEDGER_LOCK_KEY).await;
     let tasks: Vec<_> = (0..TASKS)
         .map(|task| {
             let appender = appenders[task % INSTANCES].clone();
@@ -382,7 +363,7 @@ async fn two_hundred_racing_requests_of_five_orgs_on_two_instances_with_poisoned
         })
         .collect();
     let_requests_queue().await;
-    release_ledger_lock(lock).await;
+    release_advisory_lock(lock, LEDGER_LOCK_KEY).await;
 
     let mut acknowledged: HashMap<Uuid, i64> = HashMap::new();
     let mut refused_ids = HashSet::new();

@@ -3,12 +3,16 @@
 //! and the audit trail says who and why.
 
 use chrono::{Duration, DurationRound};
+use futures::future::join_all;
 use serde_json::{json, Value};
+use tally::http::corrections::CORRECTIONS_LOCK_KEY;
+use tally::ledger::append::LEDGER_LOCK_KEY;
 use uuid::Uuid;
 
-use futures::future::join_all;
-
-use crate::helpers::{mid_period_clock, ok, projected_to_head, run_verify, TestApp, TOKEN};
+use crate::helpers::{
+    hold_advisory_lock, mid_period_clock, ok, projected_to_head, release_advisory_lock, run_verify,
+    TestApp, TOKEN,
+};
 
 /// Every service here runs on this clock, mid-period, so that the last hours are all this
 /// period's whatever the day.
@@ -464,12 +468,7 @@ async fn a_correction_waiting_past_the_read_wait_for_another_is_503_and_stores_n
     let history = shared("acme");
     assert_eq!(app.post_events(&json!({"events": history})).await.0, 200);
     // Another instance's correction, as far as this one can tell, holds the turn.
-    let mut other = app.pool.acquire().await.unwrap();
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(tally::http::corrections::CORRECTIONS_LOCK_KEY)
-        .execute(&mut *other)
-        .await
-        .unwrap();
+    let other = hold_advisory_lock(&app.db.url, CORRECTIONS_LOCK_KEY).await;
     let before = app.ledger_count().await;
     let void = json!({"event_id": history[1]["id"], "reason": "a duplicate command"});
     let added = json!({"events": [event("acme", "container.resumed", 50, json!({}))],
@@ -486,11 +485,7 @@ async fn a_correction_waiting_past_the_read_wait_for_another_is_503_and_stores_n
         (503, Some("overloaded"))
     );
     assert_eq!(app.ledger_count().await, before);
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(tally::http::corrections::CORRECTIONS_LOCK_KEY)
-        .execute(&mut *other)
-        .await
-        .unwrap();
+    release_advisory_lock(other, CORRECTIONS_LOCK_KEY).await;
     assert_eq!(app.post_void(&void).await.0, 201);
     assert_eq!(app.post_corrections(&added).await.0, 201);
     app.stop().await;
@@ -506,12 +501,7 @@ async fn a_void_whose_request_timed_out_keeps_its_turn_until_its_append_is_store
     let history = shared("acme");
     assert_eq!(app.post_events(&json!({"events": history})).await.0, 200);
     // The ledger held, as a slow commit holds it: the void's append waits behind it.
-    let mut holder = app.pool.acquire().await.unwrap();
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(tally::ledger::append::LEDGER_LOCK_KEY)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let holder = hold_advisory_lock(&app.db.url, LEDGER_LOCK_KEY).await;
     let void = json!({"event_id": history[1]["id"], "reason": "a duplicate command"});
     let (status, first) = app.post_void(&void).await;
     assert_ne!(
@@ -524,11 +514,7 @@ async fn a_void_whose_request_timed_out_keeps_its_turn_until_its_append_is_store
         async move { api.post_void(&void).await }
     });
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(tally::ledger::append::LEDGER_LOCK_KEY)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    release_advisory_lock(holder, LEDGER_LOCK_KEY).await;
     let (status, retried) = retry.await.unwrap();
     assert_eq!(
         (status, retried["error"]["code"].as_str()),

@@ -5,7 +5,7 @@ use chrono::{Duration, DurationRound};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, TestApp};
+use crate::helpers::{projected_to_head, run_tally, TestApp};
 
 #[tokio::test]
 async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
@@ -48,18 +48,12 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     assert_eq!(json_rows["rows"][0]["overage_amount"], "0.25");
     assert_eq!(json_rows["rows"].as_array().unwrap().len(), 2);
 
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(["export", "usage", "--period", &period.to_string()])
-        .env("DATABASE_URL", &app.db.url)
-        .env("RUST_LOG", "error")
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    let (ok, stdout, stderr) = run_tally(
+        &app.db.url,
+        &["export", "usage", "--period", &period.to_string()],
     );
-    assert_eq!(String::from_utf8(output.stdout).unwrap(), expected);
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout, expected);
 
     let (bad, _) = app.get_usage_export("period=2026-13").await;
     assert_eq!(bad, 422);
@@ -81,15 +75,11 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     );
     // The command line reads the system clock.
     let next = tally::runtime::Period::containing(chrono::Utc::now()).next();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(["export", "usage", "--period", &next.to_string()])
-        .env("DATABASE_URL", &app.db.url)
-        .env("RUST_LOG", "error")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "{stderr}");
-    assert!(stderr.contains("has not begun"), "{stderr}");
-    assert!(output.stdout.is_empty());
+    let (ok, stdout, stderr) = run_tally(
+        &app.db.url,
+        &["export", "usage", "--period", &next.to_string()],
+    );
+    assert!(!ok && stderr.contains("has not begun"), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
     app.stop().await;
 }

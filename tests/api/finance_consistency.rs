@@ -19,7 +19,7 @@ use tally::runtime::Period;
 use tally::startup::Service;
 use uuid::Uuid;
 
-use crate::helpers::{mid_period, parse_events, Reply, TestApp, TestDb, TOKEN};
+use crate::helpers::{mid_period, parse_events, run_tally, Reply, TestApp, TestDb, TOKEN};
 
 /// The projector linger and poll of both instances: far longer than a request takes.
 const SLOW_PROJECTOR_MS: u64 = 1_500;
@@ -304,21 +304,6 @@ async fn the_usage_export_takes_the_consistency_parameters_and_refuses_unknown_o
     app.stop().await;
 }
 
-/// Runs the real binary on `database_url`: exit status, stdout, stderr.
-fn tally(database_url: &str, args: &[&str]) -> (bool, String, String) {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(args)
-        .env("DATABASE_URL", database_url)
-        .env("RUST_LOG", "error")
-        .output()
-        .unwrap();
-    (
-        output.status.success(),
-        String::from_utf8(output.stdout).unwrap(),
-        String::from_utf8(output.stderr).unwrap(),
-    )
-}
-
 /// Appends `events` as the ingest does, with no projector anywhere; the highest position.
 async fn append(appender: &Appender, events: &[Value]) -> i64 {
     let appended = appender.append(parse_events(events)).await.unwrap();
@@ -341,7 +326,7 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
     let (late, expected) = late_events(closed);
     let acknowledged = append(&appender, &late).await;
 
-    let (ok, stdout, stderr) = tally(&db.url, &["periods", "close", &closed.to_string()]);
+    let (ok, stdout, stderr) = run_tally(&db.url, &["periods", "close", &closed.to_string()]);
     assert!(ok, "{stderr}");
     let closed_period: Value = serde_json::from_str(&stdout).unwrap();
     assert!(
@@ -361,7 +346,7 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
         end - Duration::minutes(20),
     );
     let acknowledged = append(&appender, &events).await;
-    let (ok, stdout, stderr) = tally(
+    let (ok, stdout, stderr) = run_tally(
         &db.url,
         &["export", "usage", "--period", &current.to_string()],
     );
@@ -384,7 +369,7 @@ async fn the_command_line_close_and_export_project_what_was_acknowledged_without
     );
     // The closed period's own export is its snapshot: the run recorded after the close
     // is in the adjustment only.
-    let (ok, stdout, stderr) = tally(
+    let (ok, stdout, stderr) = run_tally(
         &db.url,
         &["export", "usage", "--period", &closed.to_string()],
     );

@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use reqwest::header::HeaderMap;
 use reqwest::Method;
 use serde_json::{json, Value};
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 use tally::clock::Clock;
 use tally::config::Config;
 use tally::ledger::db;
@@ -390,6 +390,42 @@ pub async fn stream_messages(js: &async_nats::jetstream::Context, stream: &str) 
         Ok(mut stream) => stream.info().await.map(|i| i.state.messages).unwrap_or(0),
         Err(_) => 0,
     }
+}
+
+/// Runs the real binary with `args` on `database_url`: whether it succeeded, its standard
+/// output and its standard error.
+pub fn run_tally(database_url: &str, args: &[&str]) -> (bool, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("running tally");
+    (
+        output.status.success(),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+/// Holds the advisory lock `key` on a connection of its own, as another instance holding
+/// it would (the ledger's, the corrections'); [`release_advisory_lock`] lets it go.
+pub async fn hold_advisory_lock(url: &str, key: i64) -> PgConnection {
+    let mut connection = PgConnection::connect(url).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(key)
+        .execute(&mut connection)
+        .await
+        .unwrap();
+    connection
+}
+
+pub async fn release_advisory_lock(mut connection: PgConnection, key: i64) {
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(key)
+        .execute(&mut connection)
+        .await
+        .unwrap();
 }
 
 /// Runs `tally verify` on a database: exit code, JSON report, stderr.
