@@ -288,13 +288,21 @@ pub async fn reconciliation(
     .await
 }
 
-/// The cursor of a reconciliation, `None` when there is no such reconciliation.
-pub async fn reconciliation_cursor(pool: &PgPool, id: Uuid) -> Result<Option<Cursor>, sqlx::Error> {
-    let at: Option<DateTime<Utc>> =
-        sqlx::query_scalar("SELECT created_at FROM reconciliation WHERE id = $1")
-            .bind(id)
-            .fetch_optional(pool)
-            .await?;
+/// The cursor of a reconciliation, `None` when there is no such reconciliation in the list
+/// (of `report_id`'s reconciliations when given): a page cannot start after another list's row.
+pub async fn reconciliation_cursor(
+    pool: &PgPool,
+    id: Uuid,
+    report_id: Option<Uuid>,
+) -> Result<Option<Cursor>, sqlx::Error> {
+    let at: Option<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT created_at FROM reconciliation \
+         WHERE id = $1 AND ($2::UUID IS NULL OR report_id = $2)",
+    )
+    .bind(id)
+    .bind(report_id)
+    .fetch_optional(pool)
+    .await?;
     Ok(at.map(|at| Cursor { at, id }))
 }
 

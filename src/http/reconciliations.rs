@@ -235,7 +235,7 @@ pub struct ReconciliationsPage {
         (status = 200, body = ReconciliationsPage),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
-        (status = 422, body = ErrorBody, description = "`invalid_limit`, `invalid_after` (not a UUID, or no such reconciliation), `invalid_report_id`, `unknown_parameter`"),
+        (status = 422, body = ErrorBody, description = "`invalid_limit`, `invalid_after` (not a UUID, or no such reconciliation in this list), `invalid_report_id`, `unknown_parameter`"),
         (status = 503, body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -261,7 +261,7 @@ pub async fn list_reconciliations(
     let after = match listing::after_id(params.after.as_deref())? {
         None => None,
         Some(id) => Some(
-            catalog::reconciliation_cursor(&state.pool, id)
+            catalog::reconciliation_cursor(&state.pool, id, report_id)
                 .await?
                 .ok_or_else(|| listing::unknown_after(id))?,
         ),

@@ -311,6 +311,52 @@ async fn fifty_racing_reservations_for_the_last_slot_grant_exactly_one_and_the_s
 }
 
 #[tokio::test]
+async fn a_reservation_naming_no_container_is_not_consumed_by_a_create_and_is_released_after_it() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let (status, anonymous) = app
+        .reserve(&json!({"org_id": "acme", "action": "create", "ttl_seconds": 300}))
+        .await;
+    assert_eq!(status, 201, "{anonymous}");
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
+    // A check reads this instance's appends: the round that projected the create has
+    // committed, and with it any reservation that round consumed.
+    let answer = check(&app, json!({"org_id": "acme", "action": "create"})).await;
+    assert_eq!(answer["running_containers"], 1, "{answer}");
+    let id = anonymous["reservation_id"].as_str().unwrap();
+    let consumed: Option<Uuid> =
+        sqlx::query_scalar("SELECT consumed_by FROM admission_reservation WHERE id = $1::uuid")
+            .bind(id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        consumed, None,
+        "a create takes no reservation it was not named in"
+    );
+    let (release, body) = app.release(id).await;
+    assert_eq!(release, 200, "{body}");
+
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.stopped", 1),
+    )
+    .await;
+    let (status, again) = app
+        .reserve(&json!({"org_id": "acme", "action": "create"}))
+        .await;
+    assert_eq!(
+        status, 201,
+        "released and stopped, the slot is free: {again}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn two_instances_racing_for_the_last_slot_grant_exactly_one() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;

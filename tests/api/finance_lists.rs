@@ -301,6 +301,18 @@ async fn reconciliations_are_listed_newest_first_by_report_and_each_reads_as_its
             &runs[2].1["reconciliation_id"]
         ]
     );
+    // A cursor is a row of its own list: the second report's run is not in the first's.
+    let foreign = format!(
+        "{path}&after={}",
+        runs[1].1["reconciliation_id"].as_str().unwrap()
+    );
+    assert_eq!(runs[1].0, second["report_id"]);
+    let (status, body) = app.get_json(&foreign).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (422, Some("invalid_after")),
+        "{body}"
+    );
     let unknown = format!("/v1/reconciliations?report_id={}", Uuid::new_v4());
     assert_eq!(
         ok(app.get_json(&unknown).await)["reconciliations"],
