@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 // loop, which logs them and consumes again; none reaches an HTTP answer. What a message's
 // fate depends on is typed ([`AppendError`], [`Verdict`]).
 use anyhow::Context as _;
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, consumer::pull, AckKind, Message};
 use async_nats::HeaderMap;
 use futures::future::BoxFuture;
@@ -46,6 +47,13 @@ pub const CONSUMER_NAME: &str = "tally-ingest";
 pub const ERROR_CODE_HEADER: &str = "Tally-Error-Code";
 pub const ERROR_HEADER: &str = "Tally-Error";
 pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
+/// On a dead letter whose payload was cut to fit the dead-letter stream: the length of the
+/// message's whole payload.
+pub const PAYLOAD_TRUNCATED_HEADER: &str = "Tally-Payload-Truncated";
+/// A producer's JetStream control headers (`Nats-Expected-Stream`, `Nats-Msg-Id`, ...) are
+/// kept on its dead letter under this prefix.
+pub const RENAMED_HEADER_PREFIX: &str = "Tally-Original-";
+const JETSTREAM_HEADER_PREFIX: &str = "Nats-";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
 pub const ACK_WAIT_SECONDS: u64 = 30;
 /// Unacknowledged messages the server lets this consumer hold, over all instances. Each
@@ -135,6 +143,7 @@ async fn consume(
         .apply(context, names, &["TALLY_INGEST", "TALLY_DLQ"])
         .await?;
     let consumer = ingest_consumer(context, names).await?;
+    let dead_letter_max = dead_letter_bytes_max(context, names).await?;
     let (fetched_sender, fetched) = mpsc::channel(FETCHED_AHEAD_MAX);
     let (appended_sender, appended) = mpsc::channel(APPENDED_AHEAD_MAX);
     // Each stage ends when the one before it ends (its sender is dropped) or the one after it
@@ -148,9 +157,25 @@ async fn consume(
             (pool, appender, settings),
             shutdown
         ),
-        settle_batches(context, names, appended),
+        settle_batches(context, names, appended, dead_letter_max),
     );
     settling.and(fetching)
+}
+
+/// The largest message the dead-letter stream and the server take, headers included: the
+/// stream's `max_msg_size` (when it has one) and the server's `max_payload`.
+async fn dead_letter_bytes_max(
+    context: &jetstream::Context,
+    names: &Names,
+) -> anyhow::Result<usize> {
+    let stream = context.get_stream(names.dlq_stream()).await?;
+    let server = context.client().max_payload();
+    Ok(
+        match usize::try_from(stream.cached_info().config.max_message_size) {
+            Ok(stream_max) if stream_max > 0 => stream_max.min(server),
+            _ => server,
+        },
+    )
 }
 
 async fn ingest_consumer(
@@ -305,12 +330,13 @@ async fn settle_batches(
     context: &jetstream::Context,
     names: &Names,
     mut appended: mpsc::Receiver<Appending>,
+    dead_letter_max: usize,
 ) -> anyhow::Result<()> {
     while let Some(appending) = appended.recv().await {
         // Not timed: a batch of large messages is several group commits, seconds of them.
         let (messages, verdicts) = appending.verdicts().await;
         let started = Instant::now();
-        settle(context, names, &messages, verdicts).await?;
+        settle(context, names, &messages, verdicts, dead_letter_max).await?;
         slow_step("settling a batch", started, 0, messages.len());
     }
     Ok(())
@@ -535,6 +561,7 @@ async fn settle(
     names: &Names,
     messages: &[Message],
     verdicts: Vec<Verdict>,
+    bytes_max: usize,
 ) -> anyhow::Result<()> {
     // Every copy on the dead-letter stream is confirmed before its message is acknowledged;
     // they are published together, so the batch waits for one round trip, not one each.
@@ -549,7 +576,13 @@ async fn settle(
             else {
                 return None;
             };
-            Some(dead_letter(context, names, message, code, text))
+            Some(dead_letter(
+                context,
+                names,
+                message,
+                (code, text),
+                bytes_max,
+            ))
         });
     futures::future::try_join_all(dead_letters).await?;
     let (mut stored, mut dead_lettered) = (0, 0);
@@ -599,12 +632,98 @@ fn header_text(text: &str) -> String {
     flat.chars().take(ERROR_HEADER_LENGTH_MAX).collect()
 }
 
+/// What a dead letter is made of: the message's headers and payload, with the reasons added.
+struct DeadLetter {
+    headers: HeaderMap,
+    payload: bytes::Bytes,
+}
+
+impl DeadLetter {
+    /// The copy of a message that could never be appended. Its JetStream control headers
+    /// (`Nats-*`: an expected stream or last sequence, a message id) are kept renamed
+    /// `Tally-Original-Nats-*`, or the dead-letter stream would act on them and refuse it;
+    /// the payload is cut to what fits in `bytes_max` beside the headers, and
+    /// [`PAYLOAD_TRUNCATED_HEADER`] then gives its length. A producer's message of up to the
+    /// ingest stream's limit thus always makes a dead letter the dead-letter stream takes.
+    fn of(message: &Message, reason: (&str, &str), bytes_max: usize) -> DeadLetter {
+        let mut headers = HeaderMap::new();
+        for (name, value) in message_headers(message) {
+            let value = String::from_utf8_lossy(value);
+            match name.get(..JETSTREAM_HEADER_PREFIX.len()) {
+                Some(prefix) if prefix.eq_ignore_ascii_case(JETSTREAM_HEADER_PREFIX) => {
+                    headers.append(format!("{RENAMED_HEADER_PREFIX}{name}"), value.as_ref())
+                }
+                _ => headers.append(name, value.as_ref()),
+            }
+        }
+        add_reasons(&mut headers, message, reason);
+        let payload = message.payload.clone();
+        // The header that says the payload was cut is counted whether or not it is added.
+        let room = bytes_max
+            .saturating_sub(headers_size(&headers))
+            .saturating_sub(PAYLOAD_TRUNCATED_HEADER.len() + 24);
+        if payload.len() <= room {
+            return DeadLetter { headers, payload };
+        }
+        headers.insert(PAYLOAD_TRUNCATED_HEADER, payload.len().to_string().as_str());
+        DeadLetter {
+            headers,
+            payload: payload.slice(..room),
+        }
+    }
+
+    /// The same dead letter with none of the message's own headers and no payload: what is
+    /// published when the dead-letter stream refuses the full copy for a reason this
+    /// instance did not foresee (a stream whose limit was lowered since it was read), so
+    /// that one message can never stop the consumer.
+    fn bare(message: &Message, reason: (&str, &str)) -> DeadLetter {
+        let mut headers = HeaderMap::new();
+        add_reasons(&mut headers, message, reason);
+        headers.insert(
+            PAYLOAD_TRUNCATED_HEADER,
+            message.payload.len().to_string().as_str(),
+        );
+        DeadLetter {
+            headers,
+            payload: bytes::Bytes::new(),
+        }
+    }
+}
+
+/// Adds why `message` was dead-lettered, where it came from, and the id that makes a
+/// redelivered message's dead letter a duplicate.
+fn add_reasons(headers: &mut HeaderMap, message: &Message, (code, text): (&str, &str)) {
+    headers.insert(ERROR_CODE_HEADER, code);
+    headers.insert(ERROR_HEADER, header_text(text).as_str());
+    headers.insert(ORIGINAL_SUBJECT_HEADER, message.subject.as_str());
+    // A redelivered message (its ack was lost) must not be dead-lettered twice.
+    let sequence = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+    headers.insert("Nats-Msg-Id", format!("ingest-{sequence}").as_str());
+}
+
+/// The bytes `headers` take on the wire: the version line, a line per value, the blank line.
+fn headers_size(headers: &HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(|value| name.len() + value.as_str().len() + 4)
+                .sum::<usize>()
+        })
+        .sum();
+    "NATS/1.0\r\n".len() + lines + 2
+}
+
+/// Publishes the dead letter of `message` and waits for the dead-letter stream to confirm
+/// it; refused as it is, it is published bare ([`DeadLetter::bare`]).
 async fn dead_letter(
     context: &jetstream::Context,
     names: &Names,
     message: &Message,
-    code: &str,
-    text: &str,
+    reason: (&str, &str),
+    bytes_max: usize,
 ) -> anyhow::Result<()> {
     let suffix = message
         .subject
@@ -612,22 +731,29 @@ async fn dead_letter(
         .strip_prefix(&names.ingest_prefix())
         .unwrap_or("unknown");
     let subject = format!("{}{suffix}", names.dlq_prefix());
-    let mut headers = HeaderMap::new();
-    if let Some(original) = &message.headers {
-        for (name, values) in original.iter() {
-            for value in values {
-                headers.append(name.clone(), value.clone());
-            }
+    let letter = DeadLetter::of(message, reason, bytes_max);
+    let published = async {
+        context
+            .publish_with_headers(subject.clone(), letter.headers, letter.payload)
+            .await?
+            .await
+    };
+    match published.await {
+        Ok(_) => return Ok(()),
+        // The stream or the server refused this copy: another try would be refused again.
+        Err(error)
+            if matches!(
+                error.kind(),
+                PublishErrorKind::Other | PublishErrorKind::MaxPayloadExceeded
+            ) =>
+        {
+            tracing::warn!(error = %error, subject = %message.subject, "dead letter refused; publishing it bare");
         }
+        Err(error) => return Err(error).context("cannot publish to the dead-letter stream"),
     }
-    headers.insert(ERROR_CODE_HEADER, code);
-    headers.insert(ERROR_HEADER, header_text(text).as_str());
-    headers.insert(ORIGINAL_SUBJECT_HEADER, message.subject.as_str());
-    // A redelivered message (its ack was lost) must not be dead-lettered twice.
-    let sequence = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-    headers.insert("Nats-Msg-Id", format!("ingest-{sequence}").as_str());
+    let bare = DeadLetter::bare(message, reason);
     context
-        .publish_with_headers(subject, headers, message.payload.clone())
+        .publish_with_headers(subject, bare.headers, bare.payload)
         .await?
         .await
         .context("cannot publish to the dead-letter stream")?;

@@ -158,6 +158,159 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
     app.stop().await;
 }
 
+/// Waits until every message published to ingest has been dealt with, and checks that none
+/// is still pending or was ever redelivered: a consumer that fails a batch leaves its
+/// messages pending and gets them again after the ack wait.
+async fn ingest_settled(js: &async_nats::jetstream::Context) {
+    eventually(10, "the ingest work queue is empty", || async {
+        stream_messages(js, "TALLY_INGEST").await == 0
+    })
+    .await;
+    let info = ingest_consumer_info(js).await;
+    assert_eq!(
+        (info.num_ack_pending, info.num_redelivered),
+        (0, 0),
+        "{info:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_with_jetstream_headers_or_of_the_largest_size_is_dead_lettered_and_ingest_goes_on(
+) {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    // A producer's expectation of the ingest stream would make the dead-letter stream refuse
+    // a copy that kept it.
+    publish_with(
+        &js,
+        "tally.ingest.hdr",
+        &[header("Nats-Expected-Stream", "TALLY_INGEST")],
+        b"not json".to_vec(),
+    )
+    .await;
+    // As large as the ingest stream takes: with the reasons added it would not fit whole.
+    let largest = vec![b'x'; 1 << 20];
+    js.publish("tally.ingest.big", largest.clone().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let event = valid_event("org_dlq", "ctr_1", 0);
+    js.publish("tally.ingest.ok", event.to_string().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    wait_for_ledger_count(&app.pool, 1).await;
+    eventually(10, "both are on the dead-letter stream", || async {
+        stream_messages(&js, "TALLY_DLQ").await == 2
+    })
+    .await;
+    let dlq = js.get_stream("TALLY_DLQ").await.unwrap();
+    let renamed = dlq.get_raw_message(1).await.unwrap();
+    assert_eq!(renamed.subject.as_str(), "tally.dlq.hdr");
+    assert_eq!(
+        renamed
+            .headers
+            .get("Tally-Original-Nats-Expected-Stream")
+            .map(|value| value.as_str()),
+        Some("TALLY_INGEST")
+    );
+    assert!(renamed.headers.get("Nats-Expected-Stream").is_none());
+    assert_eq!(&renamed.payload[..], b"not json");
+    let cut = dlq.get_raw_message(2).await.unwrap();
+    assert_eq!(cut.subject.as_str(), "tally.dlq.big");
+    assert_eq!(
+        cut.headers.get("Tally-Error-Code").unwrap().as_str(),
+        "malformed_json"
+    );
+    assert_eq!(
+        cut.headers.get("Tally-Payload-Truncated").unwrap().as_str(),
+        largest.len().to_string()
+    );
+    assert!(
+        cut.payload.len() < largest.len() && cut.payload.len() > largest.len() - 4096,
+        "{} bytes kept",
+        cut.payload.len()
+    );
+    assert!(largest.starts_with(&cut.payload));
+    ingest_settled(&js).await;
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_the_dead_letter_stream_refuses_is_published_without_the_message_and_ingest_goes_on(
+) {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    // Once an event is stored the consumer is running, with the dead-letter stream's limit
+    // read; an operator then lowers the limit under it.
+    js.publish(
+        "tally.ingest.ok",
+        valid_event("org_dlq", "ctr_1", 0).to_string().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    wait_for_ledger_count(&app.pool, 1).await;
+    let mut config = js
+        .get_stream("TALLY_DLQ")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    config.max_message_size = 4096;
+    js.update_stream(config).await.unwrap();
+
+    let bad = vec![b'x'; 10_000];
+    js.publish("tally.ingest.big", bad.clone().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    js.publish(
+        "tally.ingest.ok",
+        valid_event("org_dlq", "ctr_1", 1).to_string().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    wait_for_ledger_count(&app.pool, 2).await;
+    eventually(10, "the bare dead letter is stored", || async {
+        stream_messages(&js, "TALLY_DLQ").await == 1
+    })
+    .await;
+    let bare = js
+        .get_stream("TALLY_DLQ")
+        .await
+        .unwrap()
+        .get_raw_message(1)
+        .await
+        .unwrap();
+    assert_eq!(
+        bare.headers.get("Tally-Error-Code").unwrap().as_str(),
+        "malformed_json"
+    );
+    assert_eq!(
+        bare.headers
+            .get("Tally-Payload-Truncated")
+            .unwrap()
+            .as_str(),
+        "10000"
+    );
+    assert!(bare.payload.is_empty());
+    ingest_settled(&js).await;
+    app.stop().await;
+}
+
 /// Publishes `payload` to `subject` with `headers` (names as given) and waits for the ack.
 async fn publish_with(
     js: &async_nats::jetstream::Context,
