@@ -143,6 +143,13 @@ impl EventId {
     pub fn as_uuid(&self) -> Uuid {
         self.0
     }
+
+    /// Whether the id is name-based (UUID version 5): what a CloudEvent's ledger id is
+    /// (`cloudevent::ledger_id`), and what anyone who knows an org, a source and an id can
+    /// compute.
+    pub fn is_name_based(&self) -> bool {
+        self.0.get_version_num() == 5
+    }
 }
 
 impl fmt::Display for EventId {

@@ -250,8 +250,31 @@ impl Principal {
         for (index, event) in events.iter().enumerate() {
             self.check_org(event.org_id.as_str())?;
             self.check_account_event(index, event.event_type)?;
+            self.check_native_id(index, event)?;
         }
         Ok(())
+    }
+
+    /// 403 when a bound token sends a native event with a name-based (version 5) id. A
+    /// CloudEvent's ledger id is the version 5 UUID of its org, source and id, which any org
+    /// can compute: stored first as another org's native event, it would make that
+    /// CloudEvent a 409 for ever (decision 0044). A bound token's own CloudEvents are scoped
+    /// to its org and cannot collide.
+    fn check_native_id(&self, index: usize, event: &Event) -> Result<(), ApiError> {
+        if self.org_id.is_none() || event.origin.is_some() || !event.id.is_name_based() {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::OrgBoundToken,
+            format!(
+                "event {index}: id {} is name-based (UUID version 5), the kind of id CloudEvents \
+                 are stored under, which a token bound to an org may not give a native event; \
+                 use a random (version 4) or time-ordered (version 7) id, or send a CloudEvent; \
+                 nothing was stored",
+                event.id
+            ),
+        ))
     }
 
     /// 403 when a bound token sends an account event (`org.*`), the `index`th of its

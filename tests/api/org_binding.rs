@@ -618,6 +618,63 @@ async fn a_token_bound_to_one_org_gets_403_or_only_its_orgs_rows_on_every_route(
 }
 
 #[tokio::test]
+async fn a_bound_token_cannot_take_another_orgs_cloudevent_id_with_a_native_event() {
+    let app = TestApp::spawn().await;
+    let bound = app.with_token(
+        &create_token(&app, json!({"scopes": ["events:write"], "org_id": ORG_A})).await,
+    );
+    // The id org_b's provider will give its CloudEvent: anyone can compute it.
+    let (source, id) = ("/providers/acme", "ctr_b-stopped");
+    let taken = tally::event::cloudevent::cloudevent_ledger_id(ORG_B, source, id);
+    let created = |id: String| {
+        json!({"id": id, "type": "container.created", "org_id": ORG_A, "container_id": "ca_1",
+               "occurred_at": Utc::now().to_rfc3339()})
+    };
+    let (status, body) = bound.post_events(&created(taken.to_string())).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (403, Some("org_bound_token")),
+        "{body}"
+    );
+    // Any name-based id, not only one a CloudEvent has: the token cannot tell them apart.
+    let own_v5 = Uuid::new_v5(&Uuid::NAMESPACE_URL, b"https://example.com/a");
+    let (status, body) = bound.post_events(&created(own_v5.to_string())).await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(app.ledger_count().await, 0);
+
+    // Random ids and the bound org's own CloudEvents are stored as before.
+    let (status, body) = bound
+        .post_events(&created(Uuid::new_v4().to_string()))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let cloudevent = |org: &str| {
+        json!({"specversion": "1.0", "id": id, "source": source, "type": "container.stopped",
+               "time": Utc::now().to_rfc3339(), "subject": format!("{org}-c"), "orgid": org})
+    };
+    let (status, body) = bound
+        .post_raw(
+            "application/cloudevents+json",
+            cloudevent(ORG_A).to_string().into_bytes(),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    // org_b's CloudEvent takes its id, and an unbound producer may still use name-based
+    // ids for native events.
+    let (status, body) = app
+        .post_raw(
+            "application/cloudevents+json",
+            cloudevent(ORG_B).to_string().into_bytes(),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["results"][0]["id"], json!(taken.to_string()));
+    let (status, body) = app.post_events(&created(own_v5.to_string())).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(app.ledger_count().await, 4);
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn the_bearer_scheme_is_accepted_in_any_case() {
     let app = TestApp::spawn().await;
     for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
