@@ -168,6 +168,7 @@ impl Service {
                 crate::http::usage::day_reads_max(config.db_pool_max),
             )),
             corrections: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+            plan_definitions: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             finance_batch_orgs: i64::from(config.finance_batch_orgs),
             read_wait: Duration::from_millis(config.read_wait_ms),
             clock: config.clock,

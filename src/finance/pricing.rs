@@ -67,7 +67,7 @@ pub struct Figures {
 
 impl Figures {
     pub fn from_priced(org_id: String, period: Period, priced: &PricedUsage) -> Figures {
-        let currency = priced.plan.currency.clone();
+        let currency = priced.currency.clone();
         Figures {
             org_id,
             plan: priced.plan.id.as_str().to_owned(),

@@ -4,7 +4,7 @@
 //! changed in place: the projections take a voided event back as if it had never been
 //! stored, and both events stay in the ledger and its chain.
 //!
-//! Corrections are stored one at a time across every instance (a [`Turn`]), each checked
+//! Corrections are stored one at a time across every instance (in turn: [`super::turn`]), each checked
 //! against the ledger under that turn: a void of an event already voided is 409 however
 //! many are sent at once, and added events sent again store nothing, no second record
 //! either, and answer with the record that added them.
@@ -27,6 +27,7 @@ use super::auth::Principal;
 use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::events::{EventInput, EventResult};
+use super::turn::{in_turn, Queue};
 use super::AppState;
 use crate::error_code::ErrorCode;
 use crate::event::parse::{parse_body, BodyKind};
@@ -40,76 +41,12 @@ const ADDED_BACKDATE_DAYS: i64 = 3_660;
 /// The advisory lock every instance's corrections take in turn.
 pub const CORRECTIONS_LOCK_KEY: i64 = 0x636f_7272_6563;
 
-/// A correction's turn: this instance's one permit, then the lock every instance's
-/// corrections take, held in a transaction of its own until the turn ends or is dropped
-/// (its rollback releases the lock). Each instance lets one correction wait for the lock, so
-/// corrections queued behind it hold no pool connection.
-struct Turn {
-    _permit: tokio::sync::OwnedSemaphorePermit,
-    lock: sqlx::Transaction<'static, sqlx::Postgres>,
-}
-
-impl Turn {
-    /// Waits for a turn, at most `TALLY_READ_WAIT_MS` for the permit and as long again for
-    /// the lock; past either, 503 `overloaded` with `Retry-After`.
-    async fn take(state: &AppState) -> Result<Turn, ApiError> {
-        let busy = || {
-            ApiError::unavailable(
-                ErrorCode::Overloaded,
-                "another correction is being stored; retry later",
-            )
-        };
-        let permit = state.corrections.clone().acquire_owned();
-        let Ok(Ok(permit)) = tokio::time::timeout(state.read_wait, permit).await else {
-            return Err(busy());
-        };
-        let mut lock = state.pool.begin().await?;
-        let wait_ms = state.read_wait.as_millis();
-        sqlx::query(&format!("SET LOCAL lock_timeout = '{wait_ms}ms'"))
-            .execute(&mut *lock)
-            .await?;
-        let locked = sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(CORRECTIONS_LOCK_KEY)
-            .execute(&mut *lock)
-            .await;
-        match locked {
-            Ok(_) => Ok(Turn {
-                _permit: permit,
-                lock,
-            }),
-            // lock_not_available: lock_timeout ran out.
-            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("55P03") => {
-                Err(busy())
-            }
-            Err(error) => Err(error.into()),
-        }
-    }
-
-    /// Ends the turn at once rather than when the connection next goes back to the pool.
-    async fn end(self) {
-        if let Err(error) = self.lock.rollback().await {
-            tracing::warn!(%error, "a correction's turn did not end cleanly; its connection drops it");
-        }
-    }
-}
-
-/// Runs `work` (a correction's check and append) in a turn, on a task of its own: the turn
-/// lasts until `work` has answered even when the request is dropped first (its timeout, a
-/// client gone), so no other correction checks the ledger while `work`'s append may still
-/// be stored.
-async fn in_turn<T, F>(state: &AppState, work: F) -> Result<T, ApiError>
-where
-    F: std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
-    T: Send + 'static,
-{
-    let turn = Turn::take(state).await?;
-    let task = tokio::spawn(async move {
-        let done = work.await;
-        turn.end().await;
-        done
-    });
-    task.await.map_err(|error| ApiError::internal(&error))?
-}
+/// Corrections wait for this instance's permit, then for the lock every instance's take.
+const TURNS: Queue = Queue {
+    lock_key: CORRECTIONS_LOCK_KEY,
+    busy: "another correction is being stored; retry later",
+    permit: |state| &state.corrections,
+};
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -181,7 +118,7 @@ pub async fn post_void(
         })?;
     let reason = reason(&body.reason)?;
     let by = principal.id.clone();
-    let void = in_turn(&state, void(state.clone(), event_id, reason, by)).await?;
+    let void = in_turn(&state, TURNS, void(state.clone(), event_id, reason, by)).await?;
     tracing::info!(voided = %event_id, by = %principal.id, "event voided");
     Ok((StatusCode::CREATED, Json(void)))
 }
@@ -331,7 +268,7 @@ pub async fn post_events(
         ));
     }
     let by = principal.id.clone();
-    let (status, added) = in_turn(&state, add(state.clone(), events, reason, by)).await?;
+    let (status, added) = in_turn(&state, TURNS, add(state.clone(), events, reason, by)).await?;
     tracing::info!(count = added.results.len(), created = status == StatusCode::CREATED, by = %principal.id, "events added by correction");
     Ok((status, Json(added)))
 }

@@ -25,6 +25,7 @@ pub mod replica;
 pub mod reports;
 pub mod status;
 pub mod tokens;
+mod turn;
 pub mod usage;
 
 pub mod server;
@@ -85,6 +86,8 @@ pub struct Inner {
     /// The correction being stored by this instance: one at a time, so that at most one
     /// connection per instance waits for the corrections' lock ([`corrections`]).
     pub corrections: Arc<tokio::sync::Semaphore>,
+    /// The plan definition being stored by this instance, likewise ([`plans`]).
+    pub plan_definitions: Arc<tokio::sync::Semaphore>,
     /// Orgs per batch of a period close or usage export.
     pub finance_batch_orgs: i64,
     /// How long a read of derived figures waits for the projection (`TALLY_READ_WAIT_MS`).

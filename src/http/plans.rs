@@ -16,6 +16,7 @@ use utoipa_axum::routes;
 
 use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
+use super::turn::{in_turn, Queue};
 use super::AppState;
 use crate::billing::overage::is_currency;
 use crate::billing::Plan;
@@ -286,9 +287,46 @@ pub async fn put_plan(
             ),
         )]));
     }
+    let (status, stored) = in_turn(&state, TURNS, define(state.clone(), id, plan)).await?;
+    Ok((status, Json(stored)))
+}
+
+/// Plan definitions wait for this instance's permit, then for the lock every instance's
+/// take: each is checked against the plans stored before it.
+const TURNS: Queue = Queue {
+    lock_key: PLANS_LOCK_KEY,
+    busy: "another plan definition is being stored; retry later",
+    permit: |state| &state.plan_definitions,
+};
+
+/// The advisory lock every instance's plan definitions take in turn.
+pub const PLANS_LOCK_KEY: i64 = 0x0070_6c61_6e73;
+
+/// Stores `plan` as the next version of `id`, in turn: the same definition again changes
+/// nothing (200); a plan that prices overage must be in the currency every other such
+/// plan is in.
+async fn define(
+    state: AppState,
+    id: PlanId,
+    plan: Plan,
+) -> Result<(StatusCode, StoredPlanResponse), ApiError> {
     let versions = plans::versions(&state.pool, &id).await?;
     if let Some(current) = versions.last().filter(|current| current.plan == plan) {
-        return Ok((StatusCode::OK, Json(StoredPlanResponse::from(current))));
+        return Ok((StatusCode::OK, StoredPlanResponse::from(current)));
+    }
+    if !plan.overage_price_per_hour.is_zero() {
+        if let Some((currency, priced)) = plans::billing_currency(&state.pool).await? {
+            if currency != plan.currency {
+                return Err(invalid_plan(&[EventError::new(
+                    ErrorCode::CurrencyMismatch,
+                    format!(
+                        "currency: plans that price overage are in {currency} (plan {priced} \
+                         first), and every figure is in one currency; {} would mix them",
+                        plan.currency
+                    ),
+                )]));
+            }
+        }
     }
     let event = Event {
         id: EventId::from_uuid(uuid::Uuid::now_v7()).expect("a v7 UUID is not nil"),
@@ -311,5 +349,5 @@ pub async fn put_plan(
             ))
         })?;
     tracing::info!(plan = %id, version = stored.version, "plan defined");
-    Ok((StatusCode::CREATED, Json(StoredPlanResponse::from(stored))))
+    Ok((StatusCode::CREATED, StoredPlanResponse::from(stored)))
 }

@@ -79,7 +79,8 @@ pub struct UsageResponse {
     /// export computes it: a decimal string.
     #[schema(example = "1.25")]
     overage_amount: String,
-    /// ISO 4217: the currency of that plan.
+    /// ISO 4217: the currency the overage was priced in (that of the plans in the window
+    /// that price overage), else of that plan.
     #[schema(example = "USD")]
     currency: String,
     /// With `window=day`: one entry per UTC day of the period that starts before `as_of`,
@@ -206,7 +207,7 @@ fn usage_response(
     days: Option<Vec<DayUsage>>,
 ) -> UsageResponse {
     let usage = priced.usage;
-    let currency = priced.plan.currency.clone();
+    let currency = priced.currency.clone();
     let digits = minor_unit_digits(&currency) as usize;
     let overage_amount = format!(
         "{:.digits$}",

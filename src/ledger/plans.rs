@@ -63,6 +63,22 @@ pub async fn current(executor: impl PgExecutor<'_>) -> Result<Vec<PlanVersion>, 
     Ok(versions)
 }
 
+/// The currency plans price overage in: that of the first stored version with an
+/// overage price other than zero, with that version's plan id; `None` while no version
+/// prices overage. Every such version shares it (`PUT /v1/plans` refuses another,
+/// decision 0045), versions stored before that rule aside.
+pub async fn billing_currency(
+    executor: impl PgExecutor<'_>,
+) -> sqlx::Result<Option<(String, String)>> {
+    sqlx::query_as(
+        "SELECT data->>'currency', data->>'id' FROM ledger \
+         WHERE type = 'plan.defined' AND (data->>'overage_price_per_hour')::NUMERIC <> 0 \
+         ORDER BY position LIMIT 1",
+    )
+    .fetch_optional(executor)
+    .await
+}
+
 /// Every version of one plan, oldest first (`free` starts with its built-in version).
 pub async fn versions(
     executor: impl PgExecutor<'_>,

@@ -227,6 +227,9 @@ pub struct PricedUsage {
     /// The plan in effect at the last instant of the window (at the period's start when
     /// `as_of` is before it).
     pub plan: Plan,
+    /// The currency of the overage amount: that of the plans in the window that price
+    /// overage (they share one, decision 0045), else of `plan`.
+    pub currency: String,
 }
 
 /// [`usage`] plus overage: the allowance is consumed in time order across the org's
@@ -341,9 +344,19 @@ pub async fn price(
             overage::overage(&intervals, &segments, window)
         }
     };
+    // A plan that prices nothing (such as `free`) says nothing of the amount's currency.
+    let currency = segments
+        .iter()
+        .rev()
+        .map(|segment| &segment.plan)
+        .find(|priced| !priced.overage_price_per_hour.is_zero())
+        .unwrap_or(&plan)
+        .currency
+        .clone();
     Ok(PricedUsage {
         usage,
         overage,
         plan,
+        currency,
     })
 }

@@ -154,3 +154,112 @@ async fn bad_plans_and_references_to_unknown_plans_are_refused_and_store_nothing
     assert_eq!(status, 200, "free always exists");
     app.stop().await;
 }
+
+fn priced(currency: &str, price: &str) -> Value {
+    let mut plan = pro_plan();
+    plan["currency"] = json!(currency);
+    plan["overage_price_per_hour"] = json!(price);
+    plan
+}
+
+async fn plan_versions_stored(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE type = 'plan.defined'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn plans_that_price_overage_share_one_currency_and_one_in_another_is_refused() {
+    let app = TestApp::spawn().await;
+    assert_eq!(app.put_plan("pro", &priced("USD", "0.12")).await.0, 201);
+    for (id, body) in [
+        ("team", priced("EUR", "0.10")),
+        // A new version of a plan is held to the same rule.
+        ("pro", priced("JPY", "1")),
+    ] {
+        let (status, error) = app.put_plan(id, &body).await;
+        assert_eq!(status, 422, "{body}: {error}");
+        assert_eq!(error["error"]["code"], "invalid_plan");
+        assert_eq!(error["error"]["details"][0]["code"], "currency_mismatch");
+    }
+    // A plan that prices nothing has no amount to mix, whatever its currency.
+    assert_eq!(app.put_plan("basic", &priced("EUR", "0")).await.0, 201);
+    assert_eq!(app.put_plan("team", &priced("USD", "0.10")).await.0, 201);
+    assert_eq!(plan_versions_stored(&app).await, 3);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn of_plans_in_two_currencies_defined_at_once_only_those_in_one_are_stored() {
+    let app = TestApp::spawn().await;
+    let puts = (0..12).map(|n| {
+        let currency = if n % 2 == 0 { "EUR" } else { "USD" };
+        let app = &app;
+        async move {
+            let (status, body) = app.put_plan(&format!("p{n}"), &priced(currency, "1")).await;
+            (status, currency, body)
+        }
+    });
+    let answers = futures::future::join_all(puts).await;
+    let stored: Vec<&str> = answers
+        .iter()
+        .filter(|(status, _, _)| *status == 201)
+        .map(|(_, currency, _)| *currency)
+        .collect();
+    assert_eq!(stored.len(), 6, "{answers:?}");
+    assert!(
+        stored.iter().all(|currency| *currency == stored[0]),
+        "{stored:?}"
+    );
+    for (status, _, body) in answers.iter().filter(|(status, _, _)| *status != 201) {
+        assert_eq!(*status, 422, "{body}");
+        assert_eq!(body["error"]["details"][0]["code"], "currency_mismatch");
+    }
+    let currencies: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT data->>'currency' FROM ledger WHERE type = 'plan.defined'",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(currencies, [stored[0]]);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn overage_is_labelled_with_the_currency_it_was_priced_in_when_the_org_ends_on_free() {
+    let app = TestApp::spawn().await;
+    let mut team = priced("EUR", "1.00");
+    team["included_runtime_seconds"] = json!(0);
+    team["overage"] = json!("bill");
+    assert_eq!(app.put_plan("team", &team).await.0, 201);
+    let event = |event_type: &str, seconds_ago: i64, data: Value| {
+        let mut event = json!({"id": uuid::Uuid::new_v4(), "type": event_type, "org_id": "eu",
+                               "occurred_at": app.ago(seconds_ago)});
+        if data.is_null() {
+            event["container_id"] = json!("c1");
+        } else {
+            event["data"] = data;
+        }
+        event
+    };
+    let events = [
+        event("org.plan_changed", 7200, json!({"plan": "team"})),
+        event("container.created", 7200, Value::Null),
+        event("container.stopped", 3600, Value::Null),
+        // On `free` (USD, nothing priced) at the end of the window.
+        event("org.plan_changed", 1800, json!({"plan": "free"})),
+    ];
+    let (status, body) = app.post_events(&json!({ "events": events })).await;
+    assert_eq!(status, 200, "{body}");
+    let period = app.now().format("%Y-%m").to_string();
+    let (status, usage) = app.get_usage("eu", &format!("period={period}")).await;
+    assert_eq!(status, 200, "{usage}");
+    assert_eq!(usage["plan"], "free");
+    assert_eq!(
+        (&usage["overage_amount"], &usage["currency"]),
+        (&json!("1.00"), &json!("EUR")),
+        "{usage}"
+    );
+    app.stop().await;
+}
