@@ -65,6 +65,12 @@ impl InstantError {
     }
 }
 
+/// Whether `instant` falls in the years an event's instant may have (0001 to 9999, UTC),
+/// which Postgres and every period can hold.
+pub fn in_event_years(instant: DateTime<Utc>) -> bool {
+    (YEAR_MIN..=YEAR_MAX).contains(&instant.year())
+}
+
 /// An RFC 3339 instant with an offset, in UTC, refusing what Postgres would not give back
 /// as it was sent: a leap second, and a year outside 0001–9999.
 pub fn parse_instant(value: &str) -> Result<DateTime<Utc>, InstantError> {
@@ -79,7 +85,7 @@ pub fn parse_instant(value: &str) -> Result<DateTime<Utc>, InstantError> {
         });
     }
     let instant = parsed.with_timezone(&Utc);
-    if !(YEAR_MIN..=YEAR_MAX).contains(&instant.year()) {
+    if !in_event_years(instant) {
         return Err(InstantError::YearOutOfRange {
             value: value.to_owned(),
         });

@@ -493,7 +493,9 @@ fn format_cursor(cursor: AnomalyCursor) -> String {
 fn parse_cursor(value: &str) -> Result<AnomalyCursor, ApiError> {
     let parsed = value.split_once('_').and_then(|(ms, position)| {
         Some(AnomalyCursor {
-            occurred_at: DateTime::from_timestamp_millis(ms.parse().ok()?)?,
+            // Only instants an anomaly can have: Postgres refuses some others.
+            occurred_at: DateTime::from_timestamp_millis(ms.parse().ok()?)
+                .filter(|at| storable::in_event_years(*at))?,
             position: position.parse().ok()?,
         })
     });

@@ -11,6 +11,8 @@ use chrono::{DateTime, Datelike, SubsecRound, TimeZone, Utc};
 /// The largest year a period may have: names have four-digit years, and a fifth digit
 /// would not parse back.
 const YEAR_MAX: i32 = 9999;
+/// The smallest year a period may have, as for an event's instant.
+const YEAR_MIN: i32 = 1;
 
 /// Whole milliseconds from `start` to `end`; every runtime figure is counted this way.
 pub(super) fn millis_between(start: DateTime<Utc>, end: DateTime<Utc>) -> i64 {
@@ -27,11 +29,11 @@ pub struct Period {
 
 /// A period name that is not `YYYY-MM`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?} is not a period: expected YYYY-MM with a month from 01 to 12")]
+#[error("{0:?} is not a period: expected YYYY-MM, a year from 0001 and a month from 01 to 12")]
 pub struct PeriodError(String);
 
 impl Period {
-    /// Accepts exactly `YYYY-MM` (four-digit year, two-digit month 01–12), so that one
+    /// Accepts exactly `YYYY-MM` (four-digit year 0001–9999, two-digit month 01–12), so that one
     /// period has one spelling in URLs, exports and tables.
     pub fn parse(value: &str) -> Result<Period, PeriodError> {
         let error = || PeriodError(value.to_owned());
@@ -44,7 +46,9 @@ impl Period {
         }
         let year: i32 = value[..4].parse().map_err(|_| error())?;
         let month: u32 = value[5..].parse().map_err(|_| error())?;
-        if !(1..=12).contains(&month) {
+        // Year 0000 holds no event (their instants are years 0001 to 9999): a period of it
+        // would only be a typo, and one that a close would keep.
+        if year < YEAR_MIN || !(1..=12).contains(&month) {
             return Err(error());
         }
         Ok(Period { year, month })
@@ -167,8 +171,8 @@ mod tests {
     }
 
     #[test]
-    fn a_period_is_four_digits_a_hyphen_and_a_month_from_01_to_12() {
-        for valid in ["2026-01", "2026-12", "0000-01", "9999-12"] {
+    fn a_period_is_four_digits_from_0001_a_hyphen_and_a_month_from_01_to_12() {
+        for valid in ["2026-01", "2026-12", "0001-01", "9999-12"] {
             assert_eq!(Period::parse(valid).unwrap().to_string(), valid);
         }
         let invalid = [
@@ -187,6 +191,7 @@ mod tests {
             "-026-01",
             "2026-1a",
             "２０26-01",
+            "0000-01",
         ];
         for value in invalid {
             assert_eq!(

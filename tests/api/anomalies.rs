@@ -178,6 +178,11 @@ async fn a_container_with_many_anomalies_is_read_a_page_at_a_time_in_their_order
         ("anomalies_limit=ten", "invalid_anomalies_limit"),
         ("anomalies_after=yesterday", "invalid_anomalies_after"),
         ("anomalies_after=1_x", "invalid_anomalies_after"),
+        // An instant chrono holds and Postgres does not.
+        (
+            "anomalies_after=-8000000000000000_1",
+            "invalid_anomalies_after",
+        ),
     ] {
         let (status, body) = app.get_container("ctr_lost", query).await;
         assert_eq!(status, 422, "{query}: {body}");

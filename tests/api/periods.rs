@@ -53,6 +53,13 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         (status, running["error"]["code"].as_str()),
         (409, Some("period_running"))
     );
+    // Year 0000 holds no event: a close of it would be a typo kept for ever.
+    let (status, _, typo) = app.close_period("0000-01").await;
+    assert_eq!(
+        (status, typo["error"]["code"].as_str()),
+        (422, Some("invalid_period")),
+        "{typo}"
+    );
 
     // Late: another two hours in the closed period.
     let late = run("c2", 3, 1);

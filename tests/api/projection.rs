@@ -527,6 +527,7 @@ async fn usage_of_an_unknown_org_is_zero_and_bad_parameters_are_refused_with_422
         ("/v1/orgs/acme/usage", 422, "invalid_period"),
         ("/v1/orgs/acme/usage?period=2026-13", 422, "invalid_period"),
         ("/v1/orgs/acme/usage?period=2026-1", 422, "invalid_period"),
+        ("/v1/orgs/acme/usage?period=0000-01", 422, "invalid_period"),
         (
             "/v1/orgs/acme/usage?period=2026-11&as_of=yesterday",
             422,
