@@ -9,7 +9,6 @@
 pub mod reader;
 
 use std::collections::HashMap;
-use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -244,6 +243,13 @@ struct Cells<'a> {
     line: u64,
 }
 
+/// The `Tags` key tally reads, read by a struct so that serde refuses it given twice.
+#[derive(serde::Deserialize)]
+struct OrgTag {
+    #[serde(rename = "org_id")]
+    _org_id: Option<serde::de::IgnoredAny>,
+}
+
 impl<'a> Cells<'a> {
     fn error(&self, column: &str, code: ErrorCode, message: impl Into<String>) -> ReportError {
         ReportError::new(self.line, Some(column), code, message)
@@ -329,7 +335,8 @@ impl<'a> Cells<'a> {
             .bytes()
             .all(|b| b.is_ascii_digit() || b == b'.' || b == b'-');
         plain
-            .then(|| Decimal::from_str(value).ok())
+            // Exact: a number with more digits than a decimal holds is refused, not rounded.
+            .then(|| Decimal::from_str_exact(value).ok())
             .flatten()
             .ok_or_else(|| {
                 self.error(
@@ -377,10 +384,15 @@ impl<'a> Cells<'a> {
         let Some(tags) = self.field("Tags") else {
             return Ok(None);
         };
-        let Ok(Value::Object(tags)) = serde_json::from_str::<Value>(tags) else {
+        let Ok(Value::Object(object)) = serde_json::from_str::<Value>(tags) else {
             return Err(self.error("Tags", ErrorCode::InvalidTags, "Tags must be a JSON object"));
         };
-        match tags.get("org_id") {
+        // A map keeps the last of two `org_id`s; which org the line is of must not hang on
+        // that.
+        if let Err(error) = serde_json::from_str::<OrgTag>(tags) {
+            return Err(self.error("Tags", ErrorCode::InvalidTags, error.to_string()));
+        }
+        match object.get("org_id") {
             None => Ok(None),
             Some(Value::String(org)) => OrgId::parse_unreserved(org)
                 .map(|org| Some(org.as_str().to_owned()))
@@ -477,6 +489,10 @@ mod tests {
             error_of(&reserved),
             (2, Some("Tags".into()), "invalid_tags")
         );
+        let twice = report(&[
+            r#"Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,"{""org_id"":""acme"",""team"":""x"",""org_id"":""beta""}",y"#,
+        ]);
+        assert_eq!(error_of(&twice), (2, Some("Tags".into()), "invalid_tags"));
     }
 
     #[test]
@@ -515,6 +531,15 @@ mod tests {
             report(&["Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,1e3,USD,,"]);
         assert_eq!(
             error_of(&float_cost),
+            (2, Some("BilledCost".into()), "invalid_number")
+        );
+        // Thirty significant digits: rounded to fit a decimal, the cost would not be the
+        // report's.
+        let too_precise = report(&[
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,0.123456789012345678901234567891,USD,,",
+        ]);
+        assert_eq!(
+            error_of(&too_precise),
             (2, Some("BilledCost".into()), "invalid_number")
         );
         let huge_cost = report(&[

@@ -1,8 +1,6 @@
 //! Reconciliations (contract §5, §6): `POST /v1/reconciliations` runs one;
 //! `GET /v1/reconciliations/{id}/lines.csv` streams its lines (`?format=json` for JSON).
 
-use std::str::FromStr;
-
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
@@ -382,7 +380,8 @@ fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
             Value::String(text) => text.clone(),
             _ => String::new(),
         };
-        tolerance.ratio = Decimal::from_str(&text)
+        // Exact: just over 1 in more digits than a decimal holds is refused, not rounded to 1.
+        tolerance.ratio = Decimal::from_str_exact(&text)
             .ok()
             .filter(|ratio| *ratio >= Decimal::ZERO && *ratio <= Decimal::ONE)
             .ok_or_else(|| {

@@ -148,6 +148,11 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "invalid_tolerance",
         ),
         (
+            json!({"report_id": report["report_id"], "tolerance_ratio": "1.0000000000000000000000000000000001"}),
+            422,
+            "invalid_tolerance",
+        ),
+        (
             json!({"report_id": report["report_id"], "tolerance_ms": -1}),
             422,
             "invalid_tolerance",
