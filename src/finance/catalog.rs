@@ -112,7 +112,7 @@ async fn listed_periods(
         month = previous(month);
     }
     for period in asked_periods(pool, limit as i64).await? {
-        let period = Period::parse(&period)
+        let period = Period::parse_stored(&period)
             .map_err(|error| Error::Corrupt(format!("a stored close's period: {error}")))?;
         wanted.insert(period);
     }

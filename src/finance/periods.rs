@@ -647,8 +647,8 @@ pub async fn closed_into(
     let closed_set: BTreeSet<&str> = closed.iter().map(|(name, _)| name.as_str()).collect();
     let mut into = Vec::new();
     for (name, position) in &closed {
-        let affected =
-            Period::parse(name).map_err(|e| Error::Corrupt(format!("period {name:?}: {e}")))?;
+        let affected = Period::parse_stored(name)
+            .map_err(|e| Error::Corrupt(format!("period {name:?}: {e}")))?;
         let mut next = affected.next();
         while closed_set.contains(next.to_string().as_str()) {
             next = next.next();

@@ -33,9 +33,19 @@ pub struct Period {
 pub struct PeriodError(String);
 
 impl Period {
-    /// Accepts exactly `YYYY-MM` (four-digit year 0001–9999, two-digit month 01–12), so that one
-    /// period has one spelling in URLs, exports and tables.
+    /// Accepts exactly `YYYY-MM` (four-digit year 0001–9999, two-digit month 01–12), so
+    /// that one period has one spelling in URLs, exports and tables.
     pub fn parse(value: &str) -> Result<Period, PeriodError> {
+        Period::parse_from_year(value, YEAR_MIN)
+    }
+
+    /// [`Period::parse`] of a period a close stored, year 0000 included: one could be closed
+    /// before periods began at 0001, and its close is kept for ever.
+    pub fn parse_stored(value: &str) -> Result<Period, PeriodError> {
+        Period::parse_from_year(value, 0)
+    }
+
+    fn parse_from_year(value: &str, year_min: i32) -> Result<Period, PeriodError> {
         let error = || PeriodError(value.to_owned());
         let bytes = value.as_bytes();
         let well_formed = bytes.len() == 7
@@ -48,7 +58,7 @@ impl Period {
         let month: u32 = value[5..].parse().map_err(|_| error())?;
         // Year 0000 holds no event (their instants are years 0001 to 9999): a period of it
         // would only be a typo, and one that a close would keep.
-        if year < YEAR_MIN || !(1..=12).contains(&month) {
+        if year < year_min || !(1..=12).contains(&month) {
             return Err(error());
         }
         Ok(Period { year, month })
@@ -193,6 +203,10 @@ mod tests {
             "２０26-01",
             "0000-01",
         ];
+        assert_eq!(
+            Period::parse_stored("0000-01").unwrap().to_string(),
+            "0000-01"
+        );
         for value in invalid {
             assert_eq!(
                 Period::parse(value),

@@ -6,6 +6,7 @@ use chrono::Duration;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tally::finance::pricing::USAGE_CSV_HEADER;
+use tally::runtime::Period;
 use uuid::Uuid;
 
 use crate::helpers::{projected_to_head, TestApp};
@@ -146,5 +147,23 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
     hold.rollback().await.unwrap();
     assert_eq!(app.get_period("2026-13").await.0, 422);
     assert_eq!(app.get_period(&current.to_string()).await.0, 404);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_close_of_year_0000_stored_before_periods_began_at_0001_is_still_read() {
+    let app = TestApp::spawn().await;
+    sqlx::query(
+        "INSERT INTO period_close (period, closed_at, closed_by, ledger_position, orgs, sha256) \
+         VALUES ('0000-01', now(), 'test', 0, 0, sha256(''::BYTEA))",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let (status, listed) = app.get_json("/v1/periods").await;
+    assert_eq!(status, 200, "{listed}");
+    let current = Period::containing(app.now());
+    let (status, csv) = app.get_usage_export(&format!("period={current}")).await;
+    assert_eq!(status, 200, "{csv}");
     app.stop().await;
 }
