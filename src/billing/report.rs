@@ -9,6 +9,7 @@
 pub mod reader;
 
 use std::collections::HashMap;
+use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -243,6 +244,23 @@ struct Cells<'a> {
     line: u64,
 }
 
+/// A decimal's text read exactly, at its own scale (`"3.00"` stays `3.00`). More
+/// significant digits than a decimal holds is `None`, where parsing would round; zeros at
+/// the end of the fraction are no such digits (`123456789012.000000000000000000`, as a
+/// `DECIMAL(38,18)` column writes it, is read at the largest scale a decimal holds).
+pub fn exact_decimal(text: &str) -> Option<Decimal> {
+    if let Ok(exact) = Decimal::from_str_exact(text) {
+        return Some(exact);
+    }
+    let rounded = Decimal::from_str(text).ok()?;
+    let significant = match text.split_once('.') {
+        Some((whole, fraction)) => format!("{whole}.{}0", fraction.trim_end_matches('0')),
+        None => text.to_owned(),
+    };
+    let value = Decimal::from_str_exact(&significant).ok()?;
+    (rounded == value).then_some(rounded)
+}
+
 /// The `Tags` key tally reads, read by a struct so that serde refuses it given twice.
 #[derive(serde::Deserialize)]
 struct OrgTag {
@@ -335,8 +353,7 @@ impl<'a> Cells<'a> {
             .bytes()
             .all(|b| b.is_ascii_digit() || b == b'.' || b == b'-');
         plain
-            // Exact: a number with more digits than a decimal holds is refused, not rounded.
-            .then(|| Decimal::from_str_exact(value).ok())
+            .then(|| exact_decimal(value))
             .flatten()
             .ok_or_else(|| {
                 self.error(
@@ -542,6 +559,12 @@ mod tests {
             error_of(&too_precise),
             (2, Some("BilledCost".into()), "invalid_number")
         );
+        // Trailing zeros are no precision: a DECIMAL(38,18) export's cost is read.
+        let zeros = report(&[
+            "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,123456789012.000000000000000000,USD,,",
+        ]);
+        let lines = parse_all(zeros.as_bytes()).unwrap();
+        assert_eq!(lines[0].report.billed_cost, "123456789012".parse().unwrap());
         let huge_cost = report(&[
             "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,1,Seconds,-1000000000000000.01,USD,,",
         ]);

@@ -50,10 +50,11 @@ pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
 /// On a dead letter whose payload was cut to fit the dead-letter stream: the length of the
 /// message's whole payload.
 pub const PAYLOAD_TRUNCATED_HEADER: &str = "Tally-Payload-Truncated";
-/// A producer's JetStream control headers (`Nats-Expected-Stream`, `Nats-Msg-Id`, ...) are
-/// kept on its dead letter under this prefix.
+/// A producer's JetStream control headers (`Nats-Expected-Stream`, `Nats-Msg-Id`, ...) and
+/// headers named like tally's (`Tally-*`) are kept on its dead letter under this prefix.
 pub const RENAMED_HEADER_PREFIX: &str = "Tally-Original-";
 const JETSTREAM_HEADER_PREFIX: &str = "Nats-";
+const TALLY_HEADER_PREFIX: &str = "Tally-";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
 pub const ACK_WAIT_SECONDS: u64 = 30;
 /// Unacknowledged messages the server lets this consumer hold, over all instances. Each
@@ -639,36 +640,40 @@ struct DeadLetter {
 }
 
 impl DeadLetter {
-    /// The copy of a message that could never be appended. Its JetStream control headers
-    /// (`Nats-*`: an expected stream or last sequence, a message id) are kept renamed
-    /// `Tally-Original-Nats-*`, or the dead-letter stream would act on them and refuse it;
-    /// the payload is cut to what fits in `bytes_max` beside the headers, and
-    /// [`PAYLOAD_TRUNCATED_HEADER`] then gives its length. A producer's message of up to the
-    /// ingest stream's limit thus always makes a dead letter the dead-letter stream takes.
+    /// The copy of a message that could never be appended. The producer's headers that a
+    /// server or tally gives meaning to (`Nats-*`: an expected stream or last sequence, a
+    /// message id; `Tally-*`: the reasons below) are kept renamed `Tally-Original-…`, or the
+    /// dead-letter stream would act on them and refuse the copy, or a reader would take
+    /// them for tally's. The payload is cut to what fits in `bytes_max` beside the headers,
+    /// and [`PAYLOAD_TRUNCATED_HEADER`] then gives its whole length. Only headers that alone
+    /// outgrow `bytes_max` (a producer's near the limit) leave a copy the stream refuses,
+    /// which is then published bare.
     fn of(message: &Message, reason: (&str, &str), bytes_max: usize) -> DeadLetter {
         let mut headers = HeaderMap::new();
         for (name, value) in message_headers(message) {
             let value = String::from_utf8_lossy(value);
-            match name.get(..JETSTREAM_HEADER_PREFIX.len()) {
-                Some(prefix) if prefix.eq_ignore_ascii_case(JETSTREAM_HEADER_PREFIX) => {
-                    headers.append(format!("{RENAMED_HEADER_PREFIX}{name}"), value.as_ref())
-                }
-                _ => headers.append(name, value.as_ref()),
+            let meaningful = [JETSTREAM_HEADER_PREFIX, TALLY_HEADER_PREFIX]
+                .iter()
+                .any(|prefix| {
+                    name.get(..prefix.len())
+                        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
+                });
+            if meaningful {
+                headers.append(format!("{RENAMED_HEADER_PREFIX}{name}"), value.as_ref());
+            } else {
+                headers.append(name, value.as_ref());
             }
         }
         add_reasons(&mut headers, message, reason);
         let payload = message.payload.clone();
-        // The header that says the payload was cut is counted whether or not it is added.
-        let room = bytes_max
-            .saturating_sub(headers_size(&headers))
-            .saturating_sub(PAYLOAD_TRUNCATED_HEADER.len() + 24);
-        if payload.len() <= room {
+        if headers_size(&headers) + payload.len() <= bytes_max {
             return DeadLetter { headers, payload };
         }
         headers.insert(PAYLOAD_TRUNCATED_HEADER, payload.len().to_string().as_str());
+        let room = bytes_max.saturating_sub(headers_size(&headers));
         DeadLetter {
             headers,
-            payload: payload.slice(..room),
+            payload: payload.slice(..room.min(payload.len())),
         }
     }
 
@@ -696,9 +701,23 @@ fn add_reasons(headers: &mut HeaderMap, message: &Message, (code, text): (&str, 
     headers.insert(ERROR_CODE_HEADER, code);
     headers.insert(ERROR_HEADER, header_text(text).as_str());
     headers.insert(ORIGINAL_SUBJECT_HEADER, message.subject.as_str());
-    // A redelivered message (its ack was lost) must not be dead-lettered twice.
-    let sequence = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-    headers.insert("Nats-Msg-Id", format!("ingest-{sequence}").as_str());
+    // A redelivered message (its ack was lost) must not be dead-lettered twice. Without its
+    // stream sequence there is no id that is its own: better twice than another's dropped.
+    if let Ok(info) = message.info() {
+        let id = format!("ingest-{}-{}", info.stream, info.stream_sequence);
+        headers.insert("Nats-Msg-Id", id.as_str());
+    }
+}
+
+/// Whether a publish was refused for its size, by the client (the server's `max_payload`)
+/// or by the stream (its `max_msg_size`).
+fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
+    error.kind() == PublishErrorKind::MaxPayloadExceeded
+        || std::error::Error::source(error)
+            .and_then(|source| source.downcast_ref::<jetstream::Error>())
+            .is_some_and(|refusal| {
+                refusal.error_code() == jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+            })
 }
 
 /// The bytes `headers` take on the wire: the version line, a line per value, the blank line.
@@ -740,13 +759,10 @@ async fn dead_letter(
     };
     match published.await {
         Ok(_) => return Ok(()),
-        // The stream or the server refused this copy: another try would be refused again.
-        Err(error)
-            if matches!(
-                error.kind(),
-                PublishErrorKind::Other | PublishErrorKind::MaxPayloadExceeded
-            ) =>
-        {
+        // Too large for the stream or the server: another try would be refused again. Any
+        // other failure (a leader election, a lost connection) may pass, and the message
+        // is redelivered whole.
+        Err(error) if too_large(&error) => {
             tracing::warn!(error = %error, subject = %message.subject, "dead letter refused; publishing it bare");
         }
         Err(error) => return Err(error).context("cannot publish to the dead-letter stream"),

@@ -114,8 +114,15 @@ impl Figures {
     }
 
     /// `self − before`, as an adjustment row: the same columns, figures as differences
-    /// (`included_ms` 0), `period` the affected period.
+    /// (`included_ms` 0), `period` the affected period. Its currency is that of whichever
+    /// side has an amount (amounts are in one currency, decision 0045): an org whose window
+    /// no longer prices anything is labelled with its end plan's, not the snapshot's.
     pub fn minus(&self, before: &Figures) -> Figures {
+        let currency = if self.overage_amount.is_zero() && !before.overage_amount.is_zero() {
+            &before.currency
+        } else {
+            &self.currency
+        };
         Figures {
             org_id: self.org_id.clone(),
             plan: self.plan.clone(),
@@ -124,7 +131,7 @@ impl Figures {
             included_ms: 0,
             overage_ms: self.overage_ms - before.overage_ms,
             overage_amount: self.overage_amount - before.overage_amount,
-            currency: self.currency.clone(),
+            currency: currency.clone(),
             commands: self.commands - before.commands,
             ports_published: self.ports_published - before.ports_published,
         }
@@ -314,4 +321,34 @@ async fn account_entries(
 /// A stored value that does not decode: `what` it is, with why not.
 fn corrupt<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> super::Error {
     move |error| super::Error::Corrupt(format!("{what}: {error}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(amount: &str, currency: &str) -> Figures {
+        Figures {
+            overage_amount: amount.parse().unwrap(),
+            ..Figures::empty("acme", Period::parse("2026-11").unwrap(), "team", currency)
+        }
+    }
+
+    #[test]
+    fn an_adjustment_is_in_the_currency_of_the_side_that_has_an_amount() {
+        // Moved back to `free` (USD, no price) from the period's start: the EUR snapshot's
+        // amount is taken back in EUR.
+        let taken_back = figures("0.00", "USD").minus(&figures("2.00", "EUR"));
+        assert_eq!(
+            (taken_back.overage_amount, taken_back.currency.as_str()),
+            ("-2.00".parse().unwrap(), "EUR")
+        );
+        let added = figures("3.00", "EUR").minus(&figures("0.00", "USD"));
+        assert_eq!(
+            (added.overage_amount, added.currency.as_str()),
+            ("3.00".parse().unwrap(), "EUR")
+        );
+        let moved = figures("3.00", "EUR").minus(&figures("2.00", "EUR"));
+        assert_eq!(moved.currency, "EUR");
+    }
 }

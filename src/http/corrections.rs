@@ -4,10 +4,10 @@
 //! changed in place: the projections take a voided event back as if it had never been
 //! stored, and both events stay in the ledger and its chain.
 //!
-//! Corrections are stored one at a time across every instance (in turn: [`super::turn`]), each checked
-//! against the ledger under that turn: a void of an event already voided is 409 however
-//! many are sent at once, and added events sent again store nothing, no second record
-//! either, and answer with the record that added them.
+//! Corrections are stored one at a time across every instance (in turn: [`super::turn`]),
+//! each checked against the ledger under that turn: a void of an event already voided is
+//! 409 however many are sent at once, and added events sent again store nothing, no second
+//! record either, and answer with the record that added them.
 
 use std::collections::HashSet;
 

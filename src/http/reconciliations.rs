@@ -26,6 +26,7 @@ use super::listing;
 use super::query::{wants_json, QueryParams, StrictQuery};
 use super::AppState;
 use crate::billing::reconcile::Tolerance;
+use crate::billing::report::exact_decimal;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::finance::catalog::{self, ReconciliationEntry};
@@ -374,15 +375,17 @@ fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
             })?;
     }
     if let Some(value) = &body.tolerance_ratio {
-        // A ratio, not money: a JSON number is read by its decimal text, never as a float.
-        let text = match value {
-            Value::Number(number) => number.to_string(),
-            Value::String(text) => text.clone(),
-            _ => String::new(),
+        // A ratio, not money. A JSON number has been read as a double by the time it is
+        // here: its shortest decimal text is what is read (`1e-7` included). A string is read
+        // exactly, so that one just over 1 in more digits than a decimal holds is refused.
+        let ratio = match value {
+            Value::Number(number) => Decimal::from_scientific(&number.to_string())
+                .or_else(|_| number.to_string().parse())
+                .ok(),
+            Value::String(text) => exact_decimal(text),
+            _ => None,
         };
-        // Exact: just over 1 in more digits than a decimal holds is refused, not rounded to 1.
-        tolerance.ratio = Decimal::from_str_exact(&text)
-            .ok()
+        tolerance.ratio = ratio
             .filter(|ratio| *ratio >= Decimal::ZERO && *ratio <= Decimal::ONE)
             .ok_or_else(|| {
                 ApiError::invalid(

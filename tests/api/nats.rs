@@ -185,7 +185,10 @@ async fn a_message_with_jetstream_headers_or_of_the_largest_size_is_dead_lettere
     publish_with(
         &js,
         "tally.ingest.hdr",
-        &[header("Nats-Expected-Stream", "TALLY_INGEST")],
+        &[
+            header("Nats-Expected-Stream", "TALLY_INGEST"),
+            header("Tally-Error-Code", "made_up"),
+        ],
         b"not json".to_vec(),
     )
     .await;
@@ -219,6 +222,20 @@ async fn a_message_with_jetstream_headers_or_of_the_largest_size_is_dead_lettere
         Some("TALLY_INGEST")
     );
     assert!(renamed.headers.get("Nats-Expected-Stream").is_none());
+    // A header named like tally's is the producer's, kept apart from tally's own.
+    assert_eq!(
+        (
+            renamed
+                .headers
+                .get("Tally-Original-Tally-Error-Code")
+                .map(|value| value.as_str()),
+            renamed
+                .headers
+                .get("Tally-Error-Code")
+                .map(|value| value.as_str()),
+        ),
+        (Some("made_up"), Some("malformed_json"))
+    );
     assert_eq!(&renamed.payload[..], b"not json");
     let cut = dlq.get_raw_message(2).await.unwrap();
     assert_eq!(cut.subject.as_str(), "tally.dlq.big");

@@ -197,8 +197,14 @@ async fn of_plans_in_two_currencies_defined_at_once_only_those_in_one_are_stored
         let currency = if n % 2 == 0 { "EUR" } else { "USD" };
         let app = &app;
         async move {
-            let (status, body) = app.put_plan(&format!("p{n}"), &priced(currency, "1")).await;
-            (status, currency, body)
+            // Twelve turns may outlast the read wait on a loaded machine: 503 is "retry".
+            loop {
+                let (status, body) = app.put_plan(&format!("p{n}"), &priced(currency, "1")).await;
+                if status != 503 {
+                    return (status, currency, body);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
         }
     });
     let answers = futures::future::join_all(puts).await;

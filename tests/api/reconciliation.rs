@@ -165,6 +165,22 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "{body}"
         );
     }
+    // Read as the decimals they are: a number a double prints with an exponent, and zeros
+    // past what a decimal holds (kept to the scale it holds).
+    for (ratio, stored) in [
+        (json!(1e-7), "0.0000001"),
+        (
+            json!("1.0000000000000000000000000000000000"),
+            "1.0000000000000000000000000000",
+        ),
+    ] {
+        let body = json!({"report_id": report["report_id"], "tolerance_ratio": ratio});
+        let (status, run) = app.post_reconciliation(&body).await;
+        assert_eq!(status, 201, "{body}: {run}");
+        let id = run["reconciliation_id"].as_str().unwrap();
+        let (_, summary) = app.get_json(&format!("/v1/reconciliations/{id}")).await;
+        assert_eq!(summary["tolerance_ratio"], stored, "{body}");
+    }
     app.stop().await;
 }
 
