@@ -106,12 +106,7 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
         .await
         .unwrap();
 
-    eventually(10, "both are on the dead-letter stream", || async {
-        stream_messages(&js, "TALLY_DLQ").await == 2
-    })
-    .await;
-    let dlq = js.get_stream("TALLY_DLQ").await.unwrap();
-    let first = dlq.get_raw_message(1).await.unwrap();
+    let [first, second] = <[_; 2]>::try_from(dead_letters(&js, 2).await).unwrap();
     assert_eq!(first.subject.as_str(), "tally.dlq.bad");
     assert_eq!(
         first.headers.get("Tally-Error-Code").unwrap().as_str(),
@@ -132,7 +127,6 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
         "tally.ingest.bad"
     );
     assert_eq!(&first.payload[..], b"{\"id\": ");
-    let second = dlq.get_raw_message(2).await.unwrap();
     assert_eq!(
         second.headers.get("Tally-Error-Code").unwrap().as_str(),
         "invalid_events"
@@ -156,6 +150,23 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 2);
     assert_eq!(app.ledger_count().await, 0);
     app.stop().await;
+}
+
+/// Waits until the dead-letter stream holds `count` messages and returns them in order.
+async fn dead_letters(
+    js: &async_nats::jetstream::Context,
+    count: u64,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    eventually(10, "the dead letters are stored", || async {
+        stream_messages(js, "TALLY_DLQ").await == count
+    })
+    .await;
+    let dlq = js.get_stream("TALLY_DLQ").await.unwrap();
+    let mut messages = Vec::new();
+    for sequence in 1..=count {
+        messages.push(dlq.get_raw_message(sequence).await.unwrap());
+    }
+    messages
 }
 
 /// Waits until every message published to ingest has been dealt with, and checks that none
@@ -207,12 +218,7 @@ async fn a_message_with_jetstream_headers_or_of_the_largest_size_is_dead_lettere
         .unwrap();
 
     wait_for_ledger_count(&app.pool, 1).await;
-    eventually(10, "both are on the dead-letter stream", || async {
-        stream_messages(&js, "TALLY_DLQ").await == 2
-    })
-    .await;
-    let dlq = js.get_stream("TALLY_DLQ").await.unwrap();
-    let renamed = dlq.get_raw_message(1).await.unwrap();
+    let [renamed, cut] = <[_; 2]>::try_from(dead_letters(&js, 2).await).unwrap();
     assert_eq!(renamed.subject.as_str(), "tally.dlq.hdr");
     assert_eq!(
         renamed
@@ -237,7 +243,6 @@ async fn a_message_with_jetstream_headers_or_of_the_largest_size_is_dead_lettere
         (Some("made_up"), Some("malformed_json"))
     );
     assert_eq!(&renamed.payload[..], b"not json");
-    let cut = dlq.get_raw_message(2).await.unwrap();
     assert_eq!(cut.subject.as_str(), "tally.dlq.big");
     assert_eq!(
         cut.headers.get("Tally-Error-Code").unwrap().as_str(),
@@ -301,17 +306,7 @@ async fn a_dead_letter_the_dead_letter_stream_refuses_is_published_without_the_m
     .await
     .unwrap();
     wait_for_ledger_count(&app.pool, 2).await;
-    eventually(10, "the bare dead letter is stored", || async {
-        stream_messages(&js, "TALLY_DLQ").await == 1
-    })
-    .await;
-    let bare = js
-        .get_stream("TALLY_DLQ")
-        .await
-        .unwrap()
-        .get_raw_message(1)
-        .await
-        .unwrap();
+    let [bare] = <[_; 1]>::try_from(dead_letters(&js, 1).await).unwrap();
     assert_eq!(
         bare.headers.get("Tally-Error-Code").unwrap().as_str(),
         "malformed_json"
@@ -435,17 +430,7 @@ async fn a_binary_message_missing_an_attribute_is_dead_lettered_naming_its_heade
         "time": ago(5), "subject": "ctr_9", "orgid": "org_ce"});
     let (headers, _) = binary_mode(&cloudevent, "ce-");
     publish_with(&js, "tally.ingest.bin", &headers, Vec::new()).await;
-    eventually(10, "the message is dead-lettered", || async {
-        stream_messages(&js, "TALLY_DLQ").await == 1
-    })
-    .await;
-    let dead = js
-        .get_stream("TALLY_DLQ")
-        .await
-        .unwrap()
-        .get_raw_message(1)
-        .await
-        .unwrap();
+    let [dead] = <[_; 1]>::try_from(dead_letters(&js, 1).await).unwrap();
     assert_eq!(
         dead.headers.get("Tally-Error-Code").unwrap().as_str(),
         "invalid_events"
