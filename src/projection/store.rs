@@ -306,12 +306,17 @@ pub async fn read_histories(
     until: i64,
 ) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
+    let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
+    // Another org's events under the same container id are left in the table, not read and
+    // decoded: a container's refold costs its own history, whatever other orgs send.
     let rows: Vec<EventRow> = sqlx::query_as(&format!(
         "SELECT {EVENT_COLUMNS} FROM ledger WHERE container_id = ANY($1) AND position <= $2 \
+           AND (org_id, container_id) IN (SELECT * FROM UNNEST($3::TEXT[], $1::TEXT[])) \
            AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)"
     ))
     .bind(&ids)
     .bind(until)
+    .bind(&orgs)
     .fetch_all(connection)
     .await?;
     let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> =
