@@ -165,7 +165,10 @@ impl Service {
                 crate::http::ledger::VERIFY_PASSES_MAX,
             )),
             day_reads: std::sync::Arc::new(tokio::sync::Semaphore::new(
-                crate::http::usage::day_reads_max(config.db_pool_max),
+                crate::http::quarter_of_pool(config.db_pool_max),
+            )),
+            finance_streams: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                crate::http::quarter_of_pool(config.db_pool_max),
             )),
             corrections: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             plan_definitions: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),

@@ -428,6 +428,13 @@ pub async fn get_usage_export(
         None => consistency.settle_reads(&state).await?,
     };
     let as_of = state.clock.now().trunc_subsecs(3).min(period.end());
+    // Held by the body until its last byte is taken, as the snapshot is.
+    let turn = super::take_turn(
+        &state,
+        &state.finance_streams,
+        "usage exports and report imports",
+    )
+    .await?;
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.
     let export = export::usage_export(
@@ -454,7 +461,10 @@ pub async fn get_usage_export(
     };
     // `None` after the last part: the place to close the JSON.
     let parts = parts.map(Some).chain(futures::stream::once(async { None }));
-    let body = parts.map(move |part| writer.write(part));
+    let body = parts.map(move |part| {
+        let _turn = &turn;
+        writer.write(part)
+    });
     let content_type = if json_format {
         "application/json"
     } else {

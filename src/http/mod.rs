@@ -30,6 +30,30 @@ pub mod usage;
 
 pub mod server;
 
+/// How many of an instance's requests of one kind that hold a connection for long may run
+/// at once: a quarter of its pool, at least one, so that the rest of the pool serves
+/// everything else.
+pub fn quarter_of_pool(pool_max: u32) -> usize {
+    usize::try_from(pool_max / 4).unwrap_or(1).max(1)
+}
+
+/// Waits for one of `permits` as long as a read waits for the projection; past it, 503
+/// `overloaded` saying `what` is busy.
+pub(crate) async fn take_turn(
+    state: &AppState,
+    permits: &Arc<tokio::sync::Semaphore>,
+    what: &str,
+) -> Result<tokio::sync::OwnedSemaphorePermit, error::ApiError> {
+    let turn = tokio::time::timeout(state.read_wait, permits.clone().acquire_owned());
+    match turn.await {
+        Ok(Ok(permit)) => Ok(permit),
+        _ => Err(error::ApiError::unavailable(
+            crate::error_code::ErrorCode::Overloaded,
+            format!("too many {what} are in progress on this instance; retry later"),
+        )),
+    }
+}
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,8 +105,13 @@ pub struct Inner {
     pub token_limits: auth::TokenLimits,
     /// Verify passes in progress on this instance: [`ledger::VERIFY_PASSES_MAX`].
     pub verify_passes: Arc<tokio::sync::Semaphore>,
-    /// Per-day usage reads in progress on this instance: [`usage::day_reads_max`].
+    /// Per-day usage reads in progress on this instance: [`quarter_of_pool`].
     pub day_reads: Arc<tokio::sync::Semaphore>,
+    /// Usage exports and report imports in progress on this instance: [`quarter_of_pool`].
+    /// Each holds a connection (an export its snapshot, an import its transaction) for as
+    /// long as its client takes to read or send, so a few slow clients could otherwise hold
+    /// every connection.
+    pub finance_streams: Arc<tokio::sync::Semaphore>,
     /// The correction being stored by this instance: one at a time, so that at most one
     /// connection per instance waits for the corrections' lock ([`corrections`]).
     pub corrections: Arc<tokio::sync::Semaphore>,

@@ -108,14 +108,6 @@ pub(super) fn path_org(principal: &Principal, org_id: &str) -> Result<OrgId, Api
     Ok(org_id)
 }
 
-/// How many per-day usage reads (`window=day`) run at once on an instance: a quarter of
-/// its pool, at least one. Each reads its org's commands of the period from the ledger (0.8 s
-/// for an org with half a million of them), so without a bound one token's burst of them
-/// held every connection and the service answered nothing else.
-pub fn day_reads_max(pool_max: u32) -> usize {
-    usize::try_from(pool_max / 4).unwrap_or(1).max(1)
-}
-
 /// An org's usage in one period, as of an instant.
 #[utoipa::path(
     get,
@@ -167,14 +159,9 @@ pub async fn get_usage(
         }
     };
     let (position, priced, days) = if by_day {
-        // Waits for a turn as long as a read waits for the projection, then refuses.
-        let turn = tokio::time::timeout(state.read_wait, state.day_reads.clone().acquire_owned());
-        let Ok(Ok(_turn)) = turn.await else {
-            return Err(ApiError::unavailable(
-                ErrorCode::Overloaded,
-                "too many per-day usage reads are in progress on this instance; retry later",
-            ));
-        };
+        // Each reads its org's commands of the period from the ledger (0.8 s for an org with
+        // half a million of them): without a bound, one token's burst held every connection.
+        let _turn = super::take_turn(&state, &state.day_reads, "per-day usage reads").await?;
         let AtPosition {
             position,
             figures: (priced, days),

@@ -1011,3 +1011,40 @@ pub async fn waiting_for_the_ledger_lock(pool: &sqlx::PgPool, count: i64) {
     })
     .await;
 }
+
+/// Opens a POST to `path` of `token` that holds its slot: headers announcing 100 000 bytes
+/// and then only `start` of the body, the rest never coming. Returns a task that reads the
+/// status of the answer, if one comes before the connection is dropped (when the task is
+/// aborted or ends).
+pub async fn slow_request(
+    app: &TestApp,
+    token: &str,
+    path: &str,
+    content_type: &str,
+    start: &str,
+) -> tokio::task::JoinHandle<Option<(u16, String)>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(app.address).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: {content_type}\r\nContent-Length: 100000\r\n\r\n{start}"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    tokio::spawn(async move {
+        let mut answer = Vec::new();
+        let mut buffer = [0u8; 4096];
+        loop {
+            let read = stream.read(&mut buffer).await.ok()?;
+            if read == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buffer[..read]);
+            if answer.windows(4).any(|window| window == b"\r\n\r\n") && answer.ends_with(b"}") {
+                break;
+            }
+        }
+        let text = String::from_utf8_lossy(&answer).into_owned();
+        let status = text.split(' ').nth(1)?.parse().ok()?;
+        Some((status, text))
+    })
+}

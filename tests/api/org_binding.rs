@@ -11,11 +11,10 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tally::http::auth::{OrgRule, RouteRule, ROUTES};
 use tally::runtime::Period;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
 use crate::admission::ready_org;
-use crate::helpers::{answered, eventually, projected_to_head, TestApp, TOKEN};
+use crate::helpers::{answered, eventually, projected_to_head, slow_request, TestApp, TOKEN};
 
 const ORG_A: &str = "org_a";
 const ORG_B: &str = "org_b";
@@ -698,38 +697,6 @@ async fn the_bearer_scheme_is_accepted_in_any_case() {
     app.stop().await;
 }
 
-/// Opens a request of `token` that holds its slot: headers and part of a body that never
-/// comes. Returns the connection and a task that reads the status of the answer, if one
-/// comes before the connection is dropped.
-async fn slow_request(
-    app: &TestApp,
-    token: &str,
-) -> tokio::task::JoinHandle<Option<(u16, String)>> {
-    let mut stream = tokio::net::TcpStream::connect(app.address).await.unwrap();
-    let head = format!(
-        "POST /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
-         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"id\":"
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
-    tokio::spawn(async move {
-        let mut answer = Vec::new();
-        let mut buffer = [0u8; 4096];
-        loop {
-            let read = stream.read(&mut buffer).await.ok()?;
-            if read == 0 {
-                break;
-            }
-            answer.extend_from_slice(&buffer[..read]);
-            if answer.windows(4).any(|window| window == b"\r\n\r\n") && answer.ends_with(b"}") {
-                break;
-            }
-        }
-        let text = String::from_utf8_lossy(&answer).into_owned();
-        let status = text.split(' ').nth(1)?.parse().ok()?;
-        Some((status, text))
-    })
-}
-
 #[tokio::test]
 async fn one_token_past_its_limit_gets_429_while_another_tokens_requests_succeed() {
     const LIMIT: usize = 8;
@@ -740,7 +707,7 @@ async fn one_token_past_its_limit_gets_429_while_another_tokens_requests_succeed
     // Twice the limit of slow requests from one token, all at once.
     let mut slow = Vec::new();
     for _ in 0..2 * LIMIT {
-        slow.push(slow_request(&app, &greedy).await);
+        slow.push(slow_request(&app, &greedy, "/v1/events", "application/json", "{\"id\":").await);
     }
     eventually(10, "the requests past the limit are answered", || async {
         slow.iter().filter(|task| task.is_finished()).count() >= LIMIT

@@ -557,3 +557,65 @@ async fn the_cli_prints_every_bad_line_up_to_100_and_the_count_of_the_rest() {
     assert_eq!(stored(&app).await, (0, 0));
     app.stop().await;
 }
+
+#[tokio::test]
+async fn slow_imports_hold_at_most_a_quarter_of_the_pool_and_others_get_503_while_reads_go_on() {
+    // A pool of 8: two imports or usage exports at once.
+    let app = TestApp::spawn_with(|config| {
+        config.db_pool_max = 8;
+        config.read_wait_ms = 500;
+    })
+    .await;
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        slow.push(
+            crate::helpers::slow_request(
+                &app,
+                crate::helpers::TOKEN,
+                "/v1/provider-reports",
+                "text/csv",
+                HEADER,
+            )
+            .await,
+        );
+    }
+    // Each holds its import's transaction open while its body does not come.
+    crate::helpers::eventually(10, "both imports hold a transaction", || async {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND state = 'idle in transaction'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        open == 2
+    })
+    .await;
+    let line = "2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,,acme";
+    let (status, refused) = app.post_report(report(&[line])).await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (503, Some("overloaded")),
+        "{refused}"
+    );
+    let (status, export) = app.get_usage_export("period=2026-11").await;
+    let export: Value = serde_json::from_str(&export).unwrap();
+    assert_eq!(
+        (status, export["error"]["code"].as_str()),
+        (503, Some("overloaded")),
+        "{export}"
+    );
+    // Everything else is served from the rest of the pool.
+    for _ in 0..20 {
+        let (status, usage) = app.get_usage("acme", "period=2026-11").await;
+        assert_eq!(status, 200, "{usage}");
+    }
+    for request in slow {
+        request.abort();
+    }
+    crate::helpers::eventually(10, "an import is taken again", || async {
+        app.post_report(report(&[line])).await.0 == 201
+    })
+    .await;
+    app.stop().await;
+}
