@@ -520,7 +520,10 @@ fn appended_verdict(count: usize, result: Result<Vec<AppendedEvent>, AppendError
         Ok(_) => Verdict::Stored(count),
         Err(AppendError::IdempotencyConflict { index, id }) => Verdict::DeadLetter {
             code: ErrorCode::IdempotencyConflict.as_str(),
-            message: format!("event {index}: id {id} was stored before with different content"),
+            message: format!(
+                "event {index}: id {id} was stored before, or given earlier in this batch, \
+                 with different content"
+            ),
         },
         // Redelivered, it would fail the same way for ever.
         Err(error) if !error.is_retryable() => Verdict::DeadLetter {

@@ -176,7 +176,10 @@ impl From<AppendError> for ApiError {
                 details: vec![json!({
                     "index": index,
                     "code": ErrorCode::IdempotencyConflict,
-                    "message": format!("id {id} was stored before with different content"),
+                    "message": format!(
+                        "id {id} was stored before, or given earlier in this batch, with \
+                         different content"
+                    ),
                 })],
                 ..ApiError::new(
                     StatusCode::CONFLICT,
