@@ -381,12 +381,15 @@ impl QueryParams for ExportParams {
 /// snapshot: the rows its close stored, byte for byte what its `sha256` covers, at the
 /// position it was closed at, read at once from the primary (the consistency parameters
 /// are checked, and have nothing to wait for). Otherwise the export first waits until the
-/// projection has reached the ledger head taken at its start (`min_position` / `Tally-Min-Position` waits
-/// for that position instead, `consistency=eventual` not at all; past `TALLY_READ_WAIT_MS`,
-/// 503 `projection_lagging`). With a read database (`TALLY_READ_DATABASE_URL`) the export
+/// projection has reached the ledger head taken at its start (`min_position` /
+/// `Tally-Min-Position` waits for that position instead, `consistency=eventual` not at all;
+/// past `TALLY_READ_WAIT_MS`, 503 `projection_lagging`). With a read database (`TALLY_READ_DATABASE_URL`) the export
 /// reads there and waits until its replayed projection has reached that position (past the
 /// wait, 503 `replica_lagging`). Every row comes from one snapshot; the ledger position it
-/// reflects is the `Tally-Position` header, and also `position` in a JSON answer.
+/// reflects is the `Tally-Position` header, and also `position` in a JSON answer. Exports
+/// and report imports run at most a quarter of `TALLY_DB_POOL_MAX` at once on an instance
+/// (each holds a connection while its client reads); past `TALLY_READ_WAIT_MS`, 503
+/// `overloaded`.
 #[utoipa::path(
     get,
     path = "/v1/exports/usage.csv",
@@ -402,7 +405,7 @@ impl QueryParams for ExportParams {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody, description = "projection_lagging or replica_lagging (with Retry-After), or unavailable"),
+        (status = 503, body = ErrorBody, description = "projection_lagging or replica_lagging (with Retry-After), overloaded, or unavailable"),
     ),
     security(("bearer" = []))
 )]

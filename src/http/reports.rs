@@ -64,7 +64,9 @@ impl From<StoredReport> for ReportResponse {
 /// is one report. Global (a report spans orgs): a token bound to an org gets 403
 /// `org_bound_token`. A refused report lists its bad lines in `details` (`{"line",
 /// "column", "code", "message"}`, at most 100, the first being the one the top-level
-/// `code` and `message` describe) and counts the rest in `more_errors`.
+/// `code` and `message` describe) and counts the rest in `more_errors`. Imports and usage
+/// exports run at most a quarter of `TALLY_DB_POOL_MAX` at once on an instance; past
+/// `TALLY_READ_WAIT_MS`, 503 `overloaded`.
 #[utoipa::path(
     post,
     path = "/v1/provider-reports",
@@ -89,7 +91,7 @@ impl From<StoredReport> for ReportResponse {
         (status = 413, body = ErrorBody, description = "`report_too_large` (bytes sent, `TALLY_REPORT_MAX_BYTES`) or `report_inflated_too_large` (CSV text inflated from gzip, `TALLY_REPORT_MAX_INFLATED_BYTES`); nothing stored"),
         (status = 415, body = ErrorBody, description = "`unsupported_media_type` or `unsupported_content_encoding`"),
         (status = 422, body = ErrorBody, description = "the report is refused and nothing stored: `details` lists every bad line up to 100 (`line`, the header being line 1; `column`; `code`; `message`), `more_errors` counts the rest"),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "`overloaded`: as many imports and exports as the instance runs at once are in progress"),
     ),
     security(("bearer" = []))
 )]

@@ -1559,8 +1559,9 @@ pub async fn containers_running_since(
     rows.into_iter().map(LifecycleRow::decode).collect()
 }
 
-/// Admission's reservations taken up by a projector round: consumes, for each container that a `created` or `resumed` of this projector round
-/// starts, its oldest live reservation (unexpired at `now`) — unless that event consumed one already (it is
+/// Admission's reservations taken up by a projector round: consumes, for each container
+/// that a `created` or `resumed` of this projector round starts, its oldest live
+/// reservation (unexpired at `now`) — unless that event consumed one already (it is
 /// projected again after a replay's swap) — and records the event's position on it.
 /// Runs in the round's transaction; returns the org of each reservation consumed.
 pub async fn consume_reservations(
