@@ -432,12 +432,8 @@ pub async fn get_usage_export(
     };
     let as_of = state.clock.now().trunc_subsecs(3).min(period.end());
     // Held by the body until its last byte is taken, as the snapshot is.
-    let turn = super::take_turn(
-        &state,
-        &state.finance_streams,
-        "usage exports and report imports",
-    )
-    .await?;
+    let turn =
+        super::take_turn(&state, &state.finance_streams, super::FINANCE_STREAMS_BUSY).await?;
     // A token bound to one org is served that org's row and adjustments only, and only
     // that org is priced.
     let export = export::usage_export(

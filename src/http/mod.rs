@@ -37,19 +37,23 @@ pub fn quarter_of_pool(pool_max: u32) -> usize {
     usize::try_from(pool_max / 4).unwrap_or(1).max(1)
 }
 
+/// The 503 of a usage export or report import that found [`AppState::finance_streams`] taken.
+pub(crate) const FINANCE_STREAMS_BUSY: &str =
+    "too many usage exports and report imports are in progress on this instance; retry later";
+
 /// Waits for one of `permits` as long as a read waits for the projection; past it, 503
-/// `overloaded` saying `what` is busy.
+/// `overloaded` with `busy` as its message.
 pub(crate) async fn take_turn(
     state: &AppState,
     permits: &Arc<tokio::sync::Semaphore>,
-    what: &str,
+    busy: &str,
 ) -> Result<tokio::sync::OwnedSemaphorePermit, error::ApiError> {
     let turn = tokio::time::timeout(state.read_wait, permits.clone().acquire_owned());
     match turn.await {
         Ok(Ok(permit)) => Ok(permit),
         _ => Err(error::ApiError::unavailable(
             crate::error_code::ErrorCode::Overloaded,
-            format!("too many {what} are in progress on this instance; retry later"),
+            busy,
         )),
     }
 }

@@ -103,12 +103,8 @@ pub async fn post_report(
 ) -> Result<(StatusCode, Json<ReportResponse>), ApiError> {
     let encoding = encoding(&headers)?;
     // The import's transaction is open while the client sends its body.
-    let _turn = super::take_turn(
-        &state,
-        &state.finance_streams,
-        "usage exports and report imports",
-    )
-    .await?;
+    let _turn =
+        super::take_turn(&state, &state.finance_streams, super::FINANCE_STREAMS_BUSY).await?;
     let imported = reports::import(
         &state.pool,
         body.into_data_stream(),

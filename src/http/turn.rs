@@ -32,10 +32,7 @@ impl Turn {
     /// the lock; past either, 503 `overloaded` with `Retry-After`.
     async fn take(state: &AppState, queue: Queue) -> Result<Turn, ApiError> {
         let busy = || ApiError::unavailable(ErrorCode::Overloaded, queue.busy);
-        let permit = (queue.permit)(state).clone().acquire_owned();
-        let Ok(Ok(permit)) = tokio::time::timeout(state.read_wait, permit).await else {
-            return Err(busy());
-        };
+        let permit = super::take_turn(state, (queue.permit)(state), queue.busy).await?;
         let mut lock = state.pool.begin().await?;
         let wait_ms = state.read_wait.as_millis();
         sqlx::query(&format!("SET LOCAL lock_timeout = '{wait_ms}ms'"))

@@ -161,7 +161,8 @@ pub async fn get_usage(
     let (position, priced, days) = if by_day {
         // Each reads its org's commands of the period from the ledger (0.8 s for an org with
         // half a million of them): without a bound, one token's burst held every connection.
-        let _turn = super::take_turn(&state, &state.day_reads, "per-day usage reads").await?;
+        let busy = "too many per-day usage reads are in progress on this instance; retry later";
+        let _turn = super::take_turn(&state, &state.day_reads, busy).await?;
         let AtPosition {
             position,
             figures: (priced, days),

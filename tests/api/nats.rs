@@ -22,17 +22,9 @@ async fn an_event_published_to_ingest_reaches_the_ledger_and_the_ledger_stream()
     let event = valid_event("org_nats", "ctr_n1", 0);
     let id = event["id"].as_str().unwrap().to_owned();
     wait_for_ingest_stream(&js).await;
-    js.publish("tally.ingest.x", event.to_string().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish(&js, "tally.ingest.x", event.to_string()).await;
     // Redelivery or a producer retry of the same event must not count it twice.
-    js.publish("tally.ingest.x", event.to_string().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish(&js, "tally.ingest.x", event.to_string()).await;
 
     wait_for_ledger_count(&app.pool, 1).await;
     let stored: uuid::Uuid = sqlx::query_scalar("SELECT id FROM ledger")
@@ -93,18 +85,10 @@ async fn a_malformed_message_is_dead_lettered_with_its_error_and_never_redeliver
     let app = TestApp::spawn().await;
     let js = app.nats.jetstream().await;
     wait_for_ingest_stream(&js).await;
-    js.publish("tally.ingest.bad", "{\"id\": ".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish(&js, "tally.ingest.bad", "{\"id\": ").await;
     let mut invalid = valid_event("org_1", "ctr_1", 1);
     invalid["type"] = json!("container.vanished");
-    js.publish("tally.ingest.bad", invalid.to_string().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish(&js, "tally.ingest.bad", invalid.to_string()).await;
 
     let [first, second] = <[_; 2]>::try_from(dead_letters(&js, 2).await).unwrap();
     assert_eq!(first.subject.as_str(), "tally.dlq.bad");
@@ -205,17 +189,9 @@ async fn a_message_with_jetstream_headers_or_of_the_largest_size_is_dead_lettere
     .await;
     // As large as the ingest stream takes: with the reasons added it would not fit whole.
     let largest = vec![b'x'; 1 << 20];
-    js.publish("tally.ingest.big", largest.clone().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish(&js, "tally.ingest.big", largest.clone()).await;
     let event = valid_event("org_dlq", "ctr_1", 0);
-    js.publish("tally.ingest.ok", event.to_string().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish(&js, "tally.ingest.ok", event.to_string()).await;
 
     wait_for_ledger_count(&app.pool, 1).await;
     let [renamed, cut] = <[_; 2]>::try_from(dead_letters(&js, 2).await).unwrap();
@@ -270,14 +246,12 @@ async fn a_dead_letter_the_dead_letter_stream_refuses_is_published_without_the_m
     wait_for_ingest_stream(&js).await;
     // Once an event is stored the consumer is running, with the dead-letter stream's limit
     // read; an operator then lowers the limit under it.
-    js.publish(
+    publish(
+        &js,
         "tally.ingest.ok",
-        valid_event("org_dlq", "ctr_1", 0).to_string().into(),
+        valid_event("org_dlq", "ctr_1", 0).to_string(),
     )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    .await;
     wait_for_ledger_count(&app.pool, 1).await;
     let mut config = js
         .get_stream("TALLY_DLQ")
@@ -291,20 +265,13 @@ async fn a_dead_letter_the_dead_letter_stream_refuses_is_published_without_the_m
     config.max_message_size = 4096;
     js.update_stream(config).await.unwrap();
 
-    let bad = vec![b'x'; 10_000];
-    js.publish("tally.ingest.big", bad.clone().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    js.publish(
+    publish(&js, "tally.ingest.big", vec![b'x'; 10_000]).await;
+    publish(
+        &js,
         "tally.ingest.ok",
-        valid_event("org_dlq", "ctr_1", 1).to_string().into(),
+        valid_event("org_dlq", "ctr_1", 1).to_string(),
     )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    .await;
     wait_for_ledger_count(&app.pool, 2).await;
     let [bare] = <[_; 1]>::try_from(dead_letters(&js, 1).await).unwrap();
     assert_eq!(
@@ -321,6 +288,11 @@ async fn a_dead_letter_the_dead_letter_stream_refuses_is_published_without_the_m
     assert!(bare.payload.is_empty());
     ingest_settled(&js).await;
     app.stop().await;
+}
+
+/// Publishes `payload` to `subject` and waits for the ack.
+async fn publish(js: &async_nats::jetstream::Context, subject: &str, payload: impl Into<Vec<u8>>) {
+    publish_with(js, subject, &[], payload.into()).await;
 }
 
 /// Publishes `payload` to `subject` with `headers` (names as given) and waits for the ack.
