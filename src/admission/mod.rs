@@ -7,7 +7,9 @@
 //! statement, so one snapshot, taken after the lock is granted. The projector consumes a
 //! reservation in the same transaction that makes its container count as running, so a
 //! snapshot sees the slot taken exactly once: as a reservation before, as a running
-//! container after. Expired reservations stop counting by their `expires_at` alone.
+//! container after. Grants and consuming rounds exclude each other
+//! ([`store::CONSUME_LOCK_KEY`]): a grant committed first is consumed by the round; one
+//! that reads after the round finds its container running and is refused (decision 0046). Expired reservations stop counting by their `expires_at` alone.
 
 pub mod cache;
 mod checker;
@@ -19,7 +21,7 @@ use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::{FromRow, PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::billing::{self, Action, Decision, Facts};
+use crate::billing::{self, Action, Decision, Facts, Reason};
 use crate::clock::Clock;
 use crate::event::{ContainerId, EventId, OrgId, PlanId};
 use crate::ledger::plans;
@@ -111,6 +113,8 @@ pub struct Answer {
     pub running_containers: u64,
     pub max_running_containers: u64,
     pub at: DateTime<Utc>,
+    /// Whether the container the request names runs at `at`.
+    pub container_running: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -655,6 +659,7 @@ impl Prepared {
             running_containers,
             max_running_containers: plan.max_running_containers,
             at: now,
+            container_running,
         })
     }
 }
@@ -801,29 +806,15 @@ pub async fn reserve_with(
     // under the org's lock, so that a replay's swap moving the checkpoint back cannot slip
     // in between; while they are behind, the lock is let go and the projector awaited,
     // within one deadline however often the checkpoint moves.
-    let (mut transaction, now, answer) =
+    let (mut transaction, now, mut answer) =
         locked_answer(pool, freshness, request, wait, clock).await?;
-    let action = action_name(request.action);
-    let container_id = request.container_id.as_ref().map(ContainerId::as_str);
+    // A running container holds its slot already; a second one reserved for it would count
+    // it twice until the reservation expired (decision 0046).
+    if answer.container_running {
+        answer.decision.refuse(Reason::ContainerRunning);
+    }
     if !answer.decision.allowed {
-        let reasons: Vec<&str> = answer
-            .decision
-            .reasons
-            .iter()
-            .map(|reason| reason.as_str())
-            .collect();
-        sqlx::query(
-            "INSERT INTO admission_refusal (org_id, container_id, action, requested_by, requested_at, reasons) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(request.org_id.as_str())
-        .bind(container_id)
-        .bind(&action)
-        .bind(actor)
-        .bind(now)
-        .bind(&reasons)
-        .execute(&mut *transaction)
-        .await?;
+        record_refusal(&mut transaction, request, &answer.decision, actor, now).await?;
         transaction.commit().await?;
         return Ok((answer, None));
     }
@@ -838,8 +829,8 @@ pub async fn reserve_with(
     )
     .bind(reservation.id)
     .bind(request.org_id.as_str())
-    .bind(container_id)
-    .bind(&action)
+    .bind(request.container_id.as_ref().map(ContainerId::as_str))
+    .bind(action_name(request.action))
     .bind(actor)
     .bind(now)
     .bind(reservation.expires_at)
@@ -849,6 +840,34 @@ pub async fn reserve_with(
     transaction.commit().await?;
     cache.forget(request.org_id.as_str());
     Ok((answer, Some(reservation)))
+}
+
+/// Keeps a refused reservation's request, who asked, when and why, for audit.
+async fn record_refusal(
+    connection: &mut PgConnection,
+    request: &Request,
+    decision: &Decision,
+    actor: &str,
+    now: DateTime<Utc>,
+) -> sqlx::Result<()> {
+    let reasons: Vec<&str> = decision
+        .reasons
+        .iter()
+        .map(|reason| reason.as_str())
+        .collect();
+    sqlx::query(
+        "INSERT INTO admission_refusal (org_id, container_id, action, requested_by, requested_at, reasons) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(request.org_id.as_str())
+    .bind(request.container_id.as_ref().map(ContainerId::as_str))
+    .bind(action_name(request.action))
+    .bind(actor)
+    .bind(now)
+    .bind(&reasons)
+    .execute(connection)
+    .await?;
+    Ok(())
 }
 
 /// The action as its wire name (`create`, `resume`), as the reservation tables store it.
@@ -873,10 +892,12 @@ async fn locked_answer(
     loop {
         let mut transaction = pool.begin().await?;
         sqlx::query(&format!(
-            "SELECT pg_advisory_xact_lock(hashtextextended('tally.admission.' || $1, 0)), {}",
+            "SELECT pg_advisory_xact_lock({}), pg_advisory_xact_lock_shared($2), {}",
+            store::admission_lock("$1"),
             crate::ledger::db::BOUND_LOCK_IDLE
         ))
         .bind(request.org_id.as_str())
+        .bind(store::CONSUME_LOCK_KEY)
         .execute(&mut *transaction)
         .await?;
         // The clock is read after the lock, so that expiry is judged at the moment of

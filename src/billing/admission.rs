@@ -47,6 +47,8 @@ pub enum Reason {
     NotBillingEligible,
     ConcurrencyLimit,
     RuntimeAllowanceExhausted,
+    /// A reservation's only (decision 0046): the container it names runs already.
+    ContainerRunning,
     ContainerNotRunning,
     PortLimit,
 }
@@ -61,6 +63,7 @@ impl Reason {
             Reason::NotBillingEligible => ErrorCode::NotBillingEligible,
             Reason::ConcurrencyLimit => ErrorCode::ConcurrencyLimit,
             Reason::RuntimeAllowanceExhausted => ErrorCode::RuntimeAllowanceExhausted,
+            Reason::ContainerRunning => ErrorCode::ContainerRunning,
             Reason::ContainerNotRunning => ErrorCode::ContainerNotRunning,
             Reason::PortLimit => ErrorCode::PortLimit,
         }
@@ -99,6 +102,16 @@ pub struct Decision {
     pub overage: bool,
     /// Running containers plus live reservations: the slots taken.
     pub slots_taken: u64,
+}
+
+impl Decision {
+    /// Refuses for `reason` too, the reasons kept in the order contract §4 lists them.
+    pub fn refuse(&mut self, reason: Reason) {
+        if let Err(at) = self.reasons.binary_search(&reason) {
+            self.reasons.insert(at, reason);
+        }
+        self.allowed = false;
+    }
 }
 
 pub fn decide(action: Action, facts: &Facts) -> Decision {

@@ -163,7 +163,9 @@ pub async fn post_check(
     Ok(Json(CheckResponse::from(&answer)))
 }
 
-/// Hold a running slot for a create or resume, for `ttl_seconds` (1–300, default 60).
+/// Hold a running slot for a create or resume, for `ttl_seconds` (1–300, default 60). A
+/// container that runs already holds its slot: a reservation naming one is refused with the
+/// reason `container_running`.
 #[utoipa::path(
     post,
     path = "/v1/admission/reservations",

@@ -1559,11 +1559,29 @@ pub async fn containers_running_since(
     rows.into_iter().map(LifecycleRow::decode).collect()
 }
 
+/// The key of an org's admission lock, as SQL of the text expression `org`: a grant holds
+/// it while it counts the org's slots and stores its reservation.
+pub fn admission_lock(org: &str) -> String {
+    format!("hashtextextended('tally.admission.' || {org}, 0)")
+}
+
+/// The advisory lock between grants and the projector's consuming of reservations: a grant
+/// holds it shared from before it reads its facts to its commit; a projector round that starts
+/// containers holds it alone from before it consumes to its commit. `'consum'` in ASCII.
+pub const CONSUME_LOCK_KEY: i64 = 0x636f_6e73_756d;
+
 /// Admission's reservations taken up by a projector round: consumes, for each container
 /// that a `created` or `resumed` of this projector round starts, its oldest live
 /// reservation (unexpired at `now`) — unless that event consumed one already (it is
 /// projected again after a replay's swap) — and records the event's position on it.
 /// Runs in the round's transaction; returns the org of each reservation consumed.
+///
+/// [`CONSUME_LOCK_KEY`] is taken first and held to the round's commit: a grant then either
+/// committed before the consuming statement's snapshot (and is consumed) or reads its facts
+/// after the round commits (and finds its container running). Without it a grant that read
+/// before the commit and stored after the statement was never consumed. (One lock, not one
+/// an org: a round starting thousands of orgs' containers would fill Postgres's lock table.)
+/// No grant waits for a round while holding the lock, so this cannot deadlock.
 pub async fn consume_reservations(
     connection: &mut PgConnection,
     starts: &HashMap<(String, String), (Uuid, i64)>,
@@ -1572,6 +1590,10 @@ pub async fn consume_reservations(
     if starts.is_empty() {
         return Ok(Vec::new());
     }
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(CONSUME_LOCK_KEY)
+        .execute(&mut *connection)
+        .await?;
     let mut orgs = Vec::with_capacity(starts.len());
     let mut containers = Vec::with_capacity(starts.len());
     let mut events = Vec::with_capacity(starts.len());

@@ -356,6 +356,165 @@ async fn a_reservation_naming_no_container_is_not_consumed_by_a_create_and_is_re
     app.stop().await;
 }
 
+/// Live reservations of `org`: neither expired, released nor consumed.
+async fn live_reservations(app: &TestApp, org: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM admission_reservation WHERE org_id = $1 \
+         AND released_at IS NULL AND consumed_at IS NULL AND expires_at > now()",
+    )
+    .bind(org)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+/// A second version of `pro`, with two running slots: a reservation racing a start is not
+/// refused for the slot the started container takes.
+async fn two_slots(app: &TestApp) {
+    let mut plan = pro_plan();
+    plan["max_running_containers"] = json!(2);
+    let (status, plan) = app.put_plan("pro", &plan).await;
+    assert_eq!(status, 201, "a second version: {plan}");
+}
+
+#[tokio::test]
+async fn a_reservation_racing_its_containers_create_is_consumed_or_refused_never_left_holding_a_slot(
+) {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    two_slots(&app).await;
+    let mut granted = 0;
+    for trial in 0..30 {
+        let container = format!("c{trial}");
+        let body = json!({"org_id": "acme", "action": "create", "container_id": container,
+                          "ttl_seconds": 300});
+        let created = container_event(&app, "acme", &container, "container.created", 5);
+        let ((status, answer), ()) = tokio::join!(app.reserve(&body), event(&app, created));
+        assert!(status == 201 || status == 409, "{status} {answer}");
+        granted += usize::from(status == 201);
+        projected_to_head(&app.pool, "the create is projected").await;
+        assert_eq!(
+            live_reservations(&app, "acme").await,
+            0,
+            "trial {trial}: the running container holds the slot, and nothing else ({answer})"
+        );
+        let stopped = container_event(&app, "acme", &container, "container.stopped", 4);
+        event(&app, stopped).await;
+    }
+    let consumed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM admission_reservation WHERE consumed_at IS NOT NULL",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        consumed, granted as i64,
+        "every grant was consumed by its create"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_grant_still_being_stored_when_its_containers_create_is_projected_is_consumed_by_that_round(
+) {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    // Widens the window between a grant's read of its facts and its commit to a second.
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_grant() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$; \
+         CREATE TRIGGER slow_grant BEFORE INSERT ON admission_reservation \
+           FOR EACH ROW EXECUTE FUNCTION slow_grant();",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let body = json!({"org_id": "acme", "action": "create", "container_id": "c1"});
+    let grant = tokio::spawn({
+        let api = app.api.clone();
+        async move { api.reserve(&body).await }
+    });
+    eventually(
+        10,
+        "the grant has read its facts and is storing",
+        || async {
+            let sleeping: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'",
+            )
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+            sleeping == 1
+        },
+    )
+    .await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
+    let (status, granted) = grant.await.unwrap();
+    assert_eq!(
+        status, 201,
+        "the facts it read had the slot free: {granted}"
+    );
+    projected_to_head(&app.pool, "the create is projected").await;
+    let consumed: Option<Uuid> =
+        sqlx::query_scalar("SELECT consumed_by FROM admission_reservation WHERE id = $1::uuid")
+            .bind(granted["reservation_id"].as_str().unwrap())
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(
+        consumed.is_some(),
+        "the round that started c1 waited for the grant and consumed it"
+    );
+    assert_eq!(live_reservations(&app, "acme").await, 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_reservation_for_a_container_that_runs_is_refused_while_a_check_for_it_is_answered() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    two_slots(&app).await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
+    for action in ["create", "resume"] {
+        let body = json!({"org_id": "acme", "action": action, "container_id": "c1"});
+        let (status, refused) = app.reserve(&body).await;
+        assert_eq!(
+            (status, refused["error"]["code"].as_str()),
+            (409, Some("container_running")),
+            "{refused}"
+        );
+        let answer = check(&app, body).await;
+        assert_eq!(answer["allowed"], true, "a check holds nothing: {answer}");
+    }
+    assert_eq!(live_reservations(&app, "acme").await, 0);
+    let reasons: Vec<Vec<String>> =
+        sqlx::query_scalar("SELECT reasons FROM admission_refusal ORDER BY id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(reasons, [["container_running"], ["container_running"]]);
+
+    // Stopped, it may be resumed; another container still has its slot to take.
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.stopped", 1),
+    )
+    .await;
+    let (status, held) = app
+        .reserve(&json!({"org_id": "acme", "action": "resume", "container_id": "c1"}))
+        .await;
+    assert_eq!(status, 201, "{held}");
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn two_instances_racing_for_the_last_slot_grant_exactly_one() {
     let app = TestApp::spawn().await;
