@@ -201,6 +201,8 @@ families! {
         "Idle HTTP connections closed to make room for a new one at the connection cap.";
     HTTP_REQUEST_LINE_REFUSED = "tally_http_request_line_refused_total", Counter, Count, ONE, NONE,
         "HTTP requests refused because their request line was too long.";
+    HTTP_HEADS_REFUSED = "tally_http_heads_refused_total", Counter, Count, ONE, NONE,
+        "HTTP requests refused because their head had too many header fields or too many bytes.";
     HTTP_SHED = "tally_http_shed_total", Counter, Count, ONE, NONE,
         "HTTP requests shed (503 overloaded) because too many were in progress.";
     HTTP_TOKEN_LIMITED = "tally_http_token_limited_total", Counter, Count, ONE, NONE,

@@ -13,7 +13,8 @@
 //!   progress is closed, or, when every one has a request in progress, the new one is
 //!   answered 503 `too_many_connections` and closed ([`Registry`]);
 //! - front-door refusals that hyper's router cannot express as JSON: a URI longer than
-//!   [`URI_MAX_BYTES`] (414 `uri_too_long`), a repeated query parameter (422
+//!   [`URI_MAX_BYTES`] (414 `uri_too_long`), a head of more than [`HEADER_FIELDS_MAX`]
+//!   fields or [`HEAD_MAX_BYTES`] (431 `headers_too_large`), a repeated query parameter (422
 //!   `duplicate_query_parameter`, as every route answers an unknown one) and a header that
 //!   must come once given twice (400 `duplicate_header`).
 
@@ -55,6 +56,14 @@ pub const URI_MAX_BYTES: usize = 8 * 1024;
 /// the version. A longer line would otherwise reach hyper, whose parser answers a target
 /// over 65 534 bytes with a bare 414 that has no body.
 const REQUEST_LINE_MAX_BYTES: usize = URI_MAX_BYTES + 1024;
+/// The most header fields a request may have: hyper's parser takes no more, and answers
+/// one over with a bare 431 that has no body.
+pub const HEADER_FIELDS_MAX: usize = 100;
+/// The largest request head (request line and header fields) read before it is refused
+/// with a JSON 431 `headers_too_large` at the socket ([`TimedIo`]). Far above any head a
+/// client of tally sends (a token, a few CloudEvents attributes of at most 4 KiB), below
+/// hyper's own read buffer (about 408 KiB), past which hyper would answer a bare 431.
+pub const HEAD_MAX_BYTES: usize = 64 * 1024;
 /// File descriptors kept free of HTTP connections when the open-files limit is low: the
 /// database pool, NATS, the listener, logs and report files.
 const FILES_RESERVED: u64 = 256;
@@ -320,21 +329,101 @@ fn refusal_bytes() -> Vec<u8> {
     .into_bytes()
 }
 
-/// The answer to a request line longer than [`REQUEST_LINE_MAX_BYTES`], written raw by
-/// [`TimedIo`] before hyper has a whole line to parse.
-fn uri_too_long_bytes() -> Vec<u8> {
-    let body = serde_json::json!({"error": {
-        "code": ErrorCode::UriTooLong,
-        "message": format!("the request target is longer than {URI_MAX_BYTES} bytes"),
-        "details": [],
-    }})
-    .to_string();
-    format!(
-        "HTTP/1.1 414 URI Too Long\r\ncontent-type: application/json\r\n\
-         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .into_bytes()
+/// Why a request head is refused while it is read, before hyper parses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeadRefusal {
+    /// A request line longer than [`REQUEST_LINE_MAX_BYTES`].
+    RequestLine,
+    /// More than [`HEADER_FIELDS_MAX`] header fields.
+    Fields,
+    /// A head larger than [`HEAD_MAX_BYTES`].
+    Bytes,
+}
+
+impl HeadRefusal {
+    /// The answer, written raw by [`TimedIo`]: it closes the connection.
+    fn response_bytes(self) -> Vec<u8> {
+        let (status, code, message) = match self {
+            HeadRefusal::RequestLine => (
+                StatusCode::URI_TOO_LONG,
+                ErrorCode::UriTooLong,
+                format!("the request target is longer than {URI_MAX_BYTES} bytes"),
+            ),
+            HeadRefusal::Fields => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                ErrorCode::HeadersTooLarge,
+                format!("the request has more than {HEADER_FIELDS_MAX} header fields"),
+            ),
+            HeadRefusal::Bytes => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                ErrorCode::HeadersTooLarge,
+                format!("the request head is larger than {HEAD_MAX_BYTES} bytes"),
+            ),
+        };
+        let body = serde_json::json!({"error": {
+            "code": code,
+            "message": message,
+            "details": [],
+        }})
+        .to_string();
+        format!(
+            "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\n\
+             connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            status.as_str(),
+            status.canonical_reason().unwrap_or_default(),
+            body.len()
+        )
+        .into_bytes()
+    }
+
+    fn metric(self) -> &'static str {
+        match self {
+            HeadRefusal::RequestLine => crate::telemetry::HTTP_REQUEST_LINE_REFUSED,
+            HeadRefusal::Fields | HeadRefusal::Bytes => crate::telemetry::HTTP_HEADS_REFUSED,
+        }
+    }
+}
+
+/// What has been read of a request's head while it is not whole: enough to refuse it, at
+/// the limits above, before hyper would refuse it with no body.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct HeadRead {
+    /// Bytes of the head so far.
+    bytes: usize,
+    /// Lines ended so far, blank lines before the request line aside: the request line, then
+    /// one a header field.
+    lines: usize,
+    /// Bytes of the line being read, its carriage returns aside.
+    line: usize,
+}
+
+impl HeadRead {
+    /// Counts `read`; `Ok(Some(n))` when the head ended after its first `n` bytes (what
+    /// follows is body or another request), `Ok(None)` when it goes on.
+    fn count(&mut self, read: &[u8]) -> Result<Option<usize>, HeadRefusal> {
+        for (at, &byte) in read.iter().enumerate() {
+            self.bytes += 1;
+            if self.bytes > HEAD_MAX_BYTES {
+                return Err(HeadRefusal::Bytes);
+            }
+            match byte {
+                b'\n' if self.line == 0 && self.lines > 0 => return Ok(Some(at + 1)),
+                b'\n' => {
+                    self.lines += usize::from(self.line > 0);
+                    self.line = 0;
+                }
+                b'\r' => {}
+                _ => self.line += 1,
+            }
+            if self.lines == 0 && self.line > REQUEST_LINE_MAX_BYTES {
+                return Err(HeadRefusal::RequestLine);
+            }
+            if self.lines > HEADER_FIELDS_MAX + 1 {
+                return Err(HeadRefusal::Fields);
+            }
+        }
+        Ok(None)
+    }
 }
 
 /// Errors of one connection, not of the listener (as hyper's and axum's servers sort them).
@@ -476,12 +565,12 @@ struct TimedIo {
     timer: Pin<Box<Sleep>>,
     /// A client that does not read its responses.
     write_gap: Gap,
-    /// Bytes of the current request line read so far, while it has no line end yet;
-    /// `None` once it is whole (until the next request's head begins).
-    request_line_bytes: Option<usize>,
-    /// Answered 414 for an overlong request line: what the client still sends is read and
-    /// dropped until it closes or the head's deadline passes. Closing at once with its bytes
-    /// unread would reset the connection, and the client could lose the answer.
+    /// What has been read of the current request's head; `None` once it is whole (until
+    /// the next request's head begins).
+    head: Option<HeadRead>,
+    /// Answered 414 or 431 for its head: what the client still sends is read and dropped
+    /// until it closes or the head's deadline passes. Closing at once with its bytes unread
+    /// would reset the connection, and the client could lose the answer.
     draining: bool,
 }
 
@@ -496,36 +585,36 @@ impl TimedIo {
             deadline,
             timer: Box::pin(tokio::time::sleep_until(deadline)),
             write_gap: Gap::new(limits.write_timeout),
-            request_line_bytes: Some(0),
+            head: Some(HeadRead::default()),
             draining: false,
         }
     }
 
-    /// Counts what a read added to a request line still open; past
-    /// [`REQUEST_LINE_MAX_BYTES`] the client is answered 414 and the connection drains
-    /// (see `draining`), then fails its read, so that hyper drops it without answering.
-    fn check_request_line(&mut self, read: &[u8]) -> bool {
-        let Some(so_far) = self.request_line_bytes else {
+    /// Counts what a read added to a head still open; past a limit the client is answered
+    /// 414 or 431 and the connection drains (see `draining`), then fails its read, so that
+    /// hyper drops it without answering.
+    fn check_head(&mut self, read: &[u8]) -> bool {
+        let Some(head) = self.head.as_mut() else {
             return true;
         };
-        let line_end = read.iter().position(|&byte| byte == b'\n');
-        if so_far + line_end.unwrap_or(read.len()) <= REQUEST_LINE_MAX_BYTES {
-            self.request_line_bytes = match line_end {
-                Some(_) => None,
-                None => Some(so_far + read.len()),
-            };
-            return true;
-        }
-        metrics::counter!(crate::telemetry::HTTP_REQUEST_LINE_REFUSED).increment(1);
+        let refusal = match head.count(read) {
+            Ok(Some(_)) => {
+                self.head = None;
+                return true;
+            }
+            Ok(None) => return true,
+            Err(refusal) => refusal,
+        };
+        metrics::counter!(refusal.metric()).increment(1);
         // The response to the head so far has not begun, so the send buffer is empty and
         // this one small write does not block; if it fails the client sees the connection
         // close, which is what it would get anyway.
-        let _ = self.stream.try_write(&uri_too_long_bytes());
+        let _ = self.stream.try_write(&refusal.response_bytes());
         self.draining = true;
         false
     }
 
-    /// Reads and drops what a client refused for its request line still sends, until it
+    /// Reads and drops what a client refused for its head still sends, until it
     /// closes (or fails) or the head's deadline passes; then the read fails.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut scratch = [0u8; 8 * 1024];
@@ -545,7 +634,7 @@ impl TimedIo {
         }
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "the request line is too long",
+            "the request head is too large",
         )))
     }
 
@@ -602,9 +691,9 @@ impl AsyncRead for TimedIo {
                     this.connection.set_phase(Phase::Head);
                     this.timed_phase = Phase::Head;
                     this.deadline = Instant::now() + this.limits.header_read_timeout;
-                    this.request_line_bytes = Some(0);
+                    this.head = Some(HeadRead::default());
                 }
-                if this.check_request_line(&buf.filled()[filled..]) {
+                if this.check_head(&buf.filled()[filled..]) {
                     return Poll::Ready(Ok(()));
                 }
                 // hyper must not parse the line it was given: the bytes are taken back.
@@ -854,6 +943,60 @@ fn raise_open_files_limit(wanted: u64) -> io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counts `head` in reads of `piece` bytes: the offset in its last read where the head
+    /// ended, or the refusal.
+    fn counted(head: &[u8], piece: usize) -> Result<Option<usize>, HeadRefusal> {
+        let mut read = HeadRead::default();
+        let mut ended = Ok(None);
+        for chunk in head.chunks(piece) {
+            ended = read.count(chunk);
+            if !matches!(ended, Ok(None)) {
+                break;
+            }
+        }
+        ended
+    }
+
+    #[test]
+    fn a_head_ends_at_its_blank_line_however_it_is_split_into_reads() {
+        let head = b"\r\nGET /healthz HTTP/1.1\r\nhost: tally\r\n\r\nbody";
+        assert_eq!(counted(head, head.len()), Ok(Some(head.len() - 4)));
+        assert_eq!(counted(head, 1), Ok(Some(1)));
+        assert_eq!(counted(b"GET / HTTP/1.1\nhost: tally\n\n", 7), Ok(Some(7)));
+        assert_eq!(counted(b"GET / HTTP/1.1\r\nhost: tally\r\n", 3), Ok(None));
+    }
+
+    #[test]
+    fn a_head_past_a_limit_is_refused_for_that_limit_and_one_at_it_is_not() {
+        let fields = |count: usize| {
+            let mut head = b"GET / HTTP/1.1\r\n".to_vec();
+            for n in 0..count {
+                head.extend(format!("x-{n}: v\r\n").bytes());
+            }
+            head.extend(b"\r\n");
+            head
+        };
+        assert!(matches!(
+            counted(&fields(HEADER_FIELDS_MAX), 5),
+            Ok(Some(_))
+        ));
+        assert_eq!(
+            counted(&fields(HEADER_FIELDS_MAX + 1), 5),
+            Err(HeadRefusal::Fields)
+        );
+        let line = |length: usize| format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(length));
+        let at_limit = line(REQUEST_LINE_MAX_BYTES - "GET / HTTP/1.1".len());
+        assert!(matches!(counted(at_limit.as_bytes(), 100), Ok(Some(_))));
+        let over = line(REQUEST_LINE_MAX_BYTES);
+        assert_eq!(counted(over.as_bytes(), 100), Err(HeadRefusal::RequestLine));
+        let field = |length: usize| format!("GET / HTTP/1.1\r\nx: {}\r\n\r\n", "a".repeat(length));
+        let whole = field(HEAD_MAX_BYTES - field(0).len());
+        assert_eq!(whole.len(), HEAD_MAX_BYTES);
+        assert!(matches!(counted(whole.as_bytes(), 4096), Ok(Some(_))));
+        let over = field(HEAD_MAX_BYTES - field(0).len() + 1);
+        assert_eq!(counted(over.as_bytes(), 4096), Err(HeadRefusal::Bytes));
+    }
 
     #[test]
     fn a_parameter_repeated_in_any_spelling_is_found_and_distinct_ones_are_not() {

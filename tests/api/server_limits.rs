@@ -469,6 +469,38 @@ async fn a_request_target_longer_than_8_kib_is_a_json_414_however_long_it_is() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_of_more_than_100_fields_or_64_kib_is_a_json_431_and_one_at_the_limits_is_served() {
+    let app = TestApp::spawn().await;
+    let fields =
+        |count: usize| -> String { (0..count).map(|n| format!("x-f{n}: v\r\n")).collect() };
+    let long_field = |bytes: usize| format!("x-long: {}\r\n", "a".repeat(bytes));
+    // `host` is one of the fields. 500 000 bytes is past hyper's own buffer (about 408 KiB)
+    // and 101 fields past its parser's 100, where hyper would answer a 431 with no body.
+    let cases = [
+        (fields(99), 200),
+        (fields(100), 431),
+        (long_field(60 * 1024), 200),
+        (long_field(64 * 1024), 431),
+        (long_field(500_000), 431),
+    ];
+    for (extra, expected) in cases {
+        let mut stream = connect(&app).await;
+        let request = format!("GET /healthz HTTP/1.1\r\nhost: tally\r\n{extra}\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let what = format!("a head of {} bytes", request.len());
+        let (status, body) = read_response(&mut stream, 10)
+            .await
+            .unwrap_or_else(|| panic!("no answer to {what}"));
+        assert_eq!(status, expected, "{what}: {body}");
+        if expected == 431 {
+            assert_eq!(error_code(&body), "headers_too_large", "{what}");
+        }
+    }
+    assert!(health_answers(&app).await);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_lets_a_request_in_progress_finish_and_closes_idle_connections() {
     let mut app = TestApp::spawn().await;
     let mut idle = connect(&app).await;
