@@ -208,13 +208,15 @@ pub async fn run(
 }
 
 /// What a run has gathered: the lines stored so far, their tallies per currency, the
-/// containers the report's runtime lines name and the report's currency.
+/// ledger's containers the report's runtime lines were compared with and the report's
+/// currency.
 struct Progress {
     id: Uuid,
     seq: i64,
     counts: BTreeMap<Status, u64>,
     currencies: BTreeMap<String, CurrencyTally>,
-    mentioned: HashSet<String>,
+    /// The (org, container) of the ledger that runtime lines were compared with.
+    mentioned: HashSet<(String, String)>,
     /// The first line's currency: `missing_in_provider` lines, which carry no money, are
     /// listed in it.
     currency: Option<String>,
@@ -358,7 +360,7 @@ async fn reconcile_lines(
 }
 
 /// One round's lines against the ledger's containers they name (`known`), noting the
-/// containers mentioned and the report's first currency.
+/// containers they were compared with and the report's first currency.
 fn reconcile_round(
     lines: &[(i64, ReportLine)],
     known: &HashMap<String, Vec<StoredContainer>>,
@@ -384,12 +386,13 @@ fn reconcile_round(
         if progress.currency.is_none() {
             progress.currency = Some(line.currency.clone());
         }
-        if let Some(id) = container {
-            progress.mentioned.insert(id.to_owned());
+        let reconciled = reconcile::reconcile_line(*number, line, &ledger, tolerance, as_of)?;
+        // The container the line was compared with is mentioned, not every org's container
+        // of that id: another org's is still missing from the report.
+        if let (Some(id), Some(org), false) = (container, &reconciled.org_id, ledger.is_empty()) {
+            progress.mentioned.insert((org.clone(), id.to_owned()));
         }
-        results.push(reconcile::reconcile_line(
-            *number, line, &ledger, tolerance, as_of,
-        )?);
+        results.push(reconciled);
     }
     Ok(results)
 }
@@ -405,7 +408,8 @@ async fn missing_in_provider(
 ) -> Result<Vec<Reconciled>, ReconcileError> {
     let mut missing = Vec::new();
     for stored in store::containers_running_since(transaction, window.start()).await? {
-        if progress.mentioned.contains(&stored.container_id) {
+        let key = (stored.org_id.clone(), stored.container_id.clone());
+        if progress.mentioned.contains(&key) {
             continue;
         }
         missing.extend(reconcile::missing_in_provider(

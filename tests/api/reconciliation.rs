@@ -568,3 +568,54 @@ async fn the_lines_of_a_resource_id_as_long_as_a_report_may_give_are_found_by_it
         "{refused}"
     );
 }
+
+#[tokio::test]
+async fn a_line_for_one_orgs_container_does_not_hide_another_orgs_container_of_the_same_id() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    let mut events = Vec::new();
+    for (org, start, stop) in [("acme", 5, 2), ("beta", 5, 3)] {
+        for (kind, hours_ago) in [("container.created", start), ("container.stopped", stop)] {
+            events.push(json!({"id": Uuid::new_v4(), "type": kind, "org_id": org,
+                               "container_id": "shared", "occurred_at": at(hours_ago)}));
+        }
+    }
+    answered(200, app.post_events(&json!({"events": events})).await);
+    projected_to_head(&app.pool, "the events are projected").await;
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory\n\
+         {},{},shared,2,Hours,0.20,USD,\"{{\"\"org_id\"\":\"\"beta\"\"}}\",Usage",
+        at(6),
+        at(1)
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    assert_eq!(result["counts"]["matched"], 1, "{result}");
+    assert_eq!(
+        result["counts"]["missing_in_provider"], 1,
+        "acme's 3 h under the same id are not in the report: {result}"
+    );
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let (_, lines) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
+    let missing = &lines["lines"][1];
+    assert_eq!(
+        (
+            &missing["org_id"],
+            &missing["status"],
+            &missing["ledger_runtime_ms"]
+        ),
+        (
+            &json!("acme"),
+            &json!("missing_in_provider"),
+            &json!(3 * 3_600_000)
+        ),
+        "{lines}"
+    );
+}
