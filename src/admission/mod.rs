@@ -183,9 +183,11 @@ struct FactsRow {
     /// than [`ORG_CONTAINERS_KEPT_MAX`]: all of them when there are no more than that.
     org_containers: Vec<String>,
     org_intervals: Vec<String>,
-    /// When each live reservation of the org expires; those past `now` do not count.
+    /// When each slot held by reservations stops being held: a live reservation's expiry,
+    /// or the instant of a start dated after `now` that consumed some; those past `now` do
+    /// not count.
     reservation_expiries: Vec<DateTime<Utc>>,
-    /// Reservations consumed by an event past the checkpoint (see [`Prepared`]).
+    /// Events past the checkpoint that consumed reservations (see [`Prepared`]).
     consumed_unprojected: i64,
     account: Option<String>,
     /// Every version of every plan the org has been on, and of `free`: [data, ms, position].
@@ -234,6 +236,11 @@ async fn load_facts(
     // containers of that hour are then kept only if their last event is after `now`.
     let future = "org_id = r.org AND last_hour >= date_trunc('hour', $3 AT TIME ZONE 'UTC') \
                   AND last_at > $3";
+    // A slot is held by each live reservation until it expires, and by the reservations a
+    // start dated after `now` consumed until that start's instant, counted once a start (a
+    // start consumes every live reservation of its container); those consumed by an event
+    // the projection has not reached are counted apart, once an event.
+
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
     let containers: Vec<Option<&str>> = requests
         .iter()
@@ -261,8 +268,14 @@ async fn load_facts(
                 COALESCE(w.org_intervals, '{{}}') AS org_intervals, \
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
-                        AND expires_at > $3 ORDER BY expires_at) AS reservation_expiries, \
-                (SELECT count(*) FROM admission_reservation \
+                        AND expires_at > $3 \
+                      UNION ALL \
+                      SELECT min(consumed_starts_at) FROM admission_reservation \
+                      WHERE org_id = r.org AND consumed_starts_at > $3 AND consumed_position <= \
+                        (SELECT position FROM {live}.checkpoint) \
+                      GROUP BY consumed_by \
+                      ORDER BY 1) AS reservation_expiries, \
+                (SELECT count(DISTINCT consumed_by) FROM admission_reservation \
                       WHERE org_id = r.org AND consumed_position > \
                         (SELECT position FROM {live}.checkpoint)) AS consumed_unprojected, \
                 (SELECT json_agg(json_build_array(position, \

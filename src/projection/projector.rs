@@ -524,17 +524,19 @@ fn containers_of<'a>(events: impl Iterator<Item = &'a ProjectedEvent>) -> Vec<Co
 }
 
 /// The containers that a `created` or `resumed` of `events` starts: (org, container) to
-/// (event id, position).
-fn starts(events: &[ProjectedEvent]) -> HashMap<(String, String), (uuid::Uuid, i64)> {
+/// the start (the last of them, should a container have several).
+fn starts(events: &[ProjectedEvent]) -> HashMap<(String, String), store::Start> {
     events
         .iter()
         .filter_map(|event| {
             let (container_id, entry) = event.container.as_ref()?;
             matches!(entry.kind, EntryKind::Created | EntryKind::Resumed).then(|| {
-                (
-                    (event.org_id.clone(), container_id.clone()),
-                    (entry.event_id.as_uuid(), entry.position),
-                )
+                let start = store::Start {
+                    event_id: entry.event_id.as_uuid(),
+                    position: entry.position,
+                    at: entry.occurred_at,
+                };
+                ((event.org_id.clone(), container_id.clone()), start)
             })
         })
         .collect()

@@ -1570,11 +1570,25 @@ pub fn admission_lock(org: &str) -> String {
 /// containers holds it alone from before it consumes to its commit. `'consum'` in ASCII.
 pub const CONSUME_LOCK_KEY: i64 = 0x636f_6e73_756d;
 
+/// A `created` or `resumed` of a projector round, as the consuming of reservations reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Start {
+    pub event_id: Uuid,
+    pub position: i64,
+    /// The event's `occurred_at`: from then on its container counts as running.
+    pub at: DateTime<Utc>,
+}
+
 /// Admission's reservations taken up by a projector round: consumes, for each container
-/// that a `created` or `resumed` of this projector round starts, its oldest live
-/// reservation (unexpired at `now`) — unless that event consumed one already (it is
-/// projected again after a replay's swap) — and records the event's position on it.
-/// Runs in the round's transaction; returns the org of each reservation consumed.
+/// that a `created` or `resumed` of this projector round starts, every live reservation
+/// naming it (unexpired at `now`) — unless that event consumed some already (it is
+/// projected again after a replay's swap) — and records the event's position and instant on
+/// them. Runs in the round's transaction; returns the org of each reservation consumed.
+///
+/// Every one, not the oldest only: two grants for one container (a retried request) would
+/// otherwise leave one holding a slot next to the running container until it expired. A
+/// start dated ahead of the clock counts from its instant on; until then the reservations
+/// it consumed still hold the slot (`admission::load_facts` reads `consumed_starts_at`).
 ///
 /// [`CONSUME_LOCK_KEY`] is taken first and held to the round's commit: a grant then either
 /// committed before the consuming statement's snapshot (and is consumed) or reads its facts
@@ -1584,7 +1598,7 @@ pub const CONSUME_LOCK_KEY: i64 = 0x636f_6e73_756d;
 /// No grant waits for a round while holding the lock, so this cannot deadlock.
 pub async fn consume_reservations(
     connection: &mut PgConnection,
-    starts: &HashMap<(String, String), (Uuid, i64)>,
+    starts: &HashMap<(String, String), Start>,
     now: DateTime<Utc>,
 ) -> sqlx::Result<Vec<String>> {
     if starts.is_empty() {
@@ -1598,22 +1612,22 @@ pub async fn consume_reservations(
     let mut containers = Vec::with_capacity(starts.len());
     let mut events = Vec::with_capacity(starts.len());
     let mut positions = Vec::with_capacity(starts.len());
-    for ((org, container), (event, position)) in starts {
+    let mut instants = Vec::with_capacity(starts.len());
+    for ((org, container), start) in starts {
         orgs.push(org.as_str());
         containers.push(container.as_str());
-        events.push(*event);
-        positions.push(*position);
+        events.push(start.event_id);
+        positions.push(start.position);
+        instants.push(start.at);
     }
     sqlx::query_scalar(
         "UPDATE admission_reservation r \
-         SET consumed_at = now(), consumed_by = s.event_id, consumed_position = s.position \
-         FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[], $4::BIGINT[]) \
-              AS s(org_id, container_id, event_id, position) \
-         WHERE r.id = (SELECT x.id FROM admission_reservation x \
-                       WHERE x.org_id = s.org_id AND x.container_id = s.container_id \
-                         AND x.released_at IS NULL AND x.consumed_at IS NULL \
-                         AND x.expires_at > $5 \
-                       ORDER BY x.created_at LIMIT 1) \
+         SET consumed_at = now(), consumed_by = s.event_id, consumed_position = s.position, \
+             consumed_starts_at = s.starts_at \
+         FROM UNNEST($1::TEXT[], $2::TEXT[], $3::UUID[], $4::BIGINT[], $5::TIMESTAMPTZ[]) \
+              AS s(org_id, container_id, event_id, position, starts_at) \
+         WHERE r.org_id = s.org_id AND r.container_id = s.container_id \
+           AND r.released_at IS NULL AND r.consumed_at IS NULL AND r.expires_at > $6 \
            AND NOT EXISTS (SELECT 1 FROM admission_reservation c \
                            WHERE c.consumed_by = s.event_id) \
          RETURNING r.org_id",
@@ -1622,6 +1636,7 @@ pub async fn consume_reservations(
     .bind(&containers)
     .bind(&events)
     .bind(&positions)
+    .bind(&instants)
     .bind(now)
     .fetch_all(connection)
     .await

@@ -473,6 +473,96 @@ async fn a_grant_still_being_stored_when_its_containers_create_is_projected_is_c
     app.stop().await;
 }
 
+/// The reservations of `org`'s `container`, with the event that consumed each, if any.
+async fn consumed_by(app: &TestApp, org: &str, container: &str) -> Vec<Option<Uuid>> {
+    sqlx::query_scalar(
+        "SELECT consumed_by FROM admission_reservation WHERE org_id = $1 AND container_id = $2 \
+         ORDER BY created_at",
+    )
+    .bind(org)
+    .bind(container)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_start_dated_ahead_of_the_clock_leaves_its_reservation_holding_the_slot_until_then() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    two_slots(&app).await;
+    let reserve = |container: &str| {
+        json!({"org_id": "acme", "action": "create", "container_id": container,
+               "ttl_seconds": 300})
+    };
+    let (status, early) = app.reserve(&reserve("g1")).await;
+    assert_eq!(status, 201, "{early}");
+    // Dated 3 s ahead (up to 5 minutes are accepted): g1 counts as running from then on.
+    event(
+        &app,
+        container_event(&app, "acme", "g1", "container.created", -3),
+    )
+    .await;
+    let answer = check(&app, json!({"org_id": "acme", "action": "create"})).await;
+    assert_eq!(answer["running_containers"], 0, "{answer}");
+    assert_eq!(consumed_by(&app, "acme", "g1").await.len(), 1);
+    assert!(consumed_by(&app, "acme", "g1").await[0].is_some());
+    let (status, second) = app.reserve(&reserve("g2")).await;
+    assert_eq!(status, 201, "g1's slot and g2's make two: {second}");
+    event(
+        &app,
+        container_event(&app, "acme", "g2", "container.created", 0),
+    )
+    .await;
+    let (status, third) = app.reserve(&reserve("g3")).await;
+    assert_eq!(
+        (status, third["error"]["code"].as_str()),
+        (409, Some("concurrency_limit")),
+        "g1's consumed reservation still holds its slot: {third}"
+    );
+
+    // Once g1's start has come, g1 holds the slot and its reservation no longer does.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    event(
+        &app,
+        container_event(&app, "acme", "g2", "container.stopped", 0),
+    )
+    .await;
+    let answer = check(&app, json!({"org_id": "acme", "action": "create"})).await;
+    assert_eq!(answer["running_containers"], 1, "{answer}");
+    let (status, third) = app.reserve(&reserve("g3")).await;
+    assert_eq!(status, 201, "the slot is counted once: {third}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_start_consumes_every_live_reservation_of_its_container() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    two_slots(&app).await;
+    let body = json!({"org_id": "acme", "action": "create", "container_id": "x1"});
+    for _ in 0..2 {
+        // A retried request: both granted, two slots held for one container.
+        let (status, granted) = app.reserve(&body).await;
+        assert_eq!(status, 201, "{granted}");
+    }
+    event(
+        &app,
+        container_event(&app, "acme", "x1", "container.created", 1),
+    )
+    .await;
+    let answer = check(&app, json!({"org_id": "acme", "action": "create"})).await;
+    assert_eq!(answer["allowed"], true, "x1 holds one slot: {answer}");
+    let consumed = consumed_by(&app, "acme", "x1").await;
+    assert_eq!(consumed.len(), 2);
+    assert!(
+        consumed.iter().all(|by| by.is_some() && *by == consumed[0]),
+        "{consumed:?}"
+    );
+    assert_eq!(live_reservations(&app, "acme").await, 0);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_reservation_for_a_container_that_runs_is_refused_while_a_check_for_it_is_answered() {
     let app = TestApp::spawn().await;
@@ -759,22 +849,24 @@ async fn a_grant_that_finds_the_projection_moved_back_under_the_orgs_lock_waits_
 async fn an_event_projected_again_after_a_replay_consumes_no_second_reservation() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
-    // Two live reservations for the same container (the plan's one slot would refuse the
-    // second grant, so the rows are written directly).
+    // Reservations for the same container, the second stored after the first was consumed
+    // (the plan's one slot would refuse its grant, so the rows are written directly).
     let reservations: Vec<Uuid> = (0..2).map(|_| Uuid::now_v7()).collect();
-    for (age, id) in [(2, reservations[0]), (1, reservations[1])] {
-        sqlx::query(
-            "INSERT INTO admission_reservation \
-                 (id, org_id, container_id, action, reserved_by, created_at, expires_at) \
-             VALUES ($1, 'acme', 'c1', 'create', 'test', now() - make_interval(secs => $2), \
-                     now() + interval '5 minutes')",
-        )
-        .bind(id)
-        .bind(f64::from(age))
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    }
+    let reserve = |id: Uuid| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO admission_reservation \
+                     (id, org_id, container_id, action, reserved_by, created_at, expires_at) \
+                 VALUES ($1, 'acme', 'c1', 'create', 'test', now(), now() + interval '5 minutes')",
+            )
+            .bind(id)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    reserve(reservations[0]).await;
     event(
         &app,
         container_event(&app, "acme", "c1", "container.created", 5),
@@ -792,10 +884,11 @@ async fn an_event_projected_again_after_a_replay_consumes_no_second_reservation(
             .unwrap()
         }
     };
-    eventually(5, "the older reservation is consumed", || async {
+    eventually(5, "the first reservation is consumed", || async {
         consumed_by(reservations[0]).await.is_some()
     })
     .await;
+    reserve(reservations[1]).await;
     // As after a replay's swap: the checkpoint one event back, so the projector projects
     // the `created` again.
     sqlx::query("UPDATE proj.checkpoint SET position = position - 1")
