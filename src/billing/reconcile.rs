@@ -2,6 +2,9 @@
 //! against the ledger's, line by line, and the containers the provider did not report.
 //! Pure; money is `Decimal` throughout.
 
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound::Excluded;
+
 use chrono::{DateTime, Utc};
 use rust_decimal::{Decimal, RoundingStrategy};
 
@@ -195,6 +198,80 @@ pub struct LedgerContainer<'a> {
     pub lifecycle: &'a Lifecycle,
 }
 
+/// The charge periods a report's earlier runtime lines claimed, per ledger container (org,
+/// container id): runtime inside them is counted for the first line that claimed it only,
+/// so that a provider billing the same runtime on two lines is over on the second
+/// (decision 0047). Each container's claims are kept merged, as disjoint windows by start.
+#[derive(Debug, Default)]
+pub struct Claims {
+    by_container: HashMap<(String, String), BTreeMap<DateTime<Utc>, DateTime<Utc>>>,
+}
+
+impl Claims {
+    /// Whether a line claimed anything of the container: the report mentions it.
+    pub fn mentions(&self, org_id: &str, container_id: &str) -> bool {
+        self.by_container
+            .contains_key(&(org_id.to_owned(), container_id.to_owned()))
+    }
+
+    /// Claims `window` for the container, merged with what it touches.
+    pub fn claim(&mut self, org_id: &str, container_id: &str, window: Window) {
+        let claimed = self
+            .by_container
+            .entry((org_id.to_owned(), container_id.to_owned()))
+            .or_default();
+        let (mut start, mut end) = (window.start(), window.end());
+        // The claim that starts at or before `start` and reaches it, then every claim that
+        // starts inside the window or at its end: all merge into one.
+        let before = claimed
+            .range(..=start)
+            .next_back()
+            .filter(|(_, claim_end)| **claim_end >= start)
+            .map(|(claim_start, _)| *claim_start);
+        let inside: Vec<DateTime<Utc>> = claimed
+            .range(start..=end)
+            .map(|(claim_start, _)| *claim_start)
+            .collect();
+        for claim_start in before.into_iter().chain(inside) {
+            if let Some(claim_end) = claimed.remove(&claim_start) {
+                start = start.min(claim_start);
+                end = end.max(claim_end);
+            }
+        }
+        claimed.insert(start, end);
+    }
+
+    /// The container's runtime inside `window` that no earlier line claimed.
+    fn unclaimed_runtime_ms(
+        &self,
+        known: &LedgerContainer<'_>,
+        container_id: &str,
+        window: Window,
+    ) -> i64 {
+        let key = (known.org_id.to_owned(), container_id.to_owned());
+        let (Some(claimed), false) = (self.by_container.get(&key), window.length_ms() == 0) else {
+            return known.lifecycle.runtime_ms(window);
+        };
+        // The claim that starts at or before the window's start, then those that start
+        // inside it: the gaps between them are unclaimed.
+        let first = claimed.range(..=window.start()).next_back();
+        let inside = claimed.range((Excluded(window.start()), Excluded(window.end())));
+        let mut runtime_ms = 0;
+        let mut from = window.start();
+        for (claim_start, claim_end) in first.into_iter().chain(inside) {
+            if *claim_start > from {
+                let gap = Window::new(from, (*claim_start).min(window.end()));
+                runtime_ms += known.lifecycle.runtime_ms(gap);
+            }
+            from = from.max(*claim_end);
+            if from >= window.end() {
+                return runtime_ms;
+            }
+        }
+        runtime_ms + known.lifecycle.runtime_ms(Window::new(from, window.end()))
+    }
+}
+
 /// The figures of a compared line (a runtime line or a `missing_in_provider` one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Compared {
@@ -245,14 +322,16 @@ pub struct OutOfRange {
 }
 
 /// Reconciles one line (file line `report_line`) against the ledger's records of its
-/// container id, counting the ledger's runtime over the line's charge period up to `as_of`.
-/// A line that is not runtime is `not_runtime`, whatever the ledger holds.
+/// container id, counting the ledger's runtime over the line's charge period up to `as_of`,
+/// outside what earlier lines `claims` for the same container. A line that is not runtime
+/// is `not_runtime`, whatever the ledger holds. The caller claims the line's charge period
+/// for the container it was compared with (the line's `org_id`) before the next line.
 pub fn reconcile_line(
     report_line: i64,
     line: &ReportLine,
     ledger: &[LedgerContainer<'_>],
-    tolerance: Tolerance,
-    as_of: DateTime<Utc>,
+    (tolerance, as_of): (Tolerance, DateTime<Utc>),
+    claims: &Claims,
 ) -> Result<Reconciled, OutOfRange> {
     let mut reconciled = Reconciled {
         report_line: Some(report_line),
@@ -266,7 +345,7 @@ pub fn reconcile_line(
         provider_cost: line.billed_cost,
         currency: line.currency.clone(),
     };
-    let Some((_, provider_runtime_ms)) = line.runtime() else {
+    let Some((container_id, provider_runtime_ms)) = line.runtime() else {
         return Ok(reconciled);
     };
     let out_of_range = OutOfRange { line: report_line };
@@ -282,7 +361,7 @@ pub fn reconcile_line(
     };
     let (ledger_runtime_ms, status) = match own {
         Some(known) => {
-            let ledger_ms = known.lifecycle.runtime_ms(window);
+            let ledger_ms = claims.unclaimed_runtime_ms(known, container_id, window);
             let delta = provider_runtime_ms - ledger_ms;
             let status = if tolerance.allows(delta, ledger_ms) {
                 Status::Matched
@@ -298,9 +377,10 @@ pub fn reconcile_line(
         // bills the wrong tenant, or the ledger does. Against the first org of `ledger`,
         // which its caller gives in org id order, so that every run gives the same line.
         None if !ledger.is_empty() => {
-            let first = ledger[0];
+            let first = &ledger[0];
             reconciled.org_id = Some(first.org_id.to_owned());
-            (first.lifecycle.runtime_ms(window), Status::OrgMismatch)
+            let ledger_ms = claims.unclaimed_runtime_ms(first, container_id, window);
+            (ledger_ms, Status::OrgMismatch)
         }
         None => (0, Status::MissingInLedger),
     };
@@ -400,7 +480,14 @@ mod tests {
         tolerance: Tolerance,
         as_of: DateTime<Utc>,
     ) -> Reconciled {
-        super::reconcile_line(report_line, line, ledger, tolerance, as_of).expect("in range")
+        super::reconcile_line(
+            report_line,
+            line,
+            ledger,
+            (tolerance, as_of),
+            &Claims::default(),
+        )
+        .expect("in range")
     }
 
     fn at(hour: i64) -> DateTime<Utc> {
@@ -460,6 +547,53 @@ mod tests {
             org_id: "acme",
             lifecycle,
         }]
+    }
+
+    #[test]
+    fn runtime_an_earlier_line_claimed_is_not_counted_again_for_a_later_one() {
+        // Ran from hour 1 to hour 3 and from 5 to 6.
+        let ran = lifecycle(&[(1, Some(3)), (5, Some(6))]);
+        let ledger = known(&ran);
+        let as_of = at(100);
+        let mut claims = Claims::default();
+        let mut next = |start: i64, end: i64, seconds: &str| {
+            let line = line(start, end, seconds, "1.00");
+            let tolerance = (Tolerance::default(), as_of);
+            let reconciled = super::reconcile_line(2, &line, &ledger, tolerance, &claims).unwrap();
+            claims.claim("acme", "c1", line.charge_period);
+            (reconciled.status, compared(&reconciled).ledger_runtime_ms)
+        };
+        let hour = 3_600_000;
+        assert_eq!(next(0, 24, "10800"), (Status::Matched, 3 * hour));
+        assert_eq!(
+            next(0, 12, "7200"),
+            (Status::ProviderOver, 0),
+            "billed twice"
+        );
+        // Another container, or another org's, is not claimed.
+        assert!(claims.mentions("acme", "c1"));
+        assert!(!claims.mentions("beta", "c1") && !claims.mentions("acme", "c2"));
+    }
+
+    #[test]
+    fn claims_merge_and_leave_their_gaps_to_later_lines() {
+        let ran = lifecycle(&[(0, Some(24))]);
+        let ledger = known(&ran);
+        let mut claims = Claims::default();
+        for (start, end) in [(2, 4), (6, 8), (4, 5), (10, 11), (7, 10)] {
+            claims.claim("acme", "c1", Window::new(at(start), at(end)));
+        }
+        // Claimed: [2, 5) and [6, 11).
+        let unclaimed = |start: i64, end: i64| {
+            claims.unclaimed_runtime_ms(&ledger[0], "c1", Window::new(at(start), at(end)))
+                / 3_600_000
+        };
+        assert_eq!(unclaimed(0, 24), 24 - 3 - 5);
+        assert_eq!(unclaimed(3, 7), 1, "only hour 5 is free");
+        assert_eq!(unclaimed(2, 5), 0);
+        assert_eq!(unclaimed(11, 12), 1);
+        assert_eq!(unclaimed(4, 4), 0, "an empty window");
+        assert_eq!(claims.by_container[&("acme".into(), "c1".into())].len(), 2);
     }
 
     #[test]
@@ -592,7 +726,13 @@ mod tests {
         let as_of = at(100);
         let past = line(0, 10, "0.001", &Decimal::MAX.to_string());
         assert_eq!(
-            super::reconcile_line(9, &past, &known(&ran), Tolerance::default(), as_of),
+            super::reconcile_line(
+                9,
+                &past,
+                &known(&ran),
+                (Tolerance::default(), as_of),
+                &Claims::default()
+            ),
             Err(OutOfRange { line: 9 })
         );
         let bound = crate::billing::report::COST_MAX;
@@ -605,14 +745,26 @@ mod tests {
         // Inside the bound, but 24 digits before the point and 10 after do not fit in 28.
         let fine = line(0, 10, "0.001", "999999999999999.9999999999");
         assert_eq!(
-            super::reconcile_line(9, &fine, &known(&ran), Tolerance::default(), as_of),
+            super::reconcile_line(
+                9,
+                &fine,
+                &known(&ran),
+                (Tolerance::default(), as_of),
+                &Claims::default()
+            ),
             Err(OutOfRange { line: 9 })
         );
         // Days whose milliseconds pass an i64.
         let mut days = line(0, 10, "200000000000", "1");
         days.unit = Some("Days".into());
         assert_eq!(
-            super::reconcile_line(9, &days, &known(&ran), Tolerance::default(), as_of),
+            super::reconcile_line(
+                9,
+                &days,
+                &known(&ran),
+                (Tolerance::default(), as_of),
+                &Claims::default()
+            ),
             Err(OutOfRange { line: 9 })
         );
     }
@@ -728,7 +880,14 @@ mod runtime_tests {
             lifecycle: &lifecycle,
         }];
         let credit = usage("Credit", Some("Hours"), Some("ctr_1"));
-        let result = reconcile_line(7, &credit, &ledger, Tolerance::default(), Utc::now()).unwrap();
+        let result = reconcile_line(
+            7,
+            &credit,
+            &ledger,
+            (Tolerance::default(), Utc::now()),
+            &Claims::default(),
+        )
+        .unwrap();
         assert_eq!(result.status, Status::NotRuntime);
         assert_eq!(result.compared, None);
         assert_eq!(

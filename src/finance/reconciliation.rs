@@ -215,8 +215,8 @@ struct Progress {
     seq: i64,
     counts: BTreeMap<Status, u64>,
     currencies: BTreeMap<String, CurrencyTally>,
-    /// The (org, container) of the ledger that runtime lines were compared with.
-    mentioned: HashSet<(String, String)>,
+    /// What runtime lines claimed of the ledger's containers they were compared with.
+    claims: reconcile::Claims,
     /// The first line's currency: `missing_in_provider` lines, which carry no money, are
     /// listed in it.
     currency: Option<String>,
@@ -229,7 +229,7 @@ impl Progress {
             seq: 0,
             counts: BTreeMap::new(),
             currencies: BTreeMap::new(),
-            mentioned: HashSet::new(),
+            claims: reconcile::Claims::default(),
             currency: None,
         }
     }
@@ -386,11 +386,17 @@ fn reconcile_round(
         if progress.currency.is_none() {
             progress.currency = Some(line.currency.clone());
         }
-        let reconciled = reconcile::reconcile_line(*number, line, &ledger, tolerance, as_of)?;
-        // The container the line was compared with is mentioned, not every org's container
-        // of that id: another org's is still missing from the report.
+        let reconciled = reconcile::reconcile_line(
+            *number,
+            line,
+            &ledger,
+            (tolerance, as_of),
+            &progress.claims,
+        )?;
+        // The line claims its charge period of the container it was compared with, not of
+        // every org's container of that id: another org's is still missing from the report.
         if let (Some(id), Some(org), false) = (container, &reconciled.org_id, ledger.is_empty()) {
-            progress.mentioned.insert((org.clone(), id.to_owned()));
+            progress.claims.claim(org, id, line.charge_period);
         }
         results.push(reconciled);
     }
@@ -408,8 +414,10 @@ async fn missing_in_provider(
 ) -> Result<Vec<Reconciled>, ReconcileError> {
     let mut missing = Vec::new();
     for stored in store::containers_running_since(transaction, window.start()).await? {
-        let key = (stored.org_id.clone(), stored.container_id.clone());
-        if progress.mentioned.contains(&key) {
+        if progress
+            .claims
+            .mentions(&stored.org_id, &stored.container_id)
+        {
             continue;
         }
         missing.extend(reconcile::missing_in_provider(

@@ -2,7 +2,7 @@
 //! of every kind is reconciled to exactly those, with exact deltas and costs to the cent.
 
 use chrono::{Duration, DurationRound, Utc};
-use serde_json::json;
+use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::helpers::{answered, projected_to_head, TestApp};
@@ -618,4 +618,49 @@ async fn a_line_for_one_orgs_container_does_not_hide_another_orgs_container_of_t
         ),
         "{lines}"
     );
+}
+
+#[tokio::test]
+async fn runtime_billed_on_two_overlapping_lines_is_matched_once_and_over_on_the_second() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    let events: Vec<_> = [("container.created", 5), ("container.stopped", 3)]
+        .into_iter()
+        .map(|(kind, hours_ago)| {
+            json!({"id": Uuid::new_v4(), "type": kind, "org_id": "acme", "container_id": "c1",
+                   "occurred_at": at(hours_ago)})
+        })
+        .collect();
+    answered(200, app.post_events(&json!({"events": events})).await);
+    projected_to_head(&app.pool, "the events are projected").await;
+    let line =
+        |start: i64, end: i64| format!("{},{},c1,2,Hours,0.20,USD,Usage", at(start), at(end));
+    let csv = [
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory".to_owned(),
+        line(6, 1),
+        line(6, 2),
+        line(6, 1),
+    ]
+    .join("\n");
+    let report = answered(201, app.post_report(csv).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    assert_eq!(result["counts"]["matched"], 1, "{result}");
+    assert_eq!(result["counts"]["provider_over"], 2, "{result}");
+    assert_eq!(
+        result["totals"]["currencies"]["USD"]["total"]["cost_delta"], "0.40",
+        "the runtime was billed three times: {result}"
+    );
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let (_, lines) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
+    let ledger: Vec<&Value> = (0..3)
+        .map(|n| &lines["lines"][n]["ledger_runtime_ms"])
+        .collect();
+    assert_eq!(ledger, [&json!(7_200_000), &json!(0), &json!(0)], "{lines}");
 }
