@@ -11,7 +11,7 @@ pub mod reader;
 use std::collections::HashMap;
 use std::str::FromStr;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use rust_decimal::Decimal;
 use serde_json::Value;
 
@@ -211,7 +211,13 @@ impl Header {
 /// Reads a report's instant: RFC 3339 with an offset, or a date and time without one
 /// (`2024-09-18 22:00:00`, `2024-09-18T22:00:00.000`, `2024-09-18 22:00:00 UTC`), which
 /// FOCUS defines as UTC. Leap seconds and years outside 0001–9999 are refused either way.
+/// Kept to the microsecond, as stored: finer digits are dropped here, so that the checks
+/// made on it (an end after its start) hold for what is stored.
 pub fn parse_instant(value: &str) -> Result<DateTime<Utc>, storable::InstantError> {
+    parse_instant_exactly(value).map(|instant| instant.trunc_subsecs(6))
+}
+
+fn parse_instant_exactly(value: &str) -> Result<DateTime<Utc>, storable::InstantError> {
     let error = match storable::parse_instant(value) {
         Ok(instant) => return Ok(instant),
         Err(error) => error,
@@ -602,6 +608,14 @@ mod tests {
             error_of(&year_zero),
             (4, Some("ChargePeriodStart".into()), "invalid_timestamp")
         );
+        // Apart by less than the microsecond that is stored: no period.
+        let instant = report(&[
+            "Usage,2026-11-10T00:00:00.0000001Z,2026-11-10T00:00:00.0000004Z,c1,2,Hours,1,USD,,",
+        ]);
+        assert_eq!(
+            error_of(&instant),
+            (2, Some("ChargePeriodEnd".into()), "end_before_start")
+        );
         let leap =
             report(&["Usage,2026-11-01T00:00:00Z,2026-11-01T00:59:60Z,c1,1,Seconds,1,USD,,"]);
         assert_eq!(
@@ -658,6 +672,11 @@ mod tests {
         assert_eq!(
             utc("2024-09-18 22:00:00.250"),
             Ok("2024-09-18T22:00:00.250+00:00".to_owned())
+        );
+        assert_eq!(
+            utc("2024-09-18T22:00:00.1234567Z"),
+            Ok("2024-09-18T22:00:00.123456+00:00".to_owned()),
+            "kept to the microsecond, as stored"
         );
         for text in [
             "2024-09-18",
