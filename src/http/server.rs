@@ -14,7 +14,8 @@
 //!   answered 503 `too_many_connections` and closed ([`Registry`]);
 //! - front-door refusals that hyper's router cannot express as JSON: a URI longer than
 //!   [`URI_MAX_BYTES`] (414 `uri_too_long`), a head of more than [`HEADER_FIELDS_MAX`]
-//!   fields or [`HEAD_MAX_BYTES`] (431 `headers_too_large`), a repeated query parameter (422
+//!   fields or [`HEAD_MAX_BYTES`] (431 `headers_too_large`), a path that is not UTF-8 once
+//!   decoded (400 `invalid_path`), a repeated query parameter (422
 //!   `duplicate_query_parameter`, as every route answers an unknown one) and a header that
 //!   must come once given twice (400 `duplicate_header`).
 
@@ -252,6 +253,13 @@ fn refuse_at_front_door<B>(request: &Request<B>) -> Option<ApiError> {
             format!("the request target is longer than {URI_MAX_BYTES} bytes"),
         ));
     }
+    if !decodes_as_text(request.uri().path()) {
+        return Some(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidPath,
+            "the request path is not UTF-8 text once its %-escapes are decoded",
+        ));
+    }
     if let Some(name) = SINGLE_HEADERS
         .iter()
         .find(|name| request.headers().get_all(**name).iter().nth(1).is_some())
@@ -281,6 +289,33 @@ const SINGLE_HEADERS: [&str; 4] = [
     "content-encoding",
     super::consistency::MIN_POSITION_HEADER,
 ];
+
+/// Whether `path` is UTF-8 text once its `%XX` escapes are decoded, as every path parameter
+/// must be; a `%` not followed by two hex digits stays as written, as the router keeps it.
+fn decodes_as_text(path: &str) -> bool {
+    if !path.contains('%') {
+        return true;
+    }
+    let bytes = path.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let escape = bytes
+            .get(at + 1..at + 3)
+            .filter(|hex| bytes[at] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
+        match escape.and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()) {
+            Some(byte) => {
+                decoded.push(byte);
+                at += 3;
+            }
+            None => {
+                decoded.push(bytes[at]);
+                at += 1;
+            }
+        }
+    }
+    std::str::from_utf8(&decoded).is_ok()
+}
 
 /// The first query parameter name that appears twice, once decoded: no route takes a
 /// list, and which of two values a route would read is not something to leave to chance.
@@ -956,6 +991,27 @@ mod tests {
             }
         }
         ended
+    }
+
+    #[test]
+    fn a_path_is_text_when_its_escapes_decode_to_utf8_and_stray_percents_stay_as_written() {
+        for path in [
+            "/v1/orgs/acme",
+            "/v1/orgs/%C3%A9t%C3%A9",
+            "/v1/orgs/100%",
+            "/a%G1",
+            "/a%2",
+        ] {
+            assert!(decodes_as_text(path), "{path}");
+        }
+        for path in [
+            "/v1/containers/%FF",
+            "/v1/orgs/%C3",
+            "/console/%80x",
+            "/a%c3%28",
+        ] {
+            assert!(!decodes_as_text(path), "{path}");
+        }
     }
 
     #[test]

@@ -501,6 +501,40 @@ async fn a_head_of_more_than_100_fields_or_64_kib_is_a_json_431_and_one_at_the_l
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_that_is_not_utf8_once_decoded_is_a_json_400_on_every_route() {
+    let app = TestApp::spawn().await;
+    for path in [
+        "/v1/containers/%FF",
+        "/v1/orgs/%C3/usage",
+        "/v1/reconciliations/%FF/lines.csv",
+        "/console/%FF",
+    ] {
+        let reply = app
+            .client
+            .get(app.url(path))
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 400, "{path}");
+        let text = reply.text().await.unwrap();
+        assert_eq!(error_code(&text), "invalid_path", "{path}: {text}");
+    }
+    let reply = app
+        .client
+        .delete(app.url("/v1/admission/reservations/%FF"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 400);
+    assert_eq!(error_code(&reply.text().await.unwrap()), "invalid_path");
+    let (status, body) = app.get_json("/v1/containers/%C3%A9").await;
+    assert_eq!(status, 422, "text, but not a container id: {body}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_lets_a_request_in_progress_finish_and_closes_idle_connections() {
     let mut app = TestApp::spawn().await;
     let mut idle = connect(&app).await;
