@@ -128,6 +128,16 @@ impl Consistency {
         })
     }
 
+    /// Checks what this asks without waiting for it, for a read that has nothing to wait for
+    /// (a closed period's snapshot): a `min_position` past the ledger's head is 422 all the
+    /// same.
+    pub async fn check(self, state: &AppState) -> Result<(), ApiError> {
+        if let Consistency::AtLeast(position) = self {
+            reachable(state, position).await?;
+        }
+        Ok(())
+    }
+
     /// Waits as this asks, within `TALLY_READ_WAIT_MS`; returns the projection's checkpoint.
     /// Past the wait: 503 `projection_lagging`.
     pub async fn settle(self, state: &AppState) -> Result<i64, ApiError> {

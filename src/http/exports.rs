@@ -427,7 +427,10 @@ pub async fn get_usage_export(
     // read database when one is set, once it has replayed the position wanted.
     let closed = crate::finance::periods::close_position(&state.pool, period).await?;
     let reads = match closed {
-        Some(_) => ReadPool::primary(&state),
+        Some(_) => {
+            consistency.check(&state).await?;
+            ReadPool::primary(&state)
+        }
         None => consistency.settle_reads(&state).await?,
     };
     let as_of = state.clock.now().trunc_subsecs(3).min(period.end());

@@ -112,6 +112,13 @@ async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_nex
         json!(hex::encode(Sha256::digest(closed_csv.as_bytes()))),
         snapshot["sha256"]
     );
+    // Its consistency parameters have nothing to wait for, but are checked: no event was
+    // acknowledged past the head.
+    let (status, past) = app
+        .get_usage_export(&format!("period={closed}&min_position=99999"))
+        .await;
+    assert_eq!(status, 422, "{past}");
+    assert!(past.contains("invalid_min_position"), "{past}");
     let (_, closed_json) = app
         .get_usage_export(&format!("period={closed}&format=json"))
         .await;
