@@ -234,6 +234,14 @@ pub fn binary_attributes<'a>(
                 "ce-datacontenttype: binary mode carries the data's type as Content-Type",
             ));
         }
+        // `data` names the event's data in every format, never an attribute: kept as one, it
+        // would sit in the audit beside the body it contradicts.
+        if name == "data" {
+            return Err(EventError::new(
+                ErrorCode::InvalidCloudevent,
+                "ce-data: binary mode carries the data as the body",
+            ));
+        }
         let decoded = percent_decode(value).map_err(|why| {
             EventError::new(ErrorCode::InvalidCloudevent, format!("{shown}: {why}"))
         })?;

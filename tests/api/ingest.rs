@@ -669,7 +669,8 @@ async fn extension_attributes_past_their_limits_are_refused_and_nothing_is_store
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_binary_cloudevent_missing_a_required_attribute_is_refused_naming_its_header() {
+async fn a_binary_cloudevent_missing_an_attribute_or_giving_data_as_one_is_refused_naming_its_header(
+) {
     let app = TestApp::spawn().await;
     for missing in ["source", "specversion", "orgid"] {
         let mut cloudevent = stopped_cloudevent("e-missing");
@@ -693,6 +694,21 @@ async fn a_binary_cloudevent_missing_a_required_attribute_is_refused_naming_its_
             "{answer}"
         );
     }
+    // Nor is data given twice, as the body and as a `ce-data` header.
+    let mut cloudevent = stopped_cloudevent("e-data-twice");
+    cloudevent
+        .as_object_mut()
+        .unwrap()
+        .remove("datacontenttype");
+    let (mut headers, body) = binary_mode(&cloudevent, "ce-");
+    headers.push(("ce-data".into(), "%7B%22reason%22%3A%22admin%22%7D".into()));
+    let (status, answer) = app
+        .post_binary(&headers, Some("application/json"), body)
+        .await;
+    assert_eq!(status, 422, "{answer}");
+    let detail = &answer["error"]["details"][0];
+    assert_eq!(detail["code"], "invalid_cloudevent", "{answer}");
+    assert!(detail["message"].as_str().unwrap().starts_with("ce-data:"));
     // Data that is not JSON is not taken for an event at all.
     let mut cloudevent = stopped_cloudevent("e-text");
     cloudevent
