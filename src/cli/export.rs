@@ -9,14 +9,24 @@ use crate::ledger::db;
 pub async fn usage(config: &Config, period: &str, format: &str) -> anyhow::Result<ExitCode> {
     use futures::StreamExt;
     use std::io::Write;
-    let period = crate::runtime::Period::parse(period)?;
+    // A caller's mistake exits 1, as the API's 422; 2 is for an export that could not run.
+    let refused = |why: String| {
+        eprintln!("tally: {why}");
+        Ok(ExitCode::from(1))
+    };
+    let period = match crate::runtime::Period::parse(period) {
+        Ok(period) => period,
+        Err(error) => return refused(format!("--period {period:?}: {error}")),
+    };
     if period.start() > chrono::Utc::now() {
-        anyhow::bail!("--period {period}: has not begun; it has no usage to export");
+        return refused(format!(
+            "--period {period}: has not begun; it has no usage to export"
+        ));
     }
     let json = match format {
         "csv" => false,
         "json" => true,
-        other => anyhow::bail!("--format {other:?}: csv or json"),
+        other => return refused(format!("--format {other:?}: csv or json")),
     };
     let pool = db::prepare(config).await?;
     // No projector runs here: every event acknowledged before now is projected first.

@@ -5,7 +5,7 @@ use chrono::{Duration, DurationRound};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{projected_to_head, run_tally, TestApp};
+use crate::helpers::{projected_to_head, run_tally, run_tally_exit, TestApp};
 
 #[tokio::test]
 async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
@@ -75,11 +75,15 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     );
     // The command line reads the system clock.
     let next = tally::runtime::Period::containing(chrono::Utc::now()).next();
-    let (ok, stdout, stderr) = run_tally(
-        &app.db.url,
-        &["export", "usage", "--period", &next.to_string()],
-    );
-    assert!(!ok && stderr.contains("has not begun"), "{stderr}");
-    assert!(stdout.is_empty(), "{stdout}");
+    for (args, why) in [
+        (["--period", &next.to_string()], "has not begun"),
+        (["--period", "2026-13"], "--period \"2026-13\""),
+    ] {
+        let (code, stdout, stderr) =
+            run_tally_exit(&app.db.url, &[&["export", "usage"][..], &args[..]].concat());
+        assert_eq!(code, Some(1), "a caller's mistake: {stderr}");
+        assert!(stderr.contains(why), "{stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+    }
     app.stop().await;
 }

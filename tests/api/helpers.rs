@@ -395,6 +395,12 @@ pub async fn stream_messages(js: &async_nats::jetstream::Context, stream: &str) 
 /// Runs the real binary with `args` on `database_url`: whether it succeeded, its standard
 /// output and its standard error.
 pub fn run_tally(database_url: &str, args: &[&str]) -> (bool, String, String) {
+    let (code, stdout, stderr) = run_tally_exit(database_url, args);
+    (code == Some(0), stdout, stderr)
+}
+
+/// [`run_tally`], with the exit code (`None` when a signal ended it).
+pub fn run_tally_exit(database_url: &str, args: &[&str]) -> (Option<i32>, String, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_tally"))
         .args(args)
         .env("DATABASE_URL", database_url)
@@ -402,7 +408,7 @@ pub fn run_tally(database_url: &str, args: &[&str]) -> (bool, String, String) {
         .output()
         .expect("running tally");
     (
-        output.status.success(),
+        output.status.code(),
         String::from_utf8(output.stdout).unwrap(),
         String::from_utf8(output.stderr).unwrap(),
     )
