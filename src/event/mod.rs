@@ -264,6 +264,10 @@ impl EventError {
     }
 }
 
+/// How far back an event added by the admin correction flow may go: the ledger's useful
+/// past, not the producers' bound.
+pub const CORRECTION_BACKDATE_DAYS: i64 = 3_660;
+
 /// Clock and bounds that decide whether a timestamp is acceptable.
 #[derive(Debug, Clone, Copy)]
 pub struct TimeBounds {
@@ -369,10 +373,16 @@ fn check_occurred_at(
         ));
     }
     if occurred_at < bounds.now - bounds.backdate_max {
+        // The way past the producers' bound, unless this is it.
+        let past = if bounds.backdate_max < Duration::days(CORRECTION_BACKDATE_DAYS) {
+            "; use the admin correction flow"
+        } else {
+            ""
+        };
         return Err(EventError::new(
             ErrorCode::OccurredAtTooOld,
             format!(
-                "{field}: {value} is older than the backdate bound of {} days; use the admin correction flow",
+                "{field}: {value} is older than the backdate bound of {} days{past}",
                 bounds.backdate_max.num_days()
             ),
         ));

@@ -445,6 +445,25 @@ mod tests {
     }
 
     #[test]
+    fn an_event_past_the_backdate_bound_is_sent_to_the_correction_flow_unless_it_is_one() {
+        let old = event(json!({"occurred_at": "2016-10-25T11:59:59Z"})).to_string();
+        let message = |backdate_days: i64| {
+            let bounds = TimeBounds {
+                backdate_max: Duration::days(backdate_days),
+                ..bounds()
+            };
+            parse_native(&old, bounds).unwrap_err().message
+        };
+        assert!(
+            message(35).ends_with("use the admin correction flow"),
+            "{}",
+            message(35)
+        );
+        let correcting = message(crate::event::CORRECTION_BACKDATE_DAYS);
+        assert!(correcting.ends_with("of 3660 days"), "{correcting}");
+    }
+
+    #[test]
     fn the_time_bounds_are_inclusive_at_their_edges() {
         assert!(native(&event(json!({"occurred_at": "2026-11-29T12:05:00Z"}))).is_ok());
         assert!(native(&event(json!({"occurred_at": "2026-10-25T12:00:00Z"}))).is_ok());

@@ -113,16 +113,23 @@ impl Tally {
         Some(())
     }
 
-    /// Each figure rounded once to the currency's minor unit, and exactly as summed.
+    /// Each figure rounded once to the currency's minor unit, and exactly as summed. A zero
+    /// is written without a sign, however it was reached (`-0.00` from a report's own).
     fn json(&self, currency: &str) -> Value {
+        let unsigned = |mut amount: Decimal| {
+            if amount.is_zero() {
+                amount.set_sign_positive(true);
+            }
+            amount
+        };
         let rounded = |amount: Option<Decimal>| {
             amount.map(|amount| {
-                let mut rounded = round_amount(amount, currency);
+                let mut rounded = unsigned(round_amount(amount, currency));
                 rounded.rescale(minor_unit_digits(currency));
                 rounded.to_string()
             })
         };
-        let exact = |amount: Option<Decimal>| amount.map(|amount| amount.to_string());
+        let exact = |amount: Option<Decimal>| amount.map(|amount| unsigned(amount).to_string());
         json!({
             "lines": self.count,
             "provider_cost": rounded(Some(self.provider_cost)),
@@ -519,3 +526,25 @@ async fn insert(
 pub const LINES_CSV_HEADER: &str = "org_id,container_id,charge_period_start,charge_period_end,\
      ledger_runtime_ms,provider_runtime_ms,delta_ms,status,provider_cost,expected_cost,cost_delta,currency,\
      provider_org_id,report_line,charge_category";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_total_that_comes_to_zero_is_written_without_a_sign() {
+        let tally = Tally {
+            count: 1,
+            provider_cost: "-0.00".parse().unwrap(),
+            expected_cost: Some("-0.004".parse().unwrap()),
+            cost_delta: Some("-0.000".parse().unwrap()),
+        };
+        let json = tally.json("USD");
+        assert_eq!(json["provider_cost"], "0.00");
+        assert_eq!(json["provider_cost_exact"], "0.00");
+        assert_eq!(json["cost_delta"], "0.00");
+        assert_eq!(json["cost_delta_exact"], "0.000");
+        assert_eq!(json["expected_cost"], "0.00", "rounded to zero");
+        assert_eq!(json["expected_cost_exact"], "-0.004");
+    }
+}

@@ -36,8 +36,6 @@ use crate::ledger::plans;
 
 /// The longest reason a correction may give.
 pub const REASON_MAX: usize = 1_024;
-/// How far back an added event may go: the ledger's useful past, not the producers' bound.
-const ADDED_BACKDATE_DAYS: i64 = 3_660;
 /// The advisory lock every instance's corrections take in turn.
 pub const CORRECTIONS_LOCK_KEY: i64 = 0x636f_7272_6563;
 
@@ -253,7 +251,7 @@ pub async fn post_events(
     let batch = json!({"events": body.events.unwrap_or(Value::Null)});
     let bounds = TimeBounds {
         now: state.clock.now(),
-        backdate_max: chrono::Duration::days(ADDED_BACKDATE_DAYS),
+        backdate_max: chrono::Duration::days(crate::event::CORRECTION_BACKDATE_DAYS),
     };
     let events = parse_body(
         BodyKind::Native,
