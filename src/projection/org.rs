@@ -8,7 +8,7 @@ use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::{FromRow, PgConnection, PgPool};
 
 use super::query::{self, AtPosition, PricedUsage};
-use super::store::{self, LIVE};
+use super::store::{self, LIVE, RUNNING_SQL};
 use super::Error;
 use crate::ledger::db::read_snapshot;
 use crate::ledger::plans::{self, PlanVersion};
@@ -68,10 +68,6 @@ pub enum StateFilter {
     Stopped,
 }
 
-/// Whether a stored container is running: its last interval is open. Spelled exactly as
-/// the predicates of the `container_list_indexes` migration's partial indexes, so that the
-/// planner matches them.
-const RUNNING_SQL: &str = "(intervals -> -1 -> 1 = 'null'::JSONB) IS TRUE";
 /// Not running: stopped, or never started.
 const STOPPED_SQL: &str = "(intervals -> -1 -> 1 = 'null'::JSONB) IS NOT TRUE";
 

@@ -664,3 +664,47 @@ async fn runtime_billed_on_two_overlapping_lines_is_matched_once_and_over_on_the
         .collect();
     assert_eq!(ledger, [&json!(7_200_000), &json!(0), &json!(0)], "{lines}");
 }
+
+#[tokio::test]
+async fn a_container_running_since_before_the_reports_window_and_not_in_it_is_missing_in_provider()
+{
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    let event = |kind: &str, container: &str, hours_ago: i64| {
+        json!({"id": Uuid::new_v4(), "type": kind, "org_id": "acme", "container_id": container,
+               "occurred_at": at(hours_ago)})
+    };
+    // Created 34 days ago and running since, with no event in the report's window.
+    let events = [
+        event("container.created", "c_forgotten", 34 * 24),
+        event("container.created", "c_known", 3),
+        event("container.stopped", "c_known", 1),
+    ];
+    answered(200, app.post_events(&json!({"events": events})).await);
+    projected_to_head(&app.pool, "the events are projected").await;
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
+         {},{},c_known,2,Hours,0.20,USD,Usage",
+        at(4),
+        at(0)
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    assert_eq!(result["counts"]["matched"], 1, "{result}");
+    assert_eq!(result["counts"]["missing_in_provider"], 1, "{result}");
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let (_, lines) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
+    let missing = &lines["lines"][1];
+    assert_eq!(
+        (&missing["container_id"], &missing["ledger_runtime_ms"]),
+        (&json!("c_forgotten"), &json!(4 * 3_600_000)),
+        "{lines}"
+    );
+}
