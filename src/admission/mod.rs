@@ -9,7 +9,9 @@
 //! snapshot sees the slot taken exactly once: as a reservation before, as a running
 //! container after. Grants and consuming rounds exclude each other
 //! ([`store::CONSUME_LOCK_KEY`]): a grant committed first is consumed by the round; one
-//! that reads after the round finds its container running and is refused (decision 0046). Expired reservations stop counting by their `expires_at` alone.
+//! that reads after the round finds its container running (or starting, for a start dated
+//! ahead) and is refused (decision 0046). Expired reservations stop counting by their
+//! `expires_at` alone.
 
 pub mod cache;
 mod checker;
@@ -113,8 +115,9 @@ pub struct Answer {
     pub running_containers: u64,
     pub max_running_containers: u64,
     pub at: DateTime<Utc>,
-    /// Whether the container the request names runs at `at`.
-    pub container_running: bool,
+    /// Whether the container the request names runs at `at`, or starts after it (an event
+    /// dated ahead of the clock).
+    pub container_started: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -628,9 +631,15 @@ impl Prepared {
         }
         let running_containers = u64::try_from(running)
             .map_err(|e| AdmissionError::corrupt("running containers below zero", e))?;
-        let container_running = self
-            .target_of(request)
-            .is_some_and(|lifecycle| lifecycle.running_at(now));
+        let target = self.target_of(request);
+        let container_running = target.is_some_and(|lifecycle| lifecycle.running_at(now));
+        let container_started = container_running
+            || target.is_some_and(|lifecycle| {
+                lifecycle
+                    .intervals()
+                    .iter()
+                    .any(|interval| interval.start() > now)
+            });
         let account = self.account.state_at(now);
         let versions = self
             .plans
@@ -672,7 +681,7 @@ impl Prepared {
             running_containers,
             max_running_containers: plan.max_running_containers,
             at: now,
-            container_running,
+            container_started,
         })
     }
 }
@@ -821,10 +830,16 @@ pub async fn reserve_with(
     // within one deadline however often the checkpoint moves.
     let (mut transaction, now, mut answer) =
         locked_answer(pool, freshness, request, wait, clock).await?;
-    // A running container holds its slot already; a second one reserved for it would count
-    // it twice until the reservation expired (decision 0046).
-    if answer.container_running {
-        answer.decision.refuse(Reason::ContainerRunning);
+    // A running container (or one whose start, dated ahead, has been projected) holds its
+    // slot already: a second one reserved for it would count it twice until the reservation
+    // expired, and no start would consume it (decision 0046). For the same reason the slot
+    // it holds is no concurrency limit to this request.
+    if answer.container_started {
+        let decision = &mut answer.decision;
+        decision
+            .reasons
+            .retain(|reason| *reason != Reason::ConcurrencyLimit);
+        decision.refuse(Reason::ContainerRunning);
     }
     if !answer.decision.allowed {
         record_refusal(&mut transaction, request, &answer.decision, actor, now).await?;

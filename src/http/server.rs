@@ -217,6 +217,10 @@ async fn handle(
     body_read_timeout: Duration,
     request: Request<Incoming>,
 ) -> Result<Response<ResponseBody>, Infallible> {
+    connection.body_open.store(
+        !http_body::Body::is_end_stream(request.body()),
+        Ordering::Relaxed,
+    );
     let response = match refuse_at_front_door(&request) {
         Some(error) => error.into_response(),
         None => {
@@ -430,24 +434,52 @@ struct HeadRead {
     lines: usize,
     /// Bytes of the line being read, its carriage returns aside.
     line: usize,
+    /// The request line's method has been read: the bytes are a request's head.
+    method: bool,
+}
+
+/// The longest method a head is counted for; tally's are at most 7 letters.
+const METHOD_MAX_BYTES: usize = 16;
+
+/// What a read did to a head being counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// The head goes on.
+    Open,
+    /// The head ended after the read's first `n` bytes (what follows is body or another
+    /// request).
+    Ended(usize),
+    /// The bytes do not begin with a method (upper-case letters and a space): they are not
+    /// the start of a head (the rest of a body hyper drains, or of a head it began reading
+    /// during the request before), and are left to hyper's own limits.
+    NotAHead,
 }
 
 impl HeadRead {
-    /// Counts `read`; `Ok(Some(n))` when the head ended after its first `n` bytes (what
-    /// follows is body or another request), `Ok(None)` when it goes on.
-    fn count(&mut self, read: &[u8]) -> Result<Option<usize>, HeadRefusal> {
+    /// Counts `read`; past a limit, the refusal.
+    fn count(&mut self, read: &[u8]) -> Result<Counted, HeadRefusal> {
         for (at, &byte) in read.iter().enumerate() {
             self.bytes += 1;
             if self.bytes > HEAD_MAX_BYTES {
                 return Err(HeadRefusal::Bytes);
             }
             match byte {
-                b'\n' if self.line == 0 && self.lines > 0 => return Ok(Some(at + 1)),
+                b'\n' if self.line == 0 && self.lines > 0 => return Ok(Counted::Ended(at + 1)),
+                b'\n' if !self.method && self.line > 0 => return Ok(Counted::NotAHead),
                 b'\n' => {
                     self.lines += usize::from(self.line > 0);
                     self.line = 0;
                 }
                 b'\r' => {}
+                b' ' if !self.method && self.lines == 0 && self.line > 0 => {
+                    self.method = true;
+                    self.line += 1;
+                }
+                _ if !self.method
+                    && (!byte.is_ascii_uppercase() || self.line >= METHOD_MAX_BYTES) =>
+                {
+                    return Ok(Counted::NotAHead)
+                }
                 _ => self.line += 1,
             }
             if self.lines == 0 && self.line > REQUEST_LINE_MAX_BYTES {
@@ -457,7 +489,7 @@ impl HeadRead {
                 return Err(HeadRefusal::Fields);
             }
         }
-        Ok(None)
+        Ok(Counted::Open)
     }
 }
 
@@ -492,6 +524,9 @@ struct Connection {
     /// Set by the request body when it timed out, so that the answer is 408 whatever the
     /// handler made of the read error. HTTP/1 serves one request at a time per connection.
     body_timed_out: AtomicBool,
+    /// The request's body may have bytes hyper has not read yet: set when the request comes,
+    /// cleared by its body's end.
+    body_open: AtomicBool,
     /// Closed to make room for a new connection.
     evicted: Notify,
     /// The connection task, as last seen reading during a request. hyper polls the socket
@@ -567,6 +602,7 @@ impl Registry {
             id,
             phase: AtomicU8::new(Phase::Head as u8),
             body_timed_out: AtomicBool::new(false),
+            body_open: AtomicBool::new(false),
             evicted: Notify::new(),
             reader: AtomicWaker::new(),
         });
@@ -633,11 +669,11 @@ impl TimedIo {
             return true;
         };
         let refusal = match head.count(read) {
-            Ok(Some(_)) => {
+            Ok(Counted::Ended(_) | Counted::NotAHead) => {
                 self.head = None;
                 return true;
             }
-            Ok(None) => return true,
+            Ok(Counted::Open) => return true,
             Err(refusal) => refusal,
         };
         metrics::counter!(refusal.metric()).increment(1);
@@ -726,7 +762,10 @@ impl AsyncRead for TimedIo {
                     this.connection.set_phase(Phase::Head);
                     this.timed_phase = Phase::Head;
                     this.deadline = Instant::now() + this.limits.header_read_timeout;
-                    this.head = Some(HeadRead::default());
+                    // A request answered before its body was read: what comes now is the
+                    // rest of that body, which hyper drains, not a head.
+                    let draining = this.connection.body_open.load(Ordering::Relaxed);
+                    this.head = (!draining).then(HeadRead::default);
                 }
                 if this.check_head(&buf.filled()[filled..]) {
                     return Poll::Ready(Ok(()));
@@ -861,6 +900,9 @@ impl http_body::Body for TimedBody {
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.gap.progressed();
+                if frame.is_none() || this.inner.is_end_stream() {
+                    this.connection.body_open.store(false, Ordering::Relaxed);
+                }
                 Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)))
             }
             Poll::Pending => {
@@ -979,14 +1021,13 @@ fn raise_open_files_limit(wanted: u64) -> io::Result<u64> {
 mod tests {
     use super::*;
 
-    /// Counts `head` in reads of `piece` bytes: the offset in its last read where the head
-    /// ended, or the refusal.
-    fn counted(head: &[u8], piece: usize) -> Result<Option<usize>, HeadRefusal> {
+    /// Counts `head` in reads of `piece` bytes: how the last read left it, or the refusal.
+    fn counted(head: &[u8], piece: usize) -> Result<Counted, HeadRefusal> {
         let mut read = HeadRead::default();
-        let mut ended = Ok(None);
+        let mut ended = Ok(Counted::Open);
         for chunk in head.chunks(piece) {
             ended = read.count(chunk);
-            if !matches!(ended, Ok(None)) {
+            if ended != Ok(Counted::Open) {
                 break;
             }
         }
@@ -1017,10 +1058,36 @@ mod tests {
     #[test]
     fn a_head_ends_at_its_blank_line_however_it_is_split_into_reads() {
         let head = b"\r\nGET /healthz HTTP/1.1\r\nhost: tally\r\n\r\nbody";
-        assert_eq!(counted(head, head.len()), Ok(Some(head.len() - 4)));
-        assert_eq!(counted(head, 1), Ok(Some(1)));
-        assert_eq!(counted(b"GET / HTTP/1.1\nhost: tally\n\n", 7), Ok(Some(7)));
-        assert_eq!(counted(b"GET / HTTP/1.1\r\nhost: tally\r\n", 3), Ok(None));
+        assert_eq!(
+            counted(head, head.len()),
+            Ok(Counted::Ended(head.len() - 4))
+        );
+        assert_eq!(counted(head, 1), Ok(Counted::Ended(1)));
+        let bare = b"GET / HTTP/1.1\nhost: tally\n\n";
+        assert_eq!(counted(bare, 7), Ok(Counted::Ended(7)));
+        let open = b"GET / HTTP/1.1\r\nhost: tally\r\n";
+        assert_eq!(counted(open, 3), Ok(Counted::Open));
+    }
+
+    #[test]
+    fn bytes_that_do_not_begin_with_a_method_are_not_counted_as_a_head() {
+        // The rest of a body hyper drains, or of a head begun during the request before.
+        let body = format!("{{\"events\": [{}]}}", "1,".repeat(40_000));
+        let rest_of_head = format!("host: tally\r\n{}\r\n", "x-a: b\r\n".repeat(200));
+        let csv = "ChargePeriodStart,ChargePeriodEnd\n".repeat(200);
+        let tail = format!("\r\n{}", "a".repeat(70_000));
+        for bytes in [body, rest_of_head, csv, tail] {
+            assert_eq!(counted(bytes.as_bytes(), 4096), Ok(Counted::NotAHead));
+        }
+        let long_method = format!("{} / HTTP/1.1\r\n\r\n", "A".repeat(METHOD_MAX_BYTES + 1));
+        assert_eq!(counted(long_method.as_bytes(), 64), Ok(Counted::NotAHead));
+        for method in ["GET", "POST", "DELETE", "OPTIONS"] {
+            let head = format!("{method} /v1/status HTTP/1.1\r\n\r\n");
+            assert!(
+                matches!(counted(head.as_bytes(), 2), Ok(Counted::Ended(_))),
+                "{method}"
+            );
+        }
     }
 
     #[test]
@@ -1035,7 +1102,7 @@ mod tests {
         };
         assert!(matches!(
             counted(&fields(HEADER_FIELDS_MAX), 5),
-            Ok(Some(_))
+            Ok(Counted::Ended(_))
         ));
         assert_eq!(
             counted(&fields(HEADER_FIELDS_MAX + 1), 5),
@@ -1043,13 +1110,19 @@ mod tests {
         );
         let line = |length: usize| format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(length));
         let at_limit = line(REQUEST_LINE_MAX_BYTES - "GET / HTTP/1.1".len());
-        assert!(matches!(counted(at_limit.as_bytes(), 100), Ok(Some(_))));
+        assert!(matches!(
+            counted(at_limit.as_bytes(), 100),
+            Ok(Counted::Ended(_))
+        ));
         let over = line(REQUEST_LINE_MAX_BYTES);
         assert_eq!(counted(over.as_bytes(), 100), Err(HeadRefusal::RequestLine));
         let field = |length: usize| format!("GET / HTTP/1.1\r\nx: {}\r\n\r\n", "a".repeat(length));
         let whole = field(HEAD_MAX_BYTES - field(0).len());
         assert_eq!(whole.len(), HEAD_MAX_BYTES);
-        assert!(matches!(counted(whole.as_bytes(), 4096), Ok(Some(_))));
+        assert!(matches!(
+            counted(whole.as_bytes(), 4096),
+            Ok(Counted::Ended(_))
+        ));
         let over = field(HEAD_MAX_BYTES - field(0).len() + 1);
         assert_eq!(counted(over.as_bytes(), 4096), Err(HeadRefusal::Bytes));
     }

@@ -399,6 +399,7 @@ pub async fn project_once(
         .filter_map(|event| Some((event.voids?, event.position)))
         .collect();
     let voided = store::record_voids(&mut transaction, store::LIVE, &voids).await?;
+    store::forget_voided_starts(&mut transaction, &voided).await?;
     let keys = containers_of(events.iter().chain(&voided));
     let stored = store::load_lifecycles(&mut transaction, store::LIVE, &keys).await?;
     let mut changes = Changes::apply(&events, &voided, stored);
@@ -415,7 +416,8 @@ pub async fn project_once(
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
     let consumed =
-        store::consume_reservations(&mut transaction, &starts(&events), clock.now()).await?;
+        store::consume_reservations(&mut transaction, &starts(&events, &voided), clock.now())
+            .await?;
     metrics::counter!(crate::telemetry::RESERVATIONS_CONSUMED).increment(consumed.len() as u64);
     let notice = round_notice(position, &events, &voided, changes, consumed, rounds);
     notice::notify(&mut *transaction, &notice).await?;
@@ -523,23 +525,43 @@ fn containers_of<'a>(events: impl Iterator<Item = &'a ProjectedEvent>) -> Vec<Co
         .collect()
 }
 
-/// The containers that a `created` or `resumed` of `events` starts: (org, container) to
-/// the start (the last of them, should a container have several).
-fn starts(events: &[ProjectedEvent]) -> HashMap<(String, String), store::Start> {
-    events
+/// The containers that a `created` or `resumed` of `events` starts, unless the round also
+/// `voided` it: (org, container) to the start, the earliest by (`occurred_at`, position)
+/// should a container have several: the start its reservations were for (a later one may
+/// follow a stop dated ahead).
+fn starts(
+    events: &[ProjectedEvent],
+    voided: &[ProjectedEvent],
+) -> HashMap<(String, String), store::Start> {
+    let voided: HashSet<uuid::Uuid> = voided
         .iter()
-        .filter_map(|event| {
-            let (container_id, entry) = event.container.as_ref()?;
-            matches!(entry.kind, EntryKind::Created | EntryKind::Resumed).then(|| {
-                let start = store::Start {
-                    event_id: entry.event_id.as_uuid(),
-                    position: entry.position,
-                    at: entry.occurred_at,
-                };
-                ((event.org_id.clone(), container_id.clone()), start)
+        .filter_map(|event| Some(event.container.as_ref()?.1.event_id.as_uuid()))
+        .collect();
+    let mut starts: HashMap<(String, String), store::Start> = HashMap::new();
+    for event in events {
+        let Some((container_id, entry)) = event.container.as_ref() else {
+            continue;
+        };
+        if !matches!(entry.kind, EntryKind::Created | EntryKind::Resumed)
+            || voided.contains(&entry.event_id.as_uuid())
+        {
+            continue;
+        }
+        let start = store::Start {
+            event_id: entry.event_id.as_uuid(),
+            position: entry.position,
+            at: entry.occurred_at,
+        };
+        starts
+            .entry((event.org_id.clone(), container_id.clone()))
+            .and_modify(|kept| {
+                if (start.at, start.position) < (kept.at, kept.position) {
+                    *kept = start;
+                }
             })
-        })
-        .collect()
+            .or_insert(start);
+    }
+    starts
 }
 
 #[cfg(test)]

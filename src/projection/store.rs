@@ -368,6 +368,32 @@ pub async fn record_voids(
     rows.into_iter().map(EventRow::into_event).collect()
 }
 
+/// Reservations consumed by a start dated ahead that is now voided: the start will never
+/// come, so they stop holding its slot at once (their start instant is forgotten; they
+/// stay consumed). Runs in the round that records the voids.
+pub async fn forget_voided_starts(
+    connection: &mut PgConnection,
+    voided: &[ProjectedEvent],
+) -> sqlx::Result<()> {
+    let starts: Vec<Uuid> = voided
+        .iter()
+        .filter_map(|event| event.container.as_ref())
+        .filter(|(_, entry)| matches!(entry.kind, EntryKind::Created | EntryKind::Resumed))
+        .map(|(_, entry)| entry.event_id.as_uuid())
+        .collect();
+    if starts.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "UPDATE admission_reservation SET consumed_starts_at = NULL \
+         WHERE consumed_by = ANY($1) AND consumed_starts_at IS NOT NULL",
+    )
+    .bind(&starts)
+    .execute(connection)
+    .await?;
+    Ok(())
+}
+
 /// The checkpoint of `schema`, locked for this transaction, which may then sit idle for at
 /// most `LOCK_IDLE_TIMEOUT_MS`; `None` when another transaction (another instance's
 /// projector, or a replay swapping) holds it.
@@ -1602,7 +1628,10 @@ pub struct Start {
 /// after the round commits (and finds its container running). Without it a grant that read
 /// before the commit and stored after the statement was never consumed. (One lock, not one
 /// an org: a round starting thousands of orgs' containers would fill Postgres's lock table.)
-/// No grant waits for a round while holding the lock, so this cannot deadlock.
+/// No grant waits for a round while holding the lock, except through Postgres's lock queue:
+/// behind a replay's swap or a new ledger partition, whose exclusive table locks queue
+/// behind this round's. Postgres's deadlock check reorders the queue after
+/// `deadlock_timeout`, so that is a stall of a second, not an error.
 pub async fn consume_reservations(
     connection: &mut PgConnection,
     starts: &HashMap<(String, String), Start>,

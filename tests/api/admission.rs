@@ -439,7 +439,8 @@ async fn a_grant_still_being_stored_when_its_containers_create_is_projected_is_c
         "the grant has read its facts and is storing",
         || async {
             let sleeping: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'",
+                "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event = 'PgSleep' AND datname = current_database()",
             )
             .fetch_one(&app.pool)
             .await
@@ -507,6 +508,13 @@ async fn a_start_dated_ahead_of_the_clock_leaves_its_reservation_holding_the_slo
     assert_eq!(answer["running_containers"], 0, "{answer}");
     assert_eq!(consumed_by(&app, "acme", "g1").await.len(), 1);
     assert!(consumed_by(&app, "acme", "g1").await[0].is_some());
+    // A retried grant for g1 would hold a second slot that no start would consume.
+    let (status, retried) = app.reserve(&reserve("g1")).await;
+    assert_eq!(
+        (status, retried["error"]["code"].as_str()),
+        (409, Some("container_running")),
+        "{retried}"
+    );
     let (status, second) = app.reserve(&reserve("g2")).await;
     assert_eq!(status, 201, "g1's slot and g2's make two: {second}");
     event(
@@ -536,6 +544,32 @@ async fn a_start_dated_ahead_of_the_clock_leaves_its_reservation_holding_the_slo
 }
 
 #[tokio::test]
+async fn a_start_dated_ahead_and_voided_before_it_comes_frees_the_slot_its_reservation_held() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    two_slots(&app).await;
+    let reserve =
+        |container: &str| json!({"org_id": "acme", "action": "create", "container_id": container});
+    let (status, held) = app.reserve(&reserve("g1")).await;
+    assert_eq!(status, 201, "{held}");
+    let created = container_event(&app, "acme", "g1", "container.created", -120);
+    event(&app, created.clone()).await;
+    eventually(10, "the start consumes g1's reservation", || async {
+        consumed_by(&app, "acme", "g1").await[0].is_some()
+    })
+    .await;
+    let (status, voided) = app
+        .post_void(&json!({"event_id": created["id"], "reason": "sent by mistake"}))
+        .await;
+    assert_eq!(status, 201, "{voided}");
+    for container in ["g2", "g3"] {
+        let (status, granted) = app.reserve(&reserve(container)).await;
+        assert_eq!(status, 201, "g1 never starts and holds nothing: {granted}");
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn a_start_consumes_every_live_reservation_of_its_container() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
@@ -560,6 +594,41 @@ async fn a_start_consumes_every_live_reservation_of_its_container() {
         "{consumed:?}"
     );
     assert_eq!(live_reservations(&app, "acme").await, 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn on_a_full_plan_a_reservation_for_its_running_container_is_refused_for_running_alone() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    event(
+        &app,
+        container_event(&app, "acme", "c1", "container.created", 5),
+    )
+    .await;
+    let (status, refused) = app
+        .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "c1"}))
+        .await;
+    assert_eq!(status, 409, "{refused}");
+    let reasons: Vec<&Value> = refused["error"]["details"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|detail| &detail["code"])
+        .collect();
+    assert_eq!(
+        reasons,
+        [&json!("container_running")],
+        "the slot it holds is its own: {refused}"
+    );
+    let (status, other) = app
+        .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "c2"}))
+        .await;
+    assert_eq!(
+        (status, other["error"]["code"].as_str()),
+        (409, Some("concurrency_limit")),
+        "{other}"
+    );
     app.stop().await;
 }
 
