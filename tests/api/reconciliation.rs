@@ -569,6 +569,21 @@ async fn the_lines_of_a_resource_id_as_long_as_a_report_may_give_are_found_by_it
     );
 }
 
+/// Imports `csv` as a report and reconciles it: the answer, and its lines as JSON.
+async fn reconcile_csv(app: &TestApp, csv: String) -> (Value, Value) {
+    let report = answered(201, app.post_report(csv).await);
+    let result = answered(
+        201,
+        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+            .await,
+    );
+    let id = result["reconciliation_id"].as_str().unwrap();
+    let (_, lines) = app
+        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+        .await;
+    (result, lines)
+}
+
 #[tokio::test]
 async fn a_line_for_one_orgs_container_does_not_hide_another_orgs_container_of_the_same_id() {
     let app = TestApp::spawn().await;
@@ -589,21 +604,12 @@ async fn a_line_for_one_orgs_container_does_not_hide_another_orgs_container_of_t
         at(6),
         at(1)
     );
-    let report = answered(201, app.post_report(csv).await);
-    let result = answered(
-        201,
-        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
-            .await,
-    );
+    let (result, lines) = reconcile_csv(&app, csv).await;
     assert_eq!(result["counts"]["matched"], 1, "{result}");
     assert_eq!(
         result["counts"]["missing_in_provider"], 1,
         "acme's 3 h under the same id are not in the report: {result}"
     );
-    let id = result["reconciliation_id"].as_str().unwrap();
-    let (_, lines) = app
-        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
-        .await;
     let missing = &lines["lines"][1];
     assert_eq!(
         (
@@ -643,22 +649,13 @@ async fn runtime_billed_on_two_overlapping_lines_is_matched_once_and_over_on_the
         line(6, 1),
     ]
     .join("\n");
-    let report = answered(201, app.post_report(csv).await);
-    let result = answered(
-        201,
-        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
-            .await,
-    );
+    let (result, lines) = reconcile_csv(&app, csv).await;
     assert_eq!(result["counts"]["matched"], 1, "{result}");
     assert_eq!(result["counts"]["provider_over"], 2, "{result}");
     assert_eq!(
         result["totals"]["currencies"]["USD"]["total"]["cost_delta"], "0.40",
         "the runtime was billed three times: {result}"
     );
-    let id = result["reconciliation_id"].as_str().unwrap();
-    let (_, lines) = app
-        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
-        .await;
     let ledger: Vec<&Value> = (0..3)
         .map(|n| &lines["lines"][n]["ledger_runtime_ms"])
         .collect();
@@ -689,18 +686,9 @@ async fn a_container_running_since_before_the_reports_window_and_not_in_it_is_mi
         at(4),
         at(0)
     );
-    let report = answered(201, app.post_report(csv).await);
-    let result = answered(
-        201,
-        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
-            .await,
-    );
+    let (result, lines) = reconcile_csv(&app, csv).await;
     assert_eq!(result["counts"]["matched"], 1, "{result}");
     assert_eq!(result["counts"]["missing_in_provider"], 1, "{result}");
-    let id = result["reconciliation_id"].as_str().unwrap();
-    let (_, lines) = app
-        .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
-        .await;
     let missing = &lines["lines"][1];
     assert_eq!(
         (&missing["container_id"], &missing["ledger_runtime_ms"]),
