@@ -242,15 +242,11 @@ fn page_org(principal: &Principal, asked: Option<&str>) -> Result<Option<OrgId>,
 fn page_after(after: Option<&str>) -> Result<i64, ApiError> {
     match after {
         None => Ok(0),
-        Some(value) => value
-            .parse::<i64>()
-            .ok()
-            .filter(|after| *after >= 0)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    ErrorCode::InvalidAfter,
-                    "after: must be a position, a whole number from 0",
-                )
-            }),
+        Some(value) => super::listing::whole_number::<i64>(value).ok_or_else(|| {
+            ApiError::invalid(
+                ErrorCode::InvalidAfter,
+                "after: must be a position, a whole number from 0",
+            )
+        }),
     }
 }

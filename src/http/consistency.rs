@@ -256,16 +256,12 @@ pub async fn reachable(state: &AppState, position: i64) -> Result<i64, ApiError>
 }
 
 fn min_position(name: &str, value: &str) -> Result<i64, ApiError> {
-    value
-        .parse::<i64>()
-        .ok()
-        .filter(|position| *position >= 0)
-        .ok_or_else(|| {
-            ApiError::invalid(
-                ErrorCode::InvalidMinPosition,
-                format!("{name}: {value:?} is not a whole number from 0"),
-            )
-        })
+    super::listing::whole_number::<i64>(value).ok_or_else(|| {
+        ApiError::invalid(
+            ErrorCode::InvalidMinPosition,
+            format!("{name}: {value:?} is not a whole number from 0"),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -7,14 +7,19 @@ use uuid::Uuid;
 use super::error::ApiError;
 use crate::error_code::ErrorCode;
 
+/// A whole number written as digits only: `+5`, ` 5` or `5.0` are not one, though Rust's
+/// parsers take the first.
+pub(super) fn whole_number<T: std::str::FromStr>(text: &str) -> Option<T> {
+    let digits = !text.is_empty() && text.bytes().all(|byte| byte.is_ascii_digit());
+    digits.then(|| text.parse().ok()).flatten()
+}
+
 /// How many rows a page holds: from 1 to `max`, `default` unless given; past its bounds
 /// 422 `invalid_limit`.
 pub(super) fn limit(value: Option<&str>, default: usize, max: usize) -> Result<usize, ApiError> {
     match value {
         None => Ok(default.min(max)),
-        Some(value) => value
-            .parse::<usize>()
-            .ok()
+        Some(value) => whole_number::<usize>(value)
             .filter(|limit| (1..=max).contains(limit))
             .ok_or_else(|| {
                 ApiError::invalid(

@@ -256,9 +256,7 @@ impl Filters {
 fn offset(value: Option<&str>) -> Result<u64, ApiError> {
     match value {
         None => Ok(0),
-        Some(value) => value
-            .parse::<u64>()
-            .ok()
+        Some(value) => super::listing::whole_number::<u64>(value)
             .filter(|offset| *offset <= OFFSET_MAX)
             .ok_or_else(|| {
                 ApiError::invalid(

@@ -499,9 +499,7 @@ fn anomalies_limit(value: Option<&str>) -> Result<usize, ApiError> {
     let Some(value) = value else {
         return Ok(ANOMALIES_PAGE_DEFAULT);
     };
-    value
-        .parse::<usize>()
-        .ok()
+    super::listing::whole_number::<usize>(value)
         .filter(|limit| (1..=ANOMALIES_PAGE_MAX).contains(limit))
         .ok_or_else(|| {
             invalid(

@@ -317,6 +317,8 @@ async fn bad_min_positions_and_unknown_parameters_on_admission_are_refused_with_
             ("?min_position=-1", None, "invalid_min_position"),
             ("?min_position=abc", None, "invalid_min_position"),
             ("?min_position=1e3", None, "invalid_min_position"),
+            ("?min_position=%2B1", None, "invalid_min_position"),
+            ("", Some("+1"), "invalid_min_position"),
             ("", Some("-5"), "invalid_min_position"),
             ("", Some("five"), "invalid_min_position"),
             ("?min_position=3", Some("4"), "invalid_min_position"),
