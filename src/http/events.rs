@@ -106,6 +106,28 @@ pub async fn post_events(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<EventsResponse>, ApiError> {
+    // Every refusal the handler makes is counted here, whichever step made it; a 503 as
+    // `unavailable` (worth retrying).
+    store_events(&state, &principal, &headers, body)
+        .await
+        .inspect_err(|error| {
+            let code = if error.status == StatusCode::SERVICE_UNAVAILABLE {
+                crate::telemetry::CODE_UNAVAILABLE
+            } else {
+                error.code.as_str()
+            };
+            metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => code)
+                .increment(1);
+        })
+}
+
+/// `POST /v1/events` itself: the events of the body, checked, stored.
+async fn store_events(
+    state: &AppState,
+    principal: &Principal,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Json<EventsResponse>, ApiError> {
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok());
@@ -114,7 +136,7 @@ pub async fn post_events(
         cloudevent::has_ce_header(headers.keys().map(|name| name.as_str())),
         None,
     )?;
-    super::body::identity_only(&headers)?;
+    super::body::identity_only(headers)?;
     let bytes = super::body::read_body(body, state.body_max_bytes).await?;
     let bounds = TimeBounds {
         now: state.clock.now(),
@@ -129,15 +151,9 @@ pub async fn post_events(
         &bytes,
         bounds,
         state.batch_events_max,
-    )
-    .inspect_err(|e| {
-        metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => e.code().as_str())
-            .increment(1);
-    })?;
+    )?;
     principal.check_events(&events)?;
     if let Some((index, plan)) = plans::unknown_reference(&state.pool, &events).await? {
-        metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => ErrorCode::UnknownPlan.as_str())
-            .increment(1);
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::UnknownPlan,
@@ -150,15 +166,7 @@ pub async fn post_events(
         })]));
     }
     legacy_ids::adopt(&state.pool, &mut events).await?;
-    let appended = state.appender.append(events).await.inspect_err(|e| {
-        let code = if e.is_retryable() {
-            crate::telemetry::CODE_UNAVAILABLE
-        } else {
-            e.code().as_str()
-        };
-        metrics::counter!(crate::telemetry::INGEST_REQUESTS_REJECTED, "source" => "http", "code" => code)
-            .increment(1);
-    })?;
+    let appended = state.appender.append(events).await?;
     let duplicates = appended.iter().filter(|a| a.duplicate).count() as u64;
     metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "http", "outcome" => "stored")
         .increment(appended.len() as u64 - duplicates);

@@ -807,3 +807,30 @@ fn the_schema_check_finds_a_wrong_type_an_undocumented_property_and_a_missing_on
         ]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refused_event_post_is_counted_by_its_code_whichever_check_refused_it() {
+    let app = TestApp::spawn().await;
+    let bound = answered(
+        201,
+        app.post_token(&json!({"scopes": ["events:write"], "org_id": "org_a"}))
+            .await,
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let other_org = valid_event("org_b", "c1", 0);
+    let (status, _) = app.with_token(&bound).post_events(&other_org).await;
+    assert_eq!(status, 403);
+    let (status, _) = app.post_raw("text/plain", b"hello".to_vec()).await;
+    assert_eq!(status, 415);
+    let (status, _) = app.post_raw("application/json", b"{bad".to_vec()).await;
+    assert_eq!(status, 400);
+    let text = app.without_token().get("/metrics").await.text;
+    for code in ["org_not_allowed", "unsupported_media_type", "malformed_json"] {
+        let line =
+            format!("tally_ingest_requests_rejected_total{{source=\"http\",code=\"{code}\"}} 1");
+        assert!(text.contains(&line), "no {line:?}");
+    }
+    app.stop().await;
+}
