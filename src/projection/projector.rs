@@ -415,9 +415,9 @@ pub async fn project_once(
     store::write(&mut transaction, store::LIVE, &mut changes, position).await?;
     // A reservation is consumed in the transaction that makes its container count as
     // running, so that no snapshot counts the slot twice or not at all.
-    let consumed =
-        store::consume_reservations(&mut transaction, &starts(&events, &voided), clock.now())
-            .await?;
+    let now = clock.now();
+    let starts = starts(&events, &voided, &changes, now);
+    let consumed = store::consume_reservations(&mut transaction, &starts, now).await?;
     metrics::counter!(crate::telemetry::RESERVATIONS_CONSUMED).increment(consumed.len() as u64);
     let notice = round_notice(position, &events, &voided, changes, consumed, rounds);
     notice::notify(&mut *transaction, &notice).await?;
@@ -527,13 +527,19 @@ fn containers_of<'a>(events: impl Iterator<Item = &'a ProjectedEvent>) -> Vec<Co
 
 /// The containers that a `created` or `resumed` of `events` starts, unless the round also
 /// `voided` it: (org, container) to the start, the earliest by (`occurred_at`, position)
-/// should a container have several: the start its reservations were for (a later one may
-/// follow a stop dated ahead).
+/// should a container have several: the start its reservations were for. Only containers
+/// that, as `changes` leave them, run at `now` or start after it: a late start that history
+/// has stopped since (or a duplicate `created`, a resume while running) starts nothing, and
+/// consuming the reservation of the container's next start would leave its slot held by
+/// nothing. The start's instant is then when the container counts: at `now` at the latest
+/// when it runs, else the first instant it starts after `now`.
 fn starts(
     events: &[ProjectedEvent],
     voided: &[ProjectedEvent],
+    changes: &Changes,
+    now: chrono::DateTime<chrono::Utc>,
 ) -> HashMap<(String, String), store::Start> {
-    let voided: HashSet<uuid::Uuid> = voided
+    let voided: HashSet<Uuid> = voided
         .iter()
         .filter_map(|event| Some(event.container.as_ref()?.1.event_id.as_uuid()))
         .collect();
@@ -561,6 +567,27 @@ fn starts(
             })
             .or_insert(start);
     }
+    let lifecycles: HashMap<&ContainerKey, &crate::runtime::Lifecycle> =
+        changes.lifecycles().collect();
+    starts.retain(|(org_id, container_id), start| {
+        let key = ContainerKey {
+            org_id: org_id.clone(),
+            container_id: container_id.clone(),
+        };
+        let Some(lifecycle) = lifecycles.get(&key) else {
+            return false;
+        };
+        if lifecycle.running_at(now) {
+            start.at = start.at.min(now);
+            return true;
+        }
+        let next = lifecycle
+            .intervals()
+            .iter()
+            .map(|interval| interval.start())
+            .find(|begins| *begins > now);
+        next.inspect(|begins| start.at = *begins).is_some()
+    });
     starts
 }
 

@@ -570,6 +570,37 @@ async fn a_start_dated_ahead_and_voided_before_it_comes_frees_the_slot_its_reser
 }
 
 #[tokio::test]
+async fn a_late_start_that_history_has_stopped_since_leaves_the_reservation_for_the_next_start() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    for (kind, seconds_ago) in [
+        ("container.created", 60),
+        ("container.stopped", 50),
+        ("container.stopped", 10),
+    ] {
+        event(&app, container_event(&app, "acme", "x", kind, seconds_ago)).await;
+    }
+    let resume = json!({"org_id": "acme", "action": "resume", "container_id": "x"});
+    let (status, held) = app.reserve(&resume).await;
+    assert_eq!(status, 201, "{held}");
+    // The resume of 30 s ago arrives late: it fills in history; x stays stopped. So does a
+    // second `created`.
+    for (kind, seconds_ago) in [("container.resumed", 30), ("container.created", 20)] {
+        event(&app, container_event(&app, "acme", "x", kind, seconds_ago)).await;
+    }
+    let (status, other) = app
+        .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "y"}))
+        .await;
+    assert_eq!(
+        (status, other["error"]["code"].as_str()),
+        (409, Some("concurrency_limit")),
+        "x's reservation still holds the one slot: {other}"
+    );
+    assert_eq!(consumed_by(&app, "acme", "x").await, [None]);
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn a_start_consumes_every_live_reservation_of_its_container() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;

@@ -827,7 +827,11 @@ async fn every_refused_event_post_is_counted_by_its_code_whichever_check_refused
     let (status, _) = app.post_raw("application/json", b"{bad".to_vec()).await;
     assert_eq!(status, 400);
     let text = app.without_token().get("/metrics").await.text;
-    for code in ["org_not_allowed", "unsupported_media_type", "malformed_json"] {
+    for code in [
+        "org_not_allowed",
+        "unsupported_media_type",
+        "malformed_json",
+    ] {
         let line =
             format!("tally_ingest_requests_rejected_total{{source=\"http\",code=\"{code}\"}} 1");
         assert!(text.contains(&line), "no {line:?}");
