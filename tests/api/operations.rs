@@ -811,6 +811,25 @@ fn the_schema_check_finds_a_wrong_type_an_undocumented_property_and_a_missing_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refused_event_post_is_counted_by_its_code_whichever_check_refused_it() {
     let app = TestApp::spawn().await;
+    // The recorder is the test process's: other tests count too, so each count is read
+    // before and after, and must have grown.
+    let codes = [
+        "org_not_allowed",
+        "unsupported_media_type",
+        "malformed_json",
+    ];
+    let counts = || async {
+        let text = app.without_token().get("/metrics").await.text;
+        codes.map(|code| {
+            let series =
+                format!("tally_ingest_requests_rejected_total{{source=\"http\",code=\"{code}\"}} ");
+            text.lines()
+                .find_map(|line| line.strip_prefix(&series))
+                .and_then(|value| value.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no {series:?}"))
+        })
+    };
+    let before = counts().await;
     let bound = answered(
         201,
         app.post_token(&json!({"scopes": ["events:write"], "org_id": "org_a"}))
@@ -826,15 +845,9 @@ async fn every_refused_event_post_is_counted_by_its_code_whichever_check_refused
     assert_eq!(status, 415);
     let (status, _) = app.post_raw("application/json", b"{bad".to_vec()).await;
     assert_eq!(status, 400);
-    let text = app.without_token().get("/metrics").await.text;
-    for code in [
-        "org_not_allowed",
-        "unsupported_media_type",
-        "malformed_json",
-    ] {
-        let line =
-            format!("tally_ingest_requests_rejected_total{{source=\"http\",code=\"{code}\"}} 1");
-        assert!(text.contains(&line), "no {line:?}");
+    let after = counts().await;
+    for ((code, before), after) in codes.iter().zip(before).zip(after) {
+        assert!(after > before, "{code}: {before} before, {after} after");
     }
     app.stop().await;
 }
