@@ -187,8 +187,8 @@ struct FactsRow {
     org_containers: Vec<String>,
     org_intervals: Vec<String>,
     /// When each slot held by reservations stops being held: a live reservation's expiry,
-    /// or the instant of a start dated after `now` that consumed some; those past `now` do
-    /// not count.
+    /// or the instant of a start dated after `now` that consumed some (once a start, however
+    /// many it consumed); those past `now` do not count.
     reservation_expiries: Vec<DateTime<Utc>>,
     /// Events past the checkpoint that consumed reservations (see [`Prepared`]).
     consumed_unprojected: i64,
@@ -239,11 +239,6 @@ async fn load_facts(
     // containers of that hour are then kept only if their last event is after `now`.
     let future = "org_id = r.org AND last_hour >= date_trunc('hour', $3 AT TIME ZONE 'UTC') \
                   AND last_at > $3";
-    // A slot is held by each live reservation until it expires, and by the reservations a
-    // start dated after `now` consumed until that start's instant, counted once a start (a
-    // start consumes every live reservation of its container); those consumed by an event
-    // the projection has not reached are counted apart, once an event.
-
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
     let containers: Vec<Option<&str>> = requests
         .iter()
@@ -634,12 +629,7 @@ impl Prepared {
         let target = self.target_of(request);
         let container_running = target.is_some_and(|lifecycle| lifecycle.running_at(now));
         let container_started = container_running
-            || target.is_some_and(|lifecycle| {
-                lifecycle
-                    .intervals()
-                    .iter()
-                    .any(|interval| interval.start() > now)
-            });
+            || target.is_some_and(|lifecycle| lifecycle.starts_after(now).is_some());
         let account = self.account.state_at(now);
         let versions = self
             .plans

@@ -567,6 +567,9 @@ fn starts(
             })
             .or_insert(start);
     }
+    if starts.is_empty() {
+        return starts;
+    }
     let lifecycles: HashMap<&ContainerKey, &crate::runtime::Lifecycle> =
         changes.lifecycles().collect();
     starts.retain(|(org_id, container_id), start| {
@@ -581,11 +584,7 @@ fn starts(
             start.at = start.at.min(now);
             return true;
         }
-        let next = lifecycle
-            .intervals()
-            .iter()
-            .map(|interval| interval.start())
-            .find(|begins| *begins > now);
+        let next = lifecycle.starts_after(now);
         next.inspect(|begins| start.at = *begins).is_some()
     });
     starts

@@ -1630,8 +1630,9 @@ pub struct Start {
 /// an org: a round starting thousands of orgs' containers would fill Postgres's lock table.)
 /// No grant waits for a round while holding the lock, except through Postgres's lock queue:
 /// behind a replay's swap or a new ledger partition, whose exclusive table locks queue
-/// behind this round's. Postgres's deadlock check reorders the queue after
-/// `deadlock_timeout`, so that is a stall of a second, not an error.
+/// behind this round's. Postgres's deadlock check is documented to resolve such a cycle by
+/// reordering the queue after `deadlock_timeout` (a stall of a second, not an error); no
+/// test here has made it happen.
 pub async fn consume_reservations(
     connection: &mut PgConnection,
     starts: &HashMap<(String, String), Start>,

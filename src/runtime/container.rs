@@ -507,6 +507,15 @@ impl Lifecycle {
             .map(|interval| interval.start)
     }
 
+    /// The first instant after `instant` at which an interval starts: a start dated ahead of
+    /// the clock, when `instant` is now.
+    pub fn starts_after(&self, instant: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let after = self
+            .intervals
+            .partition_point(|interval| interval.start <= instant);
+        self.intervals.get(after).map(|interval| interval.start)
+    }
+
     /// Whether an interval holds `instant` (running at a start, not at a stop).
     pub fn running_at(&self, instant: DateTime<Utc>) -> bool {
         // Intervals do not overlap, so only the last one starting at or before the
@@ -644,6 +653,20 @@ pub(super) mod tests {
             start: minute(start),
             end: Some(minute(end)),
         }
+    }
+
+    #[test]
+    fn the_next_start_after_an_instant_is_the_first_interval_beginning_later() {
+        let lifecycle = Lifecycle::restore(vec![closed(0, 10), closed(20, 30), open(40)], 0, None);
+        assert_eq!(lifecycle.starts_after(minute(-1)), Some(minute(0)));
+        assert_eq!(
+            lifecycle.starts_after(minute(0)),
+            Some(minute(20)),
+            "not at it"
+        );
+        assert_eq!(lifecycle.starts_after(minute(25)), Some(minute(40)));
+        assert_eq!(lifecycle.starts_after(minute(40)), None);
+        assert_eq!(Lifecycle::default().starts_after(minute(0)), None);
     }
 
     /// `(kind, position)` of each anomaly, for compact expectations.

@@ -473,15 +473,7 @@ async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_the_sa
             answered(200, app.post_events(&moved).await);
         }
         projected_to_head(&app.pool, "the moves are projected").await;
-        let result = answered(
-            201,
-            app.post_reconciliation(&json!({"report_id": report["report_id"]}))
-                .await,
-        );
-        let id = result["reconciliation_id"].as_str().unwrap();
-        let (_, lines) = app
-            .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
-            .await;
+        let (_, lines) = reconcile_report(&app, &report["report_id"]).await;
         let line = &lines["lines"][0];
         assert_eq!(line["status"], "org_mismatch", "{lines}");
         charged.push((line["org_id"].clone(), line["expected_cost"].clone()));
@@ -572,9 +564,14 @@ async fn the_lines_of_a_resource_id_as_long_as_a_report_may_give_are_found_by_it
 /// Imports `csv` as a report and reconciles it: the answer, and its lines as JSON.
 async fn reconcile_csv(app: &TestApp, csv: String) -> (Value, Value) {
     let report = answered(201, app.post_report(csv).await);
+    reconcile_report(app, &report["report_id"]).await
+}
+
+/// Reconciles the stored report `report_id`: the answer, and its lines as JSON.
+async fn reconcile_report(app: &TestApp, report_id: &Value) -> (Value, Value) {
     let result = answered(
         201,
-        app.post_reconciliation(&json!({"report_id": report["report_id"]}))
+        app.post_reconciliation(&json!({"report_id": report_id}))
             .await,
     );
     let id = result["reconciliation_id"].as_str().unwrap();
