@@ -325,7 +325,8 @@ pub struct OutOfRange {
 /// container id, counting the ledger's runtime over the line's charge period up to `as_of`,
 /// outside what earlier lines `claims` for the same container. A line that is not runtime
 /// is `not_runtime`, whatever the ledger holds. The caller claims the line's charge period
-/// for the container it was compared with (the line's `org_id`) before the next line.
+/// for the container it was compared with (the line's `org_id`, when the id has a container
+/// in that org) before the next line.
 pub fn reconcile_line(
     report_line: i64,
     line: &ReportLine,
@@ -353,36 +354,34 @@ pub fn reconcile_line(
         return Err(out_of_range);
     }
     let window = line.charge_period.until(as_of);
-    // The container the line is about: the tagged org's, else the only one.
+    // The container the line is about: the tagged org's, else the only one the id has.
     let own = match &line.org_id {
         Some(org) => ledger.iter().find(|known| known.org_id == org),
         None if ledger.len() == 1 => ledger.first(),
         None => None,
     };
-    let (ledger_runtime_ms, status) = match own {
-        Some(known) => {
+    let (ledger_runtime_ms, status) = match (own, ledger) {
+        (Some(known), _) => {
             let ledger_ms = claims.unclaimed_runtime_ms(known, container_id, window);
-            let delta = provider_runtime_ms - ledger_ms;
-            let status = if tolerance.allows(delta, ledger_ms) {
-                Status::Matched
-            } else if delta > 0 {
-                Status::ProviderOver
-            } else {
-                Status::ProviderUnder
-            };
             reconciled.org_id = Some(known.org_id.to_owned());
-            (ledger_ms, status)
+            (
+                ledger_ms,
+                compared_status(tolerance, provider_runtime_ms, ledger_ms),
+            )
         }
-        // Known, but to another org (or to several, with no tag to choose): the provider
-        // bills the wrong tenant, or the ledger does. Against the first org of `ledger`,
-        // which its caller gives in org id order, so that every run gives the same line.
-        None if !ledger.is_empty() => {
-            let first = &ledger[0];
-            reconciled.org_id = Some(first.org_id.to_owned());
-            let ledger_ms = claims.unclaimed_runtime_ms(first, container_id, window);
+        // Known to one org, not the tag's: the provider bills the wrong tenant, or the
+        // ledger does; compared with that org's container.
+        (None, [other]) => {
+            reconciled.org_id = Some(other.org_id.to_owned());
+            let ledger_ms = claims.unclaimed_runtime_ms(other, container_id, window);
             (ledger_ms, Status::OrgMismatch)
         }
-        None => (0, Status::MissingInLedger),
+        // Known to several orgs, none of them the tag's (or no tag to choose): which tenant
+        // the line is about cannot be told, so it is charged to none of them. It stays with
+        // the provider's tag (no org when untagged), compared with no ledger runtime, and
+        // each org's container is still missing from the report.
+        (None, [_, _, ..]) => (0, Status::OrgMismatch),
+        (None, []) => (0, Status::MissingInLedger),
     };
     let expected_cost =
         expected_cost(line, ledger_runtime_ms, provider_runtime_ms).ok_or(out_of_range)?;
@@ -395,6 +394,18 @@ pub fn reconcile_line(
         cost_delta: exact_sum(line.billed_cost, -expected_cost).ok_or(out_of_range)?,
     });
     Ok(reconciled)
+}
+
+/// `matched` within the tolerance, else which side is over.
+fn compared_status(tolerance: Tolerance, provider_ms: i64, ledger_ms: i64) -> Status {
+    let delta = provider_ms - ledger_ms;
+    if tolerance.allows(delta, ledger_ms) {
+        Status::Matched
+    } else if delta > 0 {
+        Status::ProviderOver
+    } else {
+        Status::ProviderUnder
+    }
 }
 
 /// Ledger hours × (BilledCost / provider hours), rounded half-up to the line's money
@@ -620,6 +631,10 @@ mod tests {
             lifecycle: &ran,
         }];
         check(line(0, 10, "36000", "1"), &elsewhere, Status::OrgMismatch);
+        assert_eq!(
+            reconcile(&line(0, 10, "36000", "1"), &elsewhere, as_of).org_id,
+            Some("other".into())
+        );
         let report = Window::new(at(0), at(24));
         let missing = missing_in_provider(
             "acme",
@@ -634,6 +649,43 @@ mod tests {
         assert_eq!(
             (missing.status, compared(&missing).delta_ms),
             (Status::MissingInProvider, -36_000_000)
+        );
+    }
+
+    #[test]
+    fn a_line_no_tag_ties_to_one_of_the_orgs_sharing_its_id_is_charged_to_none_of_them() {
+        let ran = lifecycle(&[(0, Some(10))]);
+        let shared = [
+            LedgerContainer {
+                org_id: "acme",
+                lifecycle: &ran,
+            },
+            LedgerContainer {
+                org_id: "beta",
+                lifecycle: &ran,
+            },
+        ];
+        for (tag, expected_org) in [(None, None), (Some("gamma"), Some("gamma"))] {
+            let mut line = line(0, 10, "36000", "1.00");
+            line.org_id = tag.map(str::to_owned);
+            let reconciled = reconcile(&line, &shared, at(100));
+            assert_eq!(
+                (reconciled.status, reconciled.org_id.as_deref()),
+                (Status::OrgMismatch, expected_org),
+                "tag {tag:?}"
+            );
+            let compared = compared(&reconciled);
+            assert_eq!(
+                (compared.ledger_runtime_ms, compared.expected_cost),
+                (0, Decimal::ZERO)
+            );
+            assert_eq!(compared.cost_delta, line.billed_cost);
+        }
+        // A tag names one of them: that org's container, as with no other org.
+        let reconciled = reconcile(&line(0, 10, "36000", "1.00"), &shared, at(100));
+        assert_eq!(
+            (reconciled.status, reconciled.org_id.as_deref()),
+            (Status::Matched, Some("acme"))
         );
     }
 

@@ -356,11 +356,6 @@ async fn reconcile_lines(
                 .or_default()
                 .push(stored);
         }
-        // Each id's orgs in bytewise order, whatever order the rows came in: a line is
-        // compared with the first of them (`reconcile_line`), the same at every run.
-        for orgs in known.values_mut() {
-            orgs.sort_by(|a, b| a.org_id.cmp(&b.org_id));
-        }
         let results = reconcile_round(&lines, &known, tolerance, as_of, progress)?;
         progress.record(transaction, &results).await?;
     }
@@ -402,7 +397,12 @@ fn reconcile_round(
         )?;
         // The line claims its charge period of the container it was compared with, not of
         // every org's container of that id: another org's is still missing from the report.
-        if let (Some(id), Some(org), false) = (container, &reconciled.org_id, ledger.is_empty()) {
+        // A line charged to none of the orgs of its id claims nothing.
+        let compared_with = reconciled
+            .org_id
+            .as_deref()
+            .filter(|org| ledger.iter().any(|known| known.org_id == *org));
+        if let (Some(id), Some(org)) = (container, compared_with) {
             progress.claims.claim(org, id, line.charge_period);
         }
         results.push(reconciled);

@@ -428,59 +428,84 @@ async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_fig
 }
 
 #[tokio::test]
-async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_the_same_org_at_every_run(
+async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_neither_and_neither_sees_it(
 ) {
     let app = TestApp::spawn().await;
     let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
-    let at =
-        |minutes_ago: i64| tally::event::canonical::timestamp(now - Duration::minutes(minutes_ago));
-    let event = |kind: &str, org: &str, minutes_ago: i64| {
-        json!({"id": Uuid::new_v4(), "type": kind, "org_id": org, "container_id": "shared",
-               "occurred_at": at(minutes_ago)})
-    };
-    // org_b's container is written first, so that a read in storage order finds it first.
-    answered(
-        200,
-        app.post_events(&event("container.created", "org_b", 300))
-            .await,
-    );
-    answered(
-        200,
-        app.post_events(&event("container.created", "org_a", 290))
-            .await,
-    );
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    // beta, say a tenant who took acme's container id, sorts first; acme ran it first.
+    let mut events = Vec::new();
+    for (org, start, stop) in [("acme", 5, 2), ("a_beta", 4, 3)] {
+        for (kind, hours_ago) in [("container.created", start), ("container.stopped", stop)] {
+            events.push(json!({"id": Uuid::new_v4(), "type": kind, "org_id": org,
+                               "container_id": "shared", "occurred_at": at(hours_ago)}));
+        }
+    }
+    answered(200, app.post_events(&json!({"events": events})).await);
+    projected_to_head(&app.pool, "the events are projected").await;
     let csv = format!(
         "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
-         {},{},shared,1,Hours,1.00,USD,Usage",
-        at(360),
-        at(120)
+         {},{},shared,3,Hours,0.30,USD,Usage",
+        at(6),
+        at(1)
     );
-    let report = answered(201, app.post_report(csv).await);
-    let mut charged = Vec::new();
-    for round in 0..4 {
-        // Each round moves the containers' rows (a command, a stop, a resume) in between.
-        let kind = [
-            "container.command_ran",
-            "container.stopped",
-            "container.resumed",
-        ][round % 3];
-        for org in ["org_b", "org_a"] {
-            let mut moved = event(kind, org, 100 - round as i64);
-            if kind == "container.command_ran" {
-                moved["data"] =
-                    json!({"command_id": format!("c{round}"), "exit_code": 0, "duration_ms": 5});
-            }
-            answered(200, app.post_events(&moved).await);
-        }
-        projected_to_head(&app.pool, "the moves are projected").await;
-        let (_, lines) = reconcile_report(&app, &report["report_id"]).await;
-        let line = &lines["lines"][0];
-        assert_eq!(line["status"], "org_mismatch", "{lines}");
-        charged.push((line["org_id"].clone(), line["expected_cost"].clone()));
+    let (result, lines) = reconcile_csv(&app, csv).await;
+    let line = &lines["lines"][0];
+    assert_eq!(
+        (
+            &line["status"],
+            &line["org_id"],
+            &line["ledger_runtime_ms"],
+            &line["expected_cost"],
+            &line["cost_delta"]
+        ),
+        (
+            &json!("org_mismatch"),
+            &Value::Null,
+            &json!(0),
+            &json!("0.00"),
+            &json!("0.30")
+        ),
+        "{lines}"
+    );
+    // Neither org's runtime was matched by the line: both are missing from the report.
+    let missing: Vec<(&Value, &Value)> = lines["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|line| line["status"] == "missing_in_provider")
+        .map(|line| (&line["org_id"], &line["ledger_runtime_ms"]))
+        .collect();
+    assert_eq!(
+        missing,
+        [
+            (&json!("a_beta"), &json!(3_600_000)),
+            (&json!("acme"), &json!(3 * 3_600_000))
+        ],
+        "{result}"
+    );
+    // A token bound to either org reads its own container's line, not the provider's.
+    for org in ["acme", "a_beta"] {
+        let token = answered(
+            201,
+            app.post_token(&json!({"scopes": ["finance"], "org_id": org}))
+                .await,
+        );
+        let id = result["reconciliation_id"].as_str().unwrap();
+        let seen = answered(
+            200,
+            app.with_token(token["token"].as_str().unwrap())
+                .get_json(&format!("/v1/reconciliations/{id}/lines.csv?format=json"))
+                .await,
+        );
+        let statuses: Vec<&Value> = seen["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|line| &line["status"])
+            .collect();
+        assert_eq!(statuses, [&json!("missing_in_provider")], "{org}: {seen}");
     }
-    let first = charged[0].clone();
-    assert_eq!(first.0, "org_a", "the first org by id: {charged:?}");
-    assert!(charged.iter().all(|run| *run == first), "{charged:?}");
 }
 
 /// Imports a report of one line per `(resource_id, category)`, each an hour ending an hour
