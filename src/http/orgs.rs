@@ -211,10 +211,11 @@ pub struct ContainersResponse {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ContainerItem {
     container_id: String,
-    /// A container never created or resumed is `stopped`.
+    /// Its state now, events dated ahead of the clock not yet in force; a container never
+    /// created or resumed is `stopped`.
     #[schema(example = "running")]
     state: &'static str,
-    /// The start of its open interval; `null` while stopped.
+    /// The start of the interval it runs in now; `null` while stopped.
     running_since: Option<String>,
     /// The latest `occurred_at` of its events.
     last_event_at: String,
@@ -278,6 +279,7 @@ pub async fn get_containers(
                 filter,
                 after.as_ref().map(ContainerId::as_str),
                 limit + 1,
+                state.clock.now(),
             )
         })
         .await?;

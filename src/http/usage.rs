@@ -23,7 +23,7 @@ use crate::projection::model::ANOMALIES_KEPT_MAX;
 use crate::projection::org::{self, DayUsage};
 use crate::projection::query::{self, AtPosition, ContainerFound, PricedUsage};
 use crate::projection::store::{AnomalyCursor, StoredContainer};
-use crate::runtime::{Anomaly, ContainerState, Period, Window};
+use crate::runtime::{Anomaly, Period, Window};
 use axum::Extension;
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
@@ -268,7 +268,9 @@ pub struct ContainerResponse {
     position: i64,
     container_id: String,
     org_id: String,
-    /// After its last lifecycle event; a container never created or resumed is `stopped`.
+    /// At `as_of`, as its `runtime_ms` is counted: `running` when an interval holds that
+    /// instant (an event dated ahead of it not yet in force); a container never created or
+    /// resumed is `stopped`.
     #[schema(example = "running")]
     state: &'static str,
     runtime_ms: i64,
@@ -441,9 +443,10 @@ fn container_response(
         position,
         container_id: container_id.as_str().to_owned(),
         org_id: stored.org_id,
-        state: match lifecycle.state() {
-            ContainerState::Running => "running",
-            ContainerState::Stopped | ContainerState::Unseen => "stopped",
+        state: if lifecycle.running_at(as_of) {
+            "running"
+        } else {
+            "stopped"
         },
         runtime_ms,
         intervals: lifecycle

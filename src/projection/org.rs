@@ -75,7 +75,8 @@ const STOPPED_SQL: &str = "(intervals -> -1 -> 1 = 'null'::JSONB) IS NOT TRUE";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerSummary {
     pub container_id: String,
-    /// The start of its open interval, while running.
+    /// The start of the interval it runs in at the instant asked for; `None` when not
+    /// running then.
     pub running_since: Option<DateTime<Utc>>,
     /// The latest `occurred_at` of its events.
     pub last_event_at: DateTime<Utc>,
@@ -84,65 +85,98 @@ pub struct ContainerSummary {
 #[derive(FromRow)]
 struct SummaryRow {
     container_id: String,
-    running: bool,
+    /// The start of the interval it runs in; `None` when not running.
     since_ms: Option<i64>,
     last_at: DateTime<Utc>,
 }
 
 /// Up to `limit` of the org's containers after `after`, in container id order (bytewise,
-/// whatever the database's collation), with the checkpoint: one range scan of an index.
+/// whatever the database's collation), each in its state at `now`, with the checkpoint.
+///
+/// A container whose events all lie at or before `now` is in the state its last event
+/// left it: one range scan of an index that holds the state asked for. Events dated ahead
+/// of the clock (up to [`crate::event::FUTURE_SKEW_MAX_SECONDS`]) can start or stop a
+/// container after `now`; the few with such events are read apart, by the org's index on
+/// `last_at`, their state taken at `now` from every interval, and the two lists merged.
 pub async fn containers(
     pool: &PgPool,
     org_id: &str,
     filter: StateFilter,
     after: Option<&str>,
     limit: usize,
+    now: DateTime<Utc>,
 ) -> Result<AtPosition<Vec<ContainerSummary>>, Error> {
     let state_condition = match filter {
         StateFilter::All => String::new(),
         StateFilter::Running => format!("AND {RUNNING_SQL}"),
         StateFilter::Stopped => format!("AND {STOPPED_SQL}"),
     };
+    let ahead_condition = match filter {
+        StateFilter::All => "",
+        StateFilter::Running => "WHERE since_ms IS NOT NULL",
+        StateFilter::Stopped => "WHERE since_ms IS NULL",
+    };
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
-    let rows: Vec<SummaryRow> = sqlx::query_as(&format!(
-        "SELECT container_id, ({RUNNING_SQL}) AS running, \
-                (intervals -> -1 ->> 0)::BIGINT AS since_ms, last_at \
+    let settled: Vec<SummaryRow> = sqlx::query_as(&format!(
+        "SELECT container_id, CASE WHEN {RUNNING_SQL} \
+                THEN (intervals -> -1 ->> 0)::BIGINT END AS since_ms, last_at \
          FROM {LIVE}.container \
          WHERE org_id = $1 AND container_id COLLATE \"C\" > $2 {state_condition} \
+           AND last_at <= $4 \
          ORDER BY container_id COLLATE \"C\" LIMIT $3"
     ))
     .bind(org_id)
     .bind(after.unwrap_or(""))
-    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+    .bind(limit)
+    .bind(now)
+    .fetch_all(&mut *transaction)
+    .await?;
+    // The interval holding `now`, if one does: start <= now < end, an open end holding
+    // every instant after its start (Interval::contains; boundaries are whole ms).
+    let ahead: Vec<SummaryRow> = sqlx::query_as(&format!(
+        "SELECT * FROM ( \
+             SELECT container_id, last_at, \
+                    (SELECT (i ->> 0)::BIGINT FROM jsonb_array_elements(intervals) AS i \
+                     WHERE (i ->> 0)::BIGINT <= $4 \
+                       AND (i -> 1 = 'null'::JSONB OR (i ->> 1)::BIGINT > $4) \
+                     LIMIT 1) AS since_ms \
+             FROM {LIVE}.container \
+             WHERE org_id = $1 AND last_at > $5 AND container_id COLLATE \"C\" > $2 \
+         ) AS ahead {ahead_condition} \
+         ORDER BY container_id COLLATE \"C\" LIMIT $3"
+    ))
+    .bind(org_id)
+    .bind(after.unwrap_or(""))
+    .bind(limit)
+    .bind(now.timestamp_millis())
+    .bind(now)
     .fetch_all(&mut *transaction)
     .await?;
     transaction.commit().await?;
-    let containers = rows
-        .into_iter()
-        .map(|row| {
-            let running_since = match (row.running, row.since_ms) {
-                (false, _) => None,
-                (true, Some(ms)) => Some(DateTime::from_timestamp_millis(ms).ok_or_else(|| {
-                    Error::Corrupt(format!("container {}: {ms} ms", row.container_id))
-                })?),
-                (true, None) => {
-                    return Err(Error::Corrupt(format!(
-                        "container {} runs from no start",
-                        row.container_id
-                    )))
-                }
-            };
-            Ok(ContainerSummary {
-                container_id: row.container_id,
-                running_since,
-                last_event_at: row.last_at,
-            })
-        })
-        .collect::<Result<_, Error>>()?;
+    let mut rows = settled;
+    rows.extend(ahead);
+    rows.sort_by(|a, b| a.container_id.as_bytes().cmp(b.container_id.as_bytes()));
+    rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
     Ok(AtPosition {
         position,
-        figures: containers,
+        figures: rows.into_iter().map(summary).collect::<Result<_, _>>()?,
+    })
+}
+
+fn summary(row: SummaryRow) -> Result<ContainerSummary, Error> {
+    let running_since = row
+        .since_ms
+        .map(|ms| {
+            DateTime::from_timestamp_millis(ms)
+                .ok_or_else(|| Error::Corrupt(format!("container {}: {ms} ms", row.container_id)))
+        })
+        .transpose()?;
+    Ok(ContainerSummary {
+        container_id: row.container_id,
+        running_since,
+        last_event_at: row.last_at,
     })
 }
 

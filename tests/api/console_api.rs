@@ -613,6 +613,82 @@ async fn an_orgs_containers_are_paged_in_id_order_and_filtered_by_state() {
 }
 
 #[tokio::test]
+async fn containers_with_events_dated_ahead_of_the_clock_are_listed_and_read_in_their_state_now() {
+    let app = spawn().await;
+    let now = app.now();
+    let ahead = now + Duration::seconds(200);
+    let started = now - Duration::hours(2);
+    let mut events = vec![
+        // Created ahead: not running yet.
+        container_event("a_created_ahead", "container.created", ahead),
+        // Running now, its stop dated ahead.
+        container_event("b_stops_ahead", "container.created", started),
+        container_event("b_stops_ahead", "container.stopped", ahead),
+        // Running, nothing ahead.
+        container_event("c_settled", "container.created", started),
+        // Stopped now, its resume dated ahead.
+        container_event("d_resumes_ahead", "container.created", started),
+        container_event(
+            "d_resumes_ahead",
+            "container.stopped",
+            now - Duration::hours(1),
+        ),
+        container_event("d_resumes_ahead", "container.resumed", ahead),
+    ];
+    // Stopped, nothing ahead.
+    events.push(container_event("e_settled", "container.created", started));
+    events.push(container_event(
+        "e_settled",
+        "container.stopped",
+        now - Duration::hours(1),
+    ));
+    post(&app, events).await;
+
+    let running = ["b_stops_ahead", "c_settled"];
+    let stopped = ["a_created_ahead", "d_resumes_ahead", "e_settled"];
+    for limit in [1, 2, 100] {
+        let pages = |state: &'static str| all_pages(&app, ORG, state, limit);
+        assert_eq!(pages("running").await.concat(), running, "limit {limit}");
+        assert_eq!(pages("stopped").await.concat(), stopped, "limit {limit}");
+        assert_eq!(pages("all").await.concat().len(), 5, "limit {limit}");
+    }
+    let page = ok(app.get_json(&format!("/v1/orgs/{ORG}/containers")).await);
+    let listed: Vec<(Value, Value)> = page["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|item| (item["state"].clone(), item["running_since"].clone()))
+        .collect();
+    let since = json!(timestamp(started));
+    assert_eq!(
+        listed,
+        [
+            (json!("stopped"), json!(null)),
+            (json!("running"), since.clone()),
+            (json!("running"), since.clone()),
+            (json!("stopped"), json!(null)),
+            (json!("stopped"), json!(null)),
+        ]
+    );
+    // One container read by id says what the list says, and what `as_of` asks for.
+    for (container, state) in [
+        ("a_created_ahead", "stopped"),
+        ("b_stops_ahead", "running"),
+        ("d_resumes_ahead", "stopped"),
+    ] {
+        let read = ok(app.get_container(container, "").await);
+        assert_eq!(read["state"], state, "{container}: {read}");
+    }
+    // Before its stop, a container read as of then was running.
+    let earlier = timestamp(now - Duration::minutes(90));
+    let read = ok(app
+        .get_container("e_settled", &format!("as_of={earlier}"))
+        .await);
+    assert_eq!(read["state"], "running", "{read}");
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn ten_thousand_containers_of_one_org_are_listed_in_pages_of_a_thousand() {
     let app = spawn().await;
     // Stored as the projector stores them (one in three stopped), without 20 000 events.
