@@ -97,7 +97,8 @@ struct SummaryRow {
 /// left it: one range scan of an index that holds the state asked for. Events dated ahead
 /// of the clock (up to [`crate::event::FUTURE_SKEW_MAX_SECONDS`]) can start or stop a
 /// container after `now`; the few with such events are read apart, by the org's index on
-/// `last_at`, their state taken at `now` from every interval, and the two lists merged.
+/// the hour of `last_at`, their state taken at `now` from every interval, and the two
+/// lists merged ([`ContainerListSql`]).
 pub async fn containers(
     pool: &PgPool,
     org_id: &str,
@@ -106,63 +107,83 @@ pub async fn containers(
     limit: usize,
     now: DateTime<Utc>,
 ) -> Result<AtPosition<Vec<ContainerSummary>>, Error> {
-    let state_condition = match filter {
-        StateFilter::All => String::new(),
-        StateFilter::Running => format!("AND {RUNNING_SQL}"),
-        StateFilter::Stopped => format!("AND {STOPPED_SQL}"),
-    };
-    let ahead_condition = match filter {
-        StateFilter::All => "",
-        StateFilter::Running => "WHERE since_ms IS NOT NULL",
-        StateFilter::Stopped => "WHERE since_ms IS NULL",
-    };
+    let sql = ContainerListSql::of(filter);
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut transaction = read_snapshot(pool).await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
-    let settled: Vec<SummaryRow> = sqlx::query_as(&format!(
-        "SELECT container_id, CASE WHEN {RUNNING_SQL} \
-                THEN (intervals -> -1 ->> 0)::BIGINT END AS since_ms, last_at \
-         FROM {LIVE}.container \
-         WHERE org_id = $1 AND container_id COLLATE \"C\" > $2 {state_condition} \
-           AND last_at <= $4 \
-         ORDER BY container_id COLLATE \"C\" LIMIT $3"
-    ))
-    .bind(org_id)
-    .bind(after.unwrap_or(""))
-    .bind(limit)
-    .bind(now)
-    .fetch_all(&mut *transaction)
-    .await?;
-    // The interval holding `now`, if one does: start <= now < end, an open end holding
-    // every instant after its start (Interval::contains; boundaries are whole ms).
-    let ahead: Vec<SummaryRow> = sqlx::query_as(&format!(
-        "SELECT * FROM ( \
-             SELECT container_id, last_at, \
-                    (SELECT (i ->> 0)::BIGINT FROM jsonb_array_elements(intervals) AS i \
-                     WHERE (i ->> 0)::BIGINT <= $4 \
-                       AND (i -> 1 = 'null'::JSONB OR (i ->> 1)::BIGINT > $4) \
-                     LIMIT 1) AS since_ms \
-             FROM {LIVE}.container \
-             WHERE org_id = $1 AND last_at > $5 AND container_id COLLATE \"C\" > $2 \
-         ) AS ahead {ahead_condition} \
-         ORDER BY container_id COLLATE \"C\" LIMIT $3"
-    ))
-    .bind(org_id)
-    .bind(after.unwrap_or(""))
-    .bind(limit)
-    .bind(now.timestamp_millis())
-    .bind(now)
-    .fetch_all(&mut *transaction)
-    .await?;
-    transaction.commit().await?;
-    let mut rows = settled;
+    let mut rows: Vec<SummaryRow> = sqlx::query_as(&sql.settled)
+        .bind(org_id)
+        .bind(after.unwrap_or(""))
+        .bind(limit)
+        .bind(now)
+        .fetch_all(&mut *transaction)
+        .await?;
+    let ahead: Vec<SummaryRow> = sqlx::query_as(&sql.ahead)
+        .bind(org_id)
+        .bind(after.unwrap_or(""))
+        .bind(limit)
+        .bind(now)
+        .bind(now.timestamp_millis())
+        .fetch_all(&mut *transaction)
+        .await?;
     rows.extend(ahead);
+    transaction.commit().await?;
     rows.sort_by(|a, b| a.container_id.as_bytes().cmp(b.container_id.as_bytes()));
     rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
     Ok(AtPosition {
         position,
         figures: rows.into_iter().map(summary).collect::<Result<_, _>>()?,
     })
+}
+
+/// The two queries of an org's container list, each taking the org ($1), the cursor ($2),
+/// the page's length ($3) and now ($4), `ahead` also now in epoch milliseconds ($5); each
+/// returns a page of [`SummaryRow`]s, and the two sets never share a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerListSql {
+    /// Containers with no event after now, in the state their last event left them: on
+    /// the partial index of that state (`container_org_running`, `container_org_stopped`),
+    /// or `container_org_id` for all.
+    pub settled: String,
+    /// Containers with an event after now (dated ahead of the clock), on
+    /// `container_org_hour`, each running when an interval holds now: start <= now < end,
+    /// an open end holding every instant after its start (`Interval::contains`;
+    /// boundaries are whole milliseconds).
+    pub ahead: String,
+}
+
+impl ContainerListSql {
+    pub fn of(filter: StateFilter) -> ContainerListSql {
+        let (settled_state, ahead_state) = match filter {
+            StateFilter::All => (String::new(), ""),
+            StateFilter::Running => (format!("AND {RUNNING_SQL}"), "WHERE since_ms IS NOT NULL"),
+            StateFilter::Stopped => (format!("AND {STOPPED_SQL}"), "WHERE since_ms IS NULL"),
+        };
+        ContainerListSql {
+            settled: format!(
+                "SELECT container_id, CASE WHEN {RUNNING_SQL} \
+                        THEN (intervals -> -1 ->> 0)::BIGINT END AS since_ms, last_at \
+                 FROM {LIVE}.container \
+                 WHERE org_id = $1 AND container_id COLLATE \"C\" > $2 {settled_state} \
+                   AND last_at <= $4 \
+                 ORDER BY container_id COLLATE \"C\" LIMIT $3"
+            ),
+            ahead: format!(
+                "SELECT * FROM ( \
+                     SELECT container_id, last_at, \
+                            (SELECT (i ->> 0)::BIGINT FROM jsonb_array_elements(intervals) AS i \
+                             WHERE (i ->> 0)::BIGINT <= $5 \
+                               AND (i -> 1 = 'null'::JSONB OR (i ->> 1)::BIGINT > $5) \
+                             LIMIT 1) AS since_ms \
+                     FROM {LIVE}.container \
+                     WHERE org_id = $1 \
+                       AND last_hour >= date_trunc('hour', $4 AT TIME ZONE 'UTC') \
+                       AND last_at > $4 AND container_id COLLATE \"C\" > $2 \
+                 ) AS ahead {ahead_state} \
+                 ORDER BY container_id COLLATE \"C\" LIMIT $3"
+            ),
+        }
+    }
 }
 
 fn summary(row: SummaryRow) -> Result<ContainerSummary, Error> {

@@ -6,6 +6,7 @@ use chrono::{DateTime, Duration, Utc};
 use serde_json::{json, Value};
 use tally::clock::Clock;
 use tally::event::canonical::timestamp;
+use tally::projection::org::{ContainerListSql, StateFilter};
 use tally::runtime::Period;
 use uuid::Uuid;
 
@@ -697,7 +698,7 @@ async fn ten_thousand_containers_of_one_org_are_listed_in_pages_of_a_thousand() 
          SELECT 'org_big', 'c' || lpad(n::TEXT, 5, '0'), \
                 CASE WHEN n % 3 = 0 THEN '[[1764547200000, 1764550800000]]'::JSONB \
                      ELSE '[[1764547200000, null]]'::JSONB END, \
-                now() \
+                to_timestamp(1764550800) \
          FROM generate_series(1, 10000) AS n",
     )
     .execute(&app.pool)
@@ -727,28 +728,32 @@ async fn ten_thousand_containers_of_one_org_are_listed_in_pages_of_a_thousand() 
         .execute(&app.pool)
         .await
         .unwrap();
-    for (condition, index) in [
-        ("", "container_org_id"),
-        (
-            "AND (intervals -> -1 -> 1 = 'null'::JSONB) IS TRUE",
-            "container_org_running",
-        ),
-        (
-            "AND (intervals -> -1 -> 1 = 'null'::JSONB) IS NOT TRUE",
-            "container_org_stopped",
-        ),
+    // The containers with an event after now are found by the hour of their last event.
+    for (filter, index) in [
+        (StateFilter::All, "container_org_id"),
+        (StateFilter::Running, "container_org_running"),
+        (StateFilter::Stopped, "container_org_stopped"),
     ] {
-        let plan: Vec<String> = sqlx::query_scalar(&format!(
-            "EXPLAIN SELECT container_id FROM proj.container \
-             WHERE org_id = 'org_big' AND container_id COLLATE \"C\" > 'c05000' {condition} \
-             ORDER BY container_id COLLATE \"C\" LIMIT 101"
-        ))
-        .fetch_all(&app.pool)
-        .await
-        .unwrap();
-        let plan = plan.join("\n");
-        assert!(plan.contains(index), "{plan}");
-        assert!(!plan.contains("Seq Scan"), "{plan}");
+        let sql = ContainerListSql::of(filter);
+        let now = app.now();
+        for (query, index, in_ms) in [
+            (&sql.settled, index, false),
+            (&sql.ahead, "container_org_hour", true),
+        ] {
+            let explain = format!("EXPLAIN {query}");
+            let mut explained = sqlx::query_scalar(&explain)
+                .bind("org_big")
+                .bind("c05000")
+                .bind(101_i64)
+                .bind(now);
+            if in_ms {
+                explained = explained.bind(now.timestamp_millis());
+            }
+            let plan: Vec<String> = explained.fetch_all(&app.pool).await.unwrap();
+            let plan = plan.join("\n");
+            assert!(plan.contains(index), "{filter:?}: {plan}");
+            assert!(!plan.contains("Seq Scan"), "{filter:?}: {plan}");
+        }
     }
     app.stop().await;
 }

@@ -161,14 +161,18 @@ function timelineSection(usage, events, { containerId, from, to, search }) {
 }
 
 function intervalsSection(usage) {
+  const now = Date.now();
   const rows = usage.intervals.map((interval) => {
-    const end = interval.end ? Date.parse(interval.end) : Date.now();
+    const start = Date.parse(interval.start);
+    const end = interval.end ? Date.parse(interval.end) : now;
+    // A start dated ahead of the clock: the interval has not begun.
+    const ahead = start > now;
     return h(
       'tr',
       { dataset: { start: interval.start, end: interval.end ?? '' } },
       h('td', {}, time(interval.start)),
-      h('td', {}, interval.end ? time(interval.end) : 'still running'),
-      h('td', {}, duration(end - Date.parse(interval.start))),
+      h('td', {}, interval.end ? time(interval.end) : ahead ? 'not started yet' : 'still running'),
+      h('td', {}, ahead && !interval.end ? '—' : duration(end - start)),
     );
   });
   return section('Running intervals', table('intervals-table', 'Running intervals (open ones to now)', ['Start', 'End', 'Length'], rows));
