@@ -291,7 +291,8 @@ pub struct Compared {
 pub struct Reconciled {
     /// The line of the report (header = 1); `None` for `missing_in_provider`.
     pub report_line: Option<i64>,
-    /// The ledger's org for the container; the provider's tag when the ledger has none.
+    /// The ledger's org for the container the line was compared with; the provider's tag
+    /// when the ledger has none, or when several orgs have it and the tag names none of them.
     pub org_id: Option<String>,
     /// The org the provider tagged the line with (`Tags.org_id`).
     pub provider_org_id: Option<String>,

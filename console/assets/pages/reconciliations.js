@@ -269,7 +269,10 @@ function linesHeader(sort, go) {
 }
 
 function lineRow(line) {
-  const timelineHref = line.container_id
+  // An org_mismatch line no org's container was compared with (its id is several orgs',
+  // none of them the tag's) has no one timeline to show.
+  const comparedWithNone = line.status === 'org_mismatch' && line.org_id === line.provider_org_id;
+  const timelineHref = line.container_id && !comparedWithNone
     ? address(`/console/containers/${encodeURIComponent(line.container_id)}`, {
       org_id: line.org_id,
       from: line.charge_period_start,
