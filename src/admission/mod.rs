@@ -909,13 +909,17 @@ async fn locked_answer(
     let deadline = Instant::now() + wait.within;
     loop {
         let mut transaction = pool.begin().await?;
+        // The plan versions' lock first, so that a grant waiting for a plan version to be
+        // projected holds no lock the projector needs (a round takes the consuming lock).
         sqlx::query(&format!(
-            "SELECT pg_advisory_xact_lock({}), pg_advisory_xact_lock_shared($2), {}",
+            "SELECT pg_advisory_xact_lock_shared($3), pg_advisory_xact_lock({}), \
+                    pg_advisory_xact_lock_shared($2), {}",
             store::admission_lock("$1"),
             crate::ledger::db::BOUND_LOCK_IDLE
         ))
         .bind(request.org_id.as_str())
         .bind(store::CONSUME_LOCK_KEY)
+        .bind(PLAN_VERSION_LOCK_KEY)
         .execute(&mut *transaction)
         .await?;
         // The clock is read after the lock, so that expiry is judged at the moment of
@@ -928,6 +932,14 @@ async fn locked_answer(
         wait.catch_up(pool, freshness, wanted, deadline).await?;
     }
 }
+
+/// The advisory lock between grants and plan definitions: a grant holds it shared from
+/// before it takes its instant to its commit; a plan definition holds it alone from before
+/// it takes its version's instant until the version is projected (or a bounded wait ends).
+/// So no grant decides at an instant a new version covers with the version before it: a
+/// lowered `max_running_containers` holds from the instant it is in effect. `'planve'` in
+/// ASCII.
+pub const PLAN_VERSION_LOCK_KEY: i64 = 0x706c_616e_7665;
 
 /// What became of a reservation asked to be released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,6 +2,8 @@
 //! `plan.defined` event (a new version, in effect from now); `GET /v1/plans` lists the
 //! current version of each.
 
+use std::time::Duration;
+
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
@@ -18,6 +20,7 @@ use super::body::{present, RequestBody, StrictJson};
 use super::error::{ApiError, ErrorBody};
 use super::turn::{in_turn, Queue};
 use super::AppState;
+use crate::admission;
 use crate::billing::overage::is_currency;
 use crate::billing::Plan;
 use crate::error_code::ErrorCode;
@@ -328,6 +331,16 @@ async fn define(
             }
         }
     }
+    // No grant decides while the version's instant has passed and its facts are not yet
+    // projected (admission::PLAN_VERSION_LOCK_KEY): held from before the instant is taken.
+    let mut grants_held = state.pool.begin().await?;
+    sqlx::query(&format!(
+        "SELECT pg_advisory_xact_lock($1), {}",
+        crate::ledger::db::BOUND_LOCK_IDLE
+    ))
+    .bind(admission::PLAN_VERSION_LOCK_KEY)
+    .execute(&mut *grants_held)
+    .await?;
     let event = Event {
         id: EventId::from_uuid(uuid::Uuid::now_v7()).expect("a v7 UUID is not nil"),
         event_type: EventType::PlanDefined,
@@ -339,6 +352,21 @@ async fn define(
     };
     let appended = state.appender.append(vec![event]).await?;
     let position = appended[0].position;
+    // Within the lock's idle bound, which lets go of the lock of an instance that hangs
+    // here; past the wait, grants go on with the facts they find.
+    let wait = state.read_wait.min(Duration::from_millis(
+        crate::ledger::db::LOCK_IDLE_TIMEOUT_MS / 2,
+    ));
+    if let Err(error) = state
+        .freshness
+        .wait_projected(&state.pool, position, wait)
+        .await
+    {
+        tracing::warn!(%error, plan = %id, "a plan version was not projected before grants went on");
+    }
+    if let Err(error) = grants_held.rollback().await {
+        tracing::warn!(%error, "the plan versions' lock did not end cleanly; its connection drops it");
+    }
     let versions = plans::versions(&state.pool, &id).await?;
     let stored = versions
         .iter()

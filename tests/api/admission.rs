@@ -474,6 +474,60 @@ async fn a_grant_still_being_stored_when_its_containers_create_is_projected_is_c
     app.stop().await;
 }
 
+#[tokio::test]
+async fn a_grant_while_a_lowered_plan_version_is_being_stored_waits_for_it_and_is_held_to_it() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let mut plan = pro_plan();
+    plan["max_running_containers"] = json!(2);
+    assert_eq!(app.put_plan("pro", &plan).await.0, 201);
+    event(
+        &app,
+        container_event(&app, "acme", "c0", "container.created", 60),
+    )
+    .await;
+    projected_to_head(&app.pool, "two slots, one taken").await;
+    // Widens the window between a plan version's instant and its commit to a second.
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_plan() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$; \
+         CREATE TRIGGER slow_plan BEFORE INSERT ON ledger \
+           FOR EACH ROW WHEN (NEW.type = 'plan.defined') EXECUTE FUNCTION slow_plan();",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    plan["max_running_containers"] = json!(1);
+    let lowered = tokio::spawn({
+        let api = app.api.clone();
+        async move { api.put_plan("pro", &plan).await }
+    });
+    eventually(10, "the lowered version is being stored", || async {
+        let sleeping: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event = 'PgSleep' AND datname = current_database()",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        sleeping == 1
+    })
+    .await;
+    // The version is in effect from an instant already past: a grant now is held to it.
+    let (status, refused) = app
+        .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "c1"}))
+        .await;
+    let (stored, version) = lowered.await.unwrap();
+    assert_eq!(stored, 201, "{version}");
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (409, Some("concurrency_limit")),
+        "a grant during the store of version {version}: {refused}"
+    );
+    assert_eq!(live_reservations(&app, "acme").await, 0);
+    app.stop().await;
+}
+
 /// The reservations of `org`'s `container`, with the event that consumed each, if any.
 async fn consumed_by(app: &TestApp, org: &str, container: &str) -> Vec<Option<Uuid>> {
     sqlx::query_scalar(
