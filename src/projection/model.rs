@@ -206,6 +206,14 @@ impl Changes {
                 .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
             changes.late.insert(key);
         }
+        // An account event voided in the run that stores it is not stored: the store takes
+        // the voided ones back before it writes the run's.
+        if !changes.voided_accounts.is_empty() {
+            let voided: HashSet<uuid::Uuid> = changes.voided_accounts.iter().copied().collect();
+            changes
+                .accounts
+                .retain(|(_, entry)| !voided.contains(&entry.event_id.as_uuid()));
+        }
         changes
     }
 
@@ -620,6 +628,42 @@ mod tests {
 
     fn period(name: &str) -> (String, Period) {
         ("org".into(), Period::parse(name).unwrap())
+    }
+
+    #[test]
+    fn an_account_event_voided_in_the_run_that_stores_it_is_not_stored_and_one_before_is_kept() {
+        let account = |position: i64, verified: bool| ProjectedEvent {
+            position,
+            recorded_at: at(1, 0),
+            org_id: "org".into(),
+            container: None,
+            voids: None,
+            account: Some(AccountEntry {
+                occurred_at: at(1, 0),
+                position,
+                event_id: crate::event::EventId::from_uuid(uuid::Uuid::from_u128(position as u128))
+                    .unwrap(),
+                change: crate::runtime::AccountChange::Verified(verified),
+            }),
+        };
+        let voided = account(1, true);
+        let void = ProjectedEvent {
+            position: 3,
+            account: None,
+            voids: Some(uuid::Uuid::from_u128(1)),
+            ..account(3, false)
+        };
+        let kept = account(2, false);
+        let changes = Changes::apply(
+            &[voided.clone(), kept.clone(), void],
+            &[voided],
+            HashMap::new(),
+        );
+        assert_eq!(
+            changes.accounts,
+            [("org".to_owned(), kept.account.unwrap())]
+        );
+        assert_eq!(changes.voided_accounts, [uuid::Uuid::from_u128(1)]);
     }
 
     #[test]

@@ -73,6 +73,65 @@ async fn figures(app: &TestApp, org: &str) -> Value {
 }
 
 #[tokio::test]
+async fn account_events_voided_in_the_round_that_projects_them_count_as_never_stored() {
+    let app = TestApp::spawn_mid_period().await;
+    let (status, plan) = app.put_plan("pro", &crate::plans::pro_plan()).await;
+    assert_eq!(status, 201, "{plan}");
+    projected_to_head(&app.pool, "the plan is projected").await;
+    // No round runs while the test holds the checkpoint: the events and their voids are
+    // projected in one round.
+    let mut held = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT position FROM proj.checkpoint FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let events = vec![
+        event(
+            "quick",
+            "org.verification_changed",
+            10,
+            json!({"verified": true}),
+        ),
+        event(
+            "quick",
+            "org.billing_eligibility_changed",
+            10,
+            json!({"eligible": true}),
+        ),
+        event("quick", "org.plan_changed", 10, json!({"plan": "pro"})),
+    ];
+    let (status, response) = app.post_events(&json!({ "events": events })).await;
+    assert_eq!(status, 200, "{response}");
+    for voided in &events {
+        let (status, response) = app
+            .post_void(&json!({"event_id": voided["id"], "reason": "sent to the wrong org"}))
+            .await;
+        assert_eq!(status, 201, "{response}");
+    }
+    held.commit().await.unwrap();
+    projected_to_head(&app.pool, "the events and their voids are projected").await;
+    let org = |org: &'static str| {
+        let app = &app;
+        async move {
+            let mut read = ok(app
+                .get_json(&format!("/v1/orgs/{org}?as_of={}", at(0)))
+                .await);
+            for field in ["org_id", "position"] {
+                read[field] = json!(null);
+            }
+            read
+        }
+    };
+    assert_eq!(org("quick").await, org("never_seen").await);
+    let (status, check) = app
+        .check_admission(&json!({"org_id": "quick", "action": "create"}))
+        .await;
+    assert_eq!(status, 200, "{check}");
+    assert_eq!(check["allowed"], false, "{check}");
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn voided_events_count_as_never_stored_and_stay_in_the_ledger_and_its_chain() {
     let app = TestApp::spawn_mid_period().await;
     let extra = vec![
