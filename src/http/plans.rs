@@ -12,6 +12,7 @@ use axum::Json;
 use chrono::SubsecRound;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use sqlx::{Postgres, Transaction};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -305,6 +306,38 @@ const TURNS: Queue = Queue {
 /// The advisory lock every instance's plan definitions take in turn.
 pub const PLANS_LOCK_KEY: i64 = 0x0070_6c61_6e73;
 
+/// Takes the plan versions' lock alone, in a transaction of its own: grants wait.
+async fn hold_grants(state: &AppState) -> Result<Transaction<'static, Postgres>, ApiError> {
+    let mut held = state.pool.begin().await?;
+    sqlx::query(&format!(
+        "SELECT pg_advisory_xact_lock($1), {}",
+        crate::ledger::db::BOUND_LOCK_IDLE
+    ))
+    .bind(admission::PLAN_VERSION_LOCK_KEY)
+    .execute(&mut *held)
+    .await?;
+    Ok(held)
+}
+
+/// Lets grants go on once the version at `position` is projected, or the wait is over:
+/// within the lock's idle bound, which lets go of the lock of an instance that hangs here.
+/// Past the wait, grants go on with the facts they find.
+async fn release_grants(state: &AppState, held: Transaction<'static, Postgres>, position: i64) {
+    let wait = state.read_wait.min(Duration::from_millis(
+        crate::ledger::db::LOCK_IDLE_TIMEOUT_MS / 2,
+    ));
+    if let Err(error) = state
+        .freshness
+        .wait_projected(&state.pool, position, wait)
+        .await
+    {
+        tracing::warn!(%error, position, "a plan version was not projected before grants went on");
+    }
+    if let Err(error) = held.rollback().await {
+        tracing::warn!(%error, "the plan versions' lock did not end cleanly; its connection drops it");
+    }
+}
+
 /// Stores `plan` as the next version of `id`, in turn: the same definition again changes
 /// nothing (200); a plan that prices overage must be in the currency every other such
 /// plan is in.
@@ -333,14 +366,7 @@ async fn define(
     }
     // No grant decides while the version's instant has passed and its facts are not yet
     // projected (admission::PLAN_VERSION_LOCK_KEY): held from before the instant is taken.
-    let mut grants_held = state.pool.begin().await?;
-    sqlx::query(&format!(
-        "SELECT pg_advisory_xact_lock($1), {}",
-        crate::ledger::db::BOUND_LOCK_IDLE
-    ))
-    .bind(admission::PLAN_VERSION_LOCK_KEY)
-    .execute(&mut *grants_held)
-    .await?;
+    let grants_held = hold_grants(&state).await?;
     let event = Event {
         id: EventId::from_uuid(uuid::Uuid::now_v7()).expect("a v7 UUID is not nil"),
         event_type: EventType::PlanDefined,
@@ -352,21 +378,7 @@ async fn define(
     };
     let appended = state.appender.append(vec![event]).await?;
     let position = appended[0].position;
-    // Within the lock's idle bound, which lets go of the lock of an instance that hangs
-    // here; past the wait, grants go on with the facts they find.
-    let wait = state.read_wait.min(Duration::from_millis(
-        crate::ledger::db::LOCK_IDLE_TIMEOUT_MS / 2,
-    ));
-    if let Err(error) = state
-        .freshness
-        .wait_projected(&state.pool, position, wait)
-        .await
-    {
-        tracing::warn!(%error, plan = %id, "a plan version was not projected before grants went on");
-    }
-    if let Err(error) = grants_held.rollback().await {
-        tracing::warn!(%error, "the plan versions' lock did not end cleanly; its connection drops it");
-    }
+    release_grants(&state, grants_held, position).await;
     let versions = plans::versions(&state.pool, &id).await?;
     let stored = versions
         .iter()
