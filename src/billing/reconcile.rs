@@ -291,8 +291,8 @@ pub struct Compared {
 pub struct Reconciled {
     /// The line of the report (header = 1); `None` for `missing_in_provider`.
     pub report_line: Option<i64>,
-    /// The ledger's org for the container the line was compared with; the provider's tag
-    /// when the ledger has none, or when several orgs have it and the tag names none of them.
+    /// The ledger's org of the container the line was compared with; the provider's tag
+    /// when it was compared with none (no org when untagged).
     pub org_id: Option<String>,
     /// The org the provider tagged the line with (`Tags.org_id`).
     pub provider_org_id: Option<String>,
@@ -326,8 +326,7 @@ pub struct OutOfRange {
 /// container id, counting the ledger's runtime over the line's charge period up to `as_of`,
 /// outside what earlier lines `claims` for the same container. A line that is not runtime
 /// is `not_runtime`, whatever the ledger holds. The caller claims the line's charge period
-/// for the container it was compared with (the line's `org_id`, when the id has a container
-/// in that org) before the next line.
+/// of the container it names ([`container_named`]) before the next line.
 pub fn reconcile_line(
     report_line: i64,
     line: &ReportLine,
@@ -355,12 +354,10 @@ pub fn reconcile_line(
         return Err(out_of_range);
     }
     let window = line.charge_period.until(as_of);
-    // The container the line is about: the tagged org's, else the only one the id has.
-    let own = match &line.org_id {
-        Some(org) => ledger.iter().find(|known| known.org_id == org),
-        None if ledger.len() == 1 => ledger.first(),
-        None => None,
-    };
+    // Compared only with the container of the line's own org: the tagged org's, else
+    // (untagged) the id's only one.
+    let own = container_named(line, ledger)
+        .filter(|known| line.org_id.as_deref().is_none_or(|tag| tag == known.org_id));
     let (ledger_runtime_ms, status) = match (own, ledger) {
         (Some(known), _) => {
             let ledger_ms = claims.unclaimed_runtime_ms(known, container_id, window);
@@ -370,18 +367,12 @@ pub fn reconcile_line(
                 compared_status(tolerance, provider_runtime_ms, ledger_ms),
             )
         }
-        // Known to one org, not the tag's: the provider bills the wrong tenant, or the
-        // ledger does; compared with that org's container.
-        (None, [other]) => {
-            reconciled.org_id = Some(other.org_id.to_owned());
-            let ledger_ms = claims.unclaimed_runtime_ms(other, container_id, window);
-            (ledger_ms, Status::OrgMismatch)
-        }
-        // Known to several orgs, none of them the tag's (or no tag to choose): which tenant
-        // the line is about cannot be told, so it is charged to none of them. It stays with
-        // the provider's tag (no org when untagged), compared with no ledger runtime, and
-        // each org's container is still missing from the report.
-        (None, [_, _, ..]) => (0, Status::OrgMismatch),
+        // Known to other orgs than the tag's, or to several with no tag to choose: the
+        // provider bills another tenant than the ledger, or which tenant cannot be told.
+        // The line stays with the provider's tag (no org when untagged) and is compared
+        // with no org's runtime, so no tenant reads another's figures through it, nor
+        // takes another's line as its own (decision 0048).
+        (None, [_, ..]) => (0, Status::OrgMismatch),
         (None, []) => (0, Status::MissingInLedger),
     };
     let expected_cost =
@@ -395,6 +386,25 @@ pub fn reconcile_line(
         cost_delta: exact_sum(line.billed_cost, -expected_cost).ok_or(out_of_range)?,
     });
     Ok(reconciled)
+}
+
+/// The ledger container a runtime line names: its tagged org's container of the id, else
+/// the id's only container (untagged, or tagged with another org); `None` when the id has
+/// no container, or several and the tag names none of them. The line claims its charge
+/// period of that container ([`Claims`]), so the container is not missing from the report
+/// even when the line was not compared with it.
+pub fn container_named<'l, 'a>(
+    line: &ReportLine,
+    ledger: &'l [LedgerContainer<'a>],
+) -> Option<&'l LedgerContainer<'a>> {
+    let tagged = line
+        .org_id
+        .as_deref()
+        .and_then(|tag| ledger.iter().find(|known| known.org_id == tag));
+    match ledger {
+        [only] => Some(tagged.unwrap_or(only)),
+        _ => tagged,
+    }
 }
 
 /// `matched` within the tolerance, else which side is over.
@@ -632,9 +642,19 @@ mod tests {
             lifecycle: &ran,
         }];
         check(line(0, 10, "36000", "1"), &elsewhere, Status::OrgMismatch);
+        // Listed under the provider's tag and compared with no org's runtime.
+        let mismatched = reconcile(&line(0, 10, "36000", "1"), &elsewhere, as_of);
         assert_eq!(
-            reconcile(&line(0, 10, "36000", "1"), &elsewhere, as_of).org_id,
-            Some("other".into())
+            (
+                mismatched.org_id.as_deref(),
+                compared(&mismatched).ledger_runtime_ms
+            ),
+            (Some("acme"), 0)
+        );
+        // The line still names that org's container, which it claims.
+        assert_eq!(
+            container_named(&line(0, 10, "36000", "1"), &elsewhere).map(|known| known.org_id),
+            Some("other")
         );
         let report = Window::new(at(0), at(24));
         let missing = missing_in_provider(
@@ -682,6 +702,10 @@ mod tests {
             );
             assert_eq!(compared.cost_delta, line.billed_cost);
         }
+        // Several orgs, none of them the tag's: the line names no container.
+        let mut third = line(0, 10, "36000", "1.00");
+        third.org_id = Some("gamma".into());
+        assert!(container_named(&third, &shared).is_none());
         // A tag names one of them: that org's container, as with no other org.
         let reconciled = reconcile(&line(0, 10, "36000", "1.00"), &shared, at(100));
         assert_eq!(

@@ -395,15 +395,10 @@ fn reconcile_round(
             (tolerance, as_of),
             &progress.claims,
         )?;
-        // The line claims its charge period of the container it was compared with, not of
-        // every org's container of that id: another org's is still missing from the report.
-        // A line charged to none of the orgs of its id claims nothing.
-        let compared_with = reconciled
-            .org_id
-            .as_deref()
-            .filter(|org| ledger.iter().any(|known| known.org_id == *org));
-        if let (Some(id), Some(org)) = (container, compared_with) {
-            progress.claims.claim(org, id, line.charge_period);
+        // The line claims its charge period of the container it names, not of every org's
+        // container of that id: another org's is still missing from the report.
+        if let (Some(id), Some(named)) = (container, reconcile::container_named(line, &ledger)) {
+            progress.claims.claim(named.org_id, id, line.charge_period);
         }
         results.push(reconciled);
     }

@@ -419,7 +419,7 @@ impl QueryParams for LinesParams {
 /// One line of a reconciliation: the columns of the CSV, and the object of its JSON (the
 /// same object in `lines.csv?format=json` and in a page of `GET .../lines`). Money is a
 /// decimal number as text in the line's currency, at the report's precision. `org_id` is
-/// the ledger's org of the container compared with (else the tag, decision 0048),
+/// the ledger's org of the container the line was compared with (else the tag, 0048),
 /// `provider_org_id` the org the report tagged; `container_id` is the
 /// line's `ResourceId`; the runtime figures and expected cost are null on a `not_runtime`
 /// line.

@@ -110,9 +110,14 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
     );
     assert_eq!(row("c_ghost")[7], "missing_in_ledger");
     assert_eq!(
-        (row("c_wrong")[0], row("c_wrong")[7], row("c_wrong")[12]),
-        ("beta", "org_mismatch", "acme"),
-        "the ledger's org and the org the provider tagged"
+        (
+            row("c_wrong")[0],
+            row("c_wrong")[4],
+            row("c_wrong")[7],
+            row("c_wrong")[12]
+        ),
+        ("acme", "0", "org_mismatch", "acme"),
+        "beta's container, billed to acme: listed under the provider's tag, compared with none"
     );
     assert_eq!(row("c_silent")[0..1], ["acme"]);
     assert_eq!(
@@ -132,7 +137,7 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
         .unwrap();
     assert_eq!(
         (&wrong["org_id"], &wrong["provider_org_id"]),
-        (&json!("beta"), &json!("acme"))
+        (&json!("acme"), &json!("acme"))
     );
 
     for (body, status, code) in [
@@ -506,6 +511,74 @@ async fn an_untagged_line_for_a_container_id_two_orgs_share_is_charged_to_neithe
             .collect();
         assert_eq!(statuses, [&json!("missing_in_provider")], "{org}: {seen}");
     }
+}
+
+#[tokio::test]
+async fn a_tenant_that_takes_a_container_id_billed_to_another_neither_reads_nor_takes_its_line() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    // The provider bills `victim` for vx, which the ledger does not know yet.
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,Tags,ChargeCategory\n\
+         {},{},vx,1,Hours,42.17,USD,\"{{\"\"org_id\"\":\"\"victim\"\"}}\",Usage",
+        at(3),
+        at(2)
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let (before, _) = reconcile_report(&app, &report["report_id"]).await;
+    assert_eq!(before["counts"]["missing_in_ledger"], 1, "{before}");
+    // Another tenant, with a token bound to its org, runs a container of that id.
+    let token = |scopes: Value, org: &str| {
+        let app = &app;
+        let org = org.to_owned();
+        async move {
+            let made = answered(
+                201,
+                app.post_token(&json!({"scopes": scopes, "org_id": org}))
+                    .await,
+            );
+            app.with_token(made["token"].as_str().unwrap())
+        }
+    };
+    let squatter = token(json!(["events:write", "finance"]), "squat").await;
+    for (kind, hours_ago) in [("container.created", 4), ("container.stopped", 1)] {
+        let event = json!({"id": Uuid::new_v4(), "type": kind, "org_id": "squat",
+                           "container_id": "vx", "occurred_at": at(hours_ago)});
+        answered(200, squatter.post_events(&event).await);
+    }
+    projected_to_head(&app.pool, "the squatter's container is projected").await;
+    let (after, lines) = reconcile_report(&app, &report["report_id"]).await;
+    let line = &lines["lines"][0];
+    assert_eq!(
+        (
+            &line["status"],
+            &line["org_id"],
+            &line["provider_org_id"],
+            &line["ledger_runtime_ms"]
+        ),
+        (
+            &json!("org_mismatch"),
+            &json!("victim"),
+            &json!("victim"),
+            &json!(0)
+        ),
+        "{lines}"
+    );
+    // The line names the squatter's container, so it is not missing from the report.
+    assert_eq!(after["counts"]["missing_in_provider"], 0, "{after}");
+    let id = after["reconciliation_id"].as_str().unwrap();
+    let path = format!("/v1/reconciliations/{id}/lines.csv?format=json");
+    let seen = answered(200, squatter.get_json(&path).await);
+    assert_eq!(
+        seen["lines"],
+        json!([]),
+        "the squatter reads nothing: {seen}"
+    );
+    let victim = token(json!(["finance"]), "victim").await;
+    let seen = answered(200, victim.get_json(&path).await);
+    assert_eq!(seen["lines"].as_array().unwrap().len(), 1, "{seen}");
+    assert_eq!(seen["lines"][0]["ledger_runtime_ms"], 0, "{seen}");
 }
 
 /// Imports a report of one line per `(resource_id, category)`, each an hour ending an hour

@@ -392,9 +392,13 @@ async fn an_azure_focus_1_2_export_shows_both_orgs_of_a_mismatch_and_adds_up_in_
     );
     let mismatch = &reconciled.lines[&2];
     assert_eq!(
-        (&mismatch["org_id"], &mismatch["provider_org_id"]),
-        (&json!("acme"), &json!("beta")),
-        "the ledger's org and the provider's tag"
+        (
+            &mismatch["org_id"],
+            &mismatch["provider_org_id"],
+            &mismatch["ledger_runtime_ms"]
+        ),
+        (&json!("beta"), &json!("beta"), &json!(0)),
+        "acme's container billed to beta: listed under the provider's tag, compared with none"
     );
     let under = &reconciled.lines[&3];
     assert_eq!(

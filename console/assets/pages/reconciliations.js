@@ -269,8 +269,8 @@ function linesHeader(sort, go) {
 }
 
 function lineRow(line) {
-  // An org_mismatch line no org's container was compared with (its id is several orgs',
-  // none of them the tag's) has no one timeline to show.
+  // An org_mismatch line was compared with no org's container: it is listed under the
+  // provider's tag, whose org has no container of the id, so it has no timeline to show.
   const comparedWithNone = line.status === 'org_mismatch' && line.org_id === line.provider_org_id;
   const timelineHref = line.container_id && !comparedWithNone
     ? address(`/console/containers/${encodeURIComponent(line.container_id)}`, {
