@@ -241,6 +241,26 @@ impl Claims {
         claimed.insert(start, end);
     }
 
+    /// How much of `window` no earlier line claimed for the container, in ms.
+    fn unclaimed_ms(&self, known: &LedgerContainer<'_>, container_id: &str, window: Window) -> i64 {
+        let key = (known.org_id.to_owned(), container_id.to_owned());
+        let Some(claimed) = self.by_container.get(&key) else {
+            return window.length_ms();
+        };
+        let first = claimed.range(..=window.start()).next_back();
+        let inside = claimed.range((Excluded(window.start()), Excluded(window.end())));
+        let claimed_ms: i64 = first
+            .into_iter()
+            .chain(inside)
+            .map(|(start, end)| {
+                let from = (*start).max(window.start());
+                let to = (*end).min(window.end());
+                (to - from).num_milliseconds().max(0)
+            })
+            .sum();
+        window.length_ms() - claimed_ms
+    }
+
     /// The container's runtime inside `window` that no earlier line claimed.
     fn unclaimed_runtime_ms(
         &self,
@@ -361,10 +381,18 @@ pub fn reconcile_line(
     let (ledger_runtime_ms, status) = match (own, ledger) {
         (Some(known), _) => {
             let ledger_ms = claims.unclaimed_runtime_ms(known, container_id, window);
+            // The tolerance covers the part of the charge period no earlier line billed: a
+            // line repeating an earlier one gets none, so runtime billed again in pieces
+            // each inside the tolerance is over, not matched (decision 0047).
+            let allowed_ms = scaled(
+                tolerance.allowed_ms(ledger_ms),
+                claims.unclaimed_ms(known, container_id, window),
+                window.length_ms(),
+            );
             reconciled.org_id = Some(known.org_id.to_owned());
             (
                 ledger_ms,
-                compared_status(tolerance, provider_runtime_ms, ledger_ms),
+                compared_status(allowed_ms, provider_runtime_ms, ledger_ms),
             )
         }
         // Known to other orgs than the tag's, or to several with no tag to choose: the
@@ -407,10 +435,19 @@ pub fn container_named<'l, 'a>(
     }
 }
 
-/// `matched` within the tolerance, else which side is over.
-fn compared_status(tolerance: Tolerance, provider_ms: i64, ledger_ms: i64) -> Status {
+/// `allowed_ms` × `part` / `whole`, rounded down; all of it for an empty whole.
+fn scaled(allowed_ms: i64, part: i64, whole: i64) -> i64 {
+    if whole <= 0 {
+        return allowed_ms;
+    }
+    let scaled = i128::from(allowed_ms) * i128::from(part.clamp(0, whole)) / i128::from(whole);
+    i64::try_from(scaled).expect("a part of an i64")
+}
+
+/// `matched` when the distance is at most `allowed_ms`, else which side is over.
+fn compared_status(allowed_ms: i64, provider_ms: i64, ledger_ms: i64) -> Status {
     let delta = provider_ms - ledger_ms;
-    if tolerance.allows(delta, ledger_ms) {
+    if delta.abs() <= allowed_ms {
         Status::Matched
     } else if delta > 0 {
         Status::ProviderOver
@@ -595,6 +632,32 @@ mod tests {
         // Another container, or another org's, is not claimed.
         assert!(claims.mentions("acme", "c1"));
         assert!(!claims.mentions("beta", "c1") && !claims.mentions("acme", "c2"));
+    }
+
+    #[test]
+    fn a_repeated_line_gets_no_tolerance_and_one_overlapping_by_a_sliver_keeps_nearly_all() {
+        let ran = lifecycle(&[(0, Some(1))]);
+        let ledger = known(&ran);
+        let mut claims = Claims::default();
+        let mut next = |line: ReportLine| {
+            let tolerance = (Tolerance::default(), at(100));
+            let reconciled = super::reconcile_line(2, &line, &ledger, tolerance, &claims).unwrap();
+            claims.claim("acme", "c1", line.charge_period);
+            reconciled.status
+        };
+        assert_eq!(next(line(0, 1, "3600", "1.00")), Status::Matched);
+        // The hour again in pieces of a second each, inside the 2 s tolerance: over.
+        for _ in 0..3 {
+            assert_eq!(next(line(0, 1, "1", "0.01")), Status::ProviderOver);
+        }
+        // The next hour, which the container did not run, billed 1.5 s: its charge period
+        // overlaps the claimed hour by 1 ms, so nearly all of the tolerance is left.
+        let mut sliver = line(1, 2, "1.5", "0.01");
+        sliver.charge_period = Window::new(at(1) - Duration::milliseconds(1), at(2));
+        assert_eq!(next(sliver), Status::Matched);
+        assert_eq!(scaled(2_000, 1, 3_600_001), 0);
+        assert_eq!(scaled(2_000, 3_600_000, 3_600_001), 1_999);
+        assert_eq!(scaled(2_000, 0, 0), 2_000);
     }
 
     #[test]
