@@ -15,7 +15,7 @@ use chrono::{DateTime, SubsecRound, Utc};
 use rust_decimal::Decimal;
 use serde_json::Value;
 
-use super::reconcile::ReportLine;
+use super::reconcile::{ReportLine, PAST_RANGE_MS};
 use crate::error_code::ErrorCode;
 use crate::event::{storable, OrgId};
 use crate::runtime::Window;
@@ -189,7 +189,7 @@ impl Header {
         let currency = cells.currency()?.to_owned();
         let org_id = cells.org_id()?;
         let provider_name = cells.text("ProviderName", TEXT_MAX)?;
-        Ok(ParsedLine {
+        let parsed = ParsedLine {
             line,
             report: ReportLine {
                 charge_period,
@@ -204,7 +204,22 @@ impl Header {
             },
             provider_name,
             billing_period,
-        })
+        };
+        // Refused here, not when the stored report is reconciled: one such line would make
+        // every reconciliation of the report 422 `amounts_out_of_range`.
+        if let Some((_, PAST_RANGE_MS)) = parsed.report.runtime() {
+            return Err(cells.error(
+                "ConsumedQuantity",
+                ErrorCode::InvalidNumber,
+                format!(
+                    "{} {} of runtime is out of range: at most {} ms",
+                    parsed.report.quantity.unwrap_or_default(),
+                    parsed.report.unit.as_deref().unwrap_or_default(),
+                    PAST_RANGE_MS - 1
+                ),
+            ));
+        }
+        Ok(parsed)
     }
 }
 
@@ -496,6 +511,27 @@ mod tests {
         assert_eq!(lines[0].report.quantity, Some(Decimal::from(24)));
         assert_eq!(lines[0].report.billed_cost, Decimal::new(125, 2));
         assert_eq!(lines[0].report.runtime(), Some(("c1", 86_400_000)));
+    }
+
+    #[test]
+    fn runtime_whose_milliseconds_do_not_fit_is_refused_at_import_and_the_same_quantity_of_bytes_is_not(
+    ) {
+        let line = |quantity: &str, unit: &str| {
+            report(&[&format!(
+                "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,{quantity},{unit},0.5,USD,,"
+            )])
+        };
+        // i64::MAX ms is about 2 562 047 788 015 hours.
+        assert!(parse_all(line("2562047788015", "Hours").as_bytes()).is_ok());
+        assert_eq!(
+            error_of(&line("2562047788016", "Hours")),
+            (2, Some("ConsumedQuantity".into()), "invalid_number")
+        );
+        assert_eq!(
+            error_of(&line("99999999999999999999999999", "Hours")),
+            (2, Some("ConsumedQuantity".into()), "invalid_number")
+        );
+        assert!(parse_all(line("99999999999999999999999999", "Bytes").as_bytes()).is_ok());
     }
 
     #[test]
