@@ -29,7 +29,31 @@ impl Default for Tolerance {
     }
 }
 
+/// The largest `min_ms` a reconciliation may ask for: a day.
+pub const TOLERANCE_MS_MAX: u64 = 86_400_000;
+
 impl Tolerance {
+    /// The defaults with what a caller asks for instead, each within its limits: `min_ms`
+    /// up to [`TOLERANCE_MS_MAX`], `ratio` from 0 to 1. The error names the field.
+    pub fn asked(min_ms: Option<u64>, ratio: Option<Decimal>) -> Result<Tolerance, String> {
+        let mut tolerance = Tolerance::default();
+        if let Some(ms) = min_ms {
+            tolerance.min_ms = Some(ms)
+                .filter(|ms| *ms <= TOLERANCE_MS_MAX)
+                .and_then(|ms| i64::try_from(ms).ok())
+                .ok_or_else(|| {
+                    format!("tolerance_ms: a whole number from 0 to {TOLERANCE_MS_MAX}")
+                })?;
+        }
+        if let Some(ratio) = ratio {
+            if ratio < Decimal::ZERO || ratio > Decimal::ONE {
+                return Err("tolerance_ratio: a decimal from 0 to 1".to_owned());
+            }
+            tolerance.ratio = ratio;
+        }
+        Ok(tolerance)
+    }
+
     /// The allowed distance for a ledger runtime, in whole ms (the ratio's part rounded
     /// down, so the edge never widens by rounding).
     pub fn allowed_ms(&self, ledger_ms: i64) -> i64 {

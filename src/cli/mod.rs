@@ -1,5 +1,5 @@
-//! The command line: `tally serve | migrate | verify | replay | audit | export | reports |
-//! periods | openapi`. This module holds the clap definition and the dispatch; each
+//! The command line: `tally serve | migrate | verify | replay | audit | export | reports
+//! (import, reconcile) | periods | openapi`. This module holds the clap definition and the dispatch; each
 //! subcommand is a module of its own.
 
 use std::process::ExitCode;
@@ -105,6 +105,20 @@ pub enum ReportsCommand {
         /// does); `-` reads standard input.
         file: std::path::PathBuf,
     },
+    /// Reconcile a stored report with the ledger, here, however long it takes (over HTTP a
+    /// reconciliation must end within `TALLY_REQUEST_TIMEOUT_MS`). The projection is first
+    /// brought to the ledger head; prints what `POST /v1/reconciliations` answers, as JSON.
+    /// Exit 1 when the report is unknown, a tolerance is out of its limits or the amounts
+    /// cannot be reconciled (nothing is stored).
+    Reconcile {
+        report_id: String,
+        /// Default 2000, at most 86 400 000.
+        #[arg(long)]
+        tolerance_ms: Option<u64>,
+        /// A decimal from 0 to 1, read exactly; default 0.005.
+        #[arg(long)]
+        tolerance_ratio: Option<String>,
+    },
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -124,6 +138,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Reports {
             command: ReportsCommand::Import { file },
         } => reports::import(config, &file).await,
+        Command::Reports {
+            command:
+                ReportsCommand::Reconcile {
+                    report_id,
+                    tolerance_ms,
+                    tolerance_ratio,
+                },
+        } => reports::reconcile(config, &report_id, tolerance_ms, tolerance_ratio.as_deref()).await,
         Command::Periods {
             command: PeriodsCommand::Close { period },
         } => periods::close(config, &period).await,

@@ -2,8 +2,11 @@
 
 use std::process::ExitCode;
 
+use crate::billing::reconcile::Tolerance;
+use crate::billing::report::exact_decimal;
 use crate::billing::report::reader::Refusal;
 use crate::config::Config;
+use crate::finance::reconciliation::{self, ReconcileError};
 use crate::finance::reports::{self, Encoding, ImportError, Imported, Limits};
 use crate::ledger::db;
 
@@ -46,6 +49,52 @@ pub async fn import(config: &Config, file: &std::path::Path) -> anyhow::Result<E
         })
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// `tally reports reconcile REPORT_ID`: exit 1 for a caller's mistake or amounts that
+/// cannot be reconciled, with the reason on standard error.
+pub async fn reconcile(
+    config: &Config,
+    report_id: &str,
+    tolerance_ms: Option<u64>,
+    tolerance_ratio: Option<&str>,
+) -> anyhow::Result<ExitCode> {
+    let refused = |why: String| {
+        eprintln!("reconciliation refused, nothing stored: {why}");
+        Ok(ExitCode::from(1))
+    };
+    let Ok(report_id) = uuid::Uuid::try_parse(report_id) else {
+        return refused(format!("{report_id:?} is not a report id (a UUID)"));
+    };
+    let ratio = match tolerance_ratio.map(|text| exact_decimal(text).ok_or(text)) {
+        None => None,
+        Some(Ok(ratio)) => Some(ratio),
+        Some(Err(text)) => return refused(format!("tolerance_ratio: {text:?} is not a decimal")),
+    };
+    let tolerance = match Tolerance::asked(tolerance_ms, ratio) {
+        Ok(tolerance) => tolerance,
+        Err(why) => return refused(why),
+    };
+    let pool = db::prepare(config).await?;
+    super::to_head(&pool, config).await?;
+    let summary = reconciliation::run(&pool, report_id, tolerance, chrono::Utc::now(), "cli").await;
+    pool.close().await;
+    match summary {
+        Ok(summary) => {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "reconciliation_id": summary.id, "counts": summary.counts,
+                    "totals": summary.totals, "position": summary.position,
+                })
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(error @ (ReconcileError::UnknownReport(_) | ReconcileError::OutOfRange(_))) => {
+            refused(error.to_string())
+        }
+        Err(ReconcileError::Store(error)) => Err(error.into()),
+    }
 }
 
 /// A file named `.gz` is gzip; any other is gzip when its bytes begin as gzip does.

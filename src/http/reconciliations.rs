@@ -25,7 +25,7 @@ use super::listing;
 
 use super::query::{wants_json, QueryParams, StrictQuery};
 use super::AppState;
-use crate::billing::reconcile::Tolerance;
+use crate::billing::reconcile::{Tolerance, TOLERANCE_MS_MAX};
 use crate::billing::report::exact_decimal;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
@@ -34,8 +34,6 @@ use crate::finance::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
 
 /// Lines read per query while streaming an export.
 const EXPORT_CHUNK_LINES: i64 = 1_000;
-/// The widest tolerance accepted: a day.
-const TOLERANCE_MS_MAX: u64 = 86_400_000;
 
 pub(super) fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -361,40 +359,32 @@ pub async fn get_reconciliation(
 /// The request's tolerance: the defaults, with what the request gives checked against its
 /// limits.
 fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
-    let mut tolerance = Tolerance::default();
-    if let Some(value) = &body.tolerance_ms {
-        tolerance.min_ms = value
-            .as_u64()
-            .filter(|ms| *ms <= TOLERANCE_MS_MAX)
-            .and_then(|ms| i64::try_from(ms).ok())
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    ErrorCode::InvalidTolerance,
-                    format!("tolerance_ms: a whole number from 0 to {TOLERANCE_MS_MAX}"),
-                )
-            })?;
-    }
-    if let Some(value) = &body.tolerance_ratio {
-        // A ratio, not money. A JSON number has been read as a double by the time it is
-        // here: its shortest decimal text is what is read (`1e-7` included). A string is read
-        // exactly, so that one just over 1 in more digits than a decimal holds is refused.
-        let ratio = match value {
-            Value::Number(number) => Decimal::from_scientific(&number.to_string())
-                .or_else(|_| number.to_string().parse())
-                .ok(),
-            Value::String(text) => exact_decimal(text),
-            _ => None,
-        };
-        tolerance.ratio = ratio
-            .filter(|ratio| *ratio >= Decimal::ZERO && *ratio <= Decimal::ONE)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    ErrorCode::InvalidTolerance,
-                    "tolerance_ratio: a decimal from 0 to 1",
-                )
-            })?;
-    }
-    Ok(tolerance)
+    let invalid = |message: String| ApiError::invalid(ErrorCode::InvalidTolerance, message);
+    let min_ms = match &body.tolerance_ms {
+        None => None,
+        Some(value) => Some(value.as_u64().ok_or_else(|| {
+            invalid(format!(
+                "tolerance_ms: a whole number from 0 to {TOLERANCE_MS_MAX}"
+            ))
+        })?),
+    };
+    // A ratio, not money. A JSON number has been read as a double by the time it is here:
+    // its shortest decimal text is what is read (`1e-7` included). A string is read
+    // exactly, so that one just over 1 in more digits than a decimal holds is refused.
+    let ratio = match &body.tolerance_ratio {
+        None => None,
+        Some(value) => Some(
+            match value {
+                Value::Number(number) => Decimal::from_scientific(&number.to_string())
+                    .or_else(|_| number.to_string().parse())
+                    .ok(),
+                Value::String(text) => exact_decimal(text),
+                _ => None,
+            }
+            .ok_or_else(|| invalid("tolerance_ratio: a decimal from 0 to 1".to_owned()))?,
+        ),
+    };
+    Tolerance::asked(min_ms, ratio).map_err(invalid)
 }
 
 /// The query of a reconciliation's lines, read as text and checked by the route.

@@ -5,7 +5,7 @@ use chrono::{Duration, DurationRound, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{answered, projected_to_head, TestApp};
+use crate::helpers::{answered, projected_to_head, run_tally_exit, TestApp};
 
 #[tokio::test]
 async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
@@ -579,6 +579,102 @@ async fn a_tenant_that_takes_a_container_id_billed_to_another_neither_reads_nor_
     let seen = answered(200, victim.get_json(&path).await);
     assert_eq!(seen["lines"].as_array().unwrap().len(), 1, "{seen}");
     assert_eq!(seen["lines"][0]["ledger_runtime_ms"], 0, "{seen}");
+}
+
+#[tokio::test]
+async fn the_command_line_reconciles_a_stored_report_as_the_api_does_and_refuses_what_it_refuses() {
+    let app = TestApp::spawn().await;
+    let now = Utc::now().duration_trunc(Duration::minutes(1)).unwrap();
+    let at = |hours_ago: i64| tally::event::canonical::timestamp(now - Duration::hours(hours_ago));
+    for (kind, hours_ago) in [("container.created", 3), ("container.stopped", 1)] {
+        let event = json!({"id": Uuid::new_v4(), "type": kind, "org_id": "acme",
+                           "container_id": "c1", "occurred_at": at(hours_ago)});
+        answered(200, app.post_events(&event).await);
+    }
+    let csv = format!(
+        "ChargePeriodStart,ChargePeriodEnd,ResourceId,ConsumedQuantity,ConsumedUnit,BilledCost,BillingCurrency,ChargeCategory\n\
+         {},{},c1,2,Hours,2.00,USD,Usage\n\
+         {},{},c1,1,Hours,1.00,USD,Usage",
+        at(4),
+        at(0),
+        at(3),
+        at(2)
+    );
+    let report = answered(201, app.post_report(csv).await);
+    let id = report["report_id"].as_str().unwrap();
+    let (over_http, _) = reconcile_report(&app, &report["report_id"]).await;
+    let url = app.db.url.clone();
+    let (code, stdout, stderr) = run_tally_exit(&url, &["reports", "reconcile", id]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let by_cli: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (&by_cli["counts"], &by_cli["totals"]),
+        (&over_http["counts"], &over_http["totals"]),
+        "{by_cli}"
+    );
+    assert_eq!(by_cli["counts"]["provider_over"], 1, "{by_cli}");
+    assert_ne!(by_cli["reconciliation_id"], over_http["reconciliation_id"]);
+    let (_, lines) = app
+        .get_json(&format!(
+            "/v1/reconciliations/{}/lines.csv?format=json",
+            by_cli["reconciliation_id"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(lines["lines"].as_array().unwrap().len(), 2, "{lines}");
+    let wide = run_tally_exit(
+        &url,
+        &[
+            "reports",
+            "reconcile",
+            id,
+            "--tolerance-ms",
+            "86400000",
+            "--tolerance-ratio",
+            "1",
+        ],
+    );
+    assert_eq!(wide.0, Some(0), "{}", wide.2);
+
+    let stored = || async {
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM reconciliation")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        count
+    };
+    let before = stored().await;
+    let unknown = Uuid::new_v4().to_string();
+    for (args, says) in [
+        (vec!["reports", "reconcile", unknown.as_str()], "no report"),
+        (
+            vec!["reports", "reconcile", "not-a-uuid"],
+            "not a report id",
+        ),
+        (
+            vec!["reports", "reconcile", id, "--tolerance-ms", "86400001"],
+            "tolerance_ms",
+        ),
+        (
+            vec![
+                "reports",
+                "reconcile",
+                id,
+                "--tolerance-ratio",
+                "1.0000000001",
+            ],
+            "tolerance_ratio",
+        ),
+        (
+            vec!["reports", "reconcile", id, "--tolerance-ratio", "1e-3"],
+            "not a decimal",
+        ),
+    ] {
+        let (code, _, stderr) = run_tally_exit(&url, &args);
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    assert_eq!(stored().await, before, "a refused run stores nothing");
+    app.stop().await;
 }
 
 /// Imports a report of one line per `(resource_id, category)`, each an hour ending an hour
