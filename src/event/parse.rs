@@ -202,7 +202,13 @@ pub fn parse_body(
                 return Err(BodyError::Shape("the body must be a JSON object".into()));
             }
             let probe: BatchProbe = from_json(text)?;
-            if probe.events.is_some() {
+            if let Some(events) = probe.events {
+                if !events.get().starts_with('[') {
+                    return Err(BodyError::Shape(format!(
+                        "events: an array of events is required, not {}",
+                        events.get()
+                    )));
+                }
                 let batch: NativeBatch = from_json(text)?;
                 batch.events
             } else {
@@ -252,8 +258,17 @@ fn from_json<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, BodyError> {
 /// Detects a batch without caring about the other fields (those are checked after).
 #[derive(Deserialize)]
 struct BatchProbe<'a> {
-    #[serde(borrow)]
+    /// Whenever the key is there, `null` included: `{"events": null}` is a batch without
+    /// its array, not one event with an unknown field.
+    #[serde(borrow, default, deserialize_with = "present")]
     events: Option<&'a RawValue>,
+}
+
+/// A value that is there, whatever it is (`Option` reads `null` as absent).
+fn present<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(deserializer).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -585,6 +600,13 @@ mod tests {
     #[test]
     fn batch_bounds_and_body_shapes_are_enforced() {
         assert_eq!(native(&json!({"events": []})), Err(BodyError::EmptyBatch));
+        for not_an_array in [json!(null), json!({}), json!("x")] {
+            let refused = native(&json!({ "events": not_an_array }));
+            assert!(
+                matches!(&refused, Err(BodyError::Shape(why)) if why.starts_with("events: an array")),
+                "{not_an_array}: {refused:?}"
+            );
+        }
         let many: Vec<_> = (0..3).map(|_| event(json!({}))).collect();
         assert_eq!(
             parse_body(

@@ -282,11 +282,15 @@ async fn add(
     let ids: Vec<String> = events.iter().map(|event| event.id.to_string()).collect();
     refuse_voided(&state.pool, &ids).await?;
     let stored = stored_ids(&state.pool, &events).await?;
+    // Each once, as the ledger stores it once: an id given twice in the batch is the
+    // same event (or a conflict the append refuses).
+    let mut named = HashSet::new();
     let new: Vec<&String> = ids
         .iter()
         .zip(&events)
         .filter(|(_, event)| !stored.contains(&event.id.as_uuid()))
         .map(|(id, _)| id)
+        .filter(|id| named.insert(*id))
         .collect();
     if new.is_empty() {
         // Sent again: each is a duplicate (or 409 for other content), and no record is

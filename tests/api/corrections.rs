@@ -294,6 +294,43 @@ async fn an_admin_adds_an_event_beyond_the_backdate_bound_and_bad_corrections_ch
     app.stop().await;
 }
 
+#[tokio::test]
+async fn a_correction_that_gives_an_event_twice_stores_and_names_it_once_and_events_null_is_refused(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    let old = json!({"id": Uuid::new_v4(), "type": "container.stopped", "org_id": "acme",
+                     "container_id": "box", "occurred_at": at(40 * 24 * 60)});
+    let before = app.ledger_count().await;
+    let (status, added) = app
+        .post_corrections(&json!({"events": [old.clone(), old.clone()], "reason": "twice"}))
+        .await;
+    assert_eq!(status, 201, "{added}");
+    let record = ok(app.get_events("type=ledger.events_added").await);
+    assert_eq!(record["events"][0]["data"]["event_ids"], json!([old["id"]]));
+    assert_eq!(
+        app.ledger_count().await,
+        before + 2,
+        "the event and its record"
+    );
+    let (status, refused) = app
+        .post_corrections(&json!({"events": null, "reason": "nothing"}))
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (422, Some("invalid_body")),
+        "{refused}"
+    );
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("events: an array"),
+        "{refused}"
+    );
+    assert_eq!(app.ledger_count().await, before + 2);
+    app.stop().await;
+}
+
 /// Replay reads the ledger with a binary `COPY` in two halves and decodes it itself; the
 /// projector reads rows through sqlx. Over a ledger with every event type the projection
 /// reads, voids among them, and a container whose history spans both halves, both reads
