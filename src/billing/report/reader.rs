@@ -173,7 +173,20 @@ impl<R: Read> Input<R> {
             let read = self.csv.read_record(&mut self.record);
             let error = match read {
                 Ok(more) => {
+                    // The input stops a record only a buffer past the limit; one read
+                    // whole under that margin is refused here, by its length.
+                    let length = self.csv.position().byte() - self.csv.get_ref().record_start_bytes;
+                    let line = self.next_line;
                     self.advance();
+                    if more && length > RECORD_MAX_BYTES {
+                        self.faults.push(ReportError::new(
+                            line,
+                            None,
+                            ErrorCode::RecordTooLong,
+                            format!("a record is longer than {RECORD_MAX_BYTES} bytes ({length})"),
+                        ));
+                        continue;
+                    }
                     return Ok(more);
                 }
                 Err(error) => error,
@@ -440,6 +453,20 @@ mod tests {
         let notes = "n".repeat(RECORD_MAX_BYTES as usize - GOOD.len() - 2);
         let text = format!("{header}\n{GOOD},{notes}\n{GOOD},\n");
         assert_eq!(read_all(text.as_bytes()).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_record_a_byte_past_the_length_limit_is_refused_however_the_input_is_buffered() {
+        let header = format!("{HEADER},Notes");
+        let notes = "n".repeat(RECORD_MAX_BYTES as usize - GOOD.len() - 1);
+        let text = format!("{header}\n{GOOD},\n{GOOD},{notes}\n{GOOD},\n");
+        let refusal = read_all(text.as_bytes()).unwrap_err();
+        let found: Vec<(u64, ErrorCode)> = refusal
+            .errors()
+            .iter()
+            .map(|error| (error.line, error.code))
+            .collect();
+        assert_eq!(found, [(3, ErrorCode::RecordTooLong)]);
     }
 
     #[test]
