@@ -679,7 +679,9 @@ async fn frozen(
 }
 
 /// The events of `org` recorded after the close at `position` that may have changed its
-/// figures in `affected`: dated in it, or voids; at most [`CAUSES_MAX`], in position order.
+/// figures in `affected`: dated in it; a start, stop or account change dated before it,
+/// which can reach into it (a container running on, the plan in effect); or voids. At most
+/// [`CAUSES_MAX`], in position order.
 async fn causes(
     connection: &mut PgConnection,
     org: &str,
@@ -688,7 +690,11 @@ async fn causes(
 ) -> sqlx::Result<Vec<Uuid>> {
     sqlx::query_scalar(
         "SELECT id FROM ledger WHERE org_id = $1 AND position > $2 \
-           AND (occurred_at >= $3 AND occurred_at < $4 OR type = 'ledger.event_voided') \
+           AND (occurred_at >= $3 AND occurred_at < $4 \
+                OR occurred_at < $3 AND type IN ('container.created', 'container.resumed', \
+                    'container.stopped', 'org.plan_changed', 'org.verification_changed', \
+                    'org.billing_eligibility_changed') \
+                OR type = 'ledger.event_voided') \
          ORDER BY position LIMIT $5",
     )
     .bind(org)

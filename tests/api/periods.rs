@@ -12,6 +12,62 @@ use uuid::Uuid;
 use crate::helpers::{projected_to_head, TestApp};
 
 #[tokio::test]
+async fn an_adjustment_names_the_late_start_dated_before_its_period_that_runs_into_it() {
+    let app = TestApp::spawn_mid_period().await;
+    let current = Period::containing(app.now());
+    let closed = Period::containing(current.start() - Duration::days(1));
+    let event = |kind: &str, container: &str, at: chrono::DateTime<chrono::Utc>| {
+        json!({"id": Uuid::new_v4(), "type": kind, "org_id": "acme", "container_id": container,
+               "occurred_at": tally::event::canonical::timestamp(at)})
+    };
+    let inside = json!({"events": [
+        event("container.created", "c1", closed.end() - Duration::hours(5)),
+        event("container.stopped", "c1", closed.end() - Duration::hours(2)),
+    ]});
+    assert_eq!(app.post_events(&inside).await.0, 200);
+    projected_to_head(&app.pool, "the events are projected").await;
+    let (status, _, job) = app.close_period(&closed.to_string()).await;
+    assert_eq!(status, 202, "{job}");
+    loop {
+        let (_, job) = app.get_close(&closed.to_string()).await;
+        if job["status"] != "running" {
+            assert_eq!(job["status"], "done", "{job}");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Past the producers' bound, so added by a correction: a start a day before the
+    // closed period, a stop an hour into it.
+    let start = event(
+        "container.created",
+        "c3",
+        closed.start() - Duration::days(1),
+    );
+    let stop = event(
+        "container.stopped",
+        "c3",
+        closed.start() + Duration::hours(1),
+    );
+    let (status, added) = app
+        .post_corrections(&json!({"events": [start, stop], "reason": "provider confirms"}))
+        .await;
+    assert_eq!(status, 201, "{added}");
+    projected_to_head(&app.pool, "the correction is projected").await;
+    let (_, exported) = app
+        .get_usage_export(&format!("period={current}&format=json"))
+        .await;
+    let exported: Value = serde_json::from_str(&exported).unwrap();
+    let adjustment = &exported["adjustments"][0];
+    assert_eq!(adjustment["runtime_ms"], 3_600_000, "{exported}");
+    assert_eq!(
+        adjustment["caused_by"],
+        json!([start["id"], stop["id"]]),
+        "the start dated before the period is a cause too: {exported}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn a_closed_period_stays_frozen_and_a_late_event_becomes_an_adjustment_next_period() {
     let app = TestApp::spawn_mid_period().await;
     let current = tally::runtime::Period::containing(app.now());
