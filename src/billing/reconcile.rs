@@ -268,7 +268,8 @@ impl Claims {
     /// How much of `window` no earlier line claimed for the container, in ms.
     fn unclaimed_ms(&self, known: &LedgerContainer<'_>, container_id: &str, window: Window) -> i64 {
         let key = (known.org_id.to_owned(), container_id.to_owned());
-        let Some(claimed) = self.by_container.get(&key) else {
+        // (An empty window would be an empty range of the claims, which `range` refuses.)
+        let (Some(claimed), false) = (self.by_container.get(&key), window.length_ms() == 0) else {
             return window.length_ms();
         };
         let first = claimed.range(..=window.start()).next_back();
@@ -408,10 +409,12 @@ pub fn reconcile_line(
             // The tolerance covers the part of the charge period no earlier line billed: a
             // line repeating an earlier one gets none, so runtime billed again in pieces
             // each inside the tolerance is over, not matched (decision 0047).
+            // The share of the whole charge period, not of its part before `as_of`: a line
+            // dated ahead of the clock has no part before it, and is no less a repeat.
             let allowed_ms = scaled(
                 tolerance.allowed_ms(ledger_ms),
-                claims.unclaimed_ms(known, container_id, window),
-                window.length_ms(),
+                claims.unclaimed_ms(known, container_id, line.charge_period),
+                line.charge_period.length_ms(),
             );
             reconciled.org_id = Some(known.org_id.to_owned());
             (
@@ -679,6 +682,19 @@ mod tests {
         let mut sliver = line(1, 2, "1.5", "0.01");
         sliver.charge_period = Window::new(at(1) - Duration::milliseconds(1), at(2));
         assert_eq!(next(sliver), Status::Matched);
+        // Charge periods after the instant reconciled to: nothing of them has run, and a
+        // repeat is still one.
+        let as_of = at(100);
+        let mut ahead = |seconds: &str| {
+            let line = line(200, 201, seconds, "0.01");
+            let reconciled =
+                super::reconcile_line(2, &line, &ledger, (Tolerance::default(), as_of), &claims)
+                    .unwrap();
+            claims.claim("acme", "c1", line.charge_period);
+            reconciled.status
+        };
+        assert_eq!(ahead("1"), Status::Matched);
+        assert_eq!(ahead("1"), Status::ProviderOver);
         assert_eq!(scaled(2_000, 1, 3_600_001), 0);
         assert_eq!(scaled(2_000, 3_600_000, 3_600_001), 1_999);
         assert_eq!(scaled(2_000, 0, 0), 2_000);
