@@ -319,19 +319,61 @@ async fn hold_grants(state: &AppState) -> Result<Transaction<'static, Postgres>,
     Ok(held)
 }
 
+/// How often the held lock's session says it is alive while the version is appended: well
+/// inside the lock's idle bound, which lets go of the lock of an instance that hangs.
+const HELD_KEEPALIVE: Duration = Duration::from_millis(crate::ledger::db::LOCK_IDLE_TIMEOUT_MS / 5);
+
+/// `work` (the version's append), with the held lock's session kept from going idle
+/// meanwhile: however long the append waits for its turn, no grant decides before it.
+async fn while_held<T>(
+    held: &mut Transaction<'static, Postgres>,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            done = &mut work => return done,
+            () = tokio::time::sleep(HELD_KEEPALIVE) => {
+                if let Err(error) = sqlx::query("SELECT 1").execute(&mut **held).await {
+                    tracing::warn!(%error, "the plan versions' lock was lost while appending");
+                }
+            }
+        }
+    }
+}
+
 /// Lets grants go on once the version at `position` is projected, or the wait is over:
-/// within the lock's idle bound, which lets go of the lock of an instance that hangs here.
-/// Past the wait, grants go on with the facts they find.
-async fn release_grants(state: &AppState, held: Transaction<'static, Postgres>, position: i64) {
+/// at most `TALLY_READ_WAIT_MS`, and half the lock's idle bound. The checkpoint is read on
+/// the held connection, so the wait takes none of the pool the waiting grants hold. Past
+/// the wait, grants go on with the facts they find.
+async fn release_grants(state: &AppState, mut held: Transaction<'static, Postgres>, position: i64) {
     let wait = state.read_wait.min(Duration::from_millis(
         crate::ledger::db::LOCK_IDLE_TIMEOUT_MS / 2,
     ));
-    if let Err(error) = state
-        .freshness
-        .wait_projected(&state.pool, position, wait)
-        .await
-    {
-        tracing::warn!(%error, position, "a plan version was not projected before grants went on");
+    let deadline = tokio::time::Instant::now() + wait;
+    state.freshness.hurry();
+    loop {
+        if state.freshness.projected_at_least(position) {
+            break;
+        }
+        match crate::projection::store::checkpoint(&mut held, crate::projection::store::LIVE).await
+        {
+            Ok(checkpoint) if checkpoint >= position => break,
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%error, position, "a plan version's projection could not be awaited");
+                break;
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                position,
+                "a plan version was not projected before grants went on"
+            );
+            break;
+        }
+        let poll = Duration::from_millis(crate::projection::projector::CHECKPOINT_POLL_MS);
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + poll)).await;
     }
     if let Err(error) = held.rollback().await {
         tracing::warn!(%error, "the plan versions' lock did not end cleanly; its connection drops it");
@@ -366,7 +408,7 @@ async fn define(
     }
     // No grant decides while the version's instant has passed and its facts are not yet
     // projected (admission::PLAN_VERSION_LOCK_KEY): held from before the instant is taken.
-    let grants_held = hold_grants(&state).await?;
+    let mut grants_held = hold_grants(&state).await?;
     let event = Event {
         id: EventId::from_uuid(uuid::Uuid::now_v7()).expect("a v7 UUID is not nil"),
         event_type: EventType::PlanDefined,
@@ -376,7 +418,7 @@ async fn define(
         data: EventData::PlanDefined(plan.to_data()),
         origin: None,
     };
-    let appended = state.appender.append(vec![event]).await?;
+    let appended = while_held(&mut grants_held, state.appender.append(vec![event])).await?;
     let position = appended[0].position;
     release_grants(&state, grants_held, position).await;
     let versions = plans::versions(&state.pool, &id).await?;
