@@ -77,7 +77,7 @@ pub async fn reconcile(
     };
     let pool = db::prepare(config).await?;
     super::to_head(&pool, config).await?;
-    let summary = reconciliation::run(&pool, report_id, tolerance, chrono::Utc::now(), "cli").await;
+    let summary = reconciliation::run(&pool, report_id, tolerance, config.clock.now(), "cli").await;
     pool.close().await;
     match summary {
         Ok(summary) => {

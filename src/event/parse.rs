@@ -206,7 +206,7 @@ pub fn parse_body(
                 if !events.get().starts_with('[') {
                     return Err(BodyError::Shape(format!(
                         "events: an array of events is required, not {}",
-                        events.get()
+                        json_kind(events.get())
                     )));
                 }
                 let batch: NativeBatch = from_json(text)?;
@@ -262,6 +262,18 @@ struct BatchProbe<'a> {
     /// its array, not one event with an unknown field.
     #[serde(borrow, default, deserialize_with = "present")]
     events: Option<&'a RawValue>,
+}
+
+/// What kind of JSON value `text` (a whole value, valid JSON) is, to name it in an error
+/// without repeating it.
+fn json_kind(text: &str) -> &'static str {
+    match text.as_bytes().first() {
+        Some(b'{') => "an object",
+        Some(b'"') => "a string",
+        Some(b'n') => "null",
+        Some(b't' | b'f') => "a boolean",
+        _ => "a number",
+    }
 }
 
 /// A value that is there, whatever it is (`Option` reads `null` as absent).
@@ -600,10 +612,17 @@ mod tests {
     #[test]
     fn batch_bounds_and_body_shapes_are_enforced() {
         assert_eq!(native(&json!({"events": []})), Err(BodyError::EmptyBatch));
-        for not_an_array in [json!(null), json!({}), json!("x")] {
+        for (not_an_array, kind) in [
+            (json!(null), "null"),
+            (json!({"a": 1}), "an object"),
+            (json!("x".repeat(100)), "a string"),
+            (json!(true), "a boolean"),
+            (json!(-1.5), "a number"),
+        ] {
             let refused = native(&json!({ "events": not_an_array }));
+            let expected = format!("events: an array of events is required, not {kind}");
             assert!(
-                matches!(&refused, Err(BodyError::Shape(why)) if why.starts_with("events: an array")),
+                matches!(&refused, Err(BodyError::Shape(why)) if *why == expected),
                 "{not_an_array}: {refused:?}"
             );
         }
