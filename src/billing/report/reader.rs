@@ -7,6 +7,7 @@
 //! Pure over any `Read`: the import hands it the report's streamed (and inflated) text,
 //! tests hand it a string.
 
+use std::collections::VecDeque;
 use std::io::Read;
 
 use super::{csv_error, Header, ParsedLine, ReportError};
@@ -127,11 +128,64 @@ impl Faults {
 }
 
 /// The input under the CSV reader, refusing to read more than [`RECORD_MAX_BYTES`] (plus
-/// the reader's buffer) past the start of the record being parsed.
+/// the reader's buffer) past the start of the record being parsed, and counting its lines.
 struct Bounded<R> {
     inner: R,
     read_bytes: u64,
     record_start_bytes: u64,
+    lines: Lines,
+}
+
+/// The input's physical lines, counted as it is read. The CSV reader counts a line at each
+/// `\n` only, and the `\n` of a `\r\n` only when it reads the next record: its numbers
+/// would be one short on a report with Windows line endings, and would not move at all
+/// with `\r` alone. Here `\r\n`, `\n` and `\r` each end one line.
+#[derive(Default)]
+struct Lines {
+    /// The offsets of the line-ending bytes (`\r`, `\n`) not yet passed, each with whether
+    /// it ends a line (the `\n` of a `\r\n` does not).
+    endings: VecDeque<(u64, bool)>,
+    /// Lines ended before the first of `endings`.
+    ended: u64,
+    /// Whether the last byte read was a `\r`.
+    after_cr: bool,
+}
+
+impl Lines {
+    /// Notes the line endings among `bytes`, read at `offset`.
+    fn read(&mut self, offset: u64, bytes: &[u8]) {
+        for (at, byte) in (offset..).zip(bytes) {
+            match byte {
+                b'\r' => {
+                    self.endings.push_back((at, true));
+                    self.after_cr = true;
+                }
+                b'\n' => {
+                    self.endings.push_back((at, !self.after_cr));
+                    self.after_cr = false;
+                }
+                _ => self.after_cr = false,
+            }
+        }
+    }
+
+    /// The line of the record whose bytes begin at `offset`: the line of its first byte
+    /// that ends no line (the reader skips line endings before a record), counted from 1.
+    /// Forgets the endings before that byte; records are asked for in order.
+    fn of_record_at(&mut self, offset: u64) -> u64 {
+        let mut first = offset;
+        while let Some(&(at, ends)) = self.endings.front() {
+            if at > first {
+                break;
+            }
+            if at == first {
+                first += 1;
+            }
+            self.ended += u64::from(ends);
+            self.endings.pop_front();
+        }
+        self.ended + 1
+    }
 }
 
 /// The input error of a record past [`RECORD_MAX_BYTES`]: [`Records`] turns it into a
@@ -151,6 +205,7 @@ impl<R: Read> Read for Bounded<R> {
             .len()
             .min(usize::try_from(allowed).unwrap_or(usize::MAX));
         let read = self.inner.read(&mut buffer[..wanted])?;
+        self.lines.read(self.read_bytes, &buffer[..read]);
         self.read_bytes += read as u64;
         Ok(read)
     }
@@ -161,8 +216,8 @@ struct Input<R> {
     csv: csv::Reader<Bounded<R>>,
     record: csv::StringRecord,
     faults: Faults,
-    /// Where the record after the last one read starts: the line of an over-long record.
-    next_line: u64,
+    /// The line the last record read (or refused) begins on.
+    record_line: u64,
 }
 
 impl<R: Read> Input<R> {
@@ -176,11 +231,10 @@ impl<R: Read> Input<R> {
                     // The input stops a record only a buffer past the limit; one read
                     // whole under that margin is refused here, by its length.
                     let length = self.csv.position().byte() - self.csv.get_ref().record_start_bytes;
-                    let line = self.next_line;
                     self.advance();
                     if more && length > RECORD_MAX_BYTES {
                         self.faults.push(ReportError::new(
-                            line,
+                            self.record_line,
                             None,
                             ErrorCode::RecordTooLong,
                             format!("a record is longer than {RECORD_MAX_BYTES} bytes ({length})"),
@@ -194,7 +248,9 @@ impl<R: Read> Input<R> {
             if !matches!(error.kind(), csv::ErrorKind::Io(_)) {
                 // The whole record was read, and refused.
                 self.advance();
-                self.faults.push(csv_error(&error));
+                let mut fault = csv_error(&error);
+                fault.line = self.record_line;
+                self.faults.push(fault);
                 continue;
             }
             let csv::ErrorKind::Io(input) = error.into_kind() else {
@@ -204,8 +260,10 @@ impl<R: Read> Input<R> {
                 .get_ref()
                 .is_some_and(|inner| inner.is::<RecordTooLong>())
             {
+                let start = self.csv.get_ref().record_start_bytes;
+                let line = self.csv.get_mut().lines.of_record_at(start);
                 self.faults.push(ReportError::new(
-                    self.next_line,
+                    line,
                     None,
                     ErrorCode::RecordTooLong,
                     format!(
@@ -219,12 +277,13 @@ impl<R: Read> Input<R> {
         }
     }
 
-    /// A record was read whole: the next one starts where the reader now is.
+    /// A record was read whole: its line is the one its first byte is on, and the next
+    /// one starts where the reader now is.
     fn advance(&mut self) {
-        let position = self.csv.position();
-        self.next_line = position.line();
-        let start = position.byte();
-        self.csv.get_mut().record_start_bytes = start;
+        let end = self.csv.position().byte();
+        let input = self.csv.get_mut();
+        self.record_line = input.lines.of_record_at(input.record_start_bytes);
+        input.record_start_bytes = end;
     }
 }
 
@@ -248,12 +307,13 @@ impl<R: Read> Records<R> {
                 inner: input,
                 read_bytes: 0,
                 record_start_bytes: 0,
+                lines: Lines::default(),
             });
         let mut input = Input {
             csv,
             record: csv::StringRecord::new(),
             faults: Faults::default(),
-            next_line: 1,
+            record_line: 1,
         };
         let read = input.read()?;
         if let Some(refusal) = std::mem::take(&mut input.faults).refusal() {
@@ -278,7 +338,7 @@ impl<R: Read> Records<R> {
     pub fn next_line(&mut self) -> Result<Option<ParsedLine>, ReadError> {
         while self.input.read()? {
             let record = &self.input.record;
-            let line = record.position().map_or(0, |position| position.line());
+            let line = self.input.record_line;
             let expected = self.header.columns();
             if record.len() != expected {
                 let found = record.len();
@@ -467,6 +527,24 @@ mod tests {
             .map(|error| (error.line, error.code))
             .collect();
         assert_eq!(found, [(3, ErrorCode::RecordTooLong)]);
+    }
+
+    #[test]
+    fn bad_lines_are_numbered_alike_with_any_line_ending_blank_lines_and_quoted_ones() {
+        let lines = [
+            GOOD.to_owned(),
+            BAD_NUMBER.to_owned(),
+            String::new(),
+            GOOD.replace("Usage", "\"Us\nage\""),
+            BAD_NUMBER.to_owned(),
+        ];
+        for ending in ["\n", "\r\n", "\r"] {
+            let text = report(&lines).replace('\n', ending);
+            let refusal = read_all(text.as_bytes()).unwrap_err();
+            let found: Vec<u64> = refusal.errors().iter().map(|error| error.line).collect();
+            // Header 1, good 2, bad 3, blank 4, a record over lines 5 and 6, bad 7.
+            assert_eq!(found, [3, 7], "{ending:?}");
+        }
     }
 
     #[test]
