@@ -1290,7 +1290,45 @@ async fn write_periods(
         .bind(column(|delta| delta.ports_published))
         .execute(&mut *connection)
         .await?;
+        forget_emptied_periods(connection, schema, chunk).await?;
     }
+    Ok(())
+}
+
+/// Deletes the org periods of `chunk` that its deltas left with no usage at all: a void or
+/// a late event can take back all of a period's figures, and replay, which writes only
+/// periods with usage, would leave no row. The usage export and a period close list an org
+/// by its row, so a row of zeros would list it where a replay would not. Only a delta that
+/// takes something back can empty a row, so the others cost no statement.
+async fn forget_emptied_periods(
+    connection: &mut PgConnection,
+    schema: &str,
+    chunk: &[(&(String, Period), &PeriodDelta)],
+) -> Result<(), Error> {
+    let (orgs, names): (Vec<&str>, Vec<String>) = chunk
+        .iter()
+        .filter(|(_, delta)| {
+            delta.closed_runtime_ms < 0
+                || delta.commands < 0
+                || delta.command_ms < 0
+                || delta.ports_published < 0
+        })
+        .map(|((org, period), _)| (org.as_str(), period.to_string()))
+        .unzip();
+    if orgs.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(&format!(
+        "DELETE FROM {schema}.org_period t \
+         USING UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, period) \
+         WHERE t.org_id = k.org_id AND t.period = k.period \
+           AND t.closed_runtime_ms = 0 AND t.commands = 0 AND t.command_ms = 0 \
+           AND t.ports_published = 0"
+    ))
+    .bind(&orgs)
+    .bind(&names)
+    .execute(connection)
+    .await?;
     Ok(())
 }
 

@@ -87,3 +87,48 @@ async fn the_usage_export_prices_each_orgs_overage_with_its_plan() {
     }
     app.stop().await;
 }
+
+#[tokio::test]
+async fn an_org_whose_usage_later_events_take_back_entirely_is_not_listed_as_replay_would_not_list_it(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    let now = app.now().duration_trunc(Duration::seconds(1)).unwrap();
+    let period = tally::runtime::Period::containing(now);
+    let at =
+        |seconds_ago: i64| tally::event::canonical::timestamp(now - Duration::seconds(seconds_ago));
+    let event = |kind: &str, org: &str, seconds_ago: i64| {
+        json!({"id": Uuid::new_v4(), "type": kind, "org_id": org, "container_id": "k",
+               "occurred_at": at(seconds_ago)})
+    };
+    let mut voided_command = event("container.command_ran", "voided", 7_000);
+    voided_command["data"] = json!({"command_id": "c", "exit_code": 0, "duration_ms": 5});
+    let first = json!({"events": [
+        event("container.created", "late_stop", 7_200),
+        event("container.stopped", "late_stop", 3_600),
+        voided_command.clone(),
+    ]});
+    assert_eq!(app.post_events(&first).await.0, 200);
+    projected_to_head(&app.pool, "the first round").await;
+    // In later rounds: a stop at the very instant of the start leaves an interval of no
+    // length; a void takes the only command back.
+    let late = event("container.stopped", "late_stop", 7_200);
+    assert_eq!(app.post_events(&late).await.0, 200);
+    let (status, voided) = app
+        .post_void(&json!({"event_id": voided_command["id"], "reason": "sent twice"}))
+        .await;
+    assert_eq!(status, 201, "{voided}");
+    projected_to_head(&app.pool, "the later rounds").await;
+    let listed = || async {
+        let (status, csv) = app.get_usage_export(&format!("period={period}")).await;
+        assert_eq!(status, 200, "{csv}");
+        csv.lines()
+            .skip(1)
+            .map(|line| line.split(',').next().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(listed().await, Vec::<String>::new(), "no usage, no row");
+    let (replayed, _, stderr) = run_tally(&app.db.url, &["replay"]);
+    assert!(replayed, "{stderr}");
+    assert_eq!(listed().await, Vec::<String>::new(), "as after a replay");
+    app.stop().await;
+}
