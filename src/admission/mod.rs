@@ -964,17 +964,39 @@ pub async fn reservation_org(pool: &PgPool, id: Uuid) -> sqlx::Result<Option<Str
 pub async fn release(
     pool: &PgPool,
     cache: &cache::FactsCache,
+    clock: Clock,
     id: Uuid,
     actor: &str,
 ) -> sqlx::Result<Released> {
     // The org's notice goes with the release, in its transaction.
     let mut transaction = pool.begin().await?;
+    let org: Option<String> =
+        sqlx::query_scalar("SELECT org_id FROM admission_reservation WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *transaction)
+            .await?;
+    let Some(org) = org else {
+        return Ok(Released::NotFound);
+    };
+    // In turn with the org's grants, and stamped by the clock they read after the same
+    // lock: a grant that did not count the reservation is recorded after its release, one
+    // that counted it before, so the stored record re-derives what each grant saw.
+    sqlx::query(&format!(
+        "SELECT pg_advisory_xact_lock({}), {}",
+        store::admission_lock("$1"),
+        crate::ledger::db::BOUND_LOCK_IDLE
+    ))
+    .bind(&org)
+    .execute(&mut *transaction)
+    .await?;
+    let now = clock.now().trunc_subsecs(3);
     let released: Option<String> = sqlx::query_scalar(
-        "UPDATE admission_reservation SET released_at = now(), released_by = $2 \
+        "UPDATE admission_reservation SET released_at = $3, released_by = $2 \
          WHERE id = $1 AND released_at IS NULL AND consumed_at IS NULL RETURNING org_id",
     )
     .bind(id)
     .bind(actor)
+    .bind(now)
     .fetch_optional(&mut *transaction)
     .await?;
     if let Some(org) = released {

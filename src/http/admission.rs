@@ -313,7 +313,8 @@ pub async fn delete_reservation(
         principal.check_org(&org_id)?;
     }
     let cache = state.checker.cache();
-    match admission::release(&state.pool, cache, id, &principal.id).await? {
+    let clock = state.checker.clock();
+    match admission::release(&state.pool, cache, clock, id, &principal.id).await? {
         Released::Released | Released::AlreadyReleased => Ok(Json(ReleaseResponse {
             reservation_id: id,
             status: "released",

@@ -528,6 +528,46 @@ async fn a_grant_while_a_lowered_plan_version_is_being_stored_waits_for_it_and_i
     app.stop().await;
 }
 
+#[tokio::test]
+async fn a_release_waits_for_the_orgs_grant_in_progress_and_is_stamped_after_it() {
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let (status, granted) = app
+        .reserve(&json!({"org_id": "acme", "action": "create"}))
+        .await;
+    assert_eq!(status, 201, "{granted}");
+    let id = granted["reservation_id"].as_str().unwrap().to_owned();
+    // A grant of the org in progress holds this lock from before it reads the clock to
+    // its commit.
+    let key: i64 = sqlx::query_scalar("SELECT hashtextextended('tally.admission.' || 'acme', 0)")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let held = crate::helpers::hold_advisory_lock(&app.db.url, key).await;
+    let release = tokio::spawn({
+        let api = app.api.clone();
+        let id = id.clone();
+        async move { api.release(&id).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!release.is_finished(), "the release waits for the grant");
+    let let_go = chrono::Utc::now();
+    crate::helpers::release_advisory_lock(held, key).await;
+    let (status, released) = release.await.unwrap();
+    assert_eq!(status, 200, "{released}");
+    let released_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT released_at FROM admission_reservation WHERE id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(
+        released_at >= let_go - chrono::Duration::milliseconds(1),
+        "stamped when it could go: {released_at} against {let_go}"
+    );
+    app.stop().await;
+}
+
 /// The reservations of `org`'s `container`, with the event that consumed each, if any.
 async fn consumed_by(app: &TestApp, org: &str, container: &str) -> Vec<Option<Uuid>> {
     sqlx::query_scalar(

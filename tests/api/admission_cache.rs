@@ -442,9 +442,15 @@ async fn a_reservation_granted_or_released_here_counts_in_the_next_check_here_be
         "kept again after the grant"
     );
 
-    let released = admission::release(&app.pool, checker.cache(), reservation.id, "test")
-        .await
-        .unwrap();
+    let released = admission::release(
+        &app.pool,
+        checker.cache(),
+        checker.clock(),
+        reservation.id,
+        "test",
+    )
+    .await
+    .unwrap();
     assert_eq!(released, admission::Released::Released);
     assert_eq!(reasons_now().await, "");
     app.stop().await;
