@@ -1005,7 +1005,7 @@ pub async fn release(
         cache.forget(&org);
         return Ok(Released::Released);
     }
-    drop(transaction);
+    transaction.rollback().await?;
     let consumed: Option<bool> = sqlx::query_scalar(
         "SELECT consumed_at IS NOT NULL FROM admission_reservation WHERE id = $1",
     )

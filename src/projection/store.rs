@@ -1290,7 +1290,9 @@ async fn write_periods(
         .bind(column(|delta| delta.ports_published))
         .execute(&mut *connection)
         .await?;
-        forget_emptied_periods(connection, schema, chunk).await?;
+        if matches!(load, Load::Merge) {
+            forget_emptied_periods(connection, schema, chunk).await?;
+        }
     }
     Ok(())
 }

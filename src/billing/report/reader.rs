@@ -142,14 +142,20 @@ struct Bounded<R> {
 /// with `\r` alone. Here `\r\n`, `\n` and `\r` each end one line.
 #[derive(Default)]
 struct Lines {
-    /// The offsets of the line-ending bytes (`\r`, `\n`) not yet passed, each with whether
-    /// it ends a line (the `\n` of a `\r\n` does not).
-    endings: VecDeque<(u64, bool)>,
+    /// The offsets of the line-ending bytes (`\r`, `\n`) not yet passed, each with
+    /// [`ENDS_LINE`] set when it ends a line (the `\n` of a `\r\n` does not). Those of the
+    /// record being read and of what the reader has read ahead: up to about a record's
+    /// limit of them, 8 bytes each.
+    endings: VecDeque<u64>,
     /// Lines ended before the first of `endings`.
     ended: u64,
     /// Whether the last byte read was a `\r`.
     after_cr: bool,
 }
+
+/// The flag of an ending in [`Lines::endings`] that ends a line; offsets stay below it
+/// (an input is far shorter than 2^63 bytes).
+const ENDS_LINE: u64 = 1 << 63;
 
 impl Lines {
     /// Notes the line endings among `bytes`, read at `offset`.
@@ -157,15 +163,31 @@ impl Lines {
         for (at, byte) in (offset..).zip(bytes) {
             match byte {
                 b'\r' => {
-                    self.endings.push_back((at, true));
+                    self.endings.push_back(at | ENDS_LINE);
                     self.after_cr = true;
                 }
                 b'\n' => {
-                    self.endings.push_back((at, !self.after_cr));
+                    self.endings
+                        .push_back(if self.after_cr { at } else { at | ENDS_LINE });
                     self.after_cr = false;
                 }
                 _ => self.after_cr = false,
             }
+        }
+    }
+
+    /// Counts and forgets the endings before `offset`: the record that ends there was read
+    /// whole. Gives back the room of a record that held many.
+    fn pass(&mut self, offset: u64) {
+        while let Some(&ending) = self.endings.front() {
+            if ending & !ENDS_LINE >= offset {
+                break;
+            }
+            self.ended += u64::from(ending & ENDS_LINE != 0);
+            self.endings.pop_front();
+        }
+        if self.endings.capacity() > 4 * BUFFER_BYTES {
+            self.endings.shrink_to(BUFFER_BYTES);
         }
     }
 
@@ -174,14 +196,15 @@ impl Lines {
     /// Forgets the endings before that byte; records are asked for in order.
     fn of_record_at(&mut self, offset: u64) -> u64 {
         let mut first = offset;
-        while let Some(&(at, ends)) = self.endings.front() {
+        while let Some(&ending) = self.endings.front() {
+            let at = ending & !ENDS_LINE;
             if at > first {
                 break;
             }
             if at == first {
                 first += 1;
             }
-            self.ended += u64::from(ends);
+            self.ended += u64::from(ending & ENDS_LINE != 0);
             self.endings.pop_front();
         }
         self.ended + 1
@@ -283,6 +306,7 @@ impl<R: Read> Input<R> {
         let end = self.csv.position().byte();
         let input = self.csv.get_mut();
         self.record_line = input.lines.of_record_at(input.record_start_bytes);
+        input.lines.pass(end);
         input.record_start_bytes = end;
     }
 }
@@ -545,6 +569,21 @@ mod tests {
             // Header 1, good 2, bad 3, blank 4, a record over lines 5 and 6, bad 7.
             assert_eq!(found, [3, 7], "{ending:?}");
         }
+    }
+
+    #[test]
+    fn line_endings_are_forgotten_once_their_record_is_read_and_their_room_given_back() {
+        let mut lines = Lines::default();
+        // A record of 200 000 quoted line breaks, a blank line, then the next record.
+        let record = format!("\"{}\"\r\n", "\r\n".repeat(200_000));
+        let next = record.len() as u64;
+        lines.read(0, record.as_bytes());
+        lines.read(next, b"\r\nx\n");
+        assert_eq!(lines.of_record_at(0), 1);
+        lines.pass(next);
+        assert_eq!(lines.endings.len(), 3, "only what was read ahead");
+        assert!(lines.endings.capacity() <= 4 * BUFFER_BYTES);
+        assert_eq!(lines.of_record_at(next), 200_003);
     }
 
     #[test]
