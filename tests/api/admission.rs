@@ -434,21 +434,7 @@ async fn a_grant_still_being_stored_when_its_containers_create_is_projected_is_c
         let api = app.api.clone();
         async move { api.reserve(&body).await }
     });
-    eventually(
-        10,
-        "the grant has read its facts and is storing",
-        || async {
-            let sleeping: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event = 'PgSleep' AND datname = current_database()",
-            )
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-            sleeping == 1
-        },
-    )
-    .await;
+    one_sleeping(&app, "the grant has read its facts and is storing").await;
     event(
         &app,
         container_event(&app, "acme", "c1", "container.created", 5),
@@ -502,17 +488,7 @@ async fn a_grant_while_a_lowered_plan_version_is_being_stored_waits_for_it_and_i
         let api = app.api.clone();
         async move { api.put_plan("pro", &plan).await }
     });
-    eventually(10, "the lowered version is being stored", || async {
-        let sleeping: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event = 'PgSleep' AND datname = current_database()",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        sleeping == 1
-    })
-    .await;
+    one_sleeping(&app, "the lowered version is being stored").await;
     // The version is in effect from an instant already past: a grant now is held to it.
     let (status, refused) = app
         .reserve(&json!({"org_id": "acme", "action": "create", "container_id": "c1"}))
@@ -566,6 +542,22 @@ async fn a_release_waits_for_the_orgs_grant_in_progress_and_is_stamped_after_it(
         "stamped when it could go: {released_at} against {let_go}"
     );
     app.stop().await;
+}
+
+/// Waits until one statement of `app`'s database sleeps in a trigger the test installed
+/// (`pg_sleep`): `what` is then held open.
+async fn one_sleeping(app: &TestApp, what: &str) {
+    eventually(10, what, || async {
+        let sleeping: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event = 'PgSleep' AND datname = current_database()",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        sleeping == 1
+    })
+    .await;
 }
 
 /// The reservations of `org`'s `container`, with the event that consumed each, if any.

@@ -514,16 +514,21 @@ mod tests {
         );
     }
 
+    /// The line and code of each bad line the refusal of `text` lists.
+    fn refused_lines(text: &[u8]) -> Vec<(u64, ErrorCode)> {
+        let refusal = read_all(text).unwrap_err();
+        refusal
+            .errors()
+            .iter()
+            .map(|error| (error.line, error.code))
+            .collect()
+    }
+
     #[test]
     fn a_record_past_the_length_limit_stops_the_reading_naming_its_line() {
         let endless = "x".repeat(RECORD_MAX_BYTES as usize + 2 * BUFFER_BYTES);
         let text = report(&[BAD_NUMBER.into(), GOOD.into(), endless]);
-        let refusal = read_all(text.as_bytes()).unwrap_err();
-        let found: Vec<(u64, ErrorCode)> = refusal
-            .errors()
-            .iter()
-            .map(|error| (error.line, error.code))
-            .collect();
+        let found = refused_lines(text.as_bytes());
         assert_eq!(
             found,
             [(2, ErrorCode::InvalidNumber), (4, ErrorCode::RecordTooLong)]
@@ -544,12 +549,7 @@ mod tests {
         let header = format!("{HEADER},Notes");
         let notes = "n".repeat(RECORD_MAX_BYTES as usize - GOOD.len() - 1);
         let text = format!("{header}\n{GOOD},\n{GOOD},{notes}\n{GOOD},\n");
-        let refusal = read_all(text.as_bytes()).unwrap_err();
-        let found: Vec<(u64, ErrorCode)> = refusal
-            .errors()
-            .iter()
-            .map(|error| (error.line, error.code))
-            .collect();
+        let found = refused_lines(text.as_bytes());
         assert_eq!(found, [(3, ErrorCode::RecordTooLong)]);
     }
 
