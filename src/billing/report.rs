@@ -422,8 +422,23 @@ impl<'a> Cells<'a> {
         let Some(tags) = self.field("Tags") else {
             return Ok(None);
         };
-        let Ok(Value::Object(object)) = serde_json::from_str::<Value>(tags) else {
-            return Err(self.error("Tags", ErrorCode::InvalidTags, "Tags must be a JSON object"));
+        let object = match serde_json::from_str::<Value>(tags) {
+            Ok(Value::Object(object)) => object,
+            Ok(_) => {
+                return Err(self.error(
+                    "Tags",
+                    ErrorCode::InvalidTags,
+                    "Tags must be a JSON object",
+                ))
+            }
+            // Not JSON, or nested past what is read (128 levels): say which.
+            Err(error) => {
+                return Err(self.error(
+                    "Tags",
+                    ErrorCode::InvalidTags,
+                    format!("Tags must be a JSON object, and is not JSON: {error}"),
+                ))
+            }
         };
         // A map keeps the last of two `org_id`s; which org the line is of must not hang on
         // that.
@@ -552,6 +567,21 @@ mod tests {
             r#"Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,"{""org_id"":""acme"",""team"":""x"",""org_id"":""beta""}",y"#,
         ]);
         assert_eq!(error_of(&twice), (2, Some("Tags".into()), "invalid_tags"));
+    }
+
+    #[test]
+    fn tags_that_are_not_json_say_why_and_tags_that_are_another_value_say_what_is_wanted() {
+        let with_tags = |tags: &str| {
+            report(&[&format!(
+                "Usage,2026-11-01T00:00:00Z,2026-11-01T01:00:00Z,c1,3600,Seconds,0.5,USD,{tags},y"
+            )])
+        };
+        let message = |text: String| parse_all(text.as_bytes()).unwrap_err().message;
+        let deep = format!("\"{}{}\"", "[".repeat(200), "]".repeat(200));
+        let nested = message(with_tags(&deep));
+        assert!(nested.contains("recursion limit"), "{nested}");
+        assert!(message(with_tags("\"{oops\"")).contains("is not JSON"));
+        assert_eq!(message(with_tags("\"[1]\"")), "Tags must be a JSON object");
     }
 
     #[test]

@@ -69,7 +69,11 @@ pub async fn reconcile(
     let ratio = match tolerance_ratio.map(|text| exact_decimal(text).ok_or(text)) {
         None => None,
         Some(Ok(ratio)) => Some(ratio),
-        Some(Err(text)) => return refused(format!("tolerance_ratio: {text:?} is not a decimal")),
+        Some(Err(text)) => {
+            return refused(format!(
+                "tolerance_ratio: {text:?} is not a decimal of at most 28 significant digits"
+            ))
+        }
     };
     let tolerance = match Tolerance::asked(tolerance_ms, ratio) {
         Ok(tolerance) => tolerance,

@@ -381,7 +381,12 @@ fn tolerance(body: &ReconciliationRequest) -> Result<Tolerance, ApiError> {
                 Value::String(text) => exact_decimal(text),
                 _ => None,
             }
-            .ok_or_else(|| invalid("tolerance_ratio: a decimal from 0 to 1".to_owned()))?,
+            .ok_or_else(|| {
+                invalid(
+                    "tolerance_ratio: a decimal from 0 to 1, in at most 28 significant digits"
+                        .to_owned(),
+                )
+            })?,
         ),
     };
     Tolerance::asked(min_ms, ratio).map_err(invalid)

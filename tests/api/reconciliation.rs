@@ -170,6 +170,18 @@ async fn a_report_with_planted_discrepancies_reconciles_to_exactly_them() {
             "{body}"
         );
     }
+    // Under 1, but in more significant digits than a decimal holds: the message says so.
+    let body = json!({"report_id": report["report_id"],
+                      "tolerance_ratio": "0.99999999999999999999999999999"});
+    let (status, error) = app.post_reconciliation(&body).await;
+    assert_eq!(status, 422, "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("28 significant digits"),
+        "{error}"
+    );
     // Read as the decimals they are: a number a double prints with an exponent, and zeros
     // past what a decimal holds (kept to the scale it holds).
     for (ratio, stored) in [
