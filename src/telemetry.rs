@@ -167,6 +167,8 @@ families! {
         "Events the projector took from this instance's commits in memory or read from the ledger.";
     PROJECTION_REFOLDS = "tally_projection_refolds_total", Counter, Count, ONE, NONE,
         "Containers whose history was folded again because an event arrived late.";
+    PROJECTION_REFOLD_EVENTS = "tally_projection_refold_events_total", Counter, Count, ONE, NONE,
+        "Events of container histories read again to fold them for late events.";
     PROJECTION_ERRORS = "tally_projection_errors_total", Counter, Count, ONE, NONE,
         "Projection rounds that failed; the projector retries after a pause.";
     READ_LAGGING = "tally_read_lagging_total", Counter, Count, ONE, NONE,

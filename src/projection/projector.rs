@@ -410,6 +410,8 @@ pub async fn project_once(
             changes.refold(key, history);
         }
         metrics::counter!(crate::telemetry::PROJECTION_REFOLDS).increment(late.len() as u64);
+        let read: usize = histories.values().map(Vec::len).sum();
+        metrics::counter!(crate::telemetry::PROJECTION_REFOLD_EVENTS).increment(read as u64);
     }
     let mut changes = changes.finish();
     store::write(&mut transaction, store::LIVE, &mut changes, position).await?;

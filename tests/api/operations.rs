@@ -851,3 +851,38 @@ async fn every_refused_event_post_is_counted_by_its_code_whichever_check_refused
     }
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_lifecycle_event_counts_the_history_its_refold_read_again() {
+    let app = TestApp::spawn().await;
+    // The recorder is the test process's: other tests count too, so the count is read
+    // before and after, and must have grown by at least this container's history.
+    let read_again = || async {
+        let text = app.without_token().get("/metrics").await.text;
+        text.lines()
+            .find_map(|line| line.strip_prefix("tally_projection_refold_events_total "))
+            .and_then(|value| value.parse::<f64>().ok())
+            .expect("the refold events are counted")
+    };
+    let mut history = vec![
+        json!({"id": uuid::Uuid::new_v4(), "type": "container.created",
+        "org_id": "acme", "container_id": "long", "occurred_at": app.ago(3_600)}),
+    ];
+    for n in 0..500 {
+        history.push(
+            json!({"id": uuid::Uuid::new_v4(), "type": "container.command_ran",
+            "org_id": "acme", "container_id": "long", "occurred_at": app.ago(3_000 - n),
+            "data": {"command_id": format!("c{n}"), "exit_code": 0, "duration_ms": 1}}),
+        );
+    }
+    answered(200, app.post_events(&json!({ "events": history })).await);
+    crate::helpers::projected_to_head(&app.pool, "the history is projected").await;
+    let before = read_again().await;
+    // Dated among the commands: a late lifecycle event, which refolds the container.
+    let late = json!({"id": uuid::Uuid::new_v4(), "type": "container.stopped",
+        "org_id": "acme", "container_id": "long", "occurred_at": app.ago(2_800)});
+    answered(200, app.post_events(&late).await);
+    crate::helpers::projected_to_head(&app.pool, "the late stop is projected").await;
+    let after = read_again().await;
+    assert!(after - before >= 502.0, "{before} then {after}");
+}
