@@ -267,23 +267,10 @@ impl Claims {
 
     /// How much of `window` no earlier line claimed for the container, in ms.
     fn unclaimed_ms(&self, known: &LedgerContainer<'_>, container_id: &str, window: Window) -> i64 {
-        let key = (known.org_id.to_owned(), container_id.to_owned());
-        // (An empty window would be an empty range of the claims, which `range` refuses.)
-        let (Some(claimed), false) = (self.by_container.get(&key), window.length_ms() == 0) else {
-            return window.length_ms();
-        };
-        let first = claimed.range(..=window.start()).next_back();
-        let inside = claimed.range((Excluded(window.start()), Excluded(window.end())));
-        let claimed_ms: i64 = first
-            .into_iter()
-            .chain(inside)
-            .map(|(start, end)| {
-                let from = (*start).max(window.start());
-                let to = (*end).min(window.end());
-                (to - from).num_milliseconds().max(0)
-            })
-            .sum();
-        window.length_ms() - claimed_ms
+        self.unclaimed(known, container_id, window)
+            .iter()
+            .map(|gap| gap.length_ms())
+            .sum()
     }
 
     /// The container's runtime inside `window` that no earlier line claimed.
@@ -293,27 +280,41 @@ impl Claims {
         container_id: &str,
         window: Window,
     ) -> i64 {
+        self.unclaimed(known, container_id, window)
+            .iter()
+            .map(|gap| known.lifecycle.runtime_ms(*gap))
+            .sum()
+    }
+
+    /// The parts of `window` no earlier line claimed for the container, in order.
+    fn unclaimed(
+        &self,
+        known: &LedgerContainer<'_>,
+        container_id: &str,
+        window: Window,
+    ) -> Vec<Window> {
         let key = (known.org_id.to_owned(), container_id.to_owned());
+        // (An empty window would be an empty range of the claims, which `range` refuses.)
         let (Some(claimed), false) = (self.by_container.get(&key), window.length_ms() == 0) else {
-            return known.lifecycle.runtime_ms(window);
+            return vec![window];
         };
         // The claim that starts at or before the window's start, then those that start
         // inside it: the gaps between them are unclaimed.
         let first = claimed.range(..=window.start()).next_back();
         let inside = claimed.range((Excluded(window.start()), Excluded(window.end())));
-        let mut runtime_ms = 0;
+        let mut gaps = Vec::new();
         let mut from = window.start();
         for (claim_start, claim_end) in first.into_iter().chain(inside) {
             if *claim_start > from {
-                let gap = Window::new(from, (*claim_start).min(window.end()));
-                runtime_ms += known.lifecycle.runtime_ms(gap);
+                gaps.push(Window::new(from, (*claim_start).min(window.end())));
             }
             from = from.max(*claim_end);
             if from >= window.end() {
-                return runtime_ms;
+                return gaps;
             }
         }
-        runtime_ms + known.lifecycle.runtime_ms(Window::new(from, window.end()))
+        gaps.push(Window::new(from, window.end()));
+        gaps
     }
 }
 

@@ -350,30 +350,12 @@ async fn release_grants(state: &AppState, mut held: Transaction<'static, Postgre
     let wait = state.read_wait.min(Duration::from_millis(
         crate::ledger::db::LOCK_IDLE_TIMEOUT_MS / 2,
     ));
-    let deadline = tokio::time::Instant::now() + wait;
-    state.freshness.hurry();
-    loop {
-        if state.freshness.projected_at_least(position) {
-            break;
-        }
-        match crate::projection::store::checkpoint(&mut held, crate::projection::store::LIVE).await
-        {
-            Ok(checkpoint) if checkpoint >= position => break,
-            Ok(_) => {}
-            Err(error) => {
-                tracing::warn!(%error, position, "a plan version's projection could not be awaited");
-                break;
-            }
-        }
-        if tokio::time::Instant::now() >= deadline {
-            tracing::warn!(
-                position,
-                "a plan version was not projected before grants went on"
-            );
-            break;
-        }
-        let poll = Duration::from_millis(crate::projection::projector::CHECKPOINT_POLL_MS);
-        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + poll)).await;
+    if let Err(error) = state
+        .freshness
+        .wait_projected_on(&mut held, position, wait)
+        .await
+    {
+        tracing::warn!(%error, position, "a plan version was not projected before grants went on");
     }
     if let Err(error) = held.rollback().await {
         tracing::warn!(%error, "the plan versions' lock did not end cleanly; its connection drops it");

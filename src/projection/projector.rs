@@ -110,12 +110,39 @@ impl Freshness {
         position: i64,
         wait: Duration,
     ) -> Result<i64, WaitError> {
+        self.wait_checkpoint(CheckpointReader::Pool(pool), position, wait)
+            .await
+    }
+
+    /// [`Self::wait_projected`], reading the checkpoint on `connection`: for a waiter that
+    /// holds a connection already and must not take another from the pool.
+    pub async fn wait_projected_on(
+        &self,
+        connection: &mut PgConnection,
+        position: i64,
+        wait: Duration,
+    ) -> Result<i64, WaitError> {
+        self.wait_checkpoint(CheckpointReader::Connection(connection), position, wait)
+            .await
+    }
+
+    async fn wait_checkpoint(
+        &self,
+        mut reader: CheckpointReader<'_>,
+        position: i64,
+        wait: Duration,
+    ) -> Result<i64, WaitError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut projected = self.projected.subscribe();
         loop {
-            let checkpoint = {
-                let mut connection = pool.acquire().await?;
-                store::checkpoint(&mut connection, store::LIVE).await?
+            let checkpoint = match &mut reader {
+                CheckpointReader::Pool(pool) => {
+                    let mut connection = pool.acquire().await?;
+                    store::checkpoint(&mut connection, store::LIVE).await?
+                }
+                CheckpointReader::Connection(connection) => {
+                    store::checkpoint(connection, store::LIVE).await?
+                }
             };
             if checkpoint >= position {
                 return Ok(checkpoint);
@@ -170,6 +197,13 @@ impl Freshness {
     pub fn hurry(&self) {
         self.hurry.notify_one();
     }
+}
+
+/// Where a wait reads the stored checkpoint: a connection of the pool for each read, or one
+/// the waiter holds.
+enum CheckpointReader<'a> {
+    Pool(&'a PgPool),
+    Connection(&'a mut PgConnection),
 }
 
 /// What a round did.
