@@ -170,6 +170,9 @@ impl Service {
             finance_streams: std::sync::Arc::new(tokio::sync::Semaphore::new(
                 crate::http::quarter_of_pool(config.db_pool_max),
             )),
+            reconciliations: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                crate::http::reconciliations::RECONCILIATIONS_RUNNING_MAX,
+            )),
             corrections: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             plan_definitions: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             finance_batch_orgs: i64::from(config.finance_batch_orgs),

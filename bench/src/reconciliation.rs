@@ -33,8 +33,8 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::{
-    checkpoint, copy_into_ledger, measured_then_cleaned, part_finished, print_checks, print_table,
-    verdict, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
+    checkpoint, copy_into_ledger, excerpt, measured_then_cleaned, part_finished, print_checks,
+    print_table, verdict, Check, Figure, Line, Scratch, PORTS, STOP_REASONS,
 };
 use tally::billing::report;
 use tally::config::Config;
@@ -880,14 +880,22 @@ async fn reconcile_served(
             before.rss_mb
         );
         let started = Instant::now();
-        let answer = connection
-            .expect(
+        let (status, mut answer) = connection
+            .round_trip(
                 &hyper::Method::POST,
                 &"/v1/reconciliations".parse()?,
                 json!({ "report_id": report_id }).to_string().into(),
-                hyper::StatusCode::CREATED,
             )
             .await?;
+        match status {
+            hyper::StatusCode::CREATED => {}
+            // Still running past half the request deadline: read it until it is done.
+            hyper::StatusCode::ACCEPTED => answer = finished(&mut connection, &answer).await?,
+            other => anyhow::bail!(
+                "POST /v1/reconciliations answered {other}: {}",
+                excerpt(&answer)
+            ),
+        }
         let elapsed = started.elapsed();
         let after = Memory::of(service.pid())?;
         let reconciled: Reconciled =
@@ -899,6 +907,36 @@ async fn reconcile_served(
     let usage = service.stop().await;
     let (reconciled, elapsed, before, after) = outcome?;
     Ok((reconciled, elapsed, before, after, usage?))
+}
+
+/// How often a running reconciliation is read until it is done.
+const POLL_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The reconciliation whose running job `accepted` is, read until it is done; an error
+/// when it failed.
+async fn finished(
+    connection: &mut HttpConnection,
+    accepted: &[u8],
+) -> anyhow::Result<hyper::body::Bytes> {
+    let job: serde_json::Value =
+        serde_json::from_slice(accepted).context("the running job does not parse")?;
+    let uri: hyper::Uri = format!(
+        "/v1/reconciliations/{}",
+        job["reconciliation_id"]
+            .as_str()
+            .context("no reconciliation_id")?
+    )
+    .parse()?;
+    loop {
+        let answer = connection.get(&uri).await?;
+        let state: serde_json::Value =
+            serde_json::from_slice(&answer).context("the reconciliation does not parse")?;
+        match state["status"].as_str() {
+            Some("running") => tokio::time::sleep(POLL_EVERY).await,
+            Some("done") => return Ok(answer),
+            _ => anyhow::bail!("the reconciliation did not finish: {state}"),
+        }
+    }
 }
 
 /// What import's parser alone costs: the file read, hashed and every line checked as

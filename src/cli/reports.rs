@@ -81,7 +81,12 @@ pub async fn reconcile(
     };
     let pool = db::prepare(config).await?;
     super::to_head(&pool, config).await?;
-    let summary = reconciliation::run(&pool, report_id, tolerance, config.clock.now(), "cli").await;
+    let asked = reconciliation::Asked {
+        report_id,
+        tolerance,
+        actor: "cli".to_owned(),
+    };
+    let summary = reconciliation::run(&pool, &asked, config.clock.now()).await;
     pool.close().await;
     match summary {
         Ok(summary) => {

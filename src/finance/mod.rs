@@ -4,6 +4,7 @@
 
 pub mod catalog;
 pub mod export;
+pub mod jobs;
 pub mod periods;
 pub mod pricing;
 pub mod reconciliation;

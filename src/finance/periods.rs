@@ -21,6 +21,8 @@ use sha2::{Digest, Sha256};
 use sqlx::{Connection, FromRow, PgConnection, PgPool};
 use uuid::Uuid;
 
+use super::jobs;
+pub use super::jobs::{JobError, JobStatus};
 use super::pricing::{self, Figures, Pricer, USAGE_CSV_HEADER};
 use super::Error;
 use crate::error_code::ErrorCode;
@@ -96,41 +98,6 @@ impl Closed {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobStatus {
-    Running,
-    Done,
-    Failed,
-}
-
-impl JobStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobStatus::Running => "running",
-            JobStatus::Done => "done",
-            JobStatus::Failed => "failed",
-        }
-    }
-
-    fn parse(text: &str) -> Result<JobStatus, Error> {
-        match text {
-            "running" => Ok(JobStatus::Running),
-            "done" => Ok(JobStatus::Done),
-            "failed" => Ok(JobStatus::Failed),
-            other => Err(Error::Corrupt(format!(
-                "period_close_job.status {other:?} is not a status"
-            ))),
-        }
-    }
-}
-
-/// Why a job failed, as its caller is told.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JobError {
-    pub code: String,
-    pub message: String,
-}
-
 /// One attempt to close a period; `closed` is the closed period once it is `done`.
 #[derive(Debug, Clone)]
 pub struct CloseJob {
@@ -160,14 +127,11 @@ impl JobRow {
         Ok(CloseJob {
             id: self.id,
             period,
-            status: JobStatus::parse(&self.status)?,
+            status: JobStatus::parse(&self.status, "period_close_job")?,
             requested_by: self.requested_by,
             started_at: self.started_at,
             finished_at: self.finished_at,
-            error: self
-                .error_code
-                .zip(self.error)
-                .map(|(code, message)| JobError { code, message }),
+            error: JobError::stored(self.error_code, self.error),
             closed: None,
         })
     }
@@ -182,17 +146,8 @@ fn lock_key(period: Period) -> i32 {
 }
 
 /// Some process holds the period's close lock, so a `running` job of it is really running.
-/// Advisory locks belong to a database; `pg_locks` lists every database's.
 async fn lock_held(connection: &mut PgConnection, period: Period) -> sqlx::Result<bool> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
-           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-           AND classid::BIGINT = $1 AND objid::BIGINT = $2 AND objsubid = 2)",
-    )
-    .bind(i64::from(CLOSE_LOCK_CLASS))
-    .bind(i64::from(lock_key(period)))
-    .fetch_one(connection)
-    .await
+    jobs::lock_held(connection, CLOSE_LOCK_CLASS, lock_key(period)).await
 }
 
 async fn latest_job_row(

@@ -8,13 +8,15 @@ use std::str::FromStr;
 use chrono::{DateTime, SubsecRound, Utc};
 use rust_decimal::Decimal;
 use serde_json::{json, Value};
-use sqlx::{FromRow, PgPool};
+use sqlx::{Connection, FromRow, PgConnection, PgPool};
 use uuid::Uuid;
 
+use super::jobs::{self, JobError, JobStatus};
 use crate::billing::overage::{minor_unit_digits, round_amount};
 use crate::billing::reconcile::{
     self, Compared, LedgerContainer, Reconciled, ReportLine, Status, Tolerance,
 };
+use crate::error_code::ErrorCode;
 use crate::projection::store::{self, StoredContainer, LIVE};
 use crate::runtime::Window;
 
@@ -153,40 +155,66 @@ struct CurrencyTally {
 /// How totals are rounded, named in every summary.
 pub const ROUNDING: &str = "half_away_from_zero_to_minor_unit_once_per_total";
 
-/// Reconciles report `report_id` with `tolerance`, counting ledger runtime up to `now`.
+/// What a reconciliation is asked for: which report, with what tolerance, by whom.
+#[derive(Debug, Clone)]
+pub struct Asked {
+    pub report_id: Uuid,
+    pub tolerance: Tolerance,
+    pub actor: String,
+}
+
+/// Reconciles report `report_id` with `tolerance`, counting ledger runtime up to `now`, in
+/// the caller's time (the command line's; the service runs a [`Claim`]).
 pub async fn run(
     pool: &PgPool,
-    report_id: Uuid,
-    tolerance: Tolerance,
+    asked: &Asked,
     now: DateTime<Utc>,
-    actor: &str,
 ) -> Result<Summary, ReconcileError> {
+    let window = report_window(pool, asked.report_id).await?;
+    let mut connection = pool.acquire().await?;
+    reconcile(&mut connection, (Uuid::now_v7(), asked, window), now, false).await
+}
+
+/// The report's window; [`ReconcileError::UnknownReport`] when no such report is stored.
+async fn report_window(pool: &PgPool, report_id: Uuid) -> Result<Window, ReconcileError> {
     let window: Option<(DateTime<Utc>, DateTime<Utc>)> =
         sqlx::query_as("SELECT window_start, window_end FROM provider_report WHERE id = $1")
             .bind(report_id)
             .fetch_optional(pool)
             .await?;
-    let Some((window_start, window_end)) = window else {
-        return Err(ReconcileError::UnknownReport(report_id));
-    };
+    let (start, end) = window.ok_or(ReconcileError::UnknownReport(report_id))?;
+    Ok(Window::new(start, end))
+}
+
+/// Reconciliation `id` of what was `asked` over the report's `window`, in one
+/// repeatable-read transaction on `connection`, stored with its lines, counts and totals;
+/// with `job`, its job is marked `done` in the same commit.
+async fn reconcile(
+    connection: &mut PgConnection,
+    (id, asked, window): (Uuid, &Asked, Window),
+    now: DateTime<Utc>,
+    job: bool,
+) -> Result<Summary, ReconcileError> {
     let as_of = now.trunc_subsecs(3);
-    let mut transaction = pool.begin().await?;
+    let mut transaction = connection.begin().await?;
     // One snapshot for every read: the ledger figures all come from one checkpoint, read
     // first, so that it is the position of the snapshot.
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         .execute(&mut *transaction)
         .await?;
     let position = store::checkpoint(&mut transaction, LIVE).await?;
-    let mut progress = Progress::new(Uuid::now_v7());
-    reconcile_lines(&mut transaction, report_id, tolerance, as_of, &mut progress).await?;
-    let missing = missing_in_provider(
+    let mut progress = Progress::new(id);
+    let tolerance = asked.tolerance;
+    reconcile_lines(
         &mut transaction,
-        Window::new(window_start, window_end),
+        asked.report_id,
         tolerance,
         as_of,
-        &progress,
+        &mut progress,
     )
     .await?;
+    let missing =
+        missing_in_provider(&mut transaction, window, tolerance, as_of, &progress).await?;
     progress.record(&mut transaction, &missing).await?;
     let (counts, totals) = (progress.counts(), progress.totals());
     sqlx::query(
@@ -194,24 +222,251 @@ pub async fn run(
              ledger_position, counts, totals, created_at, created_by) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), $9)",
     )
-    .bind(progress.id)
-    .bind(report_id)
+    .bind(id)
+    .bind(asked.report_id)
     .bind(tolerance.min_ms)
     .bind(tolerance.ratio)
     .bind(as_of)
     .bind(position)
     .bind(&counts)
     .bind(&totals)
-    .bind(actor)
+    .bind(&asked.actor)
     .execute(&mut *transaction)
     .await?;
+    if job {
+        sqlx::query(
+            "UPDATE reconciliation_job SET status = 'done', finished_at = now() WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&mut *transaction)
+        .await?;
+    }
     transaction.commit().await?;
     Ok(Summary {
-        id: progress.id,
+        id,
         counts,
         totals,
         position,
     })
+}
+
+/// What a caller is told of a report whose amounts cannot be reconciled.
+pub fn out_of_range_refusal(out_of_range: &reconcile::OutOfRange) -> String {
+    format!("{out_of_range}: the amounts cannot be reconciled; nothing was stored")
+}
+
+/// The first key of the two-key advisory locks that mark a running reconciliation (the
+/// second comes from its id): `'reco'` in ASCII, beside the period close's `'peri'`.
+const JOB_LOCK_CLASS: i32 = 0x7265_636f;
+
+/// How many ids a claim tries before it gives up: an id whose lock key another running
+/// reconciliation holds (one chance in 2^32 each) is replaced by a new one.
+const CLAIM_ATTEMPTS: usize = 8;
+
+const FAILED_MESSAGE: &str = "the reconciliation failed and nothing of it was stored; retry";
+const ABANDONED_MESSAGE: &str = "the process running the reconciliation stopped before it \
+     finished; nothing of it was stored; retry";
+
+/// One reconciliation asked of the service: `running`, then `done` (stored under the same
+/// id) or `failed` (nothing stored).
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub id: Uuid,
+    pub report_id: Uuid,
+    pub tolerance: Tolerance,
+    pub status: JobStatus,
+    pub requested_by: String,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub error: Option<JobError>,
+}
+
+#[derive(FromRow)]
+struct JobRow {
+    id: Uuid,
+    report_id: Uuid,
+    tolerance_ms: i64,
+    tolerance_ratio: Decimal,
+    status: String,
+    requested_by: String,
+    started_at: DateTime<Utc>,
+    finished_at: Option<DateTime<Utc>>,
+    error_code: Option<String>,
+    error: Option<String>,
+}
+
+const JOB_COLUMNS: &str = "id, report_id, tolerance_ms, tolerance_ratio, status, requested_by, \
+     started_at, finished_at, error_code, error";
+
+impl JobRow {
+    fn into_job(self) -> Result<Job, super::Error> {
+        Ok(Job {
+            id: self.id,
+            report_id: self.report_id,
+            tolerance: Tolerance {
+                min_ms: self.tolerance_ms,
+                ratio: self.tolerance_ratio,
+            },
+            status: JobStatus::parse(&self.status, "reconciliation_job")?,
+            requested_by: self.requested_by,
+            started_at: self.started_at,
+            finished_at: self.finished_at,
+            error: JobError::stored(self.error_code, self.error),
+        })
+    }
+}
+
+/// The second key of a job's lock: the low half of its id, the random part of a v7 UUID.
+fn lock_key(id: Uuid) -> i32 {
+    id.as_u64_pair().1 as u32 as i32
+}
+
+async fn job_row(connection: &mut PgConnection, id: Uuid) -> sqlx::Result<Option<JobRow>> {
+    sqlx::query_as(&format!(
+        "SELECT {JOB_COLUMNS} FROM reconciliation_job WHERE id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(connection)
+    .await
+}
+
+/// The job `id` as it stands: a `running` job whose lock nobody holds was abandoned by a
+/// process that stopped, and is reported failed. `None` when no such job was asked for
+/// (reconciliations of the command line have none).
+pub async fn job(pool: &PgPool, id: Uuid) -> Result<Option<Job>, super::Error> {
+    let mut connection = pool.acquire().await?;
+    let Some(mut row) = job_row(&mut connection, id).await? else {
+        return Ok(None);
+    };
+    // The runner takes the lock before it stores the job and lets it go only after it has
+    // stored how the job ended, so a job still running after the lock was seen free is one
+    // that nobody runs.
+    if row.status == "running"
+        && !jobs::lock_held(&mut connection, JOB_LOCK_CLASS, lock_key(id)).await?
+    {
+        row = job_row(&mut connection, id)
+            .await?
+            .ok_or_else(|| super::Error::Corrupt(format!("reconciliation job {id} disappeared")))?;
+        if row.status == "running" {
+            row.status = "failed".to_owned();
+            row.error_code = Some(ErrorCode::ReconciliationAbandoned.as_str().to_owned());
+            row.error = Some(ABANDONED_MESSAGE.to_owned());
+        }
+    }
+    row.into_job().map(Some)
+}
+
+/// The right to run a reconciliation: a session, outside the pool, that holds the job's
+/// lock, and the `running` job stored for it. Dropping it without running it abandons the
+/// job.
+pub struct Claim {
+    connection: PgConnection,
+    job: Job,
+    asked: Asked,
+    window: Window,
+}
+
+/// Stores a `running` job for what was `asked` and claims it; an error, and nothing
+/// stored, for a report that does not exist.
+pub async fn claim(pool: &PgPool, asked: Asked) -> Result<Claim, ReconcileError> {
+    let window = report_window(pool, asked.report_id).await?;
+    // The job's own session: it lives as long as the run, and ending it (closed, or cut by
+    // a crash) is what lets the lock go.
+    let mut connection = pool.acquire().await?.detach();
+    let claimed = claim_on(&mut connection, &asked).await;
+    match claimed {
+        Ok(job) => Ok(Claim {
+            connection,
+            job,
+            asked,
+            window,
+        }),
+        Err(error) => {
+            let _ = connection.close().await;
+            Err(error)
+        }
+    }
+}
+
+async fn claim_on(connection: &mut PgConnection, asked: &Asked) -> Result<Job, ReconcileError> {
+    for _ in 0..CLAIM_ATTEMPTS {
+        let id = Uuid::now_v7();
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+            .bind(JOB_LOCK_CLASS)
+            .bind(lock_key(id))
+            .fetch_one(&mut *connection)
+            .await?;
+        if !locked {
+            continue;
+        }
+        let row: JobRow = sqlx::query_as(&format!(
+            "INSERT INTO reconciliation_job (id, report_id, tolerance_ms, tolerance_ratio, \
+                 status, requested_by, started_at) \
+             VALUES ($1, $2, $3, $4, 'running', $5, now()) RETURNING {JOB_COLUMNS}"
+        ))
+        .bind(id)
+        .bind(asked.report_id)
+        .bind(asked.tolerance.min_ms)
+        .bind(asked.tolerance.ratio)
+        .bind(&asked.actor)
+        .fetch_one(&mut *connection)
+        .await?;
+        return Ok(row.into_job()?);
+    }
+    Err(ReconcileError::Store(super::Error::Corrupt(format!(
+        "{CLAIM_ATTEMPTS} new reconciliation ids in a row had their lock taken"
+    ))))
+}
+
+impl Claim {
+    pub fn job(&self) -> &Job {
+        &self.job
+    }
+
+    /// Runs the reconciliation, however long it takes, counting ledger runtime up to
+    /// `now`, and stores how the job ended; the lock goes with the session at the end.
+    pub async fn run(self, now: DateTime<Utc>) -> Result<Summary, ReconcileError> {
+        let Claim {
+            mut connection,
+            job,
+            asked,
+            window,
+        } = self;
+        let result = reconcile(&mut connection, (job.id, &asked, window), now, true).await;
+        if let Err(error) = &result {
+            let (code, message) = match error {
+                ReconcileError::UnknownReport(id) => {
+                    (ErrorCode::ReportNotFound, format!("no report {id}"))
+                }
+                ReconcileError::OutOfRange(out_of_range) => (
+                    ErrorCode::AmountsOutOfRange,
+                    out_of_range_refusal(out_of_range),
+                ),
+                ReconcileError::Store(_) => {
+                    (ErrorCode::ReconciliationFailed, FAILED_MESSAGE.to_owned())
+                }
+            };
+            if matches!(error, ReconcileError::Store(_)) {
+                tracing::error!(job_id = %job.id, error = format!("{error:#}"), "reconciliation failed");
+            }
+            let marked = sqlx::query(
+                "UPDATE reconciliation_job SET status = 'failed', finished_at = now(), \
+                     error_code = $2, error = $3 \
+                 WHERE id = $1 AND status = 'running'",
+            )
+            .bind(job.id)
+            .bind(code.as_str())
+            .bind(&message)
+            .execute(&mut connection)
+            .await;
+            if let Err(error) = marked {
+                // The job then reads as abandoned once the session below has ended.
+                tracing::warn!(job_id = %job.id, %error, "cannot mark the reconciliation job failed");
+            }
+        }
+        let _ = connection.close().await;
+        result
+    }
 }
 
 /// What a run has gathered: the lines stored so far, their tallies per currency, the

@@ -116,6 +116,9 @@ pub struct Inner {
     /// long as its client takes to read or send, so a few slow clients could otherwise hold
     /// every connection.
     pub finance_streams: Arc<tokio::sync::Semaphore>,
+    /// Reconciliations running on this instance, each on a session of its own:
+    /// [`reconciliations::RECONCILIATIONS_RUNNING_MAX`].
+    pub reconciliations: Arc<tokio::sync::Semaphore>,
     /// The correction being stored by this instance: one at a time, so that at most one
     /// connection per instance waits for the corrections' lock ([`corrections`]).
     pub corrections: Arc<tokio::sync::Semaphore>,

@@ -302,9 +302,9 @@ pub async fn get_lines_page(
     let sort = Sort::parse(params.sort.as_deref())?;
     let offset = offset(params.offset.as_deref())?;
     let limit = listing::limit(params.limit.as_deref(), LINES_DEFAULT, LINES_MAX)?;
-    let entry = catalog::reconciliation(&state.pool, id)
-        .await?
-        .ok_or_else(|| reconciliations::not_found(id))?;
+    let Some(entry) = catalog::reconciliation(&state.pool, id).await? else {
+        return Err(reconciliations::not_stored(&state.pool, id).await);
+    };
     let total = if filters.counted() {
         let counts = &entry.counts;
         match filters.status {

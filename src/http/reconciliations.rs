@@ -4,7 +4,7 @@
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
@@ -30,6 +30,7 @@ use crate::billing::report::exact_decimal;
 use crate::error_code::ErrorCode;
 use crate::event::canonical;
 use crate::finance::catalog::{self, ReconciliationEntry};
+use crate::finance::jobs::JobStatus;
 use crate::finance::reconciliation::{self, ReconcileError, LINES_CSV_HEADER};
 
 /// Lines read per query while streaming an export.
@@ -86,11 +87,61 @@ pub struct ReconciliationResponse {
     position: i64,
 }
 
+/// Reconciliations running at once on one instance. Each runs on a session of its own,
+/// outside the pool, for as long as it takes: past this many, 503 `reconciliations_busy`.
+pub const RECONCILIATIONS_RUNNING_MAX: usize = 4;
+
+/// `Retry-After` of a reconciliation still running, and of one refused for the others.
+const RUNNING_RETRY_AFTER_SECONDS: u64 = 2;
+
+/// A reconciliation asked for that has not finished, or failed: how it was asked and how
+/// it stands. A done one reads as the reconciliation itself.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReconciliationJobResponse {
+    reconciliation_id: Uuid,
+    /// `running` or `failed`.
+    status: &'static str,
+    report_id: Uuid,
+    tolerance_ms: i64,
+    /// A decimal number as text.
+    #[schema(value_type = String, example = "0.005")]
+    tolerance_ratio: String,
+    requested_by: String,
+    started_at: String,
+    finished_at: Option<String>,
+    /// When `failed`: `{"code", "message"}`; nothing was stored; ask again with another
+    /// `POST`.
+    #[schema(value_type = Option<Object>)]
+    error: Option<Value>,
+}
+
+impl From<reconciliation::Job> for ReconciliationJobResponse {
+    fn from(job: reconciliation::Job) -> Self {
+        ReconciliationJobResponse {
+            reconciliation_id: job.id,
+            status: job.status.as_str(),
+            report_id: job.report_id,
+            tolerance_ms: job.tolerance.min_ms,
+            tolerance_ratio: job.tolerance.ratio.to_string(),
+            requested_by: job.requested_by,
+            started_at: canonical::timestamp(job.started_at),
+            finished_at: job.finished_at.map(canonical::timestamp),
+            error: job
+                .error
+                .map(|error| serde_json::json!({"code": error.code, "message": error.message})),
+        }
+    }
+}
+
 /// Reconcile a stored provider report against the ledger. The run first waits until the
 /// projection has reached the ledger head taken at the request's start, so that every event
 /// acknowledged before it (by any instance) is counted; past `TALLY_READ_WAIT_MS`, 503
-/// `projection_lagging` with `Retry-After`. Global (a report spans orgs): a token bound to
-/// an org gets 403 `org_bound_token`.
+/// `projection_lagging` with `Retry-After`. The reconciliation runs as a job that outlives
+/// the request: `201` with its figures when it ends within half of
+/// `TALLY_REQUEST_TIMEOUT_MS`, else `202` with the running job, `Location` (its
+/// `GET /v1/reconciliations/{id}`) and `Retry-After`. At most four run at once per
+/// instance; past them 503 `reconciliations_busy`. Global (a report spans orgs): a token
+/// bound to an org gets 403 `org_bound_token`.
 #[utoipa::path(
     post,
     path = "/v1/reconciliations",
@@ -98,13 +149,14 @@ pub struct ReconciliationResponse {
     request_body(content = ReconciliationRequest),
     responses(
         (status = 201, body = ReconciliationResponse),
+        (status = 202, body = ReconciliationJobResponse, description = "still running: poll `Location`"),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 415, body = ErrorBody),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody, description = "projection_lagging (with Retry-After) or unavailable"),
+        (status = 503, body = ErrorBody, description = "projection_lagging or reconciliations_busy (with Retry-After), or unavailable"),
     ),
     security(("bearer" = []))
 )]
@@ -112,7 +164,9 @@ pub async fn post_reconciliation(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     StrictJson(body): StrictJson<ReconciliationRequest>,
-) -> Result<(StatusCode, Json<ReconciliationResponse>), ApiError> {
+) -> Result<Response, ApiError> {
+    // Answered well inside the request's deadline, whatever the wait for the head took.
+    let answer_by = tokio::time::Instant::now() + state.request_timeout / 2;
     let report_id = body
         .report_id
         .as_ref()
@@ -124,15 +178,73 @@ pub async fn post_reconciliation(
     let tolerance = tolerance(&body)?;
     // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
     Consistency::Head.settle(&state).await?;
-    let summary = reconciliation::run(
-        &state.pool,
+    let Ok(permit) = state.reconciliations.clone().try_acquire_owned() else {
+        return Err(busy());
+    };
+    let asked = reconciliation::Asked {
         report_id,
         tolerance,
-        state.clock.now(),
-        &principal.id,
+        actor: principal.id.clone(),
+    };
+    let claim = reconciliation::claim(&state.pool, asked)
+        .await
+        .map_err(reconcile_error)?;
+    let job = claim.job().clone();
+    let now = state.clock.now();
+    // The run holds its permit to its end, answered or not.
+    let running = tokio::spawn(async move {
+        let _permit = permit;
+        claim.run(now).await
+    });
+    match tokio::time::timeout_at(answer_by, running).await {
+        Ok(Ok(summary)) => {
+            let summary = summary.map_err(reconcile_error)?;
+            Ok((
+                StatusCode::CREATED,
+                Json(ReconciliationResponse {
+                    reconciliation_id: summary.id,
+                    counts: summary.counts,
+                    totals: summary.totals,
+                    position: summary.position,
+                }),
+            )
+                .into_response())
+        }
+        Ok(Err(panicked)) => Err(ApiError::internal(&panicked)),
+        Err(_) => Ok(accepted(job)),
+    }
+}
+
+/// 503 `reconciliations_busy`: [`RECONCILIATIONS_RUNNING_MAX`] are running here.
+fn busy() -> ApiError {
+    ApiError {
+        retry_after_seconds: Some(RUNNING_RETRY_AFTER_SECONDS),
+        ..ApiError::unavailable(
+            ErrorCode::ReconciliationsBusy,
+            format!(
+                "{RECONCILIATIONS_RUNNING_MAX} reconciliations are running on this instance; \
+                 retry when one has finished"
+            ),
+        )
+    }
+}
+
+/// 202 with the running `job`, where to read it and when.
+fn accepted(job: reconciliation::Job) -> Response {
+    (
+        StatusCode::ACCEPTED,
+        [
+            (header::LOCATION, format!("/v1/reconciliations/{}", job.id)),
+            (header::RETRY_AFTER, RUNNING_RETRY_AFTER_SECONDS.to_string()),
+        ],
+        Json(ReconciliationJobResponse::from(job)),
     )
-    .await
-    .map_err(|error| match error {
+        .into_response()
+}
+
+/// What a caller is told of a reconciliation that could not be run or stored.
+fn reconcile_error(error: ReconcileError) -> ApiError {
+    match error {
         ReconcileError::UnknownReport(id) => ApiError::new(
             StatusCode::NOT_FOUND,
             ErrorCode::ReportNotFound,
@@ -140,19 +252,10 @@ pub async fn post_reconciliation(
         ),
         ReconcileError::OutOfRange(out_of_range) => ApiError::invalid(
             ErrorCode::AmountsOutOfRange,
-            format!("{out_of_range}: the amounts cannot be reconciled; nothing was stored"),
+            reconciliation::out_of_range_refusal(&out_of_range),
         ),
         ReconcileError::Store(error) => ApiError::from(error),
-    })?;
-    Ok((
-        StatusCode::CREATED,
-        Json(ReconciliationResponse {
-            reconciliation_id: summary.id,
-            counts: summary.counts,
-            totals: summary.totals,
-            position: summary.position,
-        }),
-    ))
+    }
 }
 
 /// The query of the reconciliation list, read as text and checked by the route.
@@ -279,6 +382,8 @@ pub async fn list_reconciliations(
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReconciliationSummary {
     reconciliation_id: Uuid,
+    /// `done`.
+    status: &'static str,
     /// Lines per status.
     #[schema(value_type = Object)]
     counts: Value,
@@ -316,17 +421,18 @@ pub(super) fn not_found(id: Uuid) -> ApiError {
     )
 }
 
-/// A stored reconciliation: its counts and totals as its run answered them, its report,
-/// tolerance and size. Reads what the run stored (its `position` is the one it
-/// reflected); it does not wait for the projection. Global: a token bound to an org gets
-/// 403 `org_bound_token`.
+/// A reconciliation: when done, its counts and totals as its run answered them, its
+/// report, tolerance and size (its `position` is the one it reflected); while running or
+/// once failed, its job (`status`, how it was asked, `error` when failed). Reads what was
+/// stored; it does not wait for the projection. Global: a token bound to an org gets 403
+/// `org_bound_token`.
 #[utoipa::path(
     get,
     path = "/v1/reconciliations/{reconciliation_id}",
     tag = "finance",
     params(("reconciliation_id" = String, Path, description = "the id a reconciliation returned")),
     responses(
-        (status = 200, body = ReconciliationSummary),
+        (status = 200, body = ReconciliationState),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody, description = "`reconciliation_not_found`"),
@@ -338,22 +444,69 @@ pub(super) fn not_found(id: Uuid) -> ApiError {
 pub async fn get_reconciliation(
     State(state): State<AppState>,
     Path(reconciliation_id): Path<String>,
-) -> Result<Json<ReconciliationSummary>, ApiError> {
+) -> Result<Json<ReconciliationState>, ApiError> {
     let id = self::reconciliation_id(&reconciliation_id)?;
-    let entry = catalog::reconciliation(&state.pool, id)
-        .await?
-        .ok_or_else(|| not_found(id))?;
-    Ok(Json(ReconciliationSummary {
-        reconciliation_id: entry.id,
-        lines: entry.lines(),
-        report_id: entry.report_id,
-        created_at: canonical::timestamp(entry.created_at),
-        position: entry.ledger_position,
-        tolerance_ms: entry.tolerance_ms,
-        tolerance_ratio: entry.tolerance_ratio.to_string(),
-        counts: entry.counts,
-        totals: entry.totals,
-    }))
+    let stored = match catalog::reconciliation(&state.pool, id).await? {
+        Some(entry) => entry,
+        None => match reconciliation::job(&state.pool, id).await? {
+            None => return Err(not_found(id)),
+            // Done since the read above: read again.
+            Some(job) if job.status == JobStatus::Done => catalog::reconciliation(&state.pool, id)
+                .await?
+                .ok_or_else(|| not_found(id))?,
+            Some(job) => return Ok(Json(ReconciliationState::Job(job.into()))),
+        },
+    };
+    Ok(Json(ReconciliationState::Done(ReconciliationSummary {
+        reconciliation_id: stored.id,
+        status: JobStatus::Done.as_str(),
+        lines: stored.lines(),
+        report_id: stored.report_id,
+        created_at: canonical::timestamp(stored.created_at),
+        position: stored.ledger_position,
+        tolerance_ms: stored.tolerance_ms,
+        tolerance_ratio: stored.tolerance_ratio.to_string(),
+        counts: stored.counts,
+        totals: stored.totals,
+    })))
+}
+
+/// A reconciliation as `GET /v1/reconciliations/{id}` reads it: done, or its job.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum ReconciliationState {
+    Done(ReconciliationSummary),
+    Job(ReconciliationJobResponse),
+}
+
+/// Why a reconciliation's lines cannot be read when none is stored under `id`: 409
+/// `reconciliation_running` while its job runs, else 404 `reconciliation_not_found` (saying
+/// why when its job failed).
+pub(super) async fn not_stored(pool: &PgPool, id: Uuid) -> ApiError {
+    match reconciliation::job(pool, id).await {
+        Err(error) => ApiError::from(error),
+        Ok(Some(job)) if job.status == JobStatus::Running => ApiError {
+            retry_after_seconds: Some(RUNNING_RETRY_AFTER_SECONDS),
+            ..ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::ReconciliationRunning,
+                format!(
+                    "reconciliation {id} is still running; its lines are stored when it is done"
+                ),
+            )
+        },
+        Ok(Some(reconciliation::Job {
+            error: Some(error), ..
+        })) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::ReconciliationNotFound,
+            format!(
+                "no reconciliation {id}: its run failed ({}): {}",
+                error.code, error.message
+            ),
+        ),
+        Ok(_) => not_found(id),
+    }
 }
 
 /// The request's tolerance: the defaults, with what the request gives checked against its
@@ -594,13 +747,17 @@ pub async fn get_lines(
         .map_err(|error| ApiError::internal(&error))
 }
 
-/// The ledger position a stored reconciliation reflected; 404 when there is none.
+/// The ledger position a stored reconciliation reflected; when there is none, why
+/// ([`not_stored`]).
 pub(super) async fn reconciliation_position(pool: &PgPool, id: Uuid) -> Result<i64, ApiError> {
-    sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
+    let position = sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
         .bind(id)
         .fetch_optional(pool)
-        .await?
-        .ok_or_else(|| not_found(id))
+        .await?;
+    match position {
+        Some(position) => Ok(position),
+        None => Err(not_stored(pool, id).await),
+    }
 }
 
 /// One chunk of lines as text: the header (or the JSON opening) before the first chunk,

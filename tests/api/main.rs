@@ -36,6 +36,7 @@ mod projection;
 mod projection_handoff;
 mod reconciliation;
 mod reconciliation_focus;
+mod reconciliation_jobs;
 mod relay;
 mod replica;
 mod reports;

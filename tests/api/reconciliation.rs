@@ -442,6 +442,26 @@ async fn report_numbers_past_the_bound_are_refused_and_a_stored_report_whose_fig
         .post_reconciliation(&json!({"report_id": report["report_id"]}))
         .await;
     assert_eq!(again, 422);
+    // Each refused run is a failed job that says why, as a GET of it reads.
+    let failed: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, error_code FROM reconciliation_job WHERE status = 'failed' ORDER BY id",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    let (_, job) = app
+        .get_json(&format!("/v1/reconciliations/{}", failed[0].0))
+        .await;
+    assert_eq!(
+        (job["status"].as_str(), job["error"]["code"].as_str()),
+        (Some("failed"), Some("amounts_out_of_range")),
+        "{job}"
+    );
+    assert!(
+        job["error"]["message"].as_str().unwrap().contains("line 2"),
+        "{job}"
+    );
 }
 
 #[tokio::test]

@@ -172,6 +172,30 @@ async fn a_reconciliation_page_shows_each_planted_status_sorts_by_money_and_link
     );
     assert_eq!(browser.count("#timeline rect.interval").await, 1);
     browser.screenshot("container-from-line").await;
+
+    // A reconciliation whose run failed: its status and why, no figures.
+    let failed = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO reconciliation_job (id, report_id, tolerance_ms, tolerance_ratio, status, \
+             requested_by, started_at, finished_at, error_code, error) \
+         SELECT $1, report_id, 2000, 0.005, 'failed', 'console', now(), now(), \
+             'reconciliation_failed', 'nothing of it was stored; retry' \
+         FROM reconciliation LIMIT 1",
+    )
+    .bind(failed)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    browser
+        .goto(&format!("/console/reconciliations/{failed}"))
+        .await;
+    browser.wait_ready("reconciliation").await;
+    assert_eq!(browser.figure("#page", "status").await, "failed");
+    assert_eq!(
+        browser.figure("#page", "error").await,
+        "reconciliation_failed: nothing of it was stored; retry"
+    );
+    assert_eq!(browser.count("#status-counts").await, 0, "no figures");
     browser.close().await;
 }
 

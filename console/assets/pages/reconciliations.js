@@ -149,6 +149,17 @@ export async function renderOne({ view, params, query: search, navigate }) {
 
 async function loadSummary(element, base) {
   const summary = await api(base);
+  if (summary.status !== 'done') {
+    // Still running, or failed: the job, and why it failed; its lines come when it is done.
+    const error = summary.error ? `${summary.error.code}: ${summary.error.message}` : null;
+    element.append(figures(
+      term('Status', 'status', summary.status),
+      term('Report', 'report_id', summary.report_id, h('a', { href: address('/console/reconciliations', { report_id: summary.report_id }) }, summary.report_id)),
+      term('Started', 'started_at', summary.started_at, time(summary.started_at)),
+      ...(error ? [term('Error', 'error', error)] : []),
+    ));
+    return;
+  }
   const counts = summary.counts || {};
   const countRows = Object.entries(counts).map(([status, count]) =>
     h('tr', { dataset: { status } }, h('th', { scope: 'row' }, status), cell('count', count)));
