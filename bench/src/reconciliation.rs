@@ -966,7 +966,7 @@ async fn parse_alone(path: PathBuf, lines: usize) -> anyhow::Result<Line> {
             .from_reader(&mut reader);
         let mut record = csv::StringRecord::new();
         anyhow::ensure!(csv.read_record(&mut record)?, "the report is empty");
-        let header = report::Header::parse(&record)?;
+        let header = report::Header::parse(&record, 1)?;
         let mut parsed = 0_usize;
         while csv.read_record(&mut record)? {
             let line = record.position().map_or(0, |position| position.line());

@@ -111,7 +111,9 @@ pub struct Header {
 }
 
 impl Header {
-    pub fn parse(names: &csv::StringRecord) -> Result<Header, ReportError> {
+    /// The header from the record of its `names`, on line `line` (1, unless blank lines
+    /// come before it).
+    pub fn parse(names: &csv::StringRecord, line: u64) -> Result<Header, ReportError> {
         let mut positions = HashMap::new();
         let mut seen = HashMap::new();
         let mut all = Vec::with_capacity(names.len());
@@ -120,7 +122,7 @@ impl Header {
             all.push(name.to_owned());
             if seen.insert(name.to_owned(), index).is_some() {
                 return Err(ReportError::new(
-                    1,
+                    line,
                     Some(name),
                     ErrorCode::DuplicateColumn,
                     format!("column {name} appears twice"),
@@ -136,7 +138,7 @@ impl Header {
         }
         if let Some(missing) = REQUIRED.iter().find(|name| !positions.contains_key(*name)) {
             return Err(ReportError::new(
-                1,
+                line,
                 Some(missing),
                 ErrorCode::MissingColumn,
                 format!("the header has no {missing} column (FOCUS 1.x names are required)"),

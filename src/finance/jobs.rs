@@ -54,11 +54,7 @@ impl JobError {
 /// Some session of this database holds the two-key advisory lock (`class`, `key`), so a
 /// `running` job it marks is really running. Advisory locks belong to a database;
 /// `pg_locks` lists every database's.
-pub(super) async fn lock_held(
-    connection: &mut PgConnection,
-    class: i32,
-    key: i32,
-) -> sqlx::Result<bool> {
+pub async fn lock_held(connection: &mut PgConnection, class: i32, key: i32) -> sqlx::Result<bool> {
     // A two-key lock is listed with its keys as `classid` and `objid` (OIDs, unsigned) and
     // `objsubid` 2; the keys are compared as the unsigned numbers they are listed as.
     sqlx::query_scalar(

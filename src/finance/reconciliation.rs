@@ -259,6 +259,10 @@ pub fn out_of_range_refusal(out_of_range: &reconcile::OutOfRange) -> String {
 /// second comes from its id): `'reco'` in ASCII, beside the period close's `'peri'`.
 const JOB_LOCK_CLASS: i32 = 0x7265_636f;
 
+/// The longest a statement of a reconciliation job may take (its session's
+/// `statement_timeout`, in place of `TALLY_DB_STATEMENT_TIMEOUT_MS`).
+pub const JOB_STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// How many ids a claim tries before it gives up: an id whose lock key another running
 /// reconciliation holds (one chance in 2^32 each) is replaced by a new one.
 const CLAIM_ATTEMPTS: usize = 8;
@@ -389,6 +393,14 @@ pub async fn claim(pool: &PgPool, asked: Asked) -> Result<Claim, ReconcileError>
 }
 
 async fn claim_on(connection: &mut PgConnection, asked: &Asked) -> Result<Job, ReconcileError> {
+    // The session's own bound on a statement, in place of the pool's: the commit of a
+    // million lines checks each line's reference to its reconciliation.
+    sqlx::query(&format!(
+        "SET statement_timeout = {}",
+        JOB_STATEMENT_TIMEOUT.as_millis()
+    ))
+    .execute(&mut *connection)
+    .await?;
     for _ in 0..CLAIM_ATTEMPTS {
         let id = Uuid::now_v7();
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")

@@ -286,6 +286,7 @@ fn offset(value: Option<&str>) -> Result<u64, ApiError> {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody, description = "`reconciliation_not_found`"),
+        (status = 409, body = ErrorBody, description = "`reconciliation_running` (with Retry-After)"),
         (status = 422, body = ErrorBody, description = "`invalid_reconciliation_id`, `invalid_status`, `invalid_org_id`, `invalid_container_id`, `invalid_sort`, `invalid_offset`, `invalid_limit`, `unknown_parameter`"),
         (status = 503, body = ErrorBody),
     ),
@@ -302,9 +303,10 @@ pub async fn get_lines_page(
     let sort = Sort::parse(params.sort.as_deref())?;
     let offset = offset(params.offset.as_deref())?;
     let limit = listing::limit(params.limit.as_deref(), LINES_DEFAULT, LINES_MAX)?;
-    let Some(entry) = catalog::reconciliation(&state.pool, id).await? else {
-        return Err(reconciliations::not_stored(&state.pool, id).await);
-    };
+    let entry = reconciliations::stored(&state.pool, id, || async {
+        Ok(catalog::reconciliation(&state.pool, id).await?)
+    })
+    .await?;
     let total = if filters.counted() {
         let counts = &entry.counts;
         match filters.status {

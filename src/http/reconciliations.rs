@@ -479,13 +479,28 @@ pub enum ReconciliationState {
     Job(ReconciliationJobResponse),
 }
 
-/// Why a reconciliation's lines cannot be read when none is stored under `id`: 409
-/// `reconciliation_running` while its job runs, else 404 `reconciliation_not_found` (saying
-/// why when its job failed).
-pub(super) async fn not_stored(pool: &PgPool, id: Uuid) -> ApiError {
-    match reconciliation::job(pool, id).await {
-        Err(error) => ApiError::from(error),
-        Ok(Some(job)) if job.status == JobStatus::Running => ApiError {
+/// What `read` finds of the stored reconciliation `id`; when none is stored, why: 409
+/// `reconciliation_running` while its job runs, else 404 `reconciliation_not_found`
+/// (saying why when its job failed). A job found done was stored after the first read,
+/// which is then made again.
+pub(super) async fn stored<T, Read, Found>(
+    pool: &PgPool,
+    id: Uuid,
+    read: Read,
+) -> Result<T, ApiError>
+where
+    Read: Fn() -> Found,
+    Found: std::future::Future<Output = Result<Option<T>, ApiError>>,
+{
+    if let Some(found) = read().await? {
+        return Ok(found);
+    }
+    let Some(job) = reconciliation::job(pool, id).await? else {
+        return Err(not_found(id));
+    };
+    match (job.status, job.error) {
+        (JobStatus::Done, _) => read().await?.ok_or_else(|| not_found(id)),
+        (JobStatus::Running, _) => Err(ApiError {
             retry_after_seconds: Some(RUNNING_RETRY_AFTER_SECONDS),
             ..ApiError::new(
                 StatusCode::CONFLICT,
@@ -494,18 +509,16 @@ pub(super) async fn not_stored(pool: &PgPool, id: Uuid) -> ApiError {
                     "reconciliation {id} is still running; its lines are stored when it is done"
                 ),
             )
-        },
-        Ok(Some(reconciliation::Job {
-            error: Some(error), ..
-        })) => ApiError::new(
+        }),
+        (JobStatus::Failed, Some(error)) => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             ErrorCode::ReconciliationNotFound,
             format!(
                 "no reconciliation {id}: its run failed ({}): {}",
                 error.code, error.message
             ),
-        ),
-        Ok(_) => not_found(id),
+        )),
+        (JobStatus::Failed, None) => Err(not_found(id)),
     }
 }
 
@@ -693,6 +706,7 @@ pub struct LinesSchema {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "`reconciliation_running` (with Retry-After)"),
         (status = 422, body = ErrorBody),
         (status = 503, body = ErrorBody),
     ),
@@ -748,16 +762,17 @@ pub async fn get_lines(
 }
 
 /// The ledger position a stored reconciliation reflected; when there is none, why
-/// ([`not_stored`]).
+/// ([`stored`]).
 pub(super) async fn reconciliation_position(pool: &PgPool, id: Uuid) -> Result<i64, ApiError> {
-    let position = sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
-        .bind(id)
-        .fetch_optional(pool)
-        .await?;
-    match position {
-        Some(position) => Ok(position),
-        None => Err(not_stored(pool, id).await),
-    }
+    stored(pool, id, || async {
+        Ok(
+            sqlx::query_scalar("SELECT ledger_position FROM reconciliation WHERE id = $1")
+                .bind(id)
+                .fetch_optional(pool)
+                .await?,
+        )
+    })
+    .await
 }
 
 /// One chunk of lines as text: the header (or the JSON opening) before the first chunk,

@@ -315,6 +315,8 @@ impl<R: Read> Input<R> {
 pub struct Records<R> {
     input: Input<R>,
     header: Header,
+    /// The header's line: 1, unless blank lines came before it.
+    header_line: u64,
     good_lines: u64,
 }
 
@@ -349,8 +351,9 @@ impl<R: Read> Records<R> {
                 ReportError::new(1, None, ErrorCode::EmptyReport, "the report is empty").into(),
             );
         }
-        let header = Header::parse(&input.record)?;
+        let header = Header::parse(&input.record, input.record_line)?;
         Ok(Records {
+            header_line: input.record_line,
             input,
             header,
             good_lines: 0,
@@ -398,7 +401,7 @@ impl<R: Read> Records<R> {
         }
         if self.good_lines == 0 {
             return Err(ReportError::new(
-                2,
+                self.header_line + 1,
                 None,
                 ErrorCode::EmptyReport,
                 "the report has a header and no lines",
@@ -568,6 +571,27 @@ mod tests {
             let found: Vec<u64> = refusal.errors().iter().map(|error| error.line).collect();
             // Header 1, good 2, bad 3, blank 4, a record over lines 5 and 6, bad 7.
             assert_eq!(found, [3, 7], "{ending:?}");
+        }
+    }
+
+    #[test]
+    fn a_header_after_blank_lines_is_named_by_its_own_line_and_so_is_the_line_it_lacks() {
+        let missing = HEADER.replace(",BillingCurrency", "");
+        for ending in ["\n", "\r\n", "\r"] {
+            let text = format!("{ending}{ending}{missing}{ending}{GOOD}");
+            let refusal = read_all(text.as_bytes()).unwrap_err();
+            assert_eq!(
+                (refusal.first().line, refusal.first().code),
+                (3, ErrorCode::MissingColumn),
+                "{ending:?}"
+            );
+            let text = format!("{ending}{ending}{HEADER}{ending}");
+            let refusal = read_all(text.as_bytes()).unwrap_err();
+            assert_eq!(
+                (refusal.first().line, refusal.first().code),
+                (4, ErrorCode::EmptyReport),
+                "{ending:?}"
+            );
         }
     }
 
