@@ -3,7 +3,8 @@
 //! `require_token` runs on every `/v1` route after routing: it counts the request against
 //! its token's limit of requests in progress ([`TokenLimits`], 429 past it), finds the
 //! principal behind the bearer token (401 when there is none or it is not valid — revoked
-//! tokens at once, since every request looks its token up), then the scope and the org
+//! tokens at once, since every request looks its token up, and looks it up again when its
+//! body ends late: [`super::recheck`]), then the scope and the org
 //! rule of the matched route ([`ROUTES`], one table for the whole API): 403 when the
 //! principal lacks the scope, and for a token bound to one org, 403 on a global route or
 //! on another org's path. Handlers receive the [`Principal`] as an extension and check the
@@ -29,7 +30,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::error::ApiError;
-use super::AppState;
+use super::{recheck, AppState};
 use crate::error_code::ErrorCode;
 use crate::event::{Event, EventType};
 
@@ -200,8 +201,14 @@ pub const ROUTES: &[RouteRule] = {
     ]
 };
 
-/// The row of [`ROUTES`] for a matched route, if it is listed.
+/// The row of [`ROUTES`] for a matched route (a HEAD's is its GET's), if it is listed.
 pub fn route_rule(method: &Method, route: &str) -> Option<&'static RouteRule> {
+    // A HEAD is its GET's handler and operation, with its rules.
+    let method = if method == Method::HEAD {
+        &Method::GET
+    } else {
+        method
+    };
     ROUTES
         .iter()
         .find(|rule| rule.method == method.as_str() && rule.path == route)
@@ -216,6 +223,9 @@ pub fn required_scope(method: &Method, route: &str) -> Option<Scope> {
 pub fn org_rule(method: &Method, route: &str) -> OrgRule {
     route_rule(method, route).map_or(OrgRule::Global, |rule| rule.org)
 }
+
+/// The principal id of `TALLY_BOOTSTRAP_TOKEN`.
+pub const BOOTSTRAP_ID: &str = "bootstrap";
 
 /// Who is calling.
 #[derive(Debug, Clone)]
@@ -332,7 +342,7 @@ async fn principal(
 ) -> Result<Option<Principal>, ApiError> {
     if tokens.is_bootstrap(digest) {
         return Ok(Some(Principal {
-            id: "bootstrap".to_owned(),
+            id: BOOTSTRAP_ID.to_owned(),
             scopes: vec![Scope::Admin],
             org_id: None,
         }));
@@ -460,6 +470,7 @@ pub async fn require_token(
             "the bearer token is not valid",
         ));
     };
+    let looked_up = std::time::Instant::now();
     let route = request
         .extensions()
         .get::<MatchedPath>()
@@ -476,10 +487,47 @@ pub async fn require_token(
     }
     let (mut parts, body) = request.into_parts();
     check_org_binding(&principal, &mut parts, &route, &state).await?;
+    let verdict = recheck::Verdict::default();
+    let body = rechecked(&state, &principal, (digest, looked_up), body, &verdict);
     let mut request = Request::from_parts(parts, body);
     request.extensions_mut().insert(principal);
     let response = next.run(request).await;
+    if let Some(refusal) = verdict.refusal() {
+        return Err(refusal);
+    }
     Ok(held_until_sent(response, permit))
+}
+
+/// The request's body, ended late only once the token with `digest`, looked up at
+/// `looked_up`, is found again ([`recheck`]); the bootstrap token is never revoked.
+fn rechecked(
+    state: &AppState,
+    principal: &Principal,
+    (digest, looked_up): ([u8; 32], std::time::Instant),
+    body: Body,
+    verdict: &recheck::Verdict,
+) -> Body {
+    if principal.id == BOOTSTRAP_ID {
+        return body;
+    }
+    let pool = state.pool.clone();
+    let lookup = move || -> recheck::Lookup {
+        Box::pin(async move {
+            let still: Option<Uuid> = sqlx::query_scalar(
+                "SELECT id FROM api_token WHERE secret_sha256 = $1 AND revoked_at IS NULL",
+            )
+            .bind(&digest[..])
+            .fetch_optional(&pool)
+            .await?;
+            Ok(still.is_some())
+        })
+    };
+    Body::new(recheck::Rechecked::new(
+        body,
+        looked_up,
+        Box::new(lookup),
+        verdict.clone(),
+    ))
 }
 
 /// 429 for a token with `max` requests in progress.

@@ -19,6 +19,7 @@ pub mod ops;
 pub mod orgs;
 pub mod plans;
 pub mod query;
+pub mod recheck;
 pub mod reconciliation_lines;
 pub mod reconciliations;
 pub mod replica;

@@ -233,3 +233,110 @@ async fn a_revoked_token_stops_working_at_once_and_no_secret_is_stored() {
     assert!(!dump.contains(TOKEN), "nor the bootstrap token");
     app.stop().await;
 }
+
+/// A request sent by hand over its own connection: its head and the first `split` bytes
+/// of its body at once, the rest when `rest` is awaited. Answers the status code.
+struct SlowRequest {
+    stream: tokio::net::TcpStream,
+    rest: Vec<u8>,
+}
+
+impl SlowRequest {
+    async fn start(app: &TestApp, path: &str, token: &str, body: &Value, split: usize) -> Self {
+        use tokio::io::AsyncWriteExt;
+        let body = body.to_string().into_bytes();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: tally\r\nauthorization: Bearer {token}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let mut stream = tokio::net::TcpStream::connect(app.address).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&body[..split]).await.unwrap();
+        SlowRequest {
+            stream,
+            rest: body[split..].to_vec(),
+        }
+    }
+
+    async fn finish(mut self) -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        self.stream.write_all(&self.rest).await.unwrap();
+        let mut answer = Vec::new();
+        self.stream.read_to_end(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        answer
+            .split(' ')
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("no status in {answer:?}"))
+    }
+}
+
+#[tokio::test]
+async fn a_token_revoked_while_its_body_arrives_stores_nothing_and_is_answered_401() {
+    let app = TestApp::spawn().await;
+    let (admin_id, admin) = create_token(&app, json!({"scopes": ["admin"]})).await;
+    let (writer_id, writer) =
+        create_token(&app, json!({"scopes": ["events:write"], "org_id": "acme"})).await;
+    let tokens = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM api_token")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap()
+    };
+    let (tokens_before, events_before) = (tokens().await, app.ledger_count().await);
+
+    // Each request's head and a byte of its body, then the revocation, then the rest.
+    let minting =
+        SlowRequest::start(&app, "/v1/tokens", &admin, &json!({"scopes": ["admin"]}), 1).await;
+    let event = crate::helpers::valid_event("acme", "c1", 0);
+    let storing = SlowRequest::start(&app, "/v1/events", &writer, &event, 1).await;
+    tokio::time::sleep(tally::http::recheck::RECHECK_AFTER * 3).await;
+    answered(200, app.delete_token(&admin_id).await);
+    answered(200, app.delete_token(&writer_id).await);
+    assert_eq!(
+        minting.finish().await,
+        401,
+        "no token minted by a revoked one"
+    );
+    assert_eq!(
+        storing.finish().await,
+        401,
+        "no event stored by a revoked token"
+    );
+    assert_eq!(tokens().await, tokens_before);
+    assert_eq!(app.ledger_count().await, events_before);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_valid_tokens_body_that_arrives_slowly_is_taken() {
+    let app = TestApp::spawn().await;
+    let (_, writer) =
+        create_token(&app, json!({"scopes": ["events:write"], "org_id": "acme"})).await;
+    let event = crate::helpers::valid_event("acme", "c1", 0);
+    let storing = SlowRequest::start(&app, "/v1/events", &writer, &event, 1).await;
+    tokio::time::sleep(tally::http::recheck::RECHECK_AFTER * 3).await;
+    assert_eq!(storing.finish().await, 200);
+    assert_eq!(app.ledger_count().await, 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_head_request_has_the_scope_and_org_rules_of_its_get() {
+    let app = TestApp::spawn().await;
+    let (_, audit) = create_token(&app, json!({"scopes": ["audit"], "org_id": "acme"})).await;
+    let (_, usage) = create_token(&app, json!({"scopes": ["usage:read"], "org_id": "acme"})).await;
+    for (token, path, status) in [
+        (&audit, "/v1/whoami", 200),
+        (&audit, "/v1/events", 200),
+        (&usage, "/v1/orgs/acme/usage?period=2026-11", 200),
+        (&usage, "/v1/orgs/beta/usage?period=2026-11", 403),
+        (&usage, "/v1/events", 403),
+    ] {
+        let reply = Api::reply(app.with_token(token).request(Method::HEAD, path)).await;
+        assert_eq!(reply.status, status, "HEAD {path}");
+    }
+    app.stop().await;
+}
