@@ -908,7 +908,7 @@ async fn locked_answer(
     let wanted = wait.wanted(freshness, &request.org_id);
     let deadline = Instant::now() + wait.within;
     loop {
-        let mut transaction = pool.begin().await?;
+        let mut transaction = crate::ledger::db::begin(pool).await?;
         // The plan versions' lock first, so that a grant waiting for a plan version to be
         // projected holds no lock the projector needs (a round takes the consuming lock).
         sqlx::query(&format!(
@@ -969,7 +969,7 @@ pub async fn release(
     actor: &str,
 ) -> sqlx::Result<Released> {
     // The org's notice goes with the release, in its transaction.
-    let mut transaction = pool.begin().await?;
+    let mut transaction = crate::ledger::db::begin(pool).await?;
     let org: Option<String> =
         sqlx::query_scalar("SELECT org_id FROM admission_reservation WHERE id = $1")
             .bind(id)

@@ -348,7 +348,7 @@ pub async fn verify_stream(
             .map_err(StreamFailure::doing("the first sequence"))?
             + offset;
     }
-    let mut transaction = pool.begin().await?;
+    let mut transaction = crate::ledger::db::begin(pool).await?;
     // One long statement, as in the chain's full pass.
     sqlx::query("SET LOCAL statement_timeout = 0")
         .execute(&mut *transaction)

@@ -13,7 +13,7 @@
 //! stored one returned.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -89,6 +89,28 @@ where
     S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
     E: std::fmt::Display,
 {
+    // A session of its own, outside the pool: an import cut off mid-`COPY` (the request
+    // deadline, a client gone) leaves its session amid the copy protocol, which sqlx 0.8
+    // cannot bring back in step. Dropping it with the import closes it, which ends the
+    // copy and its transaction on the server; a pooled one went back to the pool out of
+    // step with Postgres and gave other requests' statements the answers of others.
+    let mut session = pool.acquire().await?.detach();
+    let imported = import_on(&mut session, pool, chunks, (encoding, limits), actor).await;
+    let _ = session.close().await;
+    imported
+}
+
+async fn import_on<S, E>(
+    session: &mut sqlx::PgConnection,
+    pool: &PgPool,
+    chunks: S,
+    (encoding, limits): (Encoding, Limits),
+    actor: &str,
+) -> Result<Imported, ImportError>
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
     let (chunk_sender, chunk_receiver) = mpsc::channel(CHANNEL_DEPTH);
     let (batch_sender, mut batches) = mpsc::channel::<Vec<ParsedLine>>(CHANNEL_DEPTH);
     let max_inflated_bytes = limits.max_inflated_bytes;
@@ -98,7 +120,7 @@ where
     });
 
     let report_id = Uuid::now_v7();
-    let mut transaction = pool.begin().await?;
+    let mut transaction = session.begin().await?;
     // Feeding the parser and inserting run side by side, not in turns: while Postgres
     // inserts one batch, the parser reads and checks the next lines, instead of stopping
     // once the few chunks in its channel are used up.

@@ -308,7 +308,7 @@ pub const PLANS_LOCK_KEY: i64 = 0x0070_6c61_6e73;
 
 /// Takes the plan versions' lock alone, in a transaction of its own: grants wait.
 async fn hold_grants(state: &AppState) -> Result<Transaction<'static, Postgres>, ApiError> {
-    let mut held = state.pool.begin().await?;
+    let mut held = crate::ledger::db::begin(&state.pool).await?;
     sqlx::query(&format!(
         "SELECT pg_advisory_xact_lock($1), {}",
         crate::ledger::db::BOUND_LOCK_IDLE

@@ -33,7 +33,7 @@ impl Turn {
     async fn take(state: &AppState, queue: Queue) -> Result<Turn, ApiError> {
         let busy = || ApiError::unavailable(ErrorCode::Overloaded, queue.busy);
         let permit = super::take_turn(state, (queue.permit)(state), queue.busy).await?;
-        let mut lock = state.pool.begin().await?;
+        let mut lock = crate::ledger::db::begin(&state.pool).await?;
         let wait_ms = state.read_wait.as_millis();
         sqlx::query(&format!("SET LOCAL lock_timeout = '{wait_ms}ms'"))
             .execute(&mut *lock)

@@ -166,10 +166,44 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 }
 
 /// A read-only transaction whose statements all see one snapshot: figures that agree with
-/// each other and with the position (checkpoint or head) read in it.
+/// each other and with the position (checkpoint or head) read in it. Cancel-safe, as
+/// [`begin`].
 pub async fn read_snapshot(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
-    pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .await
+    begun(
+        pool,
+        Some("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"),
+    )
+    .await
+}
+
+/// `pool.begin()` that a caller dropped on the way (a client that went away, the request
+/// deadline) cannot cut short. sqlx 0.8 counts a transaction as open only once `BEGIN` is
+/// answered, so a `begin` dropped while waiting for that answer returned its connection to
+/// the pool inside a transaction nothing would end: the next borrowers' statements ran in
+/// it (writes refused as read-only, reads of an old snapshot). Here the round trip runs in
+/// a task of its own and always finishes; a transaction nobody takes is then dropped there
+/// and rolled back as any other.
+pub async fn begin(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+    begun(pool, None).await
+}
+
+async fn begun(
+    pool: &PgPool,
+    statement: Option<&'static str>,
+) -> sqlx::Result<Transaction<'static, Postgres>> {
+    let pool = pool.clone();
+    let begin = tokio::spawn(async move {
+        match statement {
+            Some(statement) => pool.begin_with(statement).await,
+            None => pool.begin().await,
+        }
+    });
+    match begin.await {
+        Ok(begun) => begun,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        // Only a runtime shutting down cancels the task.
+        Err(_) => Err(sqlx::Error::PoolClosed),
+    }
 }
 
 #[cfg(test)]

@@ -63,7 +63,7 @@ pub async fn ensure_ahead(pool: &PgPool, now: DateTime<Utc>) -> Result<i32, sqlx
     let until = now
         .checked_add_months(Months::new(MONTHS_AHEAD))
         .expect("a clock within chrono's range");
-    let mut transaction = pool.begin().await?;
+    let mut transaction = crate::ledger::db::begin(pool).await?;
     sqlx::query(&format!(
         "SET LOCAL lock_timeout = '{UPKEEP_LOCK_TIMEOUT_MS}ms'"
     ))

@@ -144,7 +144,7 @@ async fn verify_from(
     from: i64,
     from_hash: [u8; 32],
 ) -> Result<VerifyReport, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
+    let mut transaction = crate::ledger::db::begin(pool).await?;
     sqlx::query("SET LOCAL statement_timeout = 0")
         .execute(&mut *transaction)
         .await?;

@@ -9,6 +9,7 @@ mod anomalies;
 mod append_isolation;
 mod append_submissions;
 mod audit;
+mod cancellation;
 mod checker;
 mod concurrency;
 mod consistency;
