@@ -211,6 +211,12 @@ families! {
         "HTTP requests refused because their token had too many requests in progress.";
     VERIFY_REFUSED = "tally_verify_refused_total", Counter, Count, ONE, NONE,
         "Ledger verify requests refused because another verify pass was running.";
+    // Finance.
+    RECONCILIATIONS_RUNNING = "tally_reconciliations_running", Gauge, Count, ONE, NONE,
+        "Reconciliations running on this instance, each on a database session of its own.";
+    RECONCILIATIONS = "tally_reconciliations_total", Counter, Count,
+        Series::Labelled(&[&[("outcome", "done")], &[("outcome", "failed")], &[("outcome", "refused")]]), NONE,
+        "Reconciliations asked of this instance, by outcome: done (stored), failed (nothing stored) or refused (reconciliations_busy).";
 }
 
 /// The exporter, with every histogram's buckets, so that none renders as a summary.

@@ -176,7 +176,7 @@ pub async fn run(
 }
 
 /// The report's window; [`ReconcileError::UnknownReport`] when no such report is stored.
-async fn report_window(pool: &PgPool, report_id: Uuid) -> Result<Window, ReconcileError> {
+pub async fn report_window(pool: &PgPool, report_id: Uuid) -> Result<Window, ReconcileError> {
     let window: Option<(DateTime<Utc>, DateTime<Utc>)> =
         sqlx::query_as("SELECT window_start, window_end FROM provider_report WHERE id = $1")
             .bind(report_id)

@@ -178,7 +178,12 @@ pub async fn post_reconciliation(
     let tolerance = tolerance(&body)?;
     // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
     Consistency::Head.settle(&state).await?;
+    // An unknown report is the caller's mistake, whatever else runs.
+    reconciliation::report_window(&state.pool, report_id)
+        .await
+        .map_err(reconcile_error)?;
     let Ok(permit) = state.reconciliations.clone().try_acquire_owned() else {
+        metrics::counter!(crate::telemetry::RECONCILIATIONS, "outcome" => "refused").increment(1);
         return Err(busy());
     };
     let asked = reconciliation::Asked {
@@ -194,7 +199,13 @@ pub async fn post_reconciliation(
     // The run holds its permit to its end, answered or not.
     let running = tokio::spawn(async move {
         let _permit = permit;
-        claim.run(now).await
+        let gauge = metrics::gauge!(crate::telemetry::RECONCILIATIONS_RUNNING);
+        gauge.increment(1.0);
+        let summary = claim.run(now).await;
+        gauge.decrement(1.0);
+        let outcome = if summary.is_ok() { "done" } else { "failed" };
+        metrics::counter!(crate::telemetry::RECONCILIATIONS, "outcome" => outcome).increment(1);
+        summary
     });
     match tokio::time::timeout_at(answer_by, running).await {
         Ok(Ok(summary)) => {

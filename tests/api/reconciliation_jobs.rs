@@ -87,6 +87,16 @@ async fn ended(app: &TestApp, location: &str) -> Value {
     }
 }
 
+/// The value of `series` in the service's /metrics.
+async fn metric(app: &TestApp, series: &str) -> f64 {
+    let text = app.without_token().get("/metrics").await.text;
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in /metrics"))
+}
+
 async fn stored(app: &TestApp, id: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM reconciliation WHERE id = $1::UUID")
         .bind(id)
@@ -231,6 +241,11 @@ async fn past_four_running_reconciliations_a_fifth_is_refused_with_retry_after_a
         assert_eq!(status, 202, "{job}");
         locations.push(location.unwrap());
     }
+    // The recorder is the test process's: other tests count too, so counts must grow.
+    let running = metric(&app, "tally_reconciliations_running").await;
+    assert!(running >= 4.0, "{running} running");
+    let refused = "tally_reconciliations_total{outcome=\"refused\"}";
+    let refused_before = metric(&app, refused).await;
     let (status, _, retry_after, refusal) = post(&app, &asked).await;
     assert_eq!(
         (
@@ -240,6 +255,18 @@ async fn past_four_running_reconciliations_a_fifth_is_refused_with_retry_after_a
         ),
         (503, Some("reconciliations_busy"), Some("2")),
         "{refusal}"
+    );
+    let unknown = json!({"report_id": Uuid::new_v4()});
+    let (status, _, _, refusal) = post(&app, &unknown).await;
+    assert_eq!(
+        (status, refusal["error"]["code"].as_str()),
+        (404, Some("report_not_found")),
+        "an unknown report is 404 whatever runs: {refusal}"
+    );
+    let refused_after = metric(&app, refused).await;
+    assert!(
+        refused_after > refused_before,
+        "{refused_before} before, {refused_after} after"
     );
     let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM reconciliation_job")
         .fetch_one(&app.pool)
@@ -293,12 +320,15 @@ async fn a_job_lock_is_seen_held_whatever_the_sign_of_its_key_and_only_while_hel
             "{other} is not"
         );
         holder.close().await.unwrap();
-        assert!(
-            !tally::finance::jobs::lock_held(&mut reader, CLASS, key)
-                .await
-                .unwrap(),
-            "{key} let go"
-        );
+        // The server lets the lock go as the closed session's backend exits.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while tally::finance::jobs::lock_held(&mut reader, CLASS, key)
+            .await
+            .unwrap()
+        {
+            assert!(std::time::Instant::now() < deadline, "{key} never let go");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
     }
     reader.close().await.unwrap();
 }
