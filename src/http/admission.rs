@@ -282,7 +282,10 @@ pub struct ReleaseResponse {
     status: &'static str,
 }
 
-/// Release a reservation: its slot is free at once. Releasing again is harmless.
+/// Release a reservation: its slot is free at once. Releasing again is harmless. As a
+/// grant, it first waits until the projection holds the org's events this instance
+/// acknowledged (past `TALLY_READ_WAIT_MS`, 503 `projection_lagging`), so that a start
+/// acknowledged before it has consumed the reservation: 409 `reservation_consumed`.
 #[utoipa::path(
     delete,
     path = "/v1/admission/reservations/{reservation_id}",
@@ -294,7 +297,7 @@ pub struct ReleaseResponse {
         (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody, description = "already consumed by its container"),
         (status = 422, body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "`projection_lagging` (with `Retry-After`)"),
     ),
     security(("bearer" = []))
 )]
@@ -311,6 +314,10 @@ pub async fn delete_reservation(
     })?;
     if let Some(org_id) = admission::reservation_org(&state.pool, id).await? {
         principal.check_org(&org_id)?;
+        // As a grant reads: the org's events this instance acknowledged are projected
+        // first, so that a start acknowledged before the release has consumed the
+        // reservation (409), not seen it released while its container takes the slot.
+        super::consistency::own_writes_of(&state, &org_id).await?;
     }
     let cache = state.checker.cache();
     let clock = state.checker.clock();

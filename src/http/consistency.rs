@@ -209,6 +209,13 @@ impl Consistency {
     }
 }
 
+/// Waits, at most `TALLY_READ_WAIT_MS`, until the projection holds every event of `org`
+/// this instance acknowledged: 503 `projection_lagging` past it.
+pub(super) async fn own_writes_of(state: &AppState, org: &str) -> Result<(), ApiError> {
+    let wanted = state.freshness.wanted_for(org);
+    wait(state, wanted, state.read_wait).await.map(|_| ())
+}
+
 /// Waits until the projection reaches `wanted`, for at most `within`.
 async fn wait(state: &AppState, wanted: i64, within: Duration) -> Result<i64, ApiError> {
     match state

@@ -1254,3 +1254,38 @@ async fn a_check_counts_the_runtime_of_the_period_the_services_clock_is_in() {
         app.stop().await;
     }
 }
+
+#[tokio::test]
+async fn a_release_right_after_its_containers_start_was_acknowledged_finds_it_consumed() {
+    // Rounds that wait a while after each commit: the start is acknowledged well before
+    // it is projected.
+    let app = TestApp::spawn_with(|config| config.projector_linger_ms = 400).await;
+    ready_org(&app, "acme").await;
+    two_slots(&app).await;
+    event(
+        &app,
+        container_event(&app, "acme", "base", "container.created", 60),
+    )
+    .await;
+    projected_to_head(&app.pool, "the running container is projected").await;
+    let reserve = |container: &str| json!({"org_id": "acme", "action": "create", "container_id": container, "ttl_seconds": 300});
+    let (status, granted) = app.reserve(&reserve("z")).await;
+    assert_eq!(status, 201, "{granted}");
+    // The start, dated a minute ahead, then at once the release.
+    event(
+        &app,
+        container_event(&app, "acme", "z", "container.created", -60),
+    )
+    .await;
+    let id = granted["reservation_id"].as_str().unwrap();
+    let (status, released) = app.release(id).await;
+    assert_eq!(
+        (status, released["error"]["code"].as_str()),
+        (409, Some("reservation_consumed")),
+        "{released}"
+    );
+    // So the slot is z's from its start, and no third container is let in.
+    let (status, refused) = app.reserve(&reserve("w")).await;
+    assert_eq!(status, 409, "{refused}");
+    app.stop().await;
+}
