@@ -149,6 +149,9 @@ pub enum BodyError {
     Malformed(String),
     #[error("invalid body: {0}")]
     Shape(String),
+    /// A member given twice where serde reads the body (the batch's `events`).
+    #[error("invalid body: {0}")]
+    Duplicate(String),
     #[error("a batch must hold at least one event")]
     EmptyBatch,
     #[error("a batch holds at most {max} events, got {count}")]
@@ -165,6 +168,7 @@ impl BodyError {
         match self {
             BodyError::Malformed(_) => ErrorCode::MalformedJson,
             BodyError::Shape(_) => ErrorCode::InvalidBody,
+            BodyError::Duplicate(_) => ErrorCode::DuplicateField,
             BodyError::EmptyBatch => ErrorCode::EmptyBatch,
             BodyError::BatchTooLarge { .. } => ErrorCode::BatchTooLarge,
             BodyError::Invalid(_) => ErrorCode::InvalidEvents,
@@ -250,6 +254,9 @@ pub fn parse_body(
 
 fn from_json<'a, T: Deserialize<'a>>(text: &'a str) -> Result<T, BodyError> {
     serde_json::from_str(text).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data if e.to_string().starts_with("duplicate field") => {
+            BodyError::Duplicate(e.to_string())
+        }
         serde_json::error::Category::Data => BodyError::Shape(e.to_string()),
         _ => BodyError::Malformed(e.to_string()),
     })
@@ -607,6 +614,16 @@ mod tests {
             }
             other => panic!("expected invalid, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_batch_naming_its_events_twice_is_a_duplicate_field() {
+        let text = r#"{"events": [], "events": []}"#;
+        let refused = parse_body(BodyKind::Native, text.as_bytes(), bounds(), 10);
+        assert!(
+            matches!(&refused, Err(error @ BodyError::Duplicate(_)) if error.code() == ErrorCode::DuplicateField),
+            "{refused:?}"
+        );
     }
 
     #[test]

@@ -116,7 +116,7 @@ impl From<BodyError> for ApiError {
             BodyError::UnsupportedMediaType(message) => {
                 ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, code, message)
             }
-            BodyError::Shape(_) | BodyError::EmptyBatch => {
+            BodyError::Shape(_) | BodyError::Duplicate(_) | BodyError::EmptyBatch => {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string())
             }
             BodyError::Invalid(ref errors) => ApiError {
