@@ -191,6 +191,19 @@ impl Lines {
         }
     }
 
+    /// Where the next record begins when the last one ended at `offset`: past the line
+    /// endings read so far that follow it without a byte between (blank lines).
+    fn after_blank_lines(&self, offset: u64) -> u64 {
+        let mut start = offset;
+        for ending in &self.endings {
+            if ending & !ENDS_LINE != start {
+                break;
+            }
+            start += 1;
+        }
+        start
+    }
+
     /// The line of the record whose bytes begin at `offset`: the line of its first byte
     /// that ends no line (the reader skips line endings before a record), counted from 1.
     /// Forgets the endings before that byte; records are asked for in order.
@@ -229,6 +242,14 @@ impl<R: Read> Read for Bounded<R> {
             .min(usize::try_from(allowed).unwrap_or(usize::MAX));
         let read = self.inner.read(&mut buffer[..wanted])?;
         self.lines.read(self.read_bytes, &buffer[..read]);
+        if self.record_start_bytes == self.read_bytes {
+            // Blank lines before a record are no part of it: its length starts after them.
+            let blank = buffer[..read]
+                .iter()
+                .take_while(|byte| matches!(byte, b'\r' | b'\n'))
+                .count();
+            self.record_start_bytes += blank as u64;
+        }
         self.read_bytes += read as u64;
         Ok(read)
     }
@@ -307,7 +328,7 @@ impl<R: Read> Input<R> {
         let input = self.csv.get_mut();
         self.record_line = input.lines.of_record_at(input.record_start_bytes);
         input.lines.pass(end);
-        input.record_start_bytes = end;
+        input.record_start_bytes = input.lines.after_blank_lines(end);
     }
 }
 
@@ -572,6 +593,23 @@ mod tests {
             // Header 1, good 2, bad 3, blank 4, a record over lines 5 and 6, bad 7.
             assert_eq!(found, [3, 7], "{ending:?}");
         }
+    }
+
+    #[test]
+    fn blank_lines_before_a_record_do_not_count_in_its_length() {
+        for ending in ["\n", "\r\n"] {
+            let blank = ending.repeat(1_100_000);
+            let text = format!("{HEADER}{ending}{GOOD}{ending}{blank}{GOOD}");
+            let lines = read_all(text.as_bytes()).expect("two good lines");
+            assert_eq!(lines.len(), 2, "{ending:?}");
+        }
+        // A long record is still refused by its own length.
+        let long = format!("{GOOD},{}", "x".repeat(RECORD_MAX_BYTES as usize));
+        let refusal = read_all(format!("{HEADER}\n\n\n{long}").as_bytes()).unwrap_err();
+        assert_eq!(
+            (refusal.first().line, refusal.first().code),
+            (4, ErrorCode::RecordTooLong)
+        );
     }
 
     #[test]
