@@ -282,7 +282,7 @@ pub struct ReleaseResponse {
     status: &'static str,
 }
 
-/// Release a reservation: its slot is free at once. Releasing again is harmless. As a
+/// Release a reservation: its slot is free at once. Releasing again answers the same. As a
 /// grant, it first waits until the projection holds the org's events this instance
 /// acknowledged (past `TALLY_READ_WAIT_MS`, 503 `projection_lagging`), so that a start
 /// acknowledged before it has consumed the reservation: 409 `reservation_consumed`.

@@ -180,9 +180,9 @@ pub async fn read_snapshot(pool: &PgPool) -> sqlx::Result<Transaction<'static, P
 /// deadline) cannot cut short. sqlx 0.8 counts a transaction as open only once `BEGIN` is
 /// answered, so a `begin` dropped while waiting for that answer returned its connection to
 /// the pool inside a transaction nothing would end: the next borrowers' statements ran in
-/// it (writes refused as read-only, reads of an old snapshot). Here the round trip runs in
-/// a task of its own and always finishes; a transaction nobody takes is then dropped there
-/// and rolled back as any other.
+/// it (writes refused as read-only, reads of an old snapshot). Here the connection is waited
+/// for by the caller, and the round trip runs in a task of its own that always finishes; a
+/// transaction nobody takes is then dropped there and rolled back as any other.
 pub async fn begin(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
     begun(pool, None).await
 }
@@ -191,13 +191,12 @@ async fn begun(
     pool: &PgPool,
     statement: Option<&'static str>,
 ) -> sqlx::Result<Transaction<'static, Postgres>> {
-    let pool = pool.clone();
-    let begin = tokio::spawn(async move {
-        match statement {
-            Some(statement) => pool.begin_with(statement).await,
-            None => pool.begin().await,
-        }
-    });
+    // Waiting for a connection may be cut short; the round trip may not.
+    let connection = pool.acquire().await?;
+    let begin = tokio::spawn(Transaction::begin(
+        connection,
+        statement.map(std::borrow::Cow::Borrowed),
+    ));
     match begin.await {
         Ok(begun) => begun,
         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),

@@ -145,7 +145,8 @@ struct Lines {
     /// The offsets of the line-ending bytes (`\r`, `\n`) not yet passed, each with
     /// [`ENDS_LINE`] set when it ends a line (the `\n` of a `\r\n` does not). Those of the
     /// record being read and of what the reader has read ahead: up to about a record's
-    /// limit of them, 8 bytes each.
+    /// limit of them, 8 bytes each (blank lines before a record are passed as they are
+    /// read).
     endings: VecDeque<u64>,
     /// Lines ended before the first of `endings`.
     ended: u64,
@@ -249,6 +250,8 @@ impl<R: Read> Read for Bounded<R> {
                 .take_while(|byte| matches!(byte, b'\r' | b'\n'))
                 .count();
             self.record_start_bytes += blank as u64;
+            // Counted and forgotten at once, so a run of them holds no memory.
+            self.lines.pass(self.record_start_bytes);
         }
         self.read_bytes += read as u64;
         Ok(read)
@@ -329,6 +332,7 @@ impl<R: Read> Input<R> {
         self.record_line = input.lines.of_record_at(input.record_start_bytes);
         input.lines.pass(end);
         input.record_start_bytes = input.lines.after_blank_lines(end);
+        input.lines.pass(input.record_start_bytes);
     }
 }
 
@@ -593,6 +597,29 @@ mod tests {
             // Header 1, good 2, bad 3, blank 4, a record over lines 5 and 6, bad 7.
             assert_eq!(found, [3, 7], "{ending:?}");
         }
+    }
+
+    #[test]
+    fn a_run_of_blank_lines_is_counted_as_read_and_held_nowhere() {
+        let blank = vec![b'\n'; 3_000_000];
+        let mut input = Bounded {
+            inner: &blank[..],
+            read_bytes: 0,
+            record_start_bytes: 0,
+            lines: Lines::default(),
+        };
+        let mut buffer = vec![0; BUFFER_BYTES];
+        while input.read(&mut buffer).expect("blank lines are no record") > 0 {
+            assert!(
+                input.lines.endings.len() <= BUFFER_BYTES,
+                "{}",
+                input.lines.endings.len()
+            );
+        }
+        assert_eq!(
+            (input.lines.ended, input.lines.endings.len()),
+            (3_000_000, 0)
+        );
     }
 
     #[test]
