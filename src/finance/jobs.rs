@@ -67,3 +67,26 @@ pub async fn lock_held(connection: &mut PgConnection, class: i32, key: i32) -> s
     .fetch_one(connection)
     .await
 }
+
+/// Marks the running job `id` of `table` failed with `error`, on the session that holds its
+/// lock, before that session ends. When it cannot, the job reads as abandoned once the
+/// session has ended: logged, not returned.
+pub(super) async fn mark_failed(
+    connection: &mut PgConnection,
+    table: &str,
+    id: uuid::Uuid,
+    error: &JobError,
+) {
+    let marked = sqlx::query(&format!(
+        "UPDATE {table} SET status = 'failed', finished_at = now(), error_code = $2, error = $3 \
+         WHERE id = $1 AND status = 'running'"
+    ))
+    .bind(id)
+    .bind(&error.code)
+    .bind(&error.message)
+    .execute(connection)
+    .await;
+    if let Err(failure) = marked {
+        tracing::warn!(job_id = %id, table, error = %failure, "cannot mark the job failed");
+    }
+}

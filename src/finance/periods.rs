@@ -336,20 +336,11 @@ impl Claim {
                 error = format!("{error:#}"),
                 "period close failed"
             );
-            let marked = sqlx::query(
-                "UPDATE period_close_job SET status = 'failed', finished_at = now(), \
-                     error_code = $2, error = $3 \
-                 WHERE id = $1 AND status = 'running'",
-            )
-            .bind(job.id)
-            .bind(FAILED_CODE)
-            .bind(FAILED_MESSAGE)
-            .execute(&mut connection)
-            .await;
-            if let Err(error) = marked {
-                // The job then reads as abandoned once the session below has ended.
-                tracing::warn!(job_id = %job.id, %error, "cannot mark the close job failed");
-            }
+            let failed = JobError {
+                code: FAILED_CODE.to_owned(),
+                message: FAILED_MESSAGE.to_owned(),
+            };
+            jobs::mark_failed(&mut connection, "period_close_job", job.id, &failed).await;
         }
         let _ = connection.close().await;
         result

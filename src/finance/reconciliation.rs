@@ -461,20 +461,11 @@ impl Claim {
             if matches!(error, ReconcileError::Store(_)) {
                 tracing::error!(job_id = %job.id, error = format!("{error:#}"), "reconciliation failed");
             }
-            let marked = sqlx::query(
-                "UPDATE reconciliation_job SET status = 'failed', finished_at = now(), \
-                     error_code = $2, error = $3 \
-                 WHERE id = $1 AND status = 'running'",
-            )
-            .bind(job.id)
-            .bind(code.as_str())
-            .bind(&message)
-            .execute(&mut connection)
-            .await;
-            if let Err(error) = marked {
-                // The job then reads as abandoned once the session below has ended.
-                tracing::warn!(job_id = %job.id, %error, "cannot mark the reconciliation job failed");
-            }
+            let failed = JobError {
+                code: code.as_str().to_owned(),
+                message,
+            };
+            jobs::mark_failed(&mut connection, "reconciliation_job", job.id, &failed).await;
         }
         let _ = connection.close().await;
         result
