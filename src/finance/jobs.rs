@@ -44,6 +44,11 @@ pub struct JobError {
 }
 
 impl JobError {
+    /// As an answer gives it: `{"code", "message"}`.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({"code": self.code, "message": self.message})
+    }
+
     /// The stored pair, when the job stored one.
     pub(super) fn stored(code: Option<String>, message: Option<String>) -> Option<JobError> {
         code.zip(message)

@@ -370,10 +370,9 @@ pub struct Claim {
     window: Window,
 }
 
-/// Stores a `running` job for what was `asked` and claims it; an error, and nothing
-/// stored, for a report that does not exist.
-pub async fn claim(pool: &PgPool, asked: Asked) -> Result<Claim, ReconcileError> {
-    let window = report_window(pool, asked.report_id).await?;
+/// Stores a `running` job for what was `asked` of the report whose window
+/// ([`report_window`]) is `window`, and claims it.
+pub async fn claim(pool: &PgPool, asked: Asked, window: Window) -> Result<Claim, ReconcileError> {
     // The job's own session: it lives as long as the run, and ending it (closed, or cut by
     // a crash) is what lets the lock go.
     let mut connection = pool.acquire().await?.detach();

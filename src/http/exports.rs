@@ -89,9 +89,7 @@ impl From<CloseJob> for CloseJobResponse {
             requested_by: job.requested_by,
             started_at: crate::event::canonical::timestamp(job.started_at),
             finished_at: job.finished_at.map(crate::event::canonical::timestamp),
-            error: job
-                .error
-                .map(|error| serde_json::json!({"code": error.code, "message": error.message})),
+            error: job.error.map(|error| error.json()),
             closed: job.closed.map(PeriodResponse::from),
         }
     }

@@ -126,9 +126,7 @@ impl From<reconciliation::Job> for ReconciliationJobResponse {
             requested_by: job.requested_by,
             started_at: canonical::timestamp(job.started_at),
             finished_at: job.finished_at.map(canonical::timestamp),
-            error: job
-                .error
-                .map(|error| serde_json::json!({"code": error.code, "message": error.message})),
+            error: job.error.map(|error| error.json()),
         }
     }
 }
@@ -179,7 +177,7 @@ pub async fn post_reconciliation(
     // The run reads the checkpoint in its own snapshot, after the wait: at or past the head.
     Consistency::Head.settle(&state).await?;
     // An unknown report is the caller's mistake, whatever else runs.
-    reconciliation::report_window(&state.pool, report_id)
+    let window = reconciliation::report_window(&state.pool, report_id)
         .await
         .map_err(reconcile_error)?;
     let Ok(permit) = state.reconciliations.clone().try_acquire_owned() else {
@@ -191,7 +189,7 @@ pub async fn post_reconciliation(
         tolerance,
         actor: principal.id.clone(),
     };
-    let claim = reconciliation::claim(&state.pool, asked)
+    let claim = reconciliation::claim(&state.pool, asked, window)
         .await
         .map_err(reconcile_error)?;
     let job = claim.job().clone();
