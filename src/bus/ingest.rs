@@ -8,6 +8,8 @@
 //! anything [`AppendError::is_retryable`] says will fail again) is copied to `TALLY_DLQ`
 //! with the error in headers and then acknowledged, so it cannot loop. Only a message that
 //! failed for a passing reason (database down, queue full) is nak'ed and retried later.
+//! A message whose headers the client cannot read never reaches this consumer: see
+//! [`super::unreadable`].
 //!
 //! Batches go through three stages joined by bounded channels: fetching, appending (each
 //! message parsed and checked, the batch's CloudEvents given their legacy ids in one query,
@@ -25,15 +27,13 @@ use std::time::{Duration, Instant};
 // loop, which logs them and consumes again; none reaches an HTTP answer. What a message's
 // fate depends on is typed ([`AppendError`], [`Verdict`]).
 use anyhow::Context as _;
-use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, consumer::pull, AckKind, Message};
-use async_nats::HeaderMap;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::Names;
+use super::{dead_letter, Names};
 use crate::error_code::ErrorCode;
 use crate::event::cloudevent;
 use crate::event::parse::{parse_envelope, BodyKind, Envelope};
@@ -43,18 +43,6 @@ use sqlx::PgPool;
 
 /// The durable consumer's name.
 pub const CONSUMER_NAME: &str = "tally-ingest";
-/// Headers on a dead-lettered message.
-pub const ERROR_CODE_HEADER: &str = "Tally-Error-Code";
-pub const ERROR_HEADER: &str = "Tally-Error";
-pub const ORIGINAL_SUBJECT_HEADER: &str = "Tally-Original-Subject";
-/// On a dead letter whose payload was cut to fit the dead-letter stream: the length of the
-/// message's whole payload.
-pub const PAYLOAD_TRUNCATED_HEADER: &str = "Tally-Payload-Truncated";
-/// A producer's JetStream control headers (`Nats-Expected-Stream`, `Nats-Msg-Id`, ...) and
-/// headers named like tally's (`Tally-*`) are kept on its dead letter under this prefix.
-pub const RENAMED_HEADER_PREFIX: &str = "Tally-Original-";
-const JETSTREAM_HEADER_PREFIX: &str = "Nats-";
-const TALLY_HEADER_PREFIX: &str = "Tally-";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
 pub const ACK_WAIT_SECONDS: u64 = 30;
 /// Unacknowledged messages the server lets this consumer hold, over all instances. Each
@@ -88,8 +76,6 @@ const FLUSH_TIMEOUT_MS: u64 = 5_000;
 const SLOW_STEP_MS: u64 = 1_000;
 /// Delay before a message that failed for a passing reason is redelivered.
 const RETRY_DELAY_MS: u64 = 1_000;
-/// Longest error text put in a header.
-const ERROR_HEADER_LENGTH_MAX: usize = 1_024;
 
 #[derive(Debug, Clone)]
 pub struct IngestSettings {
@@ -110,21 +96,26 @@ pub async fn run(
     streams: super::StreamHealth,
     shutdown: CancellationToken,
 ) {
-    while !shutdown.is_cancelled() {
-        let consumed = consume(
-            &context, &names, &pool, &appender, &settings, &streams, &shutdown,
-        );
-        if let Err(error) = consumed.await {
-            tracing::warn!(
-                error = format!("{error:#}"),
-                "ingest consumer interrupted; will resume"
+    // Beside the consumer, not inside it: a message it cannot read cuts its connection.
+    let watching = super::unreadable::watch(context.clone(), names.clone(), shutdown.clone());
+    let consuming = async {
+        while !shutdown.is_cancelled() {
+            let consumed = consume(
+                &context, &names, &pool, &appender, &settings, &streams, &shutdown,
             );
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
-                _ = shutdown.cancelled() => {}
+            if let Err(error) = consumed.await {
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "ingest consumer interrupted; will resume"
+                );
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
+                    _ = shutdown.cancelled() => {}
+                }
             }
         }
-    }
+    };
+    tokio::join!(watching, consuming);
     tracing::info!("ingest consumer stopped");
 }
 
@@ -144,7 +135,7 @@ async fn consume(
         .apply(context, names, &["TALLY_INGEST", "TALLY_DLQ"])
         .await?;
     let consumer = ingest_consumer(context, names).await?;
-    let dead_letter_max = dead_letter_bytes_max(context, names).await?;
+    let dead_letter_max = dead_letter::bytes_max(context, names).await?;
     let (fetched_sender, fetched) = mpsc::channel(FETCHED_AHEAD_MAX);
     let (appended_sender, appended) = mpsc::channel(APPENDED_AHEAD_MAX);
     // Each stage ends when the one before it ends (its sender is dropped) or the one after it
@@ -161,22 +152,6 @@ async fn consume(
         settle_batches(context, names, appended, dead_letter_max),
     );
     settling.and(fetching)
-}
-
-/// The largest message the dead-letter stream and the server take, headers included: the
-/// stream's `max_msg_size` (when it has one) and the server's `max_payload`.
-async fn dead_letter_bytes_max(
-    context: &jetstream::Context,
-    names: &Names,
-) -> anyhow::Result<usize> {
-    let stream = context.get_stream(names.dlq_stream()).await?;
-    let server = context.client().max_payload();
-    Ok(
-        match usize::try_from(stream.cached_info().config.max_message_size) {
-            Ok(stream_max) if stream_max > 0 => stream_max.min(server),
-            _ => server,
-        },
-    )
 }
 
 async fn ingest_consumer(
@@ -627,119 +602,8 @@ async fn settle(
     Ok(())
 }
 
-/// A header value cannot hold line breaks; keep it short too.
-fn header_text(text: &str) -> String {
-    let flat: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    flat.chars().take(ERROR_HEADER_LENGTH_MAX).collect()
-}
-
-/// What a dead letter is made of: the message's headers and payload, with the reasons added.
-struct DeadLetter {
-    headers: HeaderMap,
-    payload: bytes::Bytes,
-}
-
-impl DeadLetter {
-    /// The copy of a message that could never be appended. The producer's headers that a
-    /// server or tally gives meaning to (`Nats-*`: an expected stream or last sequence, a
-    /// message id; `Tally-*`: the reasons below) are kept renamed `Tally-Original-…`, or the
-    /// dead-letter stream would act on them and refuse the copy, or a reader would take
-    /// them for tally's. The payload is cut to what fits in `bytes_max` beside the headers,
-    /// and [`PAYLOAD_TRUNCATED_HEADER`] then gives its whole length. Only headers that alone
-    /// outgrow `bytes_max` (a producer's near the limit) leave a copy the stream refuses,
-    /// which is then published bare.
-    fn of(message: &Message, reason: (&str, &str), bytes_max: usize) -> DeadLetter {
-        let mut headers = HeaderMap::new();
-        for (name, value) in message_headers(message) {
-            let value = String::from_utf8_lossy(value);
-            let meaningful = [JETSTREAM_HEADER_PREFIX, TALLY_HEADER_PREFIX]
-                .iter()
-                .any(|prefix| {
-                    name.get(..prefix.len())
-                        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
-                });
-            if meaningful {
-                headers.append(format!("{RENAMED_HEADER_PREFIX}{name}"), value.as_ref());
-            } else {
-                headers.append(name, value.as_ref());
-            }
-        }
-        add_reasons(&mut headers, message, reason);
-        let payload = message.payload.clone();
-        if headers_size(&headers) + payload.len() <= bytes_max {
-            return DeadLetter { headers, payload };
-        }
-        headers.insert(PAYLOAD_TRUNCATED_HEADER, payload.len().to_string().as_str());
-        let room = bytes_max.saturating_sub(headers_size(&headers));
-        DeadLetter {
-            headers,
-            payload: payload.slice(..room.min(payload.len())),
-        }
-    }
-
-    /// The same dead letter with none of the message's own headers and no payload: what is
-    /// published when the dead-letter stream refuses the full copy for a reason this
-    /// instance did not foresee (a stream whose limit was lowered since it was read), so
-    /// that one message can never stop the consumer.
-    fn bare(message: &Message, reason: (&str, &str)) -> DeadLetter {
-        let mut headers = HeaderMap::new();
-        add_reasons(&mut headers, message, reason);
-        headers.insert(
-            PAYLOAD_TRUNCATED_HEADER,
-            message.payload.len().to_string().as_str(),
-        );
-        DeadLetter {
-            headers,
-            payload: bytes::Bytes::new(),
-        }
-    }
-}
-
-/// Adds why `message` was dead-lettered, where it came from, and the id that makes a
-/// redelivered message's dead letter a duplicate.
-fn add_reasons(headers: &mut HeaderMap, message: &Message, (code, text): (&str, &str)) {
-    headers.insert(ERROR_CODE_HEADER, code);
-    headers.insert(ERROR_HEADER, header_text(text).as_str());
-    headers.insert(ORIGINAL_SUBJECT_HEADER, message.subject.as_str());
-    // A redelivered message (its ack was lost) must not be dead-lettered twice. Without its
-    // stream sequence there is no id that is its own: better twice than another's dropped.
-    if let Ok(info) = message.info() {
-        let id = format!("ingest-{}-{}", info.stream, info.stream_sequence);
-        headers.insert("Nats-Msg-Id", id.as_str());
-    }
-}
-
-/// Whether a publish was refused for its size, by the client (the server's `max_payload`)
-/// or by the stream (its `max_msg_size`).
-fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
-    error.kind() == PublishErrorKind::MaxPayloadExceeded
-        || std::error::Error::source(error)
-            .and_then(|source| source.downcast_ref::<jetstream::Error>())
-            .is_some_and(|refusal| {
-                refusal.error_code() == jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
-            })
-}
-
-/// The bytes `headers` take on the wire: the version line, a line per value, the blank line.
-fn headers_size(headers: &HeaderMap) -> usize {
-    let lines: usize = headers
-        .iter()
-        .map(|(name, values)| {
-            let name: &str = name.as_ref();
-            values
-                .iter()
-                .map(|value| name.len() + value.as_str().len() + 4)
-                .sum::<usize>()
-        })
-        .sum();
-    "NATS/1.0\r\n".len() + lines + 2
-}
-
 /// Publishes the dead letter of `message` and waits for the dead-letter stream to confirm
-/// it; refused as it is, it is published bare ([`DeadLetter::bare`]).
+/// it.
 async fn dead_letter(
     context: &jetstream::Context,
     names: &Names,
@@ -747,36 +611,16 @@ async fn dead_letter(
     reason: (&str, &str),
     bytes_max: usize,
 ) -> anyhow::Result<()> {
-    let suffix = message
-        .subject
-        .as_str()
-        .strip_prefix(&names.ingest_prefix())
-        .unwrap_or("unknown");
-    let subject = format!("{}{suffix}", names.dlq_prefix());
-    let letter = DeadLetter::of(message, reason, bytes_max);
-    let published = async {
-        context
-            .publish_with_headers(subject.clone(), letter.headers, letter.payload)
-            .await?
-            .await
+    let info = message.info().ok();
+    let original = dead_letter::Original {
+        subject: message.subject.as_str(),
+        sequence: info
+            .as_ref()
+            .map(|info| (info.stream, info.stream_sequence)),
+        headers: dead_letter::kept_headers(message_headers(message)),
+        payload: message.payload.clone(),
     };
-    match published.await {
-        Ok(_) => return Ok(()),
-        // Too large for the stream or the server: another try would be refused again. Any
-        // other failure (a leader election, a lost connection) may pass, and the message
-        // is redelivered whole.
-        Err(error) if too_large(&error) => {
-            tracing::warn!(error = %error, subject = %message.subject, "dead letter refused; publishing it bare");
-        }
-        Err(error) => return Err(error).context("cannot publish to the dead-letter stream"),
-    }
-    let bare = DeadLetter::bare(message, reason);
-    context
-        .publish_with_headers(subject, bare.headers, bare.payload)
-        .await?
-        .await
-        .context("cannot publish to the dead-letter stream")?;
-    Ok(())
+    dead_letter::publish(context, names, &original, reason, bytes_max).await
 }
 
 #[cfg(test)]

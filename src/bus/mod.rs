@@ -3,9 +3,11 @@
 //! and the ingest consumer.
 
 pub mod check;
+mod dead_letter;
 pub mod ingest;
 pub mod relay;
 pub mod status;
+pub mod unreadable;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

@@ -141,7 +141,16 @@ async fn dead_letters(
     js: &async_nats::jetstream::Context,
     count: u64,
 ) -> Vec<async_nats::jetstream::message::StreamMessage> {
-    eventually(10, "the dead letters are stored", || async {
+    dead_letters_within(js, count, 10).await
+}
+
+/// [`dead_letters`], waiting up to `seconds`.
+async fn dead_letters_within(
+    js: &async_nats::jetstream::Context,
+    count: u64,
+    seconds: u64,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    eventually(seconds, "the dead letters are stored", || async {
         stream_messages(js, "TALLY_DLQ").await == count
     })
     .await;
@@ -530,5 +539,137 @@ async fn thousands_of_messages_consumed_in_small_batches_by_two_instances_stoppe
     }
     assert_eq!(dead, invalid.into_iter().collect());
     second.take().unwrap().stop().await;
+    app.stop().await;
+}
+
+/// Publishes a message with the raw header block `headers` (from `NATS/1.0` to the blank
+/// line) straight on the wire, as a producer that uses no NATS client could: clients refuse
+/// to send headers they could not read back.
+fn publish_raw(nats: &TestNats, subject: &str, headers: &str, payload: &str) {
+    use std::io::{BufRead, BufReader, Write};
+    let stream = std::net::TcpStream::connect(("127.0.0.1", nats.port)).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.starts_with("INFO"), "{line}");
+    let mut writer = stream;
+    let total = headers.len() + payload.len();
+    write!(
+        writer,
+        "CONNECT {{\"verbose\":false,\"headers\":true}}\r\n\
+         HPUB {subject} {} {total}\r\n{headers}{payload}\r\nPING\r\n",
+        headers.len()
+    )
+    .unwrap();
+    line.clear();
+    reader.read_line(&mut line).unwrap();
+    assert_eq!(line, "PONG\r\n", "the server refused the message");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_headers_no_client_can_read_is_dead_lettered_whole_and_ingest_goes_on() {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    // nats-server stores a header name with a space as sent; the client cannot parse it.
+    let headers = "NATS/1.0\r\nBad Name: x\r\nContent-Type: application/json\r\n\r\n";
+    let poison = valid_event("org_poison", "ctr_1", 0).to_string();
+    publish_raw(&app.nats, "tally.ingest.poison", headers, &poison);
+    publish(
+        &js,
+        "tally.ingest.after",
+        valid_event("org_after", "ctr_1", 0).to_string(),
+    )
+    .await;
+
+    let [letter] = <[_; 1]>::try_from(dead_letters_within(&js, 1, 60).await).unwrap();
+    assert_eq!(letter.subject.as_str(), "tally.dlq.poison");
+    assert_eq!(
+        letter.headers.get("Tally-Error-Code").unwrap().as_str(),
+        "unreadable_headers"
+    );
+    assert_eq!(
+        letter
+            .headers
+            .get("Tally-Original-Subject")
+            .unwrap()
+            .as_str(),
+        "tally.ingest.poison"
+    );
+    let kept = letter
+        .headers
+        .get("Tally-Original-Headers")
+        .unwrap()
+        .as_str();
+    use base64::Engine as _;
+    let kept = base64::engine::general_purpose::STANDARD
+        .decode(kept)
+        .unwrap();
+    assert_eq!(kept, headers.as_bytes());
+    assert_eq!(&letter.payload[..], poison.as_bytes());
+
+    // The message after it is stored, the work queue empties and stays empty, and the
+    // unreadable message is not stored.
+    eventually(60, "the message after it is stored", || async {
+        app.ledger_count().await == 1
+    })
+    .await;
+    eventually(60, "the ingest work queue is empty", || async {
+        stream_messages(&js, "TALLY_INGEST").await == 0
+    })
+    .await;
+    let orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(orgs, ["org_after"]);
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 1);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn looks_racing_over_the_same_unreadable_messages_dead_letter_each_once() {
+    let app = TestApp::spawn().await;
+    let second = start_with_small_fetches(&app).await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    let unreadable = 30;
+    for n in 0..unreadable {
+        let headers = format!("NATS/1.0\r\nBad Name {n}: x\r\n\r\n");
+        publish_raw(&app.nats, "tally.ingest.poison", &headers, "{}");
+    }
+    // Both instances look on their own, and four more looks run at once from here.
+    let names = tally::bus::Names::new("").unwrap();
+    let looks = (0..4).map(|_| {
+        let (js, names) = (js.clone(), names.clone());
+        tokio::spawn(
+            async move { tally::bus::unreadable::dead_letter_unreadable(&js, &names).await },
+        )
+    });
+    for look in futures::future::join_all(looks).await {
+        look.unwrap().unwrap();
+    }
+    let letters = dead_letters_within(&js, unreadable, 60).await;
+    eventually(10, "the ingest work queue is empty", || async {
+        stream_messages(&js, "TALLY_INGEST").await == 0
+    })
+    .await;
+    // Past both instances' next looks: no copy arrives late.
+    tokio::time::sleep(tally::bus::unreadable::WATCH_INTERVAL * 2).await;
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, unreadable);
+    let mut blocks: Vec<Vec<u8>> = letters
+        .iter()
+        .map(|letter| {
+            use base64::Engine as _;
+            let kept = letter.headers.get("Tally-Original-Headers").unwrap();
+            base64::engine::general_purpose::STANDARD
+                .decode(kept.as_str())
+                .unwrap()
+        })
+        .collect();
+    blocks.sort();
+    blocks.dedup();
+    assert_eq!(blocks.len() as u64, unreadable);
+    second.stop().await;
     app.stop().await;
 }
