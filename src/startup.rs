@@ -130,6 +130,7 @@ impl Service {
                 pool.clone(),
                 appender.clone(),
                 ingest::IngestSettings {
+                    nats_url: config.nats_url.clone(),
                     fetch_max: config.ingest_fetch_max,
                     batch_events_max: config.batch_events_max,
                     backdate_max: config.backdate_max(),

@@ -1374,10 +1374,7 @@ async fn wait_for_streams(nats: &jetstream::Context, names: &Names) -> anyhow::R
     loop {
         let ready = match nats.get_stream(names.ingest_stream()).await {
             Ok(stream) => {
-                stream
-                    .consumer_info(bus::ingest::CONSUMER_NAME)
-                    .await
-                    .is_ok()
+                stream.consumer_info(bus::INGEST_CONSUMER).await.is_ok()
                     && nats.get_stream(names.ledger_stream()).await.is_ok()
             }
             Err(_) => false,

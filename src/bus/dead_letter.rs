@@ -170,14 +170,15 @@ pub(super) fn headers_size(headers: &HeaderMap) -> usize {
 }
 
 /// Publishes the dead letter of `original` and waits for the dead-letter stream to confirm
-/// it; refused as it is, it is published bare ([`DeadLetter::bare`]).
+/// it; refused as it is, it is published bare ([`DeadLetter::bare`]). Whether the stream
+/// held it already (a duplicate of its id).
 pub(super) async fn publish(
     context: &jetstream::Context,
     names: &Names,
     original: &Original<'_>,
     reason: (&str, &str),
     bytes_max: usize,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<bool> {
     let suffix = original
         .subject
         .strip_prefix(&names.ingest_prefix())
@@ -191,7 +192,7 @@ pub(super) async fn publish(
             .await
     };
     match published.await {
-        Ok(_) => return Ok(()),
+        Ok(ack) => return Ok(ack.duplicate),
         // Too large for the stream or the server: another try would be refused again. Any
         // other failure (a leader election, a lost connection) may pass, and the message
         // is redelivered whole.
@@ -201,10 +202,10 @@ pub(super) async fn publish(
         Err(error) => return Err(error).context("cannot publish to the dead-letter stream"),
     }
     let bare = DeadLetter::bare(original, reason);
-    context
+    let ack = context
         .publish_with_headers(subject, bare.headers, bare.payload)
         .await?
         .await
         .context("cannot publish to the dead-letter stream")?;
-    Ok(())
+    Ok(ack.duplicate)
 }

@@ -33,7 +33,7 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{dead_letter, Names};
+use super::{dead_letter, Names, INGEST_ACK_PENDING_MAX, INGEST_CONSUMER};
 use crate::error_code::ErrorCode;
 use crate::event::cloudevent;
 use crate::event::parse::{parse_envelope, BodyKind, Envelope};
@@ -41,20 +41,11 @@ use crate::event::{Event, TimeBounds};
 use crate::ledger::{legacy_ids, plans, AppendError, AppendedEvent, Appender};
 use sqlx::PgPool;
 
-/// The durable consumer's name.
-pub const CONSUMER_NAME: &str = "tally-ingest";
 /// How long JetStream waits for an ack before redelivering: well above a group commit.
 pub const ACK_WAIT_SECONDS: u64 = 30;
-/// Unacknowledged messages the server lets this consumer hold, over all instances. Each
-/// instance's pipeline holds at most four batches (one fetched ahead, one being prepared,
-/// one queued and waiting to be settled, one committing or being settled), 4 000 messages
-/// at the default [`crate::config::INGEST_FETCH_MAX`]: this leaves room for several
-/// instances, a larger configured fetch, and the messages of a stopped instance until they
-/// are redelivered.
-const MAX_ACK_PENDING: i64 = 20_000;
 /// Fetched batches that wait for the appending stage: one, so that the next fetch runs
 /// while a batch is appended, and no more, because each message waiting counts against
-/// [`ACK_WAIT_SECONDS`] and [`MAX_ACK_PENDING`] and could go to another instance instead.
+/// [`ACK_WAIT_SECONDS`] and [`INGEST_ACK_PENDING_MAX`] and could go to another instance instead.
 const FETCHED_AHEAD_MAX: usize = 1;
 /// Queued batches that wait for the settling stage: one, so that the next batch is
 /// prepared and queued while one commits and is acknowledged, and no more, for the same
@@ -79,6 +70,8 @@ const RETRY_DELAY_MS: u64 = 1_000;
 
 #[derive(Debug, Clone)]
 pub struct IngestSettings {
+    /// Where the consumer's own connection goes (`NATS_URL`).
+    pub nats_url: String,
     pub fetch_max: usize,
     pub batch_events_max: usize,
     pub backdate_max: chrono::Duration,
@@ -87,6 +80,12 @@ pub struct IngestSettings {
 }
 
 /// Runs until `shutdown`, finishing the batch being appended; errors are logged and retried.
+///
+/// The consumer has a NATS connection of its own, made again when its client dies, and
+/// `context` (the instance's shared connection) serves only the watch for messages it cannot
+/// read ([`super::unreadable`]): such a message drops the connection it is delivered on, or
+/// leaves its client dead for good, and neither must reach the relay's or the HTTP
+/// handlers' connection.
 pub async fn run(
     context: jetstream::Context,
     names: Names,
@@ -96,18 +95,37 @@ pub async fn run(
     streams: super::StreamHealth,
     shutdown: CancellationToken,
 ) {
-    // Beside the consumer, not inside it: a message it cannot read cuts its connection.
-    let watching = super::unreadable::watch(context.clone(), names.clone(), shutdown.clone());
+    // At start-up, too: the instance before this one may have stopped on such a message.
+    let suspicion = super::unreadable::Suspicion::raised();
+    let watching =
+        super::unreadable::watch(context, names.clone(), suspicion.clone(), shutdown.clone());
     let consuming = async {
+        let mut client = None;
         while !shutdown.is_cancelled() {
-            let consumed = consume(
-                &context, &names, &pool, &appender, &settings, &streams, &shutdown,
-            );
+            let consumed = async {
+                let context = match &client {
+                    Some(client) => super::jetstream(Clone::clone(client)),
+                    None => super::jetstream(
+                        client.insert(connect(&settings, &suspicion).await?).clone(),
+                    ),
+                };
+                consume(
+                    &context, &names, &pool, &appender, &settings, &streams, &shutdown,
+                )
+                .await
+            };
             if let Err(error) = consumed.await {
+                suspicion.raise();
                 tracing::warn!(
                     error = format!("{error:#}"),
                     "ingest consumer interrupted; will resume"
                 );
+                if let Some(dead) = &client {
+                    if is_dead(dead).await {
+                        tracing::warn!("the ingest consumer's NATS client died; connecting again");
+                        client = None;
+                    }
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(RETRY_DELAY_MS)) => {}
                     _ = shutdown.cancelled() => {}
@@ -117,6 +135,23 @@ pub async fn run(
     };
     tokio::join!(watching, consuming);
     tracing::info!("ingest consumer stopped");
+}
+
+/// The consumer's own connection, which raises `suspicion` whenever it drops.
+async fn connect(
+    settings: &IngestSettings,
+    suspicion: &super::unreadable::Suspicion,
+) -> anyhow::Result<async_nats::Client> {
+    let options = suspicion.on_disconnect(async_nats::ConnectOptions::new());
+    Ok(super::connect_as(&settings.nats_url, "tally-ingest", options).await?)
+}
+
+/// Whether `client` is dead for good: its connection task has ended (it panicked on a
+/// message it could not read), so it takes no command. A client that is only disconnected
+/// takes them and waits.
+async fn is_dead(client: &async_nats::Client) -> bool {
+    let flushed = tokio::time::timeout(Duration::from_millis(100), client.flush()).await;
+    matches!(flushed, Ok(Err(error)) if error.kind() == async_nats::client::FlushErrorKind::SendError)
 }
 
 /// Consumes as a pipeline of three stages joined by bounded channels: fetching, appending
@@ -161,14 +196,14 @@ async fn ingest_consumer(
     let stream = context.get_stream(names.ingest_stream()).await?;
     stream
         .get_or_create_consumer(
-            CONSUMER_NAME,
+            INGEST_CONSUMER,
             pull::Config {
-                durable_name: Some(CONSUMER_NAME.to_owned()),
+                durable_name: Some(INGEST_CONSUMER.to_owned()),
                 // Not AckAll: there an ack acknowledges every earlier message as well,
                 // including one nak'ed for a retry or still being appended elsewhere.
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(ACK_WAIT_SECONDS),
-                max_ack_pending: MAX_ACK_PENDING,
+                max_ack_pending: INGEST_ACK_PENDING_MAX,
                 ..Default::default()
             },
         )
@@ -620,7 +655,8 @@ async fn dead_letter(
         headers: dead_letter::kept_headers(message_headers(message)),
         payload: message.payload.clone(),
     };
-    dead_letter::publish(context, names, &original, reason, bytes_max).await
+    dead_letter::publish(context, names, &original, reason, bytes_max).await?;
+    Ok(())
 }
 
 #[cfg(test)]

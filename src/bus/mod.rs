@@ -46,6 +46,15 @@ pub const POSITION_HEADER: &str = "Tally-Position";
 pub const HASH_HEADER: &str = "Tally-Hash";
 
 pub const INBOX_PREFIX: &str = "_INBOX_tally";
+/// The ingest stream's durable consumer.
+pub const INGEST_CONSUMER: &str = "tally-ingest";
+/// Unacknowledged messages the server lets the ingest consumer hold, over all instances.
+/// Each instance's pipeline ([`ingest`]) holds at most four batches (one fetched ahead, one
+/// being prepared, one queued and waiting to be settled, one committing or being settled),
+/// 4 000 messages at the default [`crate::config::INGEST_FETCH_MAX`]: this leaves room for
+/// several instances, a larger configured fetch, and the messages of a stopped instance
+/// until they are redelivered.
+pub const INGEST_ACK_PENDING_MAX: i64 = 20_000;
 
 /// Setting up NATS failed: a setting it cannot use, the server, or a stream. Only start-up
 /// and the command line set it up; no HTTP answer carries one.
@@ -286,14 +295,22 @@ fn hide_password(entry: &str) -> String {
 /// (`nats://user:pass@host:4222`, percent-encoded) are sent to the server: the client
 /// library parses them but does not use them by itself.
 pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
+    connect_as(url, "tally", async_nats::ConnectOptions::new()).await
+}
+
+/// [`connect`] as the client `name`, starting from `options` (an event callback, say).
+pub async fn connect_as(
+    url: &str,
+    name: &str,
+    mut options: async_nats::ConnectOptions,
+) -> Result<async_nats::Client, Error> {
     let servers = Servers::parse(url)?;
     let shown = servers.shown();
-    let mut options = async_nats::ConnectOptions::new();
     if let Some((user, password)) = servers.credentials {
         options = options.user_and_password(user, password);
     }
     options
-        .name("tally")
+        .name(name)
         .custom_inbox_prefix(INBOX_PREFIX)
         .retry_on_initial_connect()
         .connection_timeout(Duration::from_secs(5))

@@ -1,21 +1,31 @@
-//! Ingest messages whose headers no NATS client can read.
+//! Ingest messages no NATS client can take.
 //!
-//! nats-server stores a message's header block as its producer wrote it. A block the client
-//! cannot parse (a header name with a space, a line without a colon, bytes that are not
-//! UTF-8) makes async-nats drop the whole connection when the message is delivered: the
-//! ingest consumer never receives it, so never acknowledges it, and JetStream delivers it
-//! again after every ack wait, cutting the connection, and the batch around it, each time.
+//! nats-server stores a message's header block as its producer wrote it, and some blocks
+//! break the client they are delivered to (async-nats 0.51):
+//! - a header name with a space, a line without a colon, bytes that are not UTF-8: the
+//!   client drops its connection, so the message is never acknowledged and is delivered
+//!   again after every ack wait, cutting the connection, and the batch around it, each time;
+//! - a carriage return inside a value: the client's connection task panics and the client
+//!   is dead for good;
+//! - a status on the `NATS/1.0` line, which only the server may put there: the client takes
+//!   the message for the server's word on the fetch, and ends the fetch, fails it or skips
+//!   the message.
 //!
-//! Such a message is read here the way the client cannot stumble on: through the stream's
-//! message-get API, whose JSON answer carries the header block base64-encoded. The ingest
-//! stream is a work queue, so its first message is the oldest one not acknowledged: every
-//! [`WATCH_INTERVAL`] each instance reads it and, when its headers are unreadable, publishes
-//! its dead letter (the header block base64-encoded in [`ORIGINAL_HEADERS_HEADER`], the
-//! payload as sent) and then deletes it from the stream, which ends its deliveries. Instances
+//! The ingest consumer therefore has a connection of its own (`ingest::run`), and
+//! such messages are read here in a way the client cannot stumble on: through the stream's
+//! message-get API, on the instance's shared connection, whose JSON answer carries the
+//! header block base64-encoded. The ingest stream is a work queue, so its first message is
+//! the oldest one not acknowledged. Every [`WATCH_INTERVAL`] each instance reads it; after
+//! the consumer's connection dropped or its consumer failed ([`Suspicion`]), every message
+//! up to the last one the consumer was delivered. A message whose block the client cannot
+//! take gets its dead letter (the block base64-encoded in [`ORIGINAL_HEADERS_HEADER`], the
+//! payload as sent) and is deleted from the stream, which ends its deliveries. Instances
 //! that find the same message publish the same dead-letter id, which the dead-letter stream
 //! keeps once; a message deleted already is not deleted again.
 
 use std::str::FromStr as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -34,26 +44,66 @@ pub const ORIGINAL_HEADERS_HEADER: &str = "Tally-Original-Headers";
 /// On such a dead letter whose header block was cut to [`ORIGINAL_HEADERS_MAX`]: the
 /// block's whole length.
 pub const HEADERS_TRUNCATED_HEADER: &str = "Tally-Headers-Truncated";
-/// How often the oldest message of the ingest stream is looked at: well under the ingest
-/// consumer's ack wait, so that an unreadable message is gone before its first redelivery.
+/// How often the ingest stream is looked at: well under the ingest consumer's ack wait, so
+/// that a message the consumer could not take is gone before its next delivery.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(5);
-/// Unreadable messages dead-lettered in one look; more wait for the next.
-const UNREADABLE_PER_LOOK_MAX: usize = 1_000;
+/// Messages read in one look; more wait for the next. As many as the consumer may hold
+/// unacknowledged, so that a look after a failure reads every one of them.
+const READ_PER_LOOK_MAX: u64 = super::INGEST_ACK_PENDING_MAX.unsigned_abs();
 /// The longest header block a dead letter keeps (before base64), so that the payload
 /// still fits beside it.
 const ORIGINAL_HEADERS_MAX: usize = 16 * 1024;
 /// JetStream's error for a sequence the stream does not hold (acknowledged or deleted).
 const NO_MESSAGE_FOUND: u64 = 10_037;
 
-/// Looks at the oldest ingest message every [`WATCH_INTERVAL`] until `shutdown`; failures
-/// are logged and the next look tries again.
-pub async fn watch(context: jetstream::Context, names: Names, shutdown: CancellationToken) {
+/// Whether the ingest consumer may have been delivered a message it could not take since the
+/// last look: its connection dropped, or its consumer failed.
+#[derive(Clone)]
+pub struct Suspicion(Arc<AtomicBool>);
+
+impl Suspicion {
+    pub fn raised() -> Suspicion {
+        Suspicion(Arc::new(AtomicBool::new(true)))
+    }
+
+    pub fn raise(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// `options` that raise the suspicion whenever the connection drops.
+    pub fn on_disconnect(&self, options: async_nats::ConnectOptions) -> async_nats::ConnectOptions {
+        let raised = Arc::clone(&self.0);
+        options.event_callback(move |event| {
+            if matches!(event, async_nats::Event::Disconnected) {
+                raised.store(true, Ordering::Relaxed);
+            }
+            async {}
+        })
+    }
+
+    fn take(&self) -> bool {
+        self.0.swap(false, Ordering::Relaxed)
+    }
+}
+
+/// Looks at the ingest stream every [`WATCH_INTERVAL`] until `shutdown`: at its oldest
+/// message, or at every message the consumer may hold when `suspicion` was raised. A look
+/// that fails is logged, and the next one reads every message the consumer may hold.
+pub async fn watch(
+    context: jetstream::Context,
+    names: Names,
+    suspicion: Suspicion,
+    shutdown: CancellationToken,
+) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(WATCH_INTERVAL) => {}
             _ = shutdown.cancelled() => return,
         }
-        if let Err(error) = dead_letter_unreadable(&context, &names).await {
+        let every_delivered = suspicion.take();
+        let look = dead_letter_unreadable(&context, &names, every_delivered, &shutdown);
+        if let Err(error) = look.await {
+            suspicion.raise();
             tracing::warn!(
                 error = format!("{error:#}"),
                 "cannot look for unreadable ingest messages; will look again"
@@ -80,51 +130,80 @@ struct MessageGet {
     message: StoredMessage,
 }
 
-/// Dead-letters the oldest messages of the ingest stream while their headers are
-/// unreadable, at most [`UNREADABLE_PER_LOOK_MAX`] of them: one look of [`watch`].
+/// One look of [`watch`]: dead-letters the ingest stream's messages whose headers the client
+/// cannot take, from the oldest on, up to the first it can take, or with `every_delivered`
+/// up to the last one the consumer was delivered; at most [`READ_PER_LOOK_MAX`] read.
 pub async fn dead_letter_unreadable(
     context: &jetstream::Context,
     names: &Names,
+    every_delivered: bool,
+    shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let stream_name = names.ingest_stream();
+    let stream = context.get_stream(&stream_name).await?;
+    let state = &stream.cached_info().state;
+    if state.messages == 0 {
+        return Ok(());
+    }
+    let last = if every_delivered {
+        let consumer = stream.consumer_info(super::INGEST_CONSUMER).await?;
+        consumer.delivered.stream_sequence.min(state.last_sequence)
+    } else {
+        state.last_sequence
+    };
+    let first = state.first_sequence;
+    let last = last.max(first).min(first + READ_PER_LOOK_MAX - 1);
     let mut bytes_max = None;
-    for _ in 0..UNREADABLE_PER_LOOK_MAX {
-        let Some(stored) = oldest(context, &stream_name).await? else {
-            return Ok(());
+    for sequence in first..=last {
+        if shutdown.is_cancelled() {
+            break;
+        }
+        // Not held: acknowledged (or deleted) since the stream was asked for its state.
+        let Some(stored) = get(context, &stream_name, sequence).await? else {
+            continue;
         };
-        let base64 = base64::engine::general_purpose::STANDARD;
-        let headers = match &stored.hdrs {
-            Some(encoded) => base64
-                .decode(encoded)
-                .context("the stream gave invalid base64")?,
-            None => Vec::new(),
-        };
+        let headers = decoded(stored.hdrs.as_deref())?;
         let Some(reason) = unreadable_because(&headers) else {
-            return Ok(());
-        };
-        let payload = match &stored.data {
-            Some(encoded) => base64
-                .decode(encoded)
-                .context("the stream gave invalid base64")?,
-            None => Vec::new(),
+            if every_delivered {
+                continue;
+            }
+            break;
         };
         let bytes_max = match bytes_max {
             Some(max) => max,
             None => *bytes_max.insert(dead_letter::bytes_max(context, names).await?),
         };
-        let original = dead_letter::Original {
-            subject: &stored.subject,
-            sequence: Some((&stream_name, stored.seq)),
-            headers: kept_block(&headers),
-            payload: payload.into(),
-        };
-        let text = format!(
-            "the message's headers cannot be read ({reason}); its header block is in \
-             {ORIGINAL_HEADERS_HEADER}, base64-encoded"
-        );
-        let code = ErrorCode::UnreadableHeaders.as_str();
-        dead_letter::publish(context, names, &original, (code, &text), bytes_max).await?;
-        delete(context, &stream_name, stored.seq).await?;
+        dead_letter_one(context, names, &stream_name, stored, &reason, bytes_max).await?;
+    }
+    Ok(())
+}
+
+/// Publishes the dead letter of `stored`, whose headers the client cannot take for `reason`,
+/// then deletes it from the ingest stream.
+async fn dead_letter_one(
+    context: &jetstream::Context,
+    names: &Names,
+    stream_name: &str,
+    stored: StoredMessage,
+    reason: &str,
+    bytes_max: usize,
+) -> anyhow::Result<()> {
+    let headers = decoded(stored.hdrs.as_deref())?;
+    let original = dead_letter::Original {
+        subject: &stored.subject,
+        sequence: Some((stream_name, stored.seq)),
+        headers: kept_block(&headers),
+        payload: decoded(stored.data.as_deref())?.into(),
+    };
+    let text = format!(
+        "the message's headers cannot be taken by a NATS client ({reason}); its header block \
+         is in {ORIGINAL_HEADERS_HEADER}, base64-encoded"
+    );
+    let code = ErrorCode::UnreadableHeaders.as_str();
+    let held = dead_letter::publish(context, names, &original, (code, &text), bytes_max).await?;
+    delete(context, stream_name, stored.seq).await?;
+    // Counted by the instance whose copy the stream kept.
+    if !held {
         tracing::info!(subject = %stored.subject, sequence = stored.seq, code, error = text, "ingest message dead-lettered");
         metrics::counter!(crate::telemetry::INGEST_EVENTS, "source" => "nats", "outcome" => "dead_lettered")
             .increment(1);
@@ -132,17 +211,13 @@ pub async fn dead_letter_unreadable(
     Ok(())
 }
 
-/// The oldest message of the ingest stream, if it holds any.
-async fn oldest(
-    context: &jetstream::Context,
-    stream_name: &str,
-) -> anyhow::Result<Option<StoredMessage>> {
-    let stream = context.get_stream(stream_name).await?;
-    let state = &stream.cached_info().state;
-    if state.messages == 0 {
-        return Ok(None);
-    }
-    get(context, stream_name, state.first_sequence).await
+/// What the stream API gives base64-encoded, decoded; nothing when it gives nothing.
+fn decoded(encoded: Option<&str>) -> anyhow::Result<Vec<u8>> {
+    encoded.map_or(Ok(Vec::new()), |encoded| {
+        base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .context("the stream gave invalid base64")
+    })
 }
 
 /// Message `sequence` of the ingest stream, unless the stream does not hold it
@@ -196,11 +271,12 @@ fn kept_block(block: &[u8]) -> HeaderMap {
     headers
 }
 
-/// Why the NATS client (async-nats 0.51, reading a delivered message) would refuse this
-/// header block, or `None` when it reads it. The same steps as the client's parser: the
-/// block is UTF-8, begins with `NATS/1.0` and a status it knows, and each line after that is
-/// empty, a continuation of the line before (it begins with white space) or `name:value`
-/// with a valid name.
+/// Why the NATS client (async-nats 0.51, reading a delivered message) would not take this
+/// header block, or `None` when it takes it. The same steps as the client's parser: the
+/// block is UTF-8 and begins with `NATS/1.0`; each line after that is empty, a continuation
+/// of the line before (it begins with white space) or `name:value` with a valid name; a
+/// value, its continuations joined and its ends trimmed, holds no carriage return (the
+/// client panics on one). And it has no status, which the client takes for the server's.
 fn unreadable_because(block: &[u8]) -> Option<String> {
     if block.is_empty() {
         return None;
@@ -210,29 +286,35 @@ fn unreadable_because(block: &[u8]) -> Option<String> {
     };
     let mut lines = text.lines().peekable();
     let version = lines.next().unwrap_or_default();
-    let Some(rest) = version.strip_prefix("NATS/1.0").map(str::trim) else {
+    let Some(status) = version.strip_prefix("NATS/1.0").map(str::trim) else {
         return Some("they do not begin with NATS/1.0".to_owned());
     };
-    let status = rest
-        .split_once(' ')
-        .map_or(rest, |(status, _)| status.trim());
-    if !status.is_empty() && async_nats::StatusCode::from_str(status).is_err() {
-        return Some(format!("status {status:?} is not a number"));
+    if !status.is_empty() {
+        return Some(format!(
+            "status {:?} is for the server to give",
+            short(status)
+        ));
     }
     while let Some(line) = lines.next() {
         if line.is_empty() {
             continue;
         }
-        let Some((name, _)) = line.split_once(':') else {
+        let Some((name, value)) = line.split_once(':') else {
             return Some(format!("line {:?} has no colon", short(line)));
         };
         if HeaderName::from_str(name).is_err() {
             return Some(format!("header name {:?} is not valid", short(name)));
         }
-        while lines
-            .next_if(|next| next.starts_with(char::is_whitespace))
-            .is_some()
-        {}
+        let mut value = value.trim_start().to_owned();
+        while let Some(more) = lines.next_if(|next| next.starts_with(char::is_whitespace)) {
+            value.push_str(more);
+        }
+        if value.trim_end().contains(['\r', '\n']) {
+            return Some(format!(
+                "the value of {:?} holds a carriage return",
+                short(name)
+            ));
+        }
     }
     None
 }
@@ -246,7 +328,32 @@ fn short(text: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::unreadable_because;
+    use base64::Engine as _;
+
+    use super::{
+        kept_block, unreadable_because, HEADERS_TRUNCATED_HEADER, ORIGINAL_HEADERS_HEADER,
+        ORIGINAL_HEADERS_MAX,
+    };
+
+    #[test]
+    fn a_header_block_past_its_limit_is_kept_cut_with_its_whole_length() {
+        let decode = |headers: &async_nats::HeaderMap| {
+            let kept = headers.get(ORIGINAL_HEADERS_HEADER).unwrap().as_str();
+            base64::engine::general_purpose::STANDARD
+                .decode(kept)
+                .unwrap()
+        };
+        let whole = vec![b'a'; ORIGINAL_HEADERS_MAX];
+        let kept = kept_block(&whole);
+        assert_eq!(decode(&kept), whole);
+        assert!(kept.get(HEADERS_TRUNCATED_HEADER).is_none());
+
+        let long = vec![b'b'; ORIGINAL_HEADERS_MAX + 1];
+        let kept = kept_block(&long);
+        assert_eq!(decode(&kept), long[..ORIGINAL_HEADERS_MAX]);
+        let length = kept.get(HEADERS_TRUNCATED_HEADER).unwrap().as_str();
+        assert_eq!(length, (ORIGINAL_HEADERS_MAX + 1).to_string());
+    }
 
     #[test]
     fn headers_a_client_sends_are_readable() {
@@ -254,20 +361,24 @@ mod tests {
             "",
             "NATS/1.0\r\n\r\n",
             "NATS/1.0\r\nContent-Type: application/json\r\nce-id: 1\r\n\r\n",
-            "NATS/1.0 503\r\n\r\n",
             "NATS/1.0\r\nLong: first\r\n second\r\n\r\n",
+            "NATS/1.0\r\nTrailing: x\r\r\n\r\n",
         ] {
             assert_eq!(unreadable_because(block.as_bytes()), None, "{block:?}");
         }
     }
 
     #[test]
-    fn headers_the_client_cannot_parse_are_unreadable_with_the_reason() {
+    fn headers_the_client_cannot_take_are_unreadable_with_the_reason() {
         for (block, reason) in [
             ("NATS/1.0\r\nBad Name: x\r\n\r\n", "header name"),
             ("NATS/1.0\r\nno colon here\r\n\r\n", "no colon"),
             ("HTTP/1.1\r\nA: b\r\n\r\n", "NATS/1.0"),
             ("NATS/1.0 abc\r\n\r\n", "status"),
+            ("NATS/1.0 503\r\n\r\n", "status"),
+            ("NATS/1.0 100 Idle Heartbeat\r\n\r\n", "status"),
+            ("NATS/1.0\r\nA: x\ry\r\n\r\n", "carriage return"),
+            ("NATS/1.0\r\nA: x\r\n y\rz\r\n\r\n", "carriage return"),
         ] {
             let found = unreadable_because(block.as_bytes());
             assert!(

@@ -254,6 +254,7 @@ async fn a_nats_message_refused_for_its_content_is_dead_lettered_once_while_the_
         pool.clone(),
         appender,
         tally::bus::ingest::IngestSettings {
+            nats_url: nats.url.clone(),
             fetch_max: 1_000,
             batch_events_max: 1_000,
             backdate_max: chrono::Duration::days(35),

@@ -378,7 +378,7 @@ pub async fn ingest_consumer_info(
         .get_stream("TALLY_INGEST")
         .await
         .unwrap()
-        .get_consumer(tally::bus::ingest::CONSUMER_NAME)
+        .get_consumer(tally::bus::INGEST_CONSUMER)
         .await
         .unwrap();
     consumer.info().await.unwrap().clone()

@@ -567,63 +567,80 @@ fn publish_raw(nats: &TestNats, subject: &str, headers: &str, payload: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_whose_headers_no_client_can_read_is_dead_lettered_whole_and_ingest_goes_on() {
+async fn messages_whose_headers_no_client_can_take_are_dead_lettered_whole_and_nats_goes_on() {
     let app = TestApp::spawn().await;
     let js = app.nats.jetstream().await;
     wait_for_ingest_stream(&js).await;
-    // nats-server stores a header name with a space as sent; the client cannot parse it.
-    let headers = "NATS/1.0\r\nBad Name: x\r\nContent-Type: application/json\r\n\r\n";
-    let poison = valid_event("org_poison", "ctr_1", 0).to_string();
-    publish_raw(&app.nats, "tally.ingest.poison", headers, &poison);
-    publish(
-        &js,
-        "tally.ingest.after",
-        valid_event("org_after", "ctr_1", 0).to_string(),
-    )
-    .await;
+    // nats-server stores these blocks as sent. The client drops its connection on the first,
+    // panics in its connection task on the second, and takes the third for the server's
+    // word on the fetch.
+    let blocks = [
+        "NATS/1.0\r\nBad Name: x\r\nContent-Type: application/json\r\n\r\n",
+        "NATS/1.0\r\nContent-Type: application/json\r\nX-Note: a\rb\r\n\r\n",
+        "NATS/1.0 503\r\n\r\n",
+    ];
+    for (n, block) in blocks.iter().enumerate() {
+        let unreadable = valid_event(&format!("org_unreadable_{n}"), "ctr_1", 0).to_string();
+        publish_raw(
+            &app.nats,
+            &format!("tally.ingest.bad{n}"),
+            block,
+            &unreadable,
+        );
+        let after = valid_event(&format!("org_after_{n}"), "ctr_1", 0).to_string();
+        publish(&js, "tally.ingest.after", after).await;
+    }
 
-    let [letter] = <[_; 1]>::try_from(dead_letters_within(&js, 1, 60).await).unwrap();
-    assert_eq!(letter.subject.as_str(), "tally.dlq.poison");
-    assert_eq!(
-        letter.headers.get("Tally-Error-Code").unwrap().as_str(),
-        "unreadable_headers"
-    );
-    assert_eq!(
-        letter
-            .headers
-            .get("Tally-Original-Subject")
+    let letters = dead_letters_within(&js, blocks.len() as u64, 90).await;
+    for letter in &letters {
+        assert_eq!(
+            letter.headers.get("Tally-Error-Code").unwrap().as_str(),
+            "unreadable_headers"
+        );
+        let subject = letter.headers.get("Tally-Original-Subject").unwrap();
+        let n: usize = subject
+            .as_str()
+            .strip_prefix("tally.ingest.bad")
             .unwrap()
-            .as_str(),
-        "tally.ingest.poison"
-    );
-    let kept = letter
-        .headers
-        .get("Tally-Original-Headers")
-        .unwrap()
-        .as_str();
-    use base64::Engine as _;
-    let kept = base64::engine::general_purpose::STANDARD
-        .decode(kept)
-        .unwrap();
-    assert_eq!(kept, headers.as_bytes());
-    assert_eq!(&letter.payload[..], poison.as_bytes());
+            .parse()
+            .unwrap();
+        assert_eq!(letter.subject.as_str(), format!("tally.dlq.bad{n}"));
+        let kept = letter
+            .headers
+            .get("Tally-Original-Headers")
+            .unwrap()
+            .as_str();
+        use base64::Engine as _;
+        let kept = base64::engine::general_purpose::STANDARD
+            .decode(kept)
+            .unwrap();
+        assert_eq!(kept, blocks[n].as_bytes());
+        let payload: Value = serde_json::from_slice(&letter.payload).unwrap();
+        assert_eq!(payload["org_id"], json!(format!("org_unreadable_{n}")));
+    }
 
-    // The message after it is stored, the work queue empties and stays empty, and the
-    // unreadable message is not stored.
-    eventually(60, "the message after it is stored", || async {
-        app.ledger_count().await == 1
+    // The messages after them are stored (those fetched beside one after the ack wait), the
+    // work queue empties, and none of the unreadable messages is stored.
+    eventually(90, "the messages after them are stored", || async {
+        app.ledger_count().await == blocks.len() as i64
     })
     .await;
-    eventually(60, "the ingest work queue is empty", || async {
+    eventually(10, "the ingest work queue is empty", || async {
         stream_messages(&js, "TALLY_INGEST").await == 0
     })
     .await;
-    let orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
+    let mut orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
         .fetch_all(&app.pool)
         .await
         .unwrap();
-    assert_eq!(orgs, ["org_after"]);
-    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 1);
+    orgs.sort();
+    assert_eq!(orgs, ["org_after_0", "org_after_1", "org_after_2"]);
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, blocks.len() as u64);
+    // The instance's own connection never saw them: the relay publishes on.
+    eventually(10, "the relay published what was stored", || async {
+        stream_messages(&js, "TALLY_LEDGER").await == blocks.len() as u64
+    })
+    .await;
     app.stop().await;
 }
 
@@ -642,9 +659,10 @@ async fn looks_racing_over_the_same_unreadable_messages_dead_letter_each_once() 
     let names = tally::bus::Names::new("").unwrap();
     let looks = (0..4).map(|_| {
         let (js, names) = (js.clone(), names.clone());
-        tokio::spawn(
-            async move { tally::bus::unreadable::dead_letter_unreadable(&js, &names).await },
-        )
+        tokio::spawn(async move {
+            let shutdown = tokio_util::sync::CancellationToken::new();
+            tally::bus::unreadable::dead_letter_unreadable(&js, &names, true, &shutdown).await
+        })
     });
     for look in futures::future::join_all(looks).await {
         look.unwrap().unwrap();
