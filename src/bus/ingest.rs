@@ -8,8 +8,8 @@
 //! anything [`AppendError::is_retryable`] says will fail again) is copied to `TALLY_DLQ`
 //! with the error in headers and then acknowledged, so it cannot loop. Only a message that
 //! failed for a passing reason (database down, queue full) is nak'ed and retried later.
-//! A message whose headers the client cannot read never reaches this consumer: see
-//! [`super::unreadable`].
+//! A message whose headers the client cannot take breaks the connection it is delivered on
+//! instead of reaching this consumer; [`super::unreadable`] finds it on the stream.
 //!
 //! Batches go through three stages joined by bounded channels: fetching, appending (each
 //! message parsed and checked, the batch's CloudEvents given their legacy ids in one query,
@@ -33,6 +33,7 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::unreadable::Suspicion;
 use super::{dead_letter, Names, INGEST_ACK_PENDING_MAX, INGEST_CONSUMER};
 use crate::error_code::ErrorCode;
 use crate::event::cloudevent;
@@ -96,7 +97,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     // At start-up, too: the instance before this one may have stopped on such a message.
-    let suspicion = super::unreadable::Suspicion::raised();
+    let suspicion = Suspicion::raised();
     let watching =
         super::unreadable::watch(context, names.clone(), suspicion.clone(), shutdown.clone());
     let consuming = async {
@@ -110,7 +111,11 @@ pub async fn run(
                     ),
                 };
                 consume(
-                    &context, &names, &pool, &appender, &settings, &streams, &shutdown,
+                    &context,
+                    &names,
+                    (&pool, &appender, &settings),
+                    &streams,
+                    (&shutdown, &suspicion),
                 )
                 .await
             };
@@ -140,7 +145,7 @@ pub async fn run(
 /// The consumer's own connection, which raises `suspicion` whenever it drops.
 async fn connect(
     settings: &IngestSettings,
-    suspicion: &super::unreadable::Suspicion,
+    suspicion: &Suspicion,
 ) -> anyhow::Result<async_nats::Client> {
     let options = suspicion.on_disconnect(async_nats::ConnectOptions::new());
     Ok(super::connect_as(&settings.nats_url, "tally-ingest", options).await?)
@@ -160,11 +165,9 @@ async fn is_dead(client: &async_nats::Client) -> bool {
 async fn consume(
     context: &jetstream::Context,
     names: &Names,
-    pool: &PgPool,
-    appender: &Appender,
-    settings: &IngestSettings,
+    (pool, appender, settings): (&PgPool, &Appender, &IngestSettings),
     streams: &super::StreamHealth,
-    shutdown: &CancellationToken,
+    (shutdown, suspicion): (&CancellationToken, &Suspicion),
 ) -> anyhow::Result<()> {
     streams
         .apply(context, names, &["TALLY_INGEST", "TALLY_DLQ"])
@@ -176,7 +179,7 @@ async fn consume(
     // Each stage ends when the one before it ends (its sender is dropped) or the one after it
     // does (its receiver is dropped), so a failure anywhere stops all three.
     let (fetching, (), settling) = tokio::join!(
-        fetch_batches(&consumer, settings.fetch_max, fetched_sender),
+        fetch_batches(&consumer, settings.fetch_max, fetched_sender, suspicion),
         append_batches(
             context,
             fetched,
@@ -220,6 +223,7 @@ async fn fetch_batches(
     consumer: &jetstream::consumer::PullConsumer,
     fetch_max: usize,
     fetched: mpsc::Sender<Vec<Message>>,
+    suspicion: &Suspicion,
 ) -> anyhow::Result<()> {
     // The slot is reserved before the fetch, so at most one fetched batch waits.
     while let Ok(slot) = fetched.reserve().await {
@@ -237,7 +241,14 @@ async fn fetch_batches(
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
         if ended {
-            // A fetch ends when the server says so, at the latest at its expiry.
+            // A fetch ends when the server says so, at its expiry or once it delivered all it
+            // was asked for. One that ended well before either may have met a message whose
+            // status the client took for the server's.
+            if messages.len() < fetch_max
+                && started.elapsed() < Duration::from_millis(FETCH_EXPIRES_MS / 2)
+            {
+                suspicion.raise();
+            }
             slow_step(
                 "fetching a batch",
                 started,

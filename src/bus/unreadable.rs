@@ -7,17 +7,17 @@
 //!   again after every ack wait, cutting the connection, and the batch around it, each time;
 //! - a carriage return inside a value: the client's connection task panics and the client
 //!   is dead for good;
-//! - a status on the `NATS/1.0` line, which only the server may put there: the client takes
-//!   the message for the server's word on the fetch, and ends the fetch, fails it or skips
-//!   the message.
+//! - a status other than 200 on the `NATS/1.0` line, which only the server may put there:
+//!   the client takes the message for the server's word on the fetch, and ends the fetch
+//!   (404, 408), fails it (most others) or skips the message (100).
 //!
 //! The ingest consumer therefore has a connection of its own (`ingest::run`), and
 //! such messages are read here in a way the client cannot stumble on: through the stream's
 //! message-get API, on the instance's shared connection, whose JSON answer carries the
 //! header block base64-encoded. The ingest stream is a work queue, so its first message is
 //! the oldest one not acknowledged. Every [`WATCH_INTERVAL`] each instance reads it; after
-//! the consumer's connection dropped or its consumer failed ([`Suspicion`]), every message
-//! up to the last one the consumer was delivered. A message whose block the client cannot
+//! the consumer's connection dropped, its consumer failed or a fetch ended early
+//! ([`Suspicion`]), every message up to the last one the consumer was delivered. A message whose block the client cannot
 //! take gets its dead letter (the block base64-encoded in [`ORIGINAL_HEADERS_HEADER`], the
 //! payload as sent) and is deleted from the stream, which ends its deliveries. Instances
 //! that find the same message publish the same dead-letter id, which the dead-letter stream
@@ -31,7 +31,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::header::HeaderName;
 use async_nats::jetstream::{self, response::Response};
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, StatusCode};
 use base64::Engine as _;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
@@ -57,7 +57,7 @@ const ORIGINAL_HEADERS_MAX: usize = 16 * 1024;
 const NO_MESSAGE_FOUND: u64 = 10_037;
 
 /// Whether the ingest consumer may have been delivered a message it could not take since the
-/// last look: its connection dropped, or its consumer failed.
+/// last look: its connection dropped, its consumer failed, or a fetch ended early.
 #[derive(Clone)]
 pub struct Suspicion(Arc<AtomicBool>);
 
@@ -101,6 +101,9 @@ pub async fn watch(
             _ = shutdown.cancelled() => return,
         }
         let every_delivered = suspicion.take();
+        if every_delivered {
+            tracing::info!("reading every ingest message the consumer was delivered");
+        }
         let look = dead_letter_unreadable(&context, &names, every_delivered, &shutdown);
         if let Err(error) = look.await {
             suspicion.raise();
@@ -151,17 +154,21 @@ pub async fn dead_letter_unreadable(
     } else {
         state.last_sequence
     };
-    let first = state.first_sequence;
-    let last = last.max(first).min(first + READ_PER_LOOK_MAX - 1);
+    let subjects = format!("{}>", names.ingest_prefix());
+    let mut from = state.first_sequence;
     let mut bytes_max = None;
-    for sequence in first..=last {
+    for _ in 0..READ_PER_LOOK_MAX {
         if shutdown.is_cancelled() {
             break;
         }
-        // Not held: acknowledged (or deleted) since the stream was asked for its state.
-        let Some(stored) = get(context, &stream_name, sequence).await? else {
-            continue;
+        // The next message held, past those acknowledged (or deleted) meanwhile.
+        let Some(stored) = next(context, &stream_name, &subjects, from).await? else {
+            break;
         };
+        if stored.seq > last.max(state.first_sequence) {
+            break;
+        }
+        from = stored.seq + 1;
         let headers = decoded(stored.hdrs.as_deref())?;
         let Some(reason) = unreadable_because(&headers) else {
             if every_delivered {
@@ -220,18 +227,30 @@ fn decoded(encoded: Option<&str>) -> anyhow::Result<Vec<u8>> {
     })
 }
 
-/// Message `sequence` of the ingest stream, unless the stream does not hold it
-/// (acknowledged or deleted).
+/// The first message of the ingest stream at or after `from`, if it holds one.
+async fn next(
+    context: &jetstream::Context,
+    stream_name: &str,
+    subjects: &str,
+    from: u64,
+) -> anyhow::Result<Option<StoredMessage>> {
+    get(
+        context,
+        stream_name,
+        serde_json::json!({ "seq": from, "next_by_subj": subjects }),
+    )
+    .await
+}
+
+/// The message `request` asks the stream's message-get API for, unless the stream holds none
+/// such (acknowledged or deleted).
 async fn get(
     context: &jetstream::Context,
     stream_name: &str,
-    sequence: u64,
+    request: serde_json::Value,
 ) -> anyhow::Result<Option<StoredMessage>> {
     let answer: Response<MessageGet> = context
-        .request(
-            format!("STREAM.MSG.GET.{stream_name}"),
-            &serde_json::json!({ "seq": sequence }),
-        )
+        .request(format!("STREAM.MSG.GET.{stream_name}"), &request)
         .await?;
     match answer {
         Response::Ok(got) => Ok(Some(got.message)),
@@ -252,7 +271,7 @@ async fn delete(
     let Err(error) = stream.delete_message(sequence).await else {
         return Ok(());
     };
-    match get(context, stream_name, sequence).await {
+    match get(context, stream_name, serde_json::json!({ "seq": sequence })).await {
         Ok(None) => Ok(()),
         _ => Err(error).context("cannot delete the unreadable ingest message"),
     }
@@ -286,10 +305,14 @@ fn unreadable_because(block: &[u8]) -> Option<String> {
     };
     let mut lines = text.lines().peekable();
     let version = lines.next().unwrap_or_default();
-    let Some(status) = version.strip_prefix("NATS/1.0").map(str::trim) else {
+    let Some(rest) = version.strip_prefix("NATS/1.0").map(str::trim) else {
         return Some("they do not begin with NATS/1.0".to_owned());
     };
-    if !status.is_empty() {
+    // A message with status 200 (or none) is a message; any other is the server's word.
+    let status = rest
+        .split_once(' ')
+        .map_or(rest, |(status, _)| status.trim());
+    if !status.is_empty() && StatusCode::from_str(status).ok() != Some(StatusCode::OK) {
         return Some(format!(
             "status {:?} is for the server to give",
             short(status)
@@ -363,6 +386,8 @@ mod tests {
             "NATS/1.0\r\nContent-Type: application/json\r\nce-id: 1\r\n\r\n",
             "NATS/1.0\r\nLong: first\r\n second\r\n\r\n",
             "NATS/1.0\r\nTrailing: x\r\r\n\r\n",
+            "NATS/1.0 200\r\nA: b\r\n\r\n",
+            "NATS/1.0 200 OK\r\n\r\n",
         ] {
             assert_eq!(unreadable_because(block.as_bytes()), None, "{block:?}");
         }
@@ -377,6 +402,7 @@ mod tests {
             ("NATS/1.0 abc\r\n\r\n", "status"),
             ("NATS/1.0 503\r\n\r\n", "status"),
             ("NATS/1.0 100 Idle Heartbeat\r\n\r\n", "status"),
+            ("NATS/1.0 408 Request Timeout\r\n\r\n", "status"),
             ("NATS/1.0\r\nA: x\ry\r\n\r\n", "carriage return"),
             ("NATS/1.0\r\nA: x\r\n y\rz\r\n\r\n", "carriage return"),
         ] {

@@ -572,13 +572,22 @@ async fn messages_whose_headers_no_client_can_take_are_dead_lettered_whole_and_n
     let js = app.nats.jetstream().await;
     wait_for_ingest_stream(&js).await;
     // nats-server stores these blocks as sent. The client drops its connection on the first,
-    // panics in its connection task on the second, and takes the third for the server's
-    // word on the fetch.
+    // panics in its connection task on the second, takes the third for the server's failure
+    // of the fetch and the fourth for its end.
     let blocks = [
         "NATS/1.0\r\nBad Name: x\r\nContent-Type: application/json\r\n\r\n",
         "NATS/1.0\r\nContent-Type: application/json\r\nX-Note: a\rb\r\n\r\n",
         "NATS/1.0 503\r\n\r\n",
+        "NATS/1.0 408 Request Timeout\r\n\r\n",
     ];
+    // A status of 200 is a message like any other.
+    let ok = valid_event("org_ok", "ctr_1", 0).to_string();
+    publish_raw(
+        &app.nats,
+        "tally.ingest.ok",
+        "NATS/1.0 200 OK\r\nA: b\r\n\r\n",
+        &ok,
+    );
     for (n, block) in blocks.iter().enumerate() {
         let unreadable = valid_event(&format!("org_unreadable_{n}"), "ctr_1", 0).to_string();
         publish_raw(
@@ -622,7 +631,7 @@ async fn messages_whose_headers_no_client_can_take_are_dead_lettered_whole_and_n
     // The messages after them are stored (those fetched beside one after the ack wait), the
     // work queue empties, and none of the unreadable messages is stored.
     eventually(90, "the messages after them are stored", || async {
-        app.ledger_count().await == blocks.len() as i64
+        app.ledger_count().await == blocks.len() as i64 + 1
     })
     .await;
     eventually(10, "the ingest work queue is empty", || async {
@@ -634,11 +643,20 @@ async fn messages_whose_headers_no_client_can_take_are_dead_lettered_whole_and_n
         .await
         .unwrap();
     orgs.sort();
-    assert_eq!(orgs, ["org_after_0", "org_after_1", "org_after_2"]);
+    assert_eq!(
+        orgs,
+        [
+            "org_after_0",
+            "org_after_1",
+            "org_after_2",
+            "org_after_3",
+            "org_ok"
+        ]
+    );
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, blocks.len() as u64);
     // The instance's own connection never saw them: the relay publishes on.
     eventually(10, "the relay published what was stored", || async {
-        stream_messages(&js, "TALLY_LEDGER").await == blocks.len() as u64
+        stream_messages(&js, "TALLY_LEDGER").await == blocks.len() as u64 + 1
     })
     .await;
     app.stop().await;
