@@ -179,9 +179,14 @@ pub(super) async fn publish(
     reason: (&str, &str),
     bytes_max: usize,
 ) -> anyhow::Result<bool> {
+    // A subject the client would stumble on (white space, bytes the stream API showed as
+    // U+FFFD) must not become the dead letter's: it is kept in a header only.
     let suffix = original
         .subject
         .strip_prefix(&names.ingest_prefix())
+        .filter(|suffix| {
+            !suffix.contains(|c: char| c.is_whitespace() || c == char::REPLACEMENT_CHARACTER)
+        })
         .unwrap_or("unknown");
     let subject = format!("{}{suffix}", names.dlq_prefix());
     let letter = DeadLetter::of(original, reason, bytes_max);

@@ -170,7 +170,7 @@ pub async fn dead_letter_unreadable(
         }
         from = stored.seq + 1;
         let headers = decoded(stored.hdrs.as_deref())?;
-        let Some(reason) = unreadable_because(&headers) else {
+        let Some(reason) = untakeable_because(&stored.subject, &headers) else {
             if every_delivered {
                 continue;
             }
@@ -180,19 +180,19 @@ pub async fn dead_letter_unreadable(
             Some(max) => max,
             None => *bytes_max.insert(dead_letter::bytes_max(context, names).await?),
         };
-        dead_letter_one(context, names, &stream_name, stored, &reason, bytes_max).await?;
+        dead_letter_one(context, names, &stream_name, stored, reason, bytes_max).await?;
     }
     Ok(())
 }
 
-/// Publishes the dead letter of `stored`, whose headers the client cannot take for `reason`,
-/// then deletes it from the ingest stream.
+/// Publishes the dead letter of `stored`, which the client cannot take for `reason`, then
+/// deletes it from the ingest stream.
 async fn dead_letter_one(
     context: &jetstream::Context,
     names: &Names,
     stream_name: &str,
     stored: StoredMessage,
-    reason: &str,
+    (code, reason): (ErrorCode, String),
     bytes_max: usize,
 ) -> anyhow::Result<()> {
     let headers = decoded(stored.hdrs.as_deref())?;
@@ -203,10 +203,10 @@ async fn dead_letter_one(
         payload: decoded(stored.data.as_deref())?.into(),
     };
     let text = format!(
-        "the message's headers cannot be taken by a NATS client ({reason}); its header block \
-         is in {ORIGINAL_HEADERS_HEADER}, base64-encoded"
+        "the message cannot be taken by a NATS client: {reason}; its header block is in \
+         {ORIGINAL_HEADERS_HEADER}, base64-encoded"
     );
-    let code = ErrorCode::UnreadableHeaders.as_str();
+    let code = code.as_str();
     let held = dead_letter::publish(context, names, &original, (code, &text), bytes_max).await?;
     delete(context, stream_name, stored.seq).await?;
     // Counted by the instance whose copy the stream kept.
@@ -281,6 +281,9 @@ async fn delete(
 /// base64, cut to [`ORIGINAL_HEADERS_MAX`].
 fn kept_block(block: &[u8]) -> HeaderMap {
     let mut headers = HeaderMap::new();
+    if block.is_empty() {
+        return headers;
+    }
     let kept = &block[..block.len().min(ORIGINAL_HEADERS_MAX)];
     let encoded = base64::engine::general_purpose::STANDARD.encode(kept);
     headers.insert(ORIGINAL_HEADERS_HEADER, encoded.as_str());
@@ -288,6 +291,24 @@ fn kept_block(block: &[u8]) -> HeaderMap {
         headers.insert(HEADERS_TRUNCATED_HEADER, block.len().to_string().as_str());
     }
     headers
+}
+
+/// Why the NATS client (async-nats 0.51, reading a delivered message) would not take a
+/// message on `subject` (as the stream API shows it) with this header block, and the code of
+/// its dead letter; `None` when it takes it. The client reads the line that delivers a
+/// message as UTF-8 (the API shows other bytes as U+FFFD), and splits the line of a message
+/// with headers on any white space, where the server splits subjects on spaces and tabs
+/// only.
+fn untakeable_because(subject: &str, block: &[u8]) -> Option<(ErrorCode, String)> {
+    if subject.contains(char::REPLACEMENT_CHARACTER) {
+        let reason = "its subject is not UTF-8".to_owned();
+        return Some((ErrorCode::UnreadableSubject, reason));
+    }
+    if !block.is_empty() && subject.contains(char::is_whitespace) {
+        let reason = "its subject holds white space and it has headers".to_owned();
+        return Some((ErrorCode::UnreadableSubject, reason));
+    }
+    unreadable_because(block).map(|reason| (ErrorCode::UnreadableHeaders, reason))
 }
 
 /// Why the NATS client (async-nats 0.51, reading a delivered message) would not take this
@@ -301,12 +322,12 @@ fn unreadable_because(block: &[u8]) -> Option<String> {
         return None;
     }
     let Ok(text) = std::str::from_utf8(block) else {
-        return Some("they are not UTF-8".to_owned());
+        return Some("its headers are not UTF-8".to_owned());
     };
     let mut lines = text.lines().peekable();
     let version = lines.next().unwrap_or_default();
     let Some(rest) = version.strip_prefix("NATS/1.0").map(str::trim) else {
-        return Some("they do not begin with NATS/1.0".to_owned());
+        return Some("its headers do not begin with NATS/1.0".to_owned());
     };
     // A message with status 200 (or none) is a message; any other is the server's word.
     let status = rest
@@ -354,8 +375,8 @@ mod tests {
     use base64::Engine as _;
 
     use super::{
-        kept_block, unreadable_because, HEADERS_TRUNCATED_HEADER, ORIGINAL_HEADERS_HEADER,
-        ORIGINAL_HEADERS_MAX,
+        kept_block, unreadable_because, untakeable_because, HEADERS_TRUNCATED_HEADER,
+        ORIGINAL_HEADERS_HEADER, ORIGINAL_HEADERS_MAX,
     };
 
     #[test]
@@ -413,5 +434,29 @@ mod tests {
             );
         }
         assert!(unreadable_because(b"NATS/1.0\r\nA: \xff\r\n\r\n").is_some());
+    }
+
+    #[test]
+    fn subjects_the_client_cannot_take_are_unreadable_and_others_are_not() {
+        use crate::error_code::ErrorCode::{UnreadableHeaders, UnreadableSubject};
+        let headers = b"NATS/1.0\r\nA: b\r\n\r\n".as_slice();
+        let code =
+            |subject: &str, block: &[u8]| untakeable_because(subject, block).map(|(code, _)| code);
+        assert_eq!(code("tally.ingest.\u{fffd}", b""), Some(UnreadableSubject));
+        assert_eq!(
+            code("tally.ingest.a\u{a0}b", headers),
+            Some(UnreadableSubject)
+        );
+        assert_eq!(
+            code("tally.ingest.a\u{3000}b", headers),
+            Some(UnreadableSubject)
+        );
+        // Without headers, the client splits the line on spaces only.
+        assert_eq!(code("tally.ingest.a\u{a0}b", b""), None);
+        assert_eq!(code("tally.ingest.Ä", headers), None);
+        assert_eq!(
+            code("tally.ingest.ok", b"NATS/1.0\r\nBad Name: x\r\n\r\n"),
+            Some(UnreadableHeaders)
+        );
     }
 }

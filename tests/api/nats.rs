@@ -546,6 +546,16 @@ async fn thousands_of_messages_consumed_in_small_batches_by_two_instances_stoppe
 /// line) straight on the wire, as a producer that uses no NATS client could: clients refuse
 /// to send headers they could not read back.
 fn publish_raw(nats: &TestNats, subject: &str, headers: &str, payload: &str) {
+    publish_raw_bytes(
+        nats,
+        subject.as_bytes(),
+        headers.as_bytes(),
+        payload.as_bytes(),
+    );
+}
+
+/// [`publish_raw`] of bytes, with no header block at all when `headers` is empty.
+fn publish_raw_bytes(nats: &TestNats, subject: &[u8], headers: &[u8], payload: &[u8]) {
     use std::io::{BufRead, BufReader, Write};
     let stream = std::net::TcpStream::connect(("127.0.0.1", nats.port)).unwrap();
     let mut reader = BufReader::new(stream.try_clone().unwrap());
@@ -553,17 +563,86 @@ fn publish_raw(nats: &TestNats, subject: &str, headers: &str, payload: &str) {
     reader.read_line(&mut line).unwrap();
     assert!(line.starts_with("INFO"), "{line}");
     let mut writer = stream;
+    let mut wire = b"CONNECT {\"verbose\":false,\"headers\":true}\r\n".to_vec();
     let total = headers.len() + payload.len();
-    write!(
-        writer,
-        "CONNECT {{\"verbose\":false,\"headers\":true}}\r\n\
-         HPUB {subject} {} {total}\r\n{headers}{payload}\r\nPING\r\n",
-        headers.len()
-    )
-    .unwrap();
+    if headers.is_empty() {
+        wire.extend_from_slice(b"PUB ");
+        wire.extend_from_slice(subject);
+        wire.extend_from_slice(format!(" {total}\r\n").as_bytes());
+    } else {
+        wire.extend_from_slice(b"HPUB ");
+        wire.extend_from_slice(subject);
+        wire.extend_from_slice(format!(" {} {total}\r\n", headers.len()).as_bytes());
+        wire.extend_from_slice(headers);
+    }
+    wire.extend_from_slice(payload);
+    wire.extend_from_slice(b"\r\nPING\r\n");
+    writer.write_all(&wire).unwrap();
     line.clear();
     reader.read_line(&mut line).unwrap();
     assert_eq!(line, "PONG\r\n", "the server refused the message");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_on_subjects_no_client_can_take_are_dead_lettered_under_a_plain_subject() {
+    let app = TestApp::spawn().await;
+    let js = app.nats.jetstream().await;
+    wait_for_ingest_stream(&js).await;
+    // nats-server splits a subject on spaces and tabs only; the client reads the line that
+    // delivers a message as UTF-8, and splits that of a message with headers on any white
+    // space.
+    let event = |org: &str| valid_event(org, "ctr_1", 0).to_string();
+    let headers = b"NATS/1.0\r\nContent-Type: application/json\r\n\r\n";
+    publish_raw_bytes(
+        &app.nats,
+        "tally.ingest.a\u{a0}b".as_bytes(),
+        headers,
+        event("org_nbsp").as_bytes(),
+    );
+    publish_raw_bytes(
+        &app.nats,
+        b"tally.ingest.\xff",
+        b"",
+        event("org_bytes").as_bytes(),
+    );
+    // Without headers, white space other than a space is no trouble to the client.
+    publish_raw_bytes(
+        &app.nats,
+        "tally.ingest.c\u{a0}d".as_bytes(),
+        b"",
+        event("org_plain").as_bytes(),
+    );
+    publish(&js, "tally.ingest.after", event("org_after")).await;
+
+    let letters = dead_letters_within(&js, 2, 90).await;
+    let mut originals = Vec::new();
+    for letter in &letters {
+        assert_eq!(letter.subject.as_str(), "tally.dlq.unknown");
+        assert_eq!(
+            letter.headers.get("Tally-Error-Code").unwrap().as_str(),
+            "unreadable_subject"
+        );
+        let payload: Value = serde_json::from_slice(&letter.payload).unwrap();
+        originals.push(payload["org_id"].as_str().unwrap().to_owned());
+    }
+    originals.sort();
+    assert_eq!(originals, ["org_bytes", "org_nbsp"]);
+    eventually(90, "the others are stored", || async {
+        app.ledger_count().await == 2
+    })
+    .await;
+    eventually(10, "the ingest work queue is empty", || async {
+        stream_messages(&js, "TALLY_INGEST").await == 0
+    })
+    .await;
+    let mut orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    orgs.sort();
+    assert_eq!(orgs, ["org_after", "org_plain"]);
+    assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 2);
+    app.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
