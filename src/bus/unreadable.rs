@@ -133,9 +133,9 @@ struct MessageGet {
     message: StoredMessage,
 }
 
-/// One look of [`watch`]: dead-letters the ingest stream's messages whose headers the client
-/// cannot take, from the oldest on, up to the first it can take, or with `every_delivered`
-/// up to the last one the consumer was delivered; at most [`READ_PER_LOOK_MAX`] read.
+/// One look of [`watch`]: dead-letters the ingest stream's messages the client cannot take,
+/// from the oldest on, up to the first it can take, or with `every_delivered` up to the
+/// last one the consumer was delivered; at most [`READ_PER_LOOK_MAX`] read.
 pub async fn dead_letter_unreadable(
     context: &jetstream::Context,
     names: &Names,
@@ -180,26 +180,25 @@ pub async fn dead_letter_unreadable(
             Some(max) => max,
             None => *bytes_max.insert(dead_letter::bytes_max(context, names).await?),
         };
-        dead_letter_one(context, names, &stream_name, stored, reason, bytes_max).await?;
+        let untakeable = (&stored, headers.as_slice(), reason);
+        dead_letter_one(context, names, &stream_name, untakeable, bytes_max).await?;
     }
     Ok(())
 }
 
-/// Publishes the dead letter of `stored`, which the client cannot take for `reason`, then
-/// deletes it from the ingest stream.
+/// Publishes the dead letter of `stored` (its header block decoded beside it), which the
+/// client cannot take for `reason`, then deletes it from the ingest stream.
 async fn dead_letter_one(
     context: &jetstream::Context,
     names: &Names,
     stream_name: &str,
-    stored: StoredMessage,
-    (code, reason): (ErrorCode, String),
+    (stored, headers, (code, reason)): (&StoredMessage, &[u8], (ErrorCode, String)),
     bytes_max: usize,
 ) -> anyhow::Result<()> {
-    let headers = decoded(stored.hdrs.as_deref())?;
     let original = dead_letter::Original {
         subject: &stored.subject,
         sequence: Some((stream_name, stored.seq)),
-        headers: kept_block(&headers),
+        headers: kept_block(headers),
         payload: decoded(stored.data.as_deref())?.into(),
     };
     let text = format!(

@@ -583,6 +583,39 @@ fn publish_raw_bytes(nats: &TestNats, subject: &[u8], headers: &[u8], payload: &
     assert_eq!(line, "PONG\r\n", "the server refused the message");
 }
 
+/// The header block a dead letter of a message no client could take keeps, decoded.
+fn kept_header_block(letter: &async_nats::jetstream::message::StreamMessage) -> Vec<u8> {
+    use base64::Engine as _;
+    let kept = letter.headers.get("Tally-Original-Headers").unwrap();
+    base64::engine::general_purpose::STANDARD
+        .decode(kept.as_str())
+        .unwrap()
+}
+
+/// Waits until the ledger holds `count` events (those fetched beside a message that broke
+/// the consumer's connection come back after the ack wait) and the ingest work queue is
+/// empty; the orgs of the events stored, sorted.
+async fn orgs_stored_once_ingest_settles(
+    app: &TestApp,
+    js: &async_nats::jetstream::Context,
+    count: i64,
+) -> Vec<String> {
+    eventually(90, "the messages that can be are stored", || async {
+        app.ledger_count().await == count
+    })
+    .await;
+    eventually(10, "the ingest work queue is empty", || async {
+        stream_messages(js, "TALLY_INGEST").await == 0
+    })
+    .await;
+    let mut orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    orgs.sort();
+    orgs
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_on_subjects_no_client_can_take_are_dead_lettered_under_a_plain_subject() {
     let app = TestApp::spawn().await;
@@ -627,19 +660,7 @@ async fn messages_on_subjects_no_client_can_take_are_dead_lettered_under_a_plain
     }
     originals.sort();
     assert_eq!(originals, ["org_bytes", "org_nbsp"]);
-    eventually(90, "the others are stored", || async {
-        app.ledger_count().await == 2
-    })
-    .await;
-    eventually(10, "the ingest work queue is empty", || async {
-        stream_messages(&js, "TALLY_INGEST").await == 0
-    })
-    .await;
-    let mut orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
-        .fetch_all(&app.pool)
-        .await
-        .unwrap();
-    orgs.sort();
+    let orgs = orgs_stored_once_ingest_settles(&app, &js, 2).await;
     assert_eq!(orgs, ["org_after", "org_plain"]);
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, 2);
     app.stop().await;
@@ -693,35 +714,14 @@ async fn messages_whose_headers_no_client_can_take_are_dead_lettered_whole_and_n
             .parse()
             .unwrap();
         assert_eq!(letter.subject.as_str(), format!("tally.dlq.bad{n}"));
-        let kept = letter
-            .headers
-            .get("Tally-Original-Headers")
-            .unwrap()
-            .as_str();
-        use base64::Engine as _;
-        let kept = base64::engine::general_purpose::STANDARD
-            .decode(kept)
-            .unwrap();
-        assert_eq!(kept, blocks[n].as_bytes());
+        assert_eq!(kept_header_block(letter), blocks[n].as_bytes());
         let payload: Value = serde_json::from_slice(&letter.payload).unwrap();
         assert_eq!(payload["org_id"], json!(format!("org_unreadable_{n}")));
     }
 
     // The messages after them are stored (those fetched beside one after the ack wait), the
     // work queue empties, and none of the unreadable messages is stored.
-    eventually(90, "the messages after them are stored", || async {
-        app.ledger_count().await == blocks.len() as i64 + 1
-    })
-    .await;
-    eventually(10, "the ingest work queue is empty", || async {
-        stream_messages(&js, "TALLY_INGEST").await == 0
-    })
-    .await;
-    let mut orgs: Vec<String> = sqlx::query_scalar("SELECT org_id FROM ledger")
-        .fetch_all(&app.pool)
-        .await
-        .unwrap();
-    orgs.sort();
+    let orgs = orgs_stored_once_ingest_settles(&app, &js, blocks.len() as i64 + 1).await;
     assert_eq!(
         orgs,
         [
@@ -772,16 +772,7 @@ async fn looks_racing_over_the_same_unreadable_messages_dead_letter_each_once() 
     // Past both instances' next looks: no copy arrives late.
     tokio::time::sleep(tally::bus::unreadable::WATCH_INTERVAL * 2).await;
     assert_eq!(stream_messages(&js, "TALLY_DLQ").await, unreadable);
-    let mut blocks: Vec<Vec<u8>> = letters
-        .iter()
-        .map(|letter| {
-            use base64::Engine as _;
-            let kept = letter.headers.get("Tally-Original-Headers").unwrap();
-            base64::engine::general_purpose::STANDARD
-                .decode(kept.as_str())
-                .unwrap()
-        })
-        .collect();
+    let mut blocks: Vec<Vec<u8>> = letters.iter().map(kept_header_block).collect();
     blocks.sort();
     blocks.dedup();
     assert_eq!(blocks.len() as u64, unreadable);
