@@ -155,7 +155,7 @@ fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
 }
 
 /// The bytes `headers` take on the wire: the version line, a line per value, the blank line.
-pub(super) fn headers_size(headers: &HeaderMap) -> usize {
+fn headers_size(headers: &HeaderMap) -> usize {
     let lines: usize = headers
         .iter()
         .map(|(name, values)| {

@@ -101,15 +101,14 @@ pub async fn run(
     let watching =
         super::unreadable::watch(context, names.clone(), suspicion.clone(), shutdown.clone());
     let consuming = async {
-        let mut client = None;
+        let mut client: Option<async_nats::Client> = None;
         while !shutdown.is_cancelled() {
             let consumed = async {
-                let context = match &client {
-                    Some(client) => super::jetstream(Clone::clone(client)),
-                    None => super::jetstream(
-                        client.insert(connect(&settings, &suspicion).await?).clone(),
-                    ),
+                let client = match &client {
+                    Some(alive) => alive.clone(),
+                    None => client.insert(connect(&settings, &suspicion).await?).clone(),
                 };
+                let context = super::jetstream(client);
                 consume(
                     &context,
                     &names,

@@ -11,15 +11,19 @@
 //!   the client takes the message for the server's word on the fetch, and ends the fetch
 //!   (404, 408), fails it (most others) or skips the message (100).
 //!
-//! The ingest consumer therefore has a connection of its own (`ingest::run`), and
-//! such messages are read here in a way the client cannot stumble on: through the stream's
+//! - a subject that is not UTF-8, or white space other than a space or tab in the subject of
+//!   a message with headers: the client drops its connection.
+//!
+//! The ingest consumer therefore has a connection of its own (`ingest::run`), and such
+//! messages are read here in a way the client cannot stumble on: through the stream's
 //! message-get API, on the instance's shared connection, whose JSON answer carries the
 //! header block base64-encoded. The ingest stream is a work queue, so its first message is
 //! the oldest one not acknowledged. Every [`WATCH_INTERVAL`] each instance reads it; after
 //! the consumer's connection dropped, its consumer failed or a fetch ended early
-//! ([`Suspicion`]), every message up to the last one the consumer was delivered. A message whose block the client cannot
-//! take gets its dead letter (the block base64-encoded in [`ORIGINAL_HEADERS_HEADER`], the
-//! payload as sent) and is deleted from the stream, which ends its deliveries. Instances
+//! ([`Suspicion`]), every message up to the last one the consumer was delivered. A message
+//! the client cannot take gets its dead letter (the block base64-encoded in
+//! [`ORIGINAL_HEADERS_HEADER`], the payload as sent) and is deleted from the stream, which
+//! ends its deliveries. Instances
 //! that find the same message publish the same dead-letter id, which the dead-letter stream
 //! keeps once; a message deleted already is not deleted again.
 
@@ -117,7 +121,12 @@ pub async fn watch(
 
 /// A message as the stream's message-get API gives it.
 #[derive(Deserialize)]
-struct StoredMessage {
+struct MessageGet {
+    message: ApiMessage,
+}
+
+#[derive(Deserialize)]
+struct ApiMessage {
     subject: String,
     seq: u64,
     /// The header block, base64.
@@ -128,9 +137,14 @@ struct StoredMessage {
     data: Option<String>,
 }
 
-#[derive(Deserialize)]
-struct MessageGet {
-    message: StoredMessage,
+/// A message of the ingest stream, its header block decoded; its payload is decoded only
+/// for a dead letter.
+struct StoredMessage {
+    subject: String,
+    seq: u64,
+    headers: Vec<u8>,
+    /// The payload, base64.
+    data: Option<String>,
 }
 
 /// One look of [`watch`]: dead-letters the ingest stream's messages the client cannot take,
@@ -169,8 +183,7 @@ pub async fn dead_letter_unreadable(
             break;
         }
         from = stored.seq + 1;
-        let headers = decoded(stored.hdrs.as_deref())?;
-        let Some(reason) = untakeable_because(&stored.subject, &headers) else {
+        let Some(reason) = untakeable_because(&stored.subject, &stored.headers) else {
             if every_delivered {
                 continue;
             }
@@ -180,25 +193,25 @@ pub async fn dead_letter_unreadable(
             Some(max) => max,
             None => *bytes_max.insert(dead_letter::bytes_max(context, names).await?),
         };
-        let untakeable = (&stored, headers.as_slice(), reason);
-        dead_letter_one(context, names, &stream_name, untakeable, bytes_max).await?;
+        dead_letter_one(context, names, &stream_name, &stored, reason, bytes_max).await?;
     }
     Ok(())
 }
 
-/// Publishes the dead letter of `stored` (its header block decoded beside it), which the
-/// client cannot take for `reason`, then deletes it from the ingest stream.
+/// Publishes the dead letter of `stored`, which the client cannot take for `reason`, then
+/// deletes it from the ingest stream.
 async fn dead_letter_one(
     context: &jetstream::Context,
     names: &Names,
     stream_name: &str,
-    (stored, headers, (code, reason)): (&StoredMessage, &[u8], (ErrorCode, String)),
+    stored: &StoredMessage,
+    (code, reason): (ErrorCode, String),
     bytes_max: usize,
 ) -> anyhow::Result<()> {
     let original = dead_letter::Original {
         subject: &stored.subject,
         sequence: Some((stream_name, stored.seq)),
-        headers: kept_block(headers),
+        headers: kept_block(&stored.headers),
         payload: decoded(stored.data.as_deref())?.into(),
     };
     let text = format!(
@@ -252,7 +265,12 @@ async fn get(
         .request(format!("STREAM.MSG.GET.{stream_name}"), &request)
         .await?;
     match answer {
-        Response::Ok(got) => Ok(Some(got.message)),
+        Response::Ok(MessageGet { message }) => Ok(Some(StoredMessage {
+            headers: decoded(message.hdrs.as_deref())?,
+            subject: message.subject,
+            seq: message.seq,
+            data: message.data,
+        })),
         Response::Err { error } if error.error_code().0 == NO_MESSAGE_FOUND => Ok(None),
         Response::Err { error } => Err(error).context("cannot read an ingest message"),
     }
