@@ -110,12 +110,12 @@ async fn account_events_voided_in_the_round_that_projects_them_count_as_never_st
     }
     held.commit().await.unwrap();
     projected_to_head(&app.pool, "the events and their voids are projected").await;
+    // One instant for both reads: the clock moves on between them.
+    let as_of = at(0);
     let org = |org: &'static str| {
-        let app = &app;
+        let (app, as_of) = (&app, &as_of);
         async move {
-            let mut read = ok(app
-                .get_json(&format!("/v1/orgs/{org}?as_of={}", at(0)))
-                .await);
+            let mut read = ok(app.get_json(&format!("/v1/orgs/{org}?as_of={as_of}")).await);
             for field in ["org_id", "position"] {
                 read[field] = json!(null);
             }
