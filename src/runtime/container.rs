@@ -127,6 +127,15 @@ impl ContainerState {
     }
 }
 
+/// The most running intervals a container has: a `resumed` that would start one more
+/// starts nothing and is a [`AnomalyKind::ResumePastIntervalLimit`]. A container's
+/// intervals are stored, read and rewritten whole by every projector round that moves
+/// them, so without a limit one container's stops and resumes would make each of its
+/// events cost more than the last, and past about six million intervals Postgres refuses
+/// the `jsonb` value and no round could commit again (decision 0053). A constant, not a
+/// setting: it is part of the fold, which every projection and replay must agree on.
+pub const INTERVALS_MAX: usize = 100_000;
+
 /// An event the state machine could not take at face value. Anomalies are recorded, not
 /// rejected: the ledger keeps every fact, and billing follows the table of contract §3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,6 +143,7 @@ pub enum AnomalyKind {
     DuplicateCreate,
     ResumeBeforeCreate,
     ResumeWhileRunning,
+    ResumePastIntervalLimit,
     StopWhileNotRunning,
     CommandWhileNotRunning,
 }
@@ -144,6 +154,7 @@ impl AnomalyKind {
             AnomalyKind::DuplicateCreate => "duplicate_create",
             AnomalyKind::ResumeBeforeCreate => "resume_before_create",
             AnomalyKind::ResumeWhileRunning => "resume_while_running",
+            AnomalyKind::ResumePastIntervalLimit => "resume_past_interval_limit",
             AnomalyKind::StopWhileNotRunning => "stop_while_not_running",
             AnomalyKind::CommandWhileNotRunning => "command_while_not_running",
         }
@@ -154,6 +165,7 @@ impl AnomalyKind {
             AnomalyKind::DuplicateCreate,
             AnomalyKind::ResumeBeforeCreate,
             AnomalyKind::ResumeWhileRunning,
+            AnomalyKind::ResumePastIntervalLimit,
             AnomalyKind::StopWhileNotRunning,
             AnomalyKind::CommandWhileNotRunning,
         ]
@@ -428,7 +440,8 @@ impl Lifecycle {
     /// One step of the table in contract §3. "Seen" means a `created` or `resumed` came
     /// before, which is exactly "has an interval": so a `created` after a
     /// `resume_before_create` is a `duplicate_create`, while a `created` after a stray
-    /// `stop_while_not_running` is the container's real start.
+    /// `stop_while_not_running` is the container's real start. A stopped container that
+    /// has [`INTERVALS_MAX`] intervals is not resumed.
     fn walk(&mut self, kind: EntryKind, at: DateTime<Utc>) -> Option<AnomalyKind> {
         let seen = !self.intervals.is_empty();
         let running = self.state() == ContainerState::Running;
@@ -439,6 +452,9 @@ impl Lifecycle {
                 None
             }
             EntryKind::Resumed if running => Some(AnomalyKind::ResumeWhileRunning),
+            EntryKind::Resumed if self.intervals.len() >= INTERVALS_MAX => {
+                Some(AnomalyKind::ResumePastIntervalLimit)
+            }
             EntryKind::Resumed => {
                 self.start(at);
                 (!seen).then_some(AnomalyKind::ResumeBeforeCreate)
@@ -1003,6 +1019,94 @@ pub(super) mod tests {
             );
         }
         assert_eq!(lifecycle, before);
+    }
+
+    /// A container created at the base time, then stopped one second after each start and
+    /// resumed one second after each stop until it has `intervals` intervals, and stopped:
+    /// positions 1, 2, … in that order.
+    fn stopped_after_intervals(intervals: usize) -> Vec<ContainerEntry> {
+        let second = |n: usize| base() + Duration::seconds(i64::try_from(n).unwrap());
+        let mut entries = vec![entry(1, base(), Created)];
+        for n in 1..intervals * 2 {
+            let kind = if n % 2 == 1 { Stopped } else { Resumed };
+            entries.push(entry(entries.len() as i64 + 1, second(n), kind));
+        }
+        entries
+    }
+
+    #[test]
+    fn a_resume_past_the_interval_limit_starts_nothing_folded_or_advanced() {
+        let mut entries = stopped_after_intervals(INTERVALS_MAX);
+        let end = entries.last().unwrap().occurred_at;
+        let next = entries.len() as i64 + 1;
+        entries.extend([
+            entry(next, end + Duration::seconds(1), Resumed),
+            entry(
+                next + 1,
+                end + Duration::seconds(2),
+                EntryKind::CommandRan { duration_ms: 5 },
+            ),
+            entry(next + 2, end + Duration::seconds(3), Stopped),
+        ]);
+        let timeline = ContainerTimeline::fold(&entries);
+        assert_eq!(timeline.intervals().len(), INTERVALS_MAX);
+        assert_eq!(timeline.intervals().last().unwrap().end(), Some(end));
+        assert_eq!(timeline.state(), ContainerState::Stopped);
+        assert_eq!(
+            anomalies(&timeline),
+            [
+                ("resume_past_interval_limit", next),
+                ("command_while_not_running", next + 1),
+                ("stop_while_not_running", next + 2)
+            ]
+        );
+        let window = Window::new(base(), end + Duration::hours(1));
+        assert_eq!(
+            timeline.runtime_ms(window),
+            1_000 * INTERVALS_MAX as i64,
+            "a second per interval, none after the limit"
+        );
+
+        let mut lifecycle = Lifecycle::default();
+        let mut advanced = Vec::new();
+        for entry in &entries {
+            advanced.extend(lifecycle.advance(entry).unwrap());
+        }
+        assert_eq!(&lifecycle, timeline.lifecycle());
+        assert_eq!(advanced, timeline.anomalies());
+    }
+
+    #[test]
+    fn the_resume_past_the_interval_limit_is_the_latest_by_occurred_at_not_the_last_to_arrive() {
+        // One interval short of the limit; then a resume and stop after every other event,
+        // and, arriving after them, a stop and a resume inside the first interval: by
+        // occurred_at they split it in two, and the resume that arrived first is the one
+        // past the limit.
+        let mut entries = stopped_after_intervals(INTERVALS_MAX - 1);
+        let end = entries.last().unwrap().occurred_at;
+        let next = entries.len() as i64 + 1;
+        let half = Duration::milliseconds(500);
+        entries.extend([
+            entry(next, end + Duration::seconds(1), Resumed),
+            entry(next + 1, end + Duration::seconds(2), Stopped),
+            entry(next + 2, base() + half, Stopped),
+            entry(
+                next + 3,
+                base() + half * 2 - Duration::milliseconds(100),
+                Resumed,
+            ),
+        ]);
+        let timeline = ContainerTimeline::fold(&entries);
+        assert_eq!(timeline.intervals().len(), INTERVALS_MAX);
+        assert_eq!(timeline.intervals()[0].end(), Some(base() + half));
+        assert_eq!(
+            anomalies(&timeline),
+            [
+                ("resume_past_interval_limit", next),
+                ("stop_while_not_running", next + 1)
+            ],
+            "the stop at 1 s ends the interval the resume at 0.9 s began"
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Container anomalies: an event of a container costs the projection
 //! the same whatever anomalies the container already has, the API pages them, a container
 //! keeps at most `ANOMALIES_KEPT_MAX` and counts the rest, replay keeps the same rows, and
-//! the migration moves anomalies stored as one JSON array into rows without losing one.
+//! the migration moves anomalies stored as one JSON array into rows without losing one. A
+//! container has at most `INTERVALS_MAX` running intervals.
 
 use std::borrow::Cow;
 
@@ -12,6 +13,7 @@ use uuid::Uuid;
 
 use tally::event::canonical::timestamp;
 use tally::projection::model::ANOMALIES_KEPT_MAX;
+use tally::runtime::INTERVALS_MAX;
 
 use crate::helpers::{projected_to_head, TestApp, TestDb};
 
@@ -221,6 +223,76 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     assert_eq!(replayed, container);
     let (replayed_pages, _) = every_page(&app, "ctr_lost", 1_000).await;
     assert_eq!(replayed_pages, ids, "replay keeps the same anomalies");
+    connection.close().await.unwrap();
+    helper.close().await.unwrap();
+    app.stop().await;
+}
+
+/// An event of `container` in org_a, of `kind`, at `at`.
+fn lifecycle_event(container: &str, kind: &str, at: DateTime<Utc>) -> Value {
+    json!({
+        "id": Uuid::new_v4().to_string(),
+        "type": format!("container.{kind}"),
+        "org_id": "org_a",
+        "container_id": container,
+        "occurred_at": timestamp(at),
+        "data": {},
+    })
+}
+
+#[tokio::test]
+async fn a_container_at_its_interval_limit_is_not_resumed_again_and_replay_agrees() {
+    let app = TestApp::spawn().await;
+    let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(1);
+    let at = |millisecond: usize| start + Duration::milliseconds(millisecond as i64);
+    // Created, then stopped one millisecond after each start and resumed one after each
+    // stop until the container has INTERVALS_MAX intervals of 1 ms, and stopped; then
+    // resumed once more, ten minutes after the start.
+    let mut events = vec![lifecycle_event("ctr_busy", "created", start)];
+    events.extend((1..INTERVALS_MAX * 2).map(|millisecond| {
+        let kind = if millisecond % 2 == 1 {
+            "stopped"
+        } else {
+            "resumed"
+        };
+        lifecycle_event("ctr_busy", kind, at(millisecond))
+    }));
+    let past_limit = lifecycle_event("ctr_busy", "resumed", start + Duration::minutes(10));
+    events.push(past_limit.clone());
+    for chunk in events.chunks(1000) {
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    projected_to_head(&app.pool, "the stops and resumes are projected").await;
+
+    let (status, container) = app.get_container("ctr_busy", "").await;
+    assert_eq!(status, 200, "{container}");
+    assert_eq!(container["state"], "stopped");
+    assert_eq!(
+        container["intervals"].as_array().unwrap().len(),
+        INTERVALS_MAX
+    );
+    assert_eq!(container["runtime_ms"], INTERVALS_MAX, "1 ms an interval");
+    assert_eq!(
+        container["anomalies"],
+        json!([{
+            "kind": "resume_past_interval_limit",
+            "event_id": past_limit["id"],
+            "occurred_at": past_limit["occurred_at"],
+        }])
+    );
+    let period = start.format("%Y-%m").to_string();
+    let (_, usage) = app.get_usage("org_a", &format!("period={period}")).await;
+    assert_eq!(usage["runtime_ms"], INTERVALS_MAX);
+    assert_eq!(usage["running_containers"], 0);
+
+    let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
+    let mut helper = PgConnection::connect(&app.db.url).await.unwrap();
+    tally::projection::replay(&mut connection, &mut helper)
+        .await
+        .unwrap();
+    let (_, replayed) = app.get_container("ctr_busy", "").await;
+    assert_eq!(replayed, container, "replay folds the same limit");
     connection.close().await.unwrap();
     helper.close().await.unwrap();
     app.stop().await;
