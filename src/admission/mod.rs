@@ -32,7 +32,9 @@ use crate::projection::notice::{self, Notice};
 use crate::projection::{query, store, Freshness, WaitError};
 pub use checker::Checker;
 
-use crate::runtime::{self, AccountEntry, AccountTimeline, Lifecycle, Period, PeriodTotals};
+use crate::runtime::{
+    self, AccountEntry, AccountTimeline, Lifecycle, Period, PeriodTotals, INTERVALS_MAX,
+};
 
 /// How long a check waits for the projection to include this instance's own appends
 /// before it answers 503 rather than from stale figures, unless told otherwise
@@ -630,6 +632,8 @@ impl Prepared {
         let container_running = target.is_some_and(|lifecycle| lifecycle.running_at(now));
         let container_started = container_running
             || target.is_some_and(|lifecycle| lifecycle.starts_after(now).is_some());
+        let container_at_interval_limit = !container_started
+            && target.is_some_and(|lifecycle| lifecycle.intervals().len() >= INTERVALS_MAX);
         let account = self.account.state_at(now);
         let versions = self
             .plans
@@ -659,6 +663,7 @@ impl Prepared {
             running_containers,
             reservations,
             container_running,
+            container_at_interval_limit,
             ports_published: self.totals.ports_published,
         };
         let decision = billing::decide(request.action, &facts);

@@ -49,6 +49,9 @@ pub enum Reason {
     RuntimeAllowanceExhausted,
     /// A reservation's only (decision 0046): the container it names runs already.
     ContainerRunning,
+    /// `resume` of a stopped container that has as many running intervals as a container
+    /// may have: its resume would start nothing (decision 0053).
+    IntervalLimit,
     ContainerNotRunning,
     PortLimit,
 }
@@ -64,6 +67,7 @@ impl Reason {
             Reason::ConcurrencyLimit => ErrorCode::ConcurrencyLimit,
             Reason::RuntimeAllowanceExhausted => ErrorCode::RuntimeAllowanceExhausted,
             Reason::ContainerRunning => ErrorCode::ContainerRunning,
+            Reason::IntervalLimit => ErrorCode::IntervalLimit,
             Reason::ContainerNotRunning => ErrorCode::ContainerNotRunning,
             Reason::PortLimit => ErrorCode::PortLimit,
         }
@@ -89,6 +93,9 @@ pub struct Facts<'a> {
     pub reservations: u64,
     /// Whether the named container runs now (`run`, `publish_port`).
     pub container_running: bool,
+    /// Whether the named container is stopped with [`crate::runtime::INTERVALS_MAX`]
+    /// intervals (`resume`).
+    pub container_at_interval_limit: bool,
     /// Distinct (container, port) pairs published in `period`.
     pub ports_published: u64,
 }
@@ -136,6 +143,9 @@ pub fn decide(action: Action, facts: &Facts) -> Decision {
     }
     if !excluded && plan.overage == Overage::Deny && overage {
         reasons.push(Reason::RuntimeAllowanceExhausted);
+    }
+    if action == Action::Resume && facts.container_at_interval_limit {
+        reasons.push(Reason::IntervalLimit);
     }
     if action.needs_running_container() && !facts.container_running {
         reasons.push(Reason::ContainerNotRunning);
@@ -191,6 +201,7 @@ mod tests {
             running_containers: 0,
             reservations: 0,
             container_running: true,
+            container_at_interval_limit: false,
             ports_published: 0,
         }
     }
@@ -297,6 +308,18 @@ mod tests {
         };
         assert_eq!(reasons(Action::PublishPort, &ports), ["port_limit"]);
         assert_eq!(reasons(Action::Run, &ports), Vec::<&str>::new());
+
+        let at_limit = Facts {
+            container_running: false,
+            container_at_interval_limit: true,
+            ..base.clone()
+        };
+        assert_eq!(reasons(Action::Resume, &at_limit), ["interval_limit"]);
+        assert_eq!(
+            reasons(Action::Create, &at_limit),
+            Vec::<&str>::new(),
+            "a create names a container that has no intervals yet"
+        );
     }
 
     #[test]
@@ -307,6 +330,7 @@ mod tests {
             runtime_used_ms: 10_000_000,
             running_containers: 5,
             container_running: false,
+            container_at_interval_limit: true,
             ports_published: 9,
             ..facts(&deny, &account)
         };
@@ -327,6 +351,16 @@ mod tests {
                 "not_billing_eligible",
                 "concurrency_limit",
                 "runtime_allowance_exhausted"
+            ]
+        );
+        assert_eq!(
+            reasons(Action::Resume, &all),
+            [
+                "not_verified",
+                "not_billing_eligible",
+                "concurrency_limit",
+                "runtime_allowance_exhausted",
+                "interval_limit"
             ]
         );
         let no_sandbox = Plan {

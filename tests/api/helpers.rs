@@ -347,11 +347,16 @@ pub fn ids_of(events: &[Value]) -> Vec<Uuid> {
 /// Waits (up to 30 s: a loaded CI machine) until the projection's checkpoint is at the
 /// ledger's head; returns the head.
 pub async fn projected_to_head(pool: &PgPool, what: &str) -> i64 {
+    projected_to_head_within(pool, 30, what).await
+}
+
+/// [`projected_to_head`], waiting up to `seconds`.
+pub async fn projected_to_head_within(pool: &PgPool, seconds: u64, what: &str) -> i64 {
     let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
         .fetch_one(pool)
         .await
         .unwrap();
-    eventually(30, what, || async {
+    eventually(seconds, what, || async {
         let projected: i64 = sqlx::query_scalar("SELECT position FROM proj.checkpoint")
             .fetch_one(pool)
             .await
