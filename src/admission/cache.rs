@@ -61,8 +61,14 @@ use crate::projection::Freshness;
 pub const ORGS_MAX: usize = 100_000;
 /// Facts kept at most, each counting one plus the containers it holds (an org with
 /// facts that hold all its containers has one; a larger org one for each container asked
-/// about); past it, reads are answered but not kept until notices make room.
+/// about); past it, everything is dropped and the cache starts over.
 pub const ENTRIES_MAX: usize = 200_000;
+/// Facts kept of one org at most, counted as for [`ENTRIES_MAX`]; past it, that org's are
+/// dropped and its facts kept anew. Checks naming ever new containers of one org (they
+/// need not exist) would otherwise fill the cache every org shares, and every other org
+/// not yet kept would be read from Postgres until something dropped everything; and each
+/// projector round of that org would advance all its facts under the cache's lock.
+pub const ORG_ENTRIES_MAX: usize = 2_000;
 /// The application name of the listener's connection, so that operators can tell it apart.
 pub const LISTENER_APPLICATION_NAME: &str = "tally admission listener";
 /// The application name of the connection that sends this instance's heartbeats.
@@ -280,8 +286,17 @@ impl FactsCache {
                 None => return false,
             },
         };
-        let replaced = slot.facts.get(&key).map_or(0, |kept| weight(kept));
+        let mut replaced = slot.facts.get(&key).map_or(0, |kept| weight(kept));
+        let org_entries: usize = slot.facts.values().map(|kept| weight(kept)).sum();
+        let mut entries = entries;
+        if org_entries - replaced + added > ORG_ENTRIES_MAX {
+            slot.facts.clear();
+            entries -= org_entries;
+            replaced = 0;
+        }
         if entries - replaced + added > ENTRIES_MAX {
+            state.entries = entries;
+            state.drop_all();
             return false;
         }
         slot.facts.insert(key, facts);
@@ -551,7 +566,8 @@ fn advance_org(state: &mut State, org: &str, change: &OrgRound<'_>) -> bool {
     slot.facts = facts;
     // A round may add containers to facts that hold them all (never past
     // ORG_CONTAINERS_KEPT_MAX each, see `Prepared::advanced`), which can take the count
-    // past ENTRIES_MAX for a while: nothing new is kept until notices make room.
+    // past ENTRIES_MAX (or an org's past ORG_ENTRIES_MAX) for a while: the next fact kept
+    // starts the cache (or the org) over.
     state.entries = state.entries - before + after;
     true
 }
@@ -1045,7 +1061,7 @@ mod tests {
     }
 
     #[test]
-    fn past_its_limits_the_cache_stops_keeping_or_starts_over() {
+    fn past_its_limits_the_cache_starts_over() {
         let cache = listening_cache(0);
         for n in 0..ENTRIES_MAX {
             let org = format!("org{}", n % (ORGS_MAX / 2));
@@ -1053,17 +1069,51 @@ mod tests {
             assert!(read(&cache, &request(&org, Some(&container))), "entry {n}");
         }
         assert_eq!(cache.len(), ENTRIES_MAX);
-        assert!(!read(&cache, &request("org0", Some("c-new"))), "full");
         // Replacing an entry kept is not growing.
         assert!(read(&cache, &request("org0", Some("c0"))));
-        cache.forget("org0");
-        assert!(read(&cache, &request("org0", Some("c-new"))), "room again");
+        assert_eq!(cache.len(), ENTRIES_MAX);
+        // One more drops everything; what is read next is kept.
+        assert!(!read(&cache, &request("org0", Some("c-new"))), "full");
+        assert!(cache.is_empty());
+        assert!(read(&cache, &request("org1", Some("c-new"))));
+        assert_eq!(cache.len(), 1);
         // Past the orgs limit everything is dropped and the cache starts over.
         for n in 0..ORGS_MAX {
             cache.ticket(&format!("new{n}")).unwrap();
         }
         assert!(cache.is_empty());
         assert!(read(&cache, &request("org0", None)));
+    }
+
+    #[test]
+    fn one_org_asking_about_ever_new_containers_starts_its_own_facts_over_not_every_orgs() {
+        let cache = listening_cache(0);
+        let other = request("other", None);
+        assert!(read(&cache, &other));
+        for n in 0..ORG_ENTRIES_MAX * 3 {
+            let container = format!("c{n}");
+            assert!(
+                read(&cache, &request("acme", Some(&container))),
+                "entry {n}"
+            );
+            assert!(cache.len() <= ORG_ENTRIES_MAX + 1, "after entry {n}");
+        }
+        assert!(
+            cache.get(&other, 0).is_some(),
+            "the other org's facts stay kept"
+        );
+        let newcomer = request("newcomer", None);
+        assert!(read(&cache, &newcomer));
+        assert!(
+            cache.get(&newcomer, 0).is_some(),
+            "and a new org's are kept"
+        );
+        let last = format!("c{}", ORG_ENTRIES_MAX * 3 - 1);
+        assert!(cache.get(&request("acme", Some(&last)), 0).is_some());
+        assert!(
+            cache.get(&request("acme", Some("c0")), 0).is_none(),
+            "started over"
+        );
     }
 
     #[test]
