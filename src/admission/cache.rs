@@ -52,6 +52,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{OrgRound, Prepared, Request};
+use crate::billing::Action;
 use crate::event::ContainerId;
 use crate::projection::notice::{notify, Notice, RoundChanges, Rounds, CHANNEL};
 use crate::projection::store;
@@ -458,15 +459,17 @@ pub(crate) fn record_wait(waited_for: &'static str, since: std::time::Instant) {
         .record(since.elapsed());
 }
 
-/// Which of an org's kept facts answer a request: the container counts only for the
-/// actions that need it running (a `create` names a container that does not exist yet;
-/// neither it nor a `resume` asks whether the container runs). `None`: nothing kept
-/// answers it (a `run` or `publish_port` naming no container, which HTTP refuses anyway).
+/// Which of an org's kept facts answer a request: the container counts for the actions
+/// that need it running, and for a `resume`, which asks how many intervals it has
+/// (`interval_limit`); a `create` names a container that does not exist yet. `None`:
+/// nothing kept answers it (a `run` or `publish_port` naming no container, which HTTP
+/// refuses anyway).
 fn key(request: &Request) -> Option<Option<ContainerId>> {
-    if !request.action.needs_running_container() {
-        return Some(None);
+    match request.action {
+        action if action.needs_running_container() => request.container_id.clone().map(Some),
+        Action::Resume => Some(request.container_id.clone()),
+        Action::Create | Action::Run | Action::PublishPort => Some(None),
     }
-    request.container_id.clone().map(Some)
 }
 
 /// The facts of `slot` that answer `request`: those kept under its key, or for a check
@@ -966,7 +969,7 @@ mod tests {
     }
 
     #[test]
-    fn creates_and_resumes_share_their_orgs_facts_whatever_container_they_name() {
+    fn creates_share_their_orgs_facts_whatever_container_they_name_and_resumes_do_not() {
         let cache = listening_cache(10);
         let with = |action, container: &str| Request {
             action,
@@ -974,8 +977,16 @@ mod tests {
         };
         assert!(read(&cache, &with(Action::Create, "new-1")));
         assert!(cache.get(&with(Action::Create, "new-2"), 10).is_some());
-        assert!(cache.get(&with(Action::Resume, "c1"), 10).is_some());
         assert!(cache.get(&request("acme", None), 10).is_some());
+        // A resume asks how many intervals its container has (`interval_limit`), so facts
+        // that do not hold every container answer only a resume of the one they were read
+        // for.
+        assert!(cache.get(&with(Action::Resume, "c1"), 10).is_none());
+        assert!(read(&cache, &with(Action::Resume, "c1")));
+        assert!(cache.get(&with(Action::Resume, "c1"), 10).is_some());
+        assert!(cache.get(&with(Action::Resume, "c2"), 10).is_none());
+        cache.forget("acme");
+        assert!(read(&cache, &with(Action::Create, "new-1")));
         assert!(cache.get(&with(Action::Run, "c1"), 10).is_none());
         assert!(cache.get(&with(Action::PublishPort, "c1"), 10).is_none());
         assert_eq!(cache.len(), 1);

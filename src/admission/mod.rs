@@ -597,13 +597,13 @@ impl Prepared {
     }
 
     /// The lifecycle of the container `request` names: from every container of the org
-    /// when the facts hold them, else the one the reading request named (the cache keeps
-    /// such facts under that container only).
+    /// when the facts hold them, else the one the reading request named, when it is the
+    /// same (the cache keeps such facts under that container).
     fn target_of(&self, request: &Request) -> Option<&Lifecycle> {
         match (&self.containers, &request.container_id) {
             (Some(containers), Some(id)) => containers.get(id.as_str()),
             (Some(_), None) => None,
-            (None, _) => self.target.as_ref(),
+            (None, named) => self.target.as_ref().filter(|_| *named == self.target_id),
         }
     }
 

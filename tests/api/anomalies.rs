@@ -249,6 +249,13 @@ async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_
     // stop until the container has INTERVALS_MAX intervals of 1 ms, and stopped; then
     // resumed once more, ten minutes after the start.
     let mut events = vec![lifecycle_event("ctr_busy", "created", start)];
+    // And 40 more containers, created and stopped at once, so that admission keeps the org's
+    // facts per container asked about rather than holding them all.
+    for n in 0..40 {
+        let container = format!("ctr_{n}");
+        events.push(lifecycle_event(&container, "created", start));
+        events.push(lifecycle_event(&container, "stopped", start));
+    }
     events.extend((1..INTERVALS_MAX * 2).map(|millisecond| {
         let kind = if millisecond % 2 == 1 {
             "stopped"
@@ -287,21 +294,25 @@ async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_
     let (_, usage) = app.get_usage("org_a", &format!("period={period}")).await;
     assert_eq!(usage["runtime_ms"], INTERVALS_MAX);
     assert_eq!(usage["running_containers"], 0);
-    // Admission says so before a resume is tried; a new container may still be created.
-    for (action, last_reason) in [
-        ("resume", json!("interval_limit")),
-        ("create", json!("not_billing_eligible")),
+    // Admission says so before a resume is tried; another container may still be resumed
+    // and a new one created, whichever was asked about first.
+    for (action, container, last_reason) in [
+        ("resume", "ctr_busy", json!("interval_limit")),
+        ("resume", "ctr_0", json!("not_billing_eligible")),
+        ("create", "ctr_new", json!("not_billing_eligible")),
+        ("resume", "ctr_busy", json!("interval_limit")),
+        ("resume", "ctr_1", json!("not_billing_eligible")),
     ] {
         let (status, answer) = app
             .check_admission(
-                &json!({"org_id": "org_a", "action": action, "container_id": "ctr_busy"}),
+                &json!({"org_id": "org_a", "action": action, "container_id": container}),
             )
             .await;
         assert_eq!(status, 200, "{answer}");
         assert_eq!(
             answer["reasons"].as_array().unwrap().last(),
             Some(&last_reason),
-            "{action}"
+            "{action} {container}"
         );
     }
 
