@@ -81,6 +81,17 @@ async fn every_page(app: &TestApp, container: &str, limit: usize) -> (Vec<String
     }
 }
 
+/// Replays the ledger into the projection in this process, as `tally replay` does.
+async fn replay(app: &TestApp) {
+    let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
+    let mut helper = PgConnection::connect(&app.db.url).await.unwrap();
+    tally::projection::replay(&mut connection, &mut helper)
+        .await
+        .unwrap();
+    connection.close().await.unwrap();
+    helper.close().await.unwrap();
+}
+
 /// Rows each projection table takes for one projector round, and their bytes as written:
 /// row triggers on every table of `proj` record them, so the test sees what the projector
 /// writes, statement by statement, and not just what it leaves.
@@ -214,17 +225,11 @@ async fn a_container_keeps_its_first_anomalies_up_to_the_limit_counts_the_rest_a
     let (paged, _) = every_page(&app, "ctr_lost", 1_000).await;
     assert_eq!(paged, ids, "the first {kept_max} in occurred_at order");
 
-    let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
-    let mut helper = PgConnection::connect(&app.db.url).await.unwrap();
-    tally::projection::replay(&mut connection, &mut helper)
-        .await
-        .unwrap();
+    replay(&app).await;
     let (_, replayed) = app.get_container("ctr_lost", "anomalies_limit=1").await;
     assert_eq!(replayed, container);
     let (replayed_pages, _) = every_page(&app, "ctr_lost", 1_000).await;
     assert_eq!(replayed_pages, ids, "replay keeps the same anomalies");
-    connection.close().await.unwrap();
-    helper.close().await.unwrap();
     app.stop().await;
 }
 
@@ -316,15 +321,9 @@ async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_
         );
     }
 
-    let mut connection = PgConnection::connect(&app.db.url).await.unwrap();
-    let mut helper = PgConnection::connect(&app.db.url).await.unwrap();
-    tally::projection::replay(&mut connection, &mut helper)
-        .await
-        .unwrap();
+    replay(&app).await;
     let (_, replayed) = app.get_container("ctr_busy", "").await;
     assert_eq!(replayed, container, "replay folds the same limit");
-    connection.close().await.unwrap();
-    helper.close().await.unwrap();
     app.stop().await;
 }
 
