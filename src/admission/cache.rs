@@ -466,9 +466,9 @@ pub(crate) fn record_wait(waited_for: &'static str, since: std::time::Instant) {
 /// refuses anyway).
 fn key(request: &Request) -> Option<Option<ContainerId>> {
     match request.action {
-        action if action.needs_running_container() => request.container_id.clone().map(Some),
+        Action::Run | Action::PublishPort => request.container_id.clone().map(Some),
         Action::Resume => Some(request.container_id.clone()),
-        Action::Create | Action::Run | Action::PublishPort => Some(None),
+        Action::Create => Some(None),
     }
 }
 
