@@ -612,12 +612,27 @@ impl Prepared {
         now >= self.read_at && Period::containing(now) == self.period
     }
 
-    /// The org's runtime this period up to `now`; `None` when events dated after `now`
-    /// leave it to the ledger.
+    /// The org's runtime this period up to `now`: from the totals, corrected by the
+    /// containers with events after `now` when there are any (the others' intervals all lie
+    /// before it); `None`, leaving it to the ledger, when more than
+    /// [`FUTURE_CONTAINERS_MAX`] have. Left to the ledger, one event dated ahead made every
+    /// check of an org read all its containers (160 ms each for 100 000).
     fn runtime_used_ms(&self, now: DateTime<Utc>) -> Option<i64> {
         let settled_at = self.latest_at.map(runtime::settled_at);
-        runtime::usage_from_totals(self.totals, &self.open, self.period, now, settled_at)
-            .map(|usage| usage.runtime_ms)
+        if let Some(usage) =
+            runtime::usage_from_totals(self.totals, &self.open, self.period, now, settled_at)
+        {
+            return Some(usage.runtime_ms);
+        }
+        (self.future.len() <= FUTURE_CONTAINERS_MAX).then(|| {
+            runtime::runtime_from_totals_and_ahead(
+                self.totals,
+                &self.open,
+                self.period,
+                now,
+                self.future.values(),
+            )
+        })
     }
 
     fn answer(

@@ -153,6 +153,42 @@ pub fn usage_from_totals(
     Some(usage)
 }
 
+/// An org's runtime in `period` up to `as_of` from its totals (as [`usage_from_totals`]
+/// takes them) when events of the org lie after `as_of`: `ahead` are the lifecycles of
+/// every container of the org with an event after `as_of` (every other container's
+/// intervals lie wholly before it, so the totals count them as of `as_of`). What the totals
+/// count of each container ahead is taken out and its runtime up to `as_of` put in, so the
+/// figure costs the containers ahead, not all of the org's.
+pub fn runtime_from_totals_and_ahead<'a>(
+    totals: PeriodTotals,
+    open: &[OpenRuns],
+    period: Period,
+    as_of: DateTime<Utc>,
+    ahead: impl IntoIterator<Item = &'a Lifecycle>,
+) -> i64 {
+    let window = period.window().until(as_of);
+    let mut runtime_ms = usage_from_totals(totals, open, period, as_of, None)
+        .expect("totals answer when not told when they settle")
+        .runtime_ms;
+    for lifecycle in ahead {
+        runtime_ms -= lifecycle
+            .closed_runtime_by_period()
+            .get(&period)
+            .copied()
+            .unwrap_or(0);
+        if let Some(since) = lifecycle.running_since() {
+            let runs = OpenRuns::of(since);
+            if runs.since_period < period {
+                runtime_ms -= window.length_ms();
+            } else if runs.since_period == period {
+                runtime_ms -= window.length_ms() - runs.since_offset_ms;
+            }
+        }
+        runtime_ms += lifecycle.runtime_ms(window);
+    }
+    runtime_ms
+}
+
 /// The first instant at which every event at or before `latest` is wholly in the past: one
 /// millisecond after it, since windows are half-open and events are whole milliseconds.
 pub fn settled_at(latest: DateTime<Utc>) -> DateTime<Utc> {

@@ -289,36 +289,7 @@ proptest! {
             return Ok(());
         };
         let settled = settled_at(latest);
-        let mut totals: BTreeMap<Period, PeriodTotals> = BTreeMap::new();
-        let mut open: Vec<OpenRuns> = Vec::new();
-        for timeline in &timelines {
-            for (period, runtime_ms) in timeline.lifecycle().closed_runtime_by_period() {
-                totals.entry(period).or_default().closed_runtime_ms += runtime_ms;
-            }
-            for command in timeline.commands() {
-                let period = totals.entry(Period::containing(command.occurred_at)).or_default();
-                period.commands += 1;
-                period.command_ms += command.duration_ms;
-            }
-            let pairs: std::collections::BTreeSet<(Period, u16)> = timeline
-                .ports()
-                .iter()
-                .map(|published| (Period::containing(published.occurred_at), published.port))
-                .collect();
-            for (period, _) in pairs {
-                totals.entry(period).or_default().ports_published += 1;
-            }
-            if let Some(since) = timeline.lifecycle().running_since() {
-                let runs = OpenRuns::of(since);
-                match open.iter_mut().find(|group| group.since_period == runs.since_period) {
-                    Some(group) => {
-                        group.running += 1;
-                        group.since_offset_ms += runs.since_offset_ms;
-                    }
-                    None => open.push(runs),
-                }
-            }
-        }
+        let (totals, open) = totals_and_open(&timelines);
         let as_of = settled + Duration::milliseconds(after_ms);
         for period in periods() {
             let period_totals = totals.get(&period).copied().unwrap_or_default();
@@ -330,4 +301,75 @@ proptest! {
             prop_assert_eq!(usage_from_totals(period_totals, &open, period, early, Some(settled)), None);
         }
     }
+
+    #[test]
+    fn runtime_from_totals_and_the_containers_ahead_equals_runtime_from_timelines_at_any_instant(
+        history in any_history(),
+        pick in any::<Index>(),
+        nudge_ms in -1i64..=1,
+    ) {
+        let timelines = timelines(&history);
+        if history.containers.is_empty() {
+            return Ok(());
+        }
+        // An instant at, just before or just after one of the events: some containers have
+        // events after it, others not.
+        let as_of = history.containers[pick.index(history.containers.len())].1.occurred_at
+            + Duration::milliseconds(nudge_ms);
+        let (totals, open) = totals_and_open(&timelines);
+        let ahead: Vec<&Lifecycle> = timelines
+            .iter()
+            .map(ContainerTimeline::lifecycle)
+            .filter(|lifecycle| lifecycle.last_at().is_some_and(|at| at > as_of))
+            .collect();
+        for period in periods() {
+            let period_totals = totals.get(&period).copied().unwrap_or_default();
+            prop_assert_eq!(
+                runtime_from_totals_and_ahead(period_totals, &open, period, as_of, ahead.iter().copied()),
+                usage(&timelines, period, as_of).runtime_ms
+            );
+        }
+    }
+}
+
+/// Each period's totals and the open runs of `timelines`, as the projection keeps them.
+fn totals_and_open(
+    timelines: &[ContainerTimeline],
+) -> (BTreeMap<Period, PeriodTotals>, Vec<OpenRuns>) {
+    let mut totals: BTreeMap<Period, PeriodTotals> = BTreeMap::new();
+    let mut open: Vec<OpenRuns> = Vec::new();
+    for timeline in timelines {
+        for (period, runtime_ms) in timeline.lifecycle().closed_runtime_by_period() {
+            totals.entry(period).or_default().closed_runtime_ms += runtime_ms;
+        }
+        for command in timeline.commands() {
+            let period = totals
+                .entry(Period::containing(command.occurred_at))
+                .or_default();
+            period.commands += 1;
+            period.command_ms += command.duration_ms;
+        }
+        let pairs: std::collections::BTreeSet<(Period, u16)> = timeline
+            .ports()
+            .iter()
+            .map(|published| (Period::containing(published.occurred_at), published.port))
+            .collect();
+        for (period, _) in pairs {
+            totals.entry(period).or_default().ports_published += 1;
+        }
+        if let Some(since) = timeline.lifecycle().running_since() {
+            let runs = OpenRuns::of(since);
+            match open
+                .iter_mut()
+                .find(|group| group.since_period == runs.since_period)
+            {
+                Some(group) => {
+                    group.running += 1;
+                    group.since_offset_ms += runs.since_offset_ms;
+                }
+                None => open.push(runs),
+            }
+        }
+    }
+    (totals, open)
 }

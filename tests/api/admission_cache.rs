@@ -188,6 +188,51 @@ async fn a_reservation_stops_counting_in_kept_facts_when_it_expires_though_no_no
 }
 
 #[tokio::test]
+async fn an_org_with_events_dated_ahead_is_answered_from_memory_with_its_runtime_up_to_now() {
+    let app = TestApp::spawn_mid_period().await;
+    let start = app.now().duration_trunc(TimeDelta::seconds(1)).unwrap();
+    let minutes = TimeDelta::minutes;
+    let event = |kind: &str, container: &str, at| {
+        json!({"id": Uuid::new_v4(), "type": format!("container.{kind}"), "org_id": "acme",
+               "container_id": container, "occurred_at": timestamp(at)})
+    };
+    // c1 ran 20 minutes; c2 ran 5 and resumes 3 minutes ahead; c3 started 40 minutes ago
+    // and stops 4 minutes ahead, so it runs now.
+    let events = [
+        event("created", "c1", start - minutes(30)),
+        event("stopped", "c1", start - minutes(10)),
+        event("created", "c2", start - minutes(20)),
+        event("stopped", "c2", start - minutes(15)),
+        event("resumed", "c2", start + minutes(3)),
+        event("created", "c3", start - minutes(40)),
+        event("stopped", "c3", start + minutes(4)),
+    ];
+    answered(200, app.post_events(&json!({ "events": events })).await);
+    projected_to_head(&app.pool, "the events are projected").await;
+
+    let body = json!({"org_id": "acme", "action": "create"});
+    warm(&app, &body).await;
+    let before = app
+        .now()
+        .duration_trunc(TimeDelta::milliseconds(1))
+        .unwrap();
+    let hits = stats(&app).hits;
+    let used = check_at(&app, &body).await["runtime_used_ms"]
+        .as_i64()
+        .unwrap();
+    let after = app.now();
+    assert_eq!(stats(&app).hits, hits + 1, "answered from memory");
+    let done = (minutes(20) + minutes(5)).num_milliseconds();
+    let c3_since = start - minutes(40);
+    assert!(
+        ((before - c3_since).num_milliseconds()..=(after - c3_since).num_milliseconds())
+            .contains(&(used - done)),
+        "{used} ms: 25 minutes, and c3's from its start to the check"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn losing_the_listening_connection_empties_the_cache_until_it_listens_again() {
     let app = TestApp::spawn().await;
     ready_org(&app, "acme").await;
