@@ -307,6 +307,7 @@ proptest! {
         history in any_history(),
         pick in any::<Index>(),
         nudge_ms in -1i64..=1,
+        read_before_ms in prop_oneof![Just(0i64), 0i64..3, 0i64..2 * 86_400_000],
     ) {
         let timelines = timelines(&history);
         if history.containers.is_empty() {
@@ -317,10 +318,13 @@ proptest! {
         let as_of = history.containers[pick.index(history.containers.len())].1.occurred_at
             + Duration::milliseconds(nudge_ms);
         let (totals, open) = totals_and_open(&timelines);
+        // Facts read earlier hold every container with an event after their read: those
+        // ahead of `as_of`, and some whose events are all before it, which change nothing.
+        let read_at = as_of - Duration::milliseconds(read_before_ms);
         let ahead: Vec<&Lifecycle> = timelines
             .iter()
             .map(ContainerTimeline::lifecycle)
-            .filter(|lifecycle| lifecycle.last_at().is_some_and(|at| at > as_of))
+            .filter(|lifecycle| lifecycle.last_at().is_some_and(|at| at > read_at))
             .collect();
         for period in periods() {
             let period_totals = totals.get(&period).copied().unwrap_or_default();
