@@ -240,8 +240,8 @@ async fn load_facts(
     // `last_at` (so that most projector updates leave it alone, decision 0037), and the
     // containers of that hour are then kept only if their last event is after `now`. That
     // reads every container of the org touched this hour, so it is read only when the org's
-    // latest event (never earlier than any of its containers' last) is after `now`: an org
-    // that touched 100 000 containers this hour made each check read them all.
+    // latest event (never earlier than any of its containers' last) is after `now`, not for
+    // every check of an org that touched many containers this hour.
     let future = format!(
         "org_id = r.org AND last_hour >= date_trunc('hour', $3 AT TIME ZONE 'UTC') \
          AND last_at > $3 \
@@ -615,8 +615,8 @@ impl Prepared {
     /// The org's runtime this period up to `now`: from the totals, corrected by the
     /// containers with events after `now` when there are any (the others' intervals all lie
     /// before it); `None`, leaving it to the ledger, when more than
-    /// [`FUTURE_CONTAINERS_MAX`] have. Left to the ledger, one event dated ahead made every
-    /// check of an org read all its containers (160 ms each for 100 000).
+    /// [`FUTURE_CONTAINERS_MAX`] have (the ledger's figure reads every container of the
+    /// org).
     fn runtime_used_ms(&self, now: DateTime<Utc>) -> Option<i64> {
         let settled_at = self.latest_at.map(runtime::settled_at);
         if let Some(usage) =

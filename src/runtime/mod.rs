@@ -172,10 +172,11 @@ pub fn runtime_from_totals_and_ahead<'a>(
         .runtime_ms;
     for lifecycle in ahead {
         runtime_ms -= lifecycle
-            .closed_runtime_by_period()
-            .get(&period)
-            .copied()
-            .unwrap_or(0);
+            .intervals()
+            .iter()
+            .filter(|interval| interval.end().is_some())
+            .map(|interval| interval.overlap_ms(period.window()))
+            .sum::<i64>();
         if let Some(since) = lifecycle.running_since() {
             let runs = OpenRuns::of(since);
             if runs.since_period < period {
