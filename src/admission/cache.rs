@@ -62,7 +62,9 @@ use crate::projection::Freshness;
 pub const ORGS_MAX: usize = 100_000;
 /// Facts kept at most, each counting one plus the containers it holds (an org with
 /// facts that hold all its containers has one; a larger org one for each container asked
-/// about); past it, everything is dropped and the cache starts over.
+/// about), its containers with events after its read counted again; past it, everything is
+/// dropped and the cache starts over. Facts hold no more than
+/// [`super::RECENT_INTERVALS_MAX`] intervals of any container, so this bounds memory.
 pub const ENTRIES_MAX: usize = 200_000;
 /// Facts kept of one org at most, counted as for [`ENTRIES_MAX`]; past it, that org's are
 /// dropped and its facts kept anew. Checks naming ever new containers of one org (they
@@ -175,6 +177,19 @@ impl KeptFacts {
     pub fn future_containers(&self) -> impl Iterator<Item = &str> {
         self.0.future.keys().map(String::as_str)
     }
+
+    /// Of the container `id`, when the facts hold it: how many intervals it has, and those
+    /// the facts hold of them (the ones ending after the read, or open).
+    pub fn intervals_of(&self, id: &str) -> Option<(usize, &[crate::runtime::Interval])> {
+        self.0
+            .container(id)
+            .map(|held| (held.intervals_total, held.recent.intervals()))
+    }
+
+    /// Whether a check would keep them (see [`Prepared::keepable`]).
+    pub fn keepable(&self) -> bool {
+        self.0.keepable()
+    }
 }
 
 /// The facts of this instance's checks; cheap to clone.
@@ -266,8 +281,12 @@ impl FactsCache {
     }
 
     /// Keeps the facts of `request` read under `ticket`, unless a notice touched its org
-    /// (or everything) since the ticket was taken, or the cache is full.
+    /// (or everything) since the ticket was taken, the facts are not to be kept (see
+    /// [`Prepared::keepable`]), or the cache is full.
     pub(crate) fn keep(&self, ticket: Ticket, request: &Request, facts: Arc<Prepared>) -> bool {
+        if !facts.keepable() {
+            return false;
+        }
         let mut state = self.lock();
         if !state.listening || state.generation != ticket.generation {
             return false;
@@ -483,7 +502,7 @@ fn kept_for<'a>(slot: &'a Slot, request: &Request) -> Option<&'a Arc<Prepared>> 
 }
 
 /// What one kept fact counts against [`ENTRIES_MAX`]: one, and one for each container it
-/// holds.
+/// holds (see [`Prepared::containers_kept`]).
 fn weight(facts: &Prepared) -> usize {
     1 + facts.containers_kept()
 }
@@ -729,6 +748,7 @@ mod tests {
     use chrono::{DateTime, TimeZone, Utc};
 
     use super::*;
+    use crate::admission::{ContainerFacts, RECENT_INTERVALS_MAX};
     use crate::billing::Action;
     use crate::event::OrgId;
     use std::collections::BTreeMap;
@@ -832,7 +852,10 @@ mod tests {
     /// before they were read.
     fn whole_facts(containers: &[&str]) -> Arc<Prepared> {
         let since = read_at() - chrono::Duration::hours(1);
-        let running = || Lifecycle::restore(vec![Interval::new(since, None)], 0, None);
+        let running = || {
+            let lifecycle = Lifecycle::restore(vec![Interval::new(since, None)], 0, None);
+            ContainerFacts::of(&lifecycle, read_at())
+        };
         let mut facts = (*facts()).clone();
         facts.containers = Some(
             containers
@@ -862,7 +885,9 @@ mod tests {
         // not exist, so it does not run.
         let now = read_at() + chrono::Duration::minutes(1);
         let (whole, _) = cache.get(&request("acme", Some("c7")), 10).unwrap();
-        assert!(whole.target_of(&c2).is_some_and(|c| c.running_at(now)));
+        assert!(whole
+            .target_of(&c2)
+            .is_some_and(|c| c.recent.running_at(now)));
         assert!(whole.target_of(&request("acme", Some("c7"))).is_none());
 
         // Facts of a larger org answer only the container they were read for.
@@ -911,12 +936,78 @@ mod tests {
                 ..notice(Some(position), &["acme"], false)
             }
         };
-        // A round touching a container the facts hold keeps them whole.
+        // A round touching a container the facts hold keeps them whole (the container now
+        // has an event after their read, and counts once more for it).
         cache.apply(&round(1, 11, "c0"));
         assert!(cache.kept(&acme).is_some_and(|kept| kept.whole()));
-        assert_eq!(cache.len(), 1 + ORG_CONTAINERS_KEPT_MAX);
+        assert_eq!(cache.len(), 1 + ORG_CONTAINERS_KEPT_MAX + 1);
         // One more container is one past the limit: read again.
         cache.apply(&round(2, 12, "new"));
+        assert!(cache.kept(&acme).is_none());
+        assert_eq!(cache.len(), 0);
+    }
+
+    /// A container that ran from an hour before the facts' read and then stopped and
+    /// resumed `cycles` times after it, a minute apart: `cycles` + 1 intervals end after the
+    /// read, or are open.
+    fn churning(cycles: usize) -> Lifecycle {
+        let minute = |n: usize| read_at() + chrono::Duration::minutes(n as i64);
+        let mut intervals = vec![Interval::new(
+            read_at() - chrono::Duration::hours(1),
+            Some(minute(1)),
+        )];
+        for cycle in 1..=cycles {
+            let end = (cycle < cycles).then(|| minute(2 * cycle + 1));
+            intervals.push(Interval::new(minute(2 * cycle), end));
+        }
+        Lifecycle::restore(intervals, 0, None)
+    }
+
+    /// Facts of acme that hold its one container `c0`, [`churning`] `cycles` times.
+    fn churning_facts(cycles: usize) -> Arc<Prepared> {
+        let mut facts = (*facts()).clone();
+        facts.containers = Some(BTreeMap::from([(
+            "c0".to_owned(),
+            ContainerFacts::of(&churning(cycles), read_at()),
+        )]));
+        Arc::new(facts)
+    }
+
+    #[test]
+    fn kept_facts_a_round_leaves_with_more_intervals_after_their_read_than_kept_are_read_again() {
+        let facts = churning_facts(0);
+        let round = |lifecycle| OrgRound {
+            position: 11,
+            containers: vec![("c0", lifecycle)],
+            ..OrgRound::default()
+        };
+        let most = churning(RECENT_INTERVALS_MAX - 1);
+        let advanced = facts.advanced(&round(&most)).expect("advanced");
+        assert_eq!(
+            advanced
+                .container("c0")
+                .map(|c0| c0.recent.intervals().len()),
+            Some(RECENT_INTERVALS_MAX)
+        );
+        let more = churning(RECENT_INTERVALS_MAX);
+        assert_eq!(facts.advanced(&round(&more)), None);
+    }
+
+    #[test]
+    fn facts_holding_a_container_with_more_intervals_after_their_read_than_kept_answer_but_are_not_kept(
+    ) {
+        let cache = listening_cache(10);
+        let acme = request("acme", Some("c0"));
+        // The interval running at the read, and one for each cycle after it.
+        let most = churning_facts(RECENT_INTERVALS_MAX - 1);
+        let ticket = cache.ticket("acme").unwrap();
+        assert!(cache.keep(ticket, &acme, most));
+        assert!(cache.kept(&acme).is_some());
+        cache.forget("acme");
+        let more = churning_facts(RECENT_INTERVALS_MAX);
+        assert!(!more.keepable());
+        let ticket = cache.ticket("acme").unwrap();
+        assert!(!cache.keep(ticket, &acme, more));
         assert!(cache.kept(&acme).is_none());
         assert_eq!(cache.len(), 0);
     }

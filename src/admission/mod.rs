@@ -181,12 +181,18 @@ struct FactsRow {
     open_offsets: Vec<i64>,
     /// The containers with events after `now`, and their intervals in the same order: only
     /// these can be running at `now` other than by an open interval that started before it.
+    /// Of each container, how many intervals it has and those a check needs
+    /// ([`recent_intervals`]).
     future_containers: Vec<String>,
+    future_totals: Vec<i32>,
     future_intervals: Vec<String>,
+    target_total: Option<i32>,
     target_intervals: Option<String>,
-    /// Every container of the org and its intervals, in the same order, up to one more
-    /// than [`ORG_CONTAINERS_KEPT_MAX`]: all of them when there are no more than that.
+    /// Every container of the org, up to one more than [`ORG_CONTAINERS_KEPT_MAX`] (all of
+    /// them when there are no more than that), and then their intervals in the same order
+    /// (none when there are more: the facts will not hold them).
     org_containers: Vec<String>,
+    org_totals: Vec<i32>,
     org_intervals: Vec<String>,
     /// When each slot held by reservations stops being held: a live reservation's expiry,
     /// or the instant of a start dated after `now` that consumed some (once a start, however
@@ -247,6 +253,7 @@ async fn load_facts(
          AND last_at > $3 \
          AND EXISTS (SELECT FROM {live}.org o WHERE o.org_id = r.org AND o.latest_at > $3)"
     );
+    let recent = recent_intervals("intervals");
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
     let containers: Vec<Option<&str>> = requests
         .iter()
@@ -267,10 +274,11 @@ async fn load_facts(
                 COALESCE(o.open_running, '{{}}') AS open_running, \
                 COALESCE(o.open_offsets, '{{}}') AS open_offsets, \
                 COALESCE(f.future_containers, '{{}}') AS future_containers, \
+                COALESCE(f.future_totals, '{{}}') AS future_totals, \
                 COALESCE(f.future_intervals, '{{}}') AS future_intervals, \
-                (SELECT intervals::TEXT FROM {live}.container \
-                      WHERE org_id = r.org AND container_id = r.container) AS target_intervals, \
+                t.total AS target_total, t.recent AS target_intervals, \
                 COALESCE(w.org_containers, '{{}}') AS org_containers, \
+                COALESCE(w.org_totals, '{{}}') AS org_totals, \
                 COALESCE(w.org_intervals, '{{}}') AS org_intervals, \
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
@@ -306,16 +314,26 @@ async fn load_facts(
                    ON true \
          LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id) \
                                    AS future_containers, \
-                                   array_agg(intervals::TEXT ORDER BY container_id) \
+                                   array_agg(jsonb_array_length(intervals) ORDER BY container_id) \
+                                   AS future_totals, \
+                                   array_agg({recent} ORDER BY container_id) \
                                    AS future_intervals \
                             FROM {live}.container WHERE {future}) AS f ON true \
+         LEFT JOIN LATERAL (SELECT jsonb_array_length(intervals) AS total, {recent} AS recent \
+                            FROM {live}.container \
+                            WHERE org_id = r.org AND container_id = r.container) AS t ON true \
          LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id COLLATE \"C\") \
                                    AS org_containers, \
-                                   array_agg(intervals::TEXT ORDER BY container_id COLLATE \"C\") \
-                                   AS org_intervals \
-                            FROM (SELECT container_id, intervals FROM {live}.container \
-                                  WHERE org_id = r.org ORDER BY container_id COLLATE \"C\" \
-                                  LIMIT {whole}) AS c) AS w ON true \
+                                   array_agg(jsonb_array_length(intervals) \
+                                             ORDER BY container_id COLLATE \"C\") \
+                                   FILTER (WHERE kept) AS org_totals, \
+                                   array_agg({recent} ORDER BY container_id COLLATE \"C\") \
+                                   FILTER (WHERE kept) AS org_intervals \
+                            FROM (SELECT container_id, intervals, \
+                                         count(*) OVER () <= {ORG_CONTAINERS_KEPT_MAX} AS kept \
+                                  FROM (SELECT container_id, intervals FROM {live}.container \
+                                        WHERE org_id = r.org ORDER BY container_id COLLATE \"C\" \
+                                        LIMIT {whole}) AS c) AS c) AS w ON true \
          ORDER BY r.i"
     ))
     .bind(&orgs)
@@ -414,16 +432,16 @@ pub(crate) struct Prepared {
     /// later instant other than by an open interval. A container whose last event is before
     /// that later instant changes nothing (running at it exactly when its interval is
     /// open), so the list read at `read_at` serves every later instant.
-    future: BTreeMap<String, Lifecycle>,
+    future: BTreeMap<String, ContainerFacts>,
     /// Every container of the org by id, as stored, when it has at most
     /// [`ORG_CONTAINERS_KEPT_MAX`]: then the facts answer a check naming any container of
     /// the org (one not among them does not exist), and `target_id` and `target` are
     /// `None`.
-    containers: Option<BTreeMap<String, Lifecycle>>,
+    containers: Option<BTreeMap<String, ContainerFacts>>,
     /// Of an org with more containers: the container the request that read the facts
     /// named, and its lifecycle when it exists.
     target_id: Option<ContainerId>,
-    target: Option<Lifecycle>,
+    target: Option<ContainerFacts>,
     reservation_expiries: Vec<DateTime<Utc>>,
     /// Reservations consumed by an event the projection does not hold: only after a
     /// replay's swap moved the checkpoint back past it (the projector consumes in the round
@@ -447,10 +465,20 @@ impl Prepared {
         };
         let containers = (row.org_containers.len() <= ORG_CONTAINERS_KEPT_MAX)
             .then(|| {
+                let count = row.org_containers.len();
+                if (row.org_totals.len(), row.org_intervals.len()) != (count, count) {
+                    return Err(AdmissionError::Corrupt(format!(
+                        "the intervals of {} of the org's {count} containers",
+                        row.org_intervals.len()
+                    )));
+                }
                 row.org_containers
                     .iter()
-                    .zip(&row.org_intervals)
-                    .map(|(container, intervals)| Ok((container.clone(), lifecycle_of(intervals)?)))
+                    .zip(row.org_totals.iter().zip(&row.org_intervals))
+                    .map(|(container, (total, intervals))| {
+                        let held = ContainerFacts::read(*total, intervals, read_at)?;
+                        Ok((container.clone(), held))
+                    })
                     .collect::<Result<BTreeMap<_, _>, AdmissionError>>()
             })
             .transpose()?;
@@ -472,18 +500,18 @@ impl Prepared {
             future: row
                 .future_containers
                 .into_iter()
-                .zip(&row.future_intervals)
-                .map(|(container, intervals)| Ok((container, lifecycle_of(intervals)?)))
+                .zip(row.future_totals.iter().zip(&row.future_intervals))
+                .map(|(container, (total, intervals))| {
+                    Ok((container, ContainerFacts::read(*total, intervals, read_at)?))
+                })
                 .collect::<Result<_, AdmissionError>>()?,
             containers,
             target_id: request.container_id.clone().filter(|_| !whole),
-            target: match whole {
-                true => None,
-                false => row
-                    .target_intervals
-                    .as_deref()
-                    .map(lifecycle_of)
-                    .transpose()?,
+            target: match (whole, row.target_total, row.target_intervals.as_deref()) {
+                (false, Some(total), Some(intervals)) => {
+                    Some(ContainerFacts::read(total, intervals, read_at)?)
+                }
+                _ => None,
             },
             reservation_expiries: row.reservation_expiries,
             consumed_unprojected: u64::try_from(row.consumed_unprojected)
@@ -563,25 +591,40 @@ impl Prepared {
             .containers
             .as_ref()
             .is_none_or(|containers| containers.len() <= ORG_CONTAINERS_KEPT_MAX);
-        (next.future.len() <= FUTURE_CONTAINERS_MAX && whole_fits).then_some(next)
+        (next.future.len() <= FUTURE_CONTAINERS_MAX && whole_fits && next.keepable())
+            .then_some(next)
     }
 
     /// Puts `container`, as a round left it, where the facts hold it: among every container
     /// of the org, as the request's container, among those with events after `read_at`.
     fn put_container(&mut self, container: &str, lifecycle: &Lifecycle) {
-        // As the projection stores it, and a read restores it.
-        let stored = Lifecycle::restore(lifecycle.intervals().to_vec(), 0, None);
+        // As a read at `read_at` would hold it.
+        let held = ContainerFacts::of(lifecycle, self.read_at);
         if let Some(containers) = &mut self.containers {
-            containers.insert(container.to_owned(), stored.clone());
+            containers.insert(container.to_owned(), held.clone());
         }
         if self.target_id.as_ref().map(ContainerId::as_str) == Some(container) {
-            self.target = Some(stored.clone());
+            self.target = Some(held.clone());
         }
         if lifecycle.last_at() > Some(self.read_at) {
-            self.future.insert(container.to_owned(), stored);
+            self.future.insert(container.to_owned(), held);
         } else {
             self.future.remove(container);
         }
+    }
+
+    /// Whether these facts may be kept to answer later checks: no container of theirs has
+    /// more than [`RECENT_INTERVALS_MAX`] intervals ending after `read_at`, so each kept
+    /// fact costs memory, copies and answers in proportion to its containers, not to their
+    /// histories.
+    pub(crate) fn keepable(&self) -> bool {
+        let held = self.future.values().chain(self.target.iter()).chain(
+            self.containers
+                .iter()
+                .flat_map(|containers| containers.values()),
+        );
+        held.into_iter()
+            .all(|container| container.recent.intervals().len() <= RECENT_INTERVALS_MAX)
     }
 
     /// Whether these facts hold every container of the org, and so answer a check naming
@@ -591,15 +634,26 @@ impl Prepared {
     }
 
     /// Containers kept with the facts beside the org's own, as the cache counts its
-    /// entries.
+    /// entries: every container of the org when they hold them all, and those with events
+    /// after `read_at`.
     pub(crate) fn containers_kept(&self) -> usize {
-        self.containers.as_ref().map_or(0, BTreeMap::len)
+        self.containers.as_ref().map_or(0, BTreeMap::len) + self.future.len()
     }
 
-    /// The lifecycle of the container `request` names: from every container of the org
-    /// when the facts hold them, else the one the reading request named, when it is the
-    /// same (the cache keeps such facts under that container).
-    fn target_of(&self, request: &Request) -> Option<&Lifecycle> {
+    /// The container `id` as the facts hold it, wherever they hold it.
+    fn container(&self, id: &str) -> Option<&ContainerFacts> {
+        let among_all = self.containers.as_ref().and_then(|all| all.get(id));
+        let named = self
+            .target
+            .as_ref()
+            .filter(|_| self.target_id.as_ref().map(ContainerId::as_str) == Some(id));
+        among_all.or(named).or_else(|| self.future.get(id))
+    }
+
+    /// The container `request` names: from every container of the org when the facts hold
+    /// them, else the one the reading request named, when it is the same (the cache keeps
+    /// such facts under that container).
+    fn target_of(&self, request: &Request) -> Option<&ContainerFacts> {
         match (&self.containers, &request.container_id) {
             (Some(containers), Some(id)) => containers.get(id.as_str()),
             (Some(_), None) => None,
@@ -630,7 +684,7 @@ impl Prepared {
                 &self.open,
                 self.period,
                 now,
-                self.future.values(),
+                self.future.values().map(|container| &container.recent),
             )
         })
     }
@@ -643,18 +697,19 @@ impl Prepared {
     ) -> Result<Answer, AdmissionError> {
         // Open intervals, corrected by the few containers with events after now.
         let mut running: i64 = self.open.iter().map(|runs| runs.running as i64).sum();
-        for lifecycle in self.future.values() {
+        for container in self.future.values() {
+            let lifecycle = &container.recent;
             running += i64::from(lifecycle.running_at(now))
                 - i64::from(lifecycle.running_since().is_some());
         }
         let running_containers = u64::try_from(running)
             .map_err(|e| AdmissionError::corrupt("running containers below zero", e))?;
         let target = self.target_of(request);
-        let container_running = target.is_some_and(|lifecycle| lifecycle.running_at(now));
-        let container_started = container_running
-            || target.is_some_and(|lifecycle| lifecycle.starts_after(now).is_some());
-        let container_at_interval_limit = !container_started
-            && target.is_some_and(|lifecycle| lifecycle.intervals().len() >= INTERVALS_MAX);
+        let container_running = target.is_some_and(|held| held.recent.running_at(now));
+        let container_started =
+            container_running || target.is_some_and(|held| held.recent.starts_after(now).is_some());
+        let container_at_interval_limit =
+            !container_started && target.is_some_and(|held| held.intervals_total >= INTERVALS_MAX);
         let account = self.account.state_at(now);
         let versions = self
             .plans
@@ -756,12 +811,66 @@ fn plan_versions(
     Ok(plans)
 }
 
-fn lifecycle_of(intervals: &str) -> Result<Lifecycle, AdmissionError> {
-    Ok(Lifecycle::restore(
-        store::decode_intervals(intervals)?,
-        0,
-        None,
-    ))
+/// Intervals ending after the instant facts are read at that a container may have for the
+/// facts to be kept (see [`Prepared::keepable`]): a few are a start or stop dated ahead of
+/// the clock, more than this are a producer stopping and resuming one container over and
+/// over ahead of it.
+pub const RECENT_INTERVALS_MAX: usize = 16;
+
+/// A container as facts hold it: how many running intervals it has, and of them only those
+/// that end after the instant the facts were read at, or are open. At that instant and
+/// every later one these alone say whether it runs or starts and what runtime it adds
+/// ([`Lifecycle::intervals_ending_after`]); its whole history would make each read, round
+/// and kept fact cost as much as the history is long (up to [`INTERVALS_MAX`] intervals).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ContainerFacts {
+    intervals_total: usize,
+    recent: Lifecycle,
+}
+
+impl ContainerFacts {
+    /// Of `lifecycle`, the intervals that end after `read_at`.
+    fn of(lifecycle: &Lifecycle, read_at: DateTime<Utc>) -> ContainerFacts {
+        let recent = lifecycle.intervals_ending_after(read_at).to_vec();
+        ContainerFacts {
+            intervals_total: lifecycle.intervals().len(),
+            recent: Lifecycle::restore(recent, 0, None),
+        }
+    }
+
+    /// As the facts statement gives it: its number of intervals, and the text of as many of
+    /// the last of them as [`recent_intervals`] sends.
+    fn read(
+        total: i32,
+        intervals: &str,
+        read_at: DateTime<Utc>,
+    ) -> Result<ContainerFacts, AdmissionError> {
+        let sent = Lifecycle::restore(store::decode_intervals(intervals)?, 0, None);
+        let total = usize::try_from(total)
+            .ok()
+            .filter(|total| *total >= sent.intervals().len())
+            .ok_or_else(|| AdmissionError::corrupt("intervals", format!("{total} in all")))?;
+        Ok(ContainerFacts {
+            intervals_total: total,
+            ..ContainerFacts::of(&sent, read_at)
+        })
+    }
+}
+
+/// The facts statement's expression for what a check needs of a container's `column` of
+/// intervals, as text: all of them when there are at most [`RECENT_INTERVALS_MAX`] + 1;
+/// else the last that many when the first of those ended by the check's instant (`$3`), as
+/// then every earlier one did; else all of them (more than [`RECENT_INTERVALS_MAX`] end
+/// after it, and facts holding them are not kept). Postgres reads a long array to count it
+/// and to cut it, but sends and tally parses a handful of intervals, not the history.
+fn recent_intervals(column: &str) -> String {
+    let last = RECENT_INTERVALS_MAX + 1;
+    format!(
+        "CASE WHEN jsonb_array_length({column}) > {last} \
+                   AND ({column} -> -{last} ->> 1)::BIGINT <= extract(epoch FROM $3) * 1000 \
+              THEN jsonb_path_query_array({column}, '$[last - {RECENT_INTERVALS_MAX} to last]')::TEXT \
+              ELSE {column}::TEXT END"
+    )
 }
 
 type StoredChange = (i64, i64, Uuid, Option<String>, Option<bool>, Option<bool>);

@@ -523,6 +523,16 @@ impl Lifecycle {
             .map(|interval| interval.start)
     }
 
+    /// The intervals that end after `instant` or are open: at `instant` and at every later
+    /// instant, they alone can hold it, start after it or add running time after it. A
+    /// suffix, since the intervals are ordered and disjoint.
+    pub fn intervals_ending_after(&self, instant: DateTime<Utc>) -> &[Interval] {
+        let ended = self
+            .intervals
+            .partition_point(|interval| interval.end.is_some_and(|end| end <= instant));
+        &self.intervals[ended..]
+    }
+
     /// The first instant after `instant` at which an interval starts: a start dated ahead of
     /// the clock, when `instant` is now.
     pub fn starts_after(&self, instant: DateTime<Utc>) -> Option<DateTime<Utc>> {

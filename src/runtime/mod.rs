@@ -158,7 +158,9 @@ pub fn usage_from_totals(
 /// every container of the org with an event after `as_of` (every other container's
 /// intervals lie wholly before it, so the totals count them as of `as_of`). What the totals
 /// count of each container ahead is taken out and its runtime up to `as_of` put in, so the
-/// figure costs the containers ahead, not all of the org's.
+/// figure costs the containers ahead, not all of the org's. Of each lifecycle, the intervals
+/// that end after some instant at or before `as_of` ([`Lifecycle::intervals_ending_after`])
+/// suffice: what the others count is taken out and put back alike.
 pub fn runtime_from_totals_and_ahead<'a>(
     totals: PeriodTotals,
     open: &[OpenRuns],

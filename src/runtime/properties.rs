@@ -303,6 +303,31 @@ proptest! {
     }
 
     #[test]
+    fn the_intervals_ending_after_an_instant_answer_for_it_and_every_later_one_as_all_of_them_do(
+        history in any_history(),
+        pick in any::<Index>(),
+        nudge_ms in -1i64..=1,
+        later_ms in prop_oneof![Just(0i64), 0i64..3, 0i64..2 * 86_400_000],
+    ) {
+        if history.containers.is_empty() {
+            return Ok(());
+        }
+        let read_at = history.containers[pick.index(history.containers.len())].1.occurred_at
+            + Duration::milliseconds(nudge_ms);
+        let as_of = read_at + Duration::milliseconds(later_ms);
+        for timeline in timelines(&history) {
+            let all = timeline.lifecycle();
+            let tail = Lifecycle::restore(all.intervals_ending_after(read_at).to_vec(), 0, None);
+            prop_assert_eq!(tail.running_at(as_of), all.running_at(as_of));
+            prop_assert_eq!(tail.starts_after(as_of), all.starts_after(as_of));
+            prop_assert_eq!(tail.running_since(), all.running_since());
+            prop_assert!(all.intervals()[..all.intervals().len() - tail.intervals().len()]
+                .iter()
+                .all(|interval| interval.end().is_some_and(|end| end <= read_at)));
+        }
+    }
+
+    #[test]
     fn runtime_from_totals_and_the_containers_ahead_equals_runtime_from_timelines_at_any_instant(
         history in any_history(),
         pick in any::<Index>(),
@@ -320,16 +345,20 @@ proptest! {
         let (totals, open) = totals_and_open(&timelines);
         // Facts read earlier hold every container with an event after their read: those
         // ahead of `as_of`, and some whose events are all before it, which change nothing.
+        // Of each, they hold only the intervals that end after the read.
         let read_at = as_of - Duration::milliseconds(read_before_ms);
-        let ahead: Vec<&Lifecycle> = timelines
+        let ahead: Vec<Lifecycle> = timelines
             .iter()
             .map(ContainerTimeline::lifecycle)
             .filter(|lifecycle| lifecycle.last_at().is_some_and(|at| at > read_at))
+            .map(|lifecycle| {
+                Lifecycle::restore(lifecycle.intervals_ending_after(read_at).to_vec(), 0, None)
+            })
             .collect();
         for period in periods() {
             let period_totals = totals.get(&period).copied().unwrap_or_default();
             prop_assert_eq!(
-                runtime_from_totals_and_ahead(period_totals, &open, period, as_of, ahead.iter().copied()),
+                runtime_from_totals_and_ahead(period_totals, &open, period, as_of, &ahead),
                 usage(&timelines, period, as_of).runtime_ms
             );
         }

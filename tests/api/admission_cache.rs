@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use chrono::{DurationRound, TimeDelta};
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -16,11 +16,12 @@ use crate::plans::pro_plan;
 use tally::admission::cache::{
     self, CacheStats, FactsCache, Heartbeat, HEARTBEAT_APPLICATION_NAME, LISTENER_APPLICATION_NAME,
 };
-use tally::admission::{self, Checker, Request};
+use tally::admission::{self, Checker, Request, ORG_CONTAINERS_KEPT_MAX, RECENT_INTERVALS_MAX};
 use tally::billing::Action;
 use tally::event::canonical::timestamp;
 use tally::event::OrgId;
 use tally::projection::Freshness;
+use tally::runtime::Interval;
 use tally::startup::Service;
 
 async fn check_at(api: &Api, body: &Value) -> Value {
@@ -800,5 +801,217 @@ async fn facts_name_the_containers_whose_last_event_is_after_the_instant_in_its_
         facts.future_containers().collect::<Vec<_>>(),
         ["next_hour", "same_hour_after"]
     );
+    app.stop().await;
+}
+
+/// An event of `kind` of `org`'s `container` at `at`.
+fn lifecycle_event(org: &str, kind: &str, container: &str, at: DateTime<Utc>) -> Value {
+    json!({"id": Uuid::new_v4(), "type": format!("container.{kind}"), "org_id": org,
+           "container_id": container, "occurred_at": timestamp(at)})
+}
+
+#[tokio::test]
+async fn facts_hold_of_each_container_how_many_intervals_it_has_and_only_those_ending_after_their_read(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    let read_at = app.now().duration_trunc(TimeDelta::seconds(1)).unwrap() - TimeDelta::hours(1);
+    let at = |minutes: i64, seconds: i64| {
+        read_at + TimeDelta::minutes(minutes) + TimeDelta::seconds(seconds)
+    };
+    let mut events = Vec::new();
+    // In calm and in crowded, `long` runs from 50 minutes before the read, stops and
+    // resumes 40 times before it (30 s apart) and then after it (a minute apart, the last
+    // resume still running) as often as leaves the most intervals after the read that facts
+    // keep; `quiet` runs 10 minutes and stops 20 minutes before it.
+    let after_read = RECENT_INTERVALS_MAX as i64 - 1;
+    for org in ["calm", "crowded"] {
+        events.push(lifecycle_event(org, "created", "long", at(-50, 0)));
+        for k in 0..40 {
+            events.push(lifecycle_event(
+                org,
+                "stopped",
+                "long",
+                at(-50, 60 * k + 30),
+            ));
+            events.push(lifecycle_event(
+                org,
+                "resumed",
+                "long",
+                at(-50, 60 * k + 60),
+            ));
+        }
+        for k in 0..after_read {
+            events.push(lifecycle_event(org, "stopped", "long", at(2 * k + 1, 0)));
+            events.push(lifecycle_event(org, "resumed", "long", at(2 * k + 2, 0)));
+        }
+        events.push(lifecycle_event(org, "created", "quiet", at(-30, 0)));
+        events.push(lifecycle_event(org, "stopped", "quiet", at(-20, 0)));
+    }
+    // crowded has more containers than facts hold whole: they hold the one named.
+    for n in 0..ORG_CONTAINERS_KEPT_MAX {
+        events.push(lifecycle_event(
+            "crowded",
+            "created",
+            &format!("c{n}"),
+            at(-40, 0),
+        ));
+    }
+    // noisy's `churn` stops and resumes twice before the read and then once more than
+    // facts keep after it.
+    events.push(lifecycle_event("noisy", "created", "churn", at(-5, 0)));
+    for k in 0..2 {
+        events.push(lifecycle_event(
+            "noisy",
+            "stopped",
+            "churn",
+            at(-4 + 2 * k, 0),
+        ));
+        events.push(lifecycle_event(
+            "noisy",
+            "resumed",
+            "churn",
+            at(-3 + 2 * k, 0),
+        ));
+    }
+    for k in 0..RECENT_INTERVALS_MAX as i64 {
+        events.push(lifecycle_event(
+            "noisy",
+            "stopped",
+            "churn",
+            at(0, 20 * k + 10),
+        ));
+        events.push(lifecycle_event(
+            "noisy",
+            "resumed",
+            "churn",
+            at(0, 20 * k + 20),
+        ));
+    }
+    answered(200, app.post_events(&json!({ "events": events })).await);
+    projected_to_head(&app.pool, "the containers are projected").await;
+    let read = |org: &str, container: Option<&str>| {
+        let request = Request {
+            org_id: OrgId::parse(org).unwrap(),
+            action: container.map_or(Action::Create, |_| Action::Run),
+            container_id: container.map(|c| tally::event::ContainerId::parse(c).unwrap()),
+        };
+        let pool = app.pool.clone();
+        async move {
+            admission::read_facts(&pool, &request, read_at)
+                .await
+                .unwrap()
+        }
+    };
+    // The interval running at the read, and one for each resume after it.
+    let long_after_read: Vec<Interval> = (0..=after_read)
+        .map(|k| {
+            let start = if k == 0 { at(-10, 0) } else { at(2 * k, 0) };
+            let end = (k < after_read).then(|| at(2 * k + 1, 0));
+            Interval::new(start, end)
+        })
+        .collect();
+    assert_eq!(long_after_read.len(), RECENT_INTERVALS_MAX);
+    let long = Some((1 + 40 + after_read as usize, &long_after_read[..]));
+    let quiet = Some((1, &[][..]));
+
+    let calm = read("calm", None).await;
+    assert!(calm.whole() && calm.keepable());
+    assert_eq!(
+        (calm.intervals_of("long"), calm.intervals_of("quiet")),
+        (long, quiet)
+    );
+    // Named, and among the containers with events after the read.
+    let named = read("crowded", Some("long")).await;
+    assert!(!named.whole() && named.keepable());
+    assert_eq!(named.intervals_of("long"), long);
+    let other = read("crowded", Some("quiet")).await;
+    assert_eq!(other.future_containers().collect::<Vec<_>>(), ["long"]);
+    assert_eq!(
+        (other.intervals_of("long"), other.intervals_of("quiet")),
+        (long, quiet)
+    );
+
+    let noisy = read("noisy", None).await;
+    let (total, held) = noisy.intervals_of("churn").unwrap();
+    assert_eq!(
+        (total, held.len()),
+        (RECENT_INTERVALS_MAX + 3, RECENT_INTERVALS_MAX + 1)
+    );
+    assert!(!noisy.keepable());
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_org_whose_container_stops_and_resumes_over_and_over_ahead_is_answered_right_from_postgres(
+) {
+    let app = TestApp::spawn_mid_period().await;
+    let start = app.now().duration_trunc(TimeDelta::seconds(1)).unwrap();
+    let seconds = TimeDelta::seconds;
+    // steady's container stopped and resumed 40 times before now; restless's runs from ten
+    // minutes ago and stops and resumes from a minute ahead, once more than facts keep.
+    let mut events = vec![lifecycle_event(
+        "steady",
+        "created",
+        "c",
+        start - TimeDelta::hours(1),
+    )];
+    for k in 0..40 {
+        events.push(lifecycle_event(
+            "steady",
+            "stopped",
+            "c",
+            start - seconds(3000 - 60 * k),
+        ));
+        events.push(lifecycle_event(
+            "steady",
+            "resumed",
+            "c",
+            start - seconds(2970 - 60 * k),
+        ));
+    }
+    let since = start - TimeDelta::minutes(10);
+    events.push(lifecycle_event("restless", "created", "c", since));
+    for k in 0..RECENT_INTERVALS_MAX as i64 {
+        events.push(lifecycle_event(
+            "restless",
+            "stopped",
+            "c",
+            start + seconds(60 + 10 * k),
+        ));
+        events.push(lifecycle_event(
+            "restless",
+            "resumed",
+            "c",
+            start + seconds(65 + 10 * k),
+        ));
+    }
+    answered(200, app.post_events(&json!({ "events": events })).await);
+    projected_to_head(&app.pool, "the events are projected").await;
+
+    // A long history before now does not keep facts from being kept.
+    warm(&app, &json!({"org_id": "steady", "action": "create"})).await;
+    let body = json!({"org_id": "restless", "action": "create"});
+    for _ in 0..3 {
+        let before = stats(&app);
+        let checked_from = app
+            .now()
+            .duration_trunc(TimeDelta::milliseconds(1))
+            .unwrap();
+        let answer = check_at(&app, &body).await;
+        let checked_to = app.now();
+        let after = stats(&app);
+        assert_eq!(
+            (after.hits, after.misses),
+            (before.hits, before.misses + 1),
+            "from Postgres"
+        );
+        assert_eq!(answer["running_containers"], 1, "{answer}");
+        let used = answer["runtime_used_ms"].as_i64().unwrap();
+        assert!(
+            ((checked_from - since).num_milliseconds()..=(checked_to - since).num_milliseconds())
+                .contains(&used),
+            "{used} ms: from the start to the check"
+        );
+    }
     app.stop().await;
 }
