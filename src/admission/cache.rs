@@ -116,6 +116,8 @@ pub struct Ticket {
 struct Slot {
     generation: u64,
     facts: HashMap<Option<ContainerId>, Arc<Prepared>>,
+    /// The facts' weights added up, as counted against [`ORG_ENTRIES_MAX`].
+    entries: usize,
 }
 
 #[derive(Default)]
@@ -307,11 +309,11 @@ impl FactsCache {
             },
         };
         let mut replaced = slot.facts.get(&key).map_or(0, |kept| weight(kept));
-        let org_entries: usize = slot.facts.values().map(|kept| weight(kept)).sum();
         let mut entries = entries;
-        if org_entries - replaced + added > ORG_ENTRIES_MAX {
+        if slot.entries - replaced + added > ORG_ENTRIES_MAX {
             slot.facts.clear();
-            entries -= org_entries;
+            entries -= slot.entries;
+            slot.entries = 0;
             replaced = 0;
         }
         if entries - replaced + added > ENTRIES_MAX {
@@ -320,6 +322,7 @@ impl FactsCache {
             return false;
         }
         slot.facts.insert(key, facts);
+        slot.entries = slot.entries - replaced + added;
         state.entries = entries - replaced + added;
         true
     }
@@ -568,40 +571,39 @@ fn advance_orgs(state: &mut State, orgs: &[String], round: &RoundChanges, positi
 }
 
 /// Advances every fact kept of `org` by `change`; `false`, changing nothing, when one of
-/// them cannot be.
+/// them cannot be or they would weigh more than [`ORG_ENTRIES_MAX`] together.
 fn advance_org(state: &mut State, org: &str, change: &OrgRound<'_>) -> bool {
     let Some(slot) = state.orgs.get_mut(org) else {
         return false;
     };
     let mut facts = HashMap::with_capacity(slot.facts.len());
-    let (mut before, mut after) = (0, 0);
+    let mut after = 0;
     for (key, kept) in &slot.facts {
         let Some(next) = kept.advanced(change) else {
             return false;
         };
-        before += weight(kept);
         after += weight(&next);
         facts.insert(key.clone(), Arc::new(next));
+    }
+    if after > ORG_ENTRIES_MAX {
+        return false;
     }
     // Reads begun before the round are not kept: they may not include it.
     slot.generation += 1;
     slot.facts = facts;
-    // A round may add containers to facts that hold them all (never past
-    // ORG_CONTAINERS_KEPT_MAX each, see `Prepared::advanced`), which can take the count
-    // past ENTRIES_MAX (or an org's past ORG_ENTRIES_MAX) for a while: the next fact kept
-    // starts the cache (or the org) over.
-    state.entries = state.entries - before + after;
+    // A round may add containers to facts (never past ORG_CONTAINERS_KEPT_MAX held whole,
+    // nor past FUTURE_CONTAINERS_MAX ahead, see `Prepared::advanced`), which can take the
+    // count past ENTRIES_MAX for a while: the next fact kept starts the cache over.
+    state.entries = state.entries - slot.entries + after;
+    slot.entries = after;
     true
 }
 
 fn forget_org(state: &mut State, org: &str) {
     if let Some(slot) = state.orgs.get_mut(org) {
         slot.generation += 1;
-        state.entries -= slot
-            .facts
-            .values()
-            .map(|facts| weight(facts))
-            .sum::<usize>();
+        state.entries -= slot.entries;
+        slot.entries = 0;
         slot.facts.clear();
     }
 }
@@ -900,6 +902,50 @@ mod tests {
         assert_eq!(cache.len(), 1);
     }
 
+    /// The notice of a round of this instance, tagged `tag`, with one event: acme's
+    /// `container` created a second after the facts were read.
+    fn creating_round(cache: &FactsCache, tag: u64, position: i64, container: &str) -> Notice {
+        let created = ContainerEntry {
+            occurred_at: read_at() + chrono::Duration::seconds(1),
+            position,
+            event_id: EventId::from_uuid(uuid::Uuid::new_v4()).unwrap(),
+            kind: EntryKind::Created,
+        };
+        let event = ProjectedEvent {
+            position,
+            recorded_at: read_at(),
+            org_id: "acme".to_owned(),
+            container: Some((container.to_owned(), created)),
+            account: None,
+            voids: None,
+        };
+        let changes = Changes::apply(&[event], &[], HashMap::new()).finish();
+        let reread = HashSet::new();
+        cache.rounds().record(tag, RoundChanges { changes, reread });
+        Notice {
+            round: Some(tag),
+            ..notice(Some(position), &["acme"], false)
+        }
+    }
+
+    #[test]
+    fn a_round_that_takes_an_orgs_facts_past_what_one_org_keeps_drops_them() {
+        let cache = listening_cache(10);
+        let other = request("other", None);
+        assert!(read(&cache, &other));
+        // Facts of acme for that many containers named, each counting one.
+        let named = ORG_ENTRIES_MAX / 2 + 1;
+        for n in 0..named {
+            assert!(read(&cache, &request("acme", Some(&format!("c{n}")))));
+        }
+        assert_eq!(cache.len(), 1 + named);
+        // A container with an event after their read: each fact holds it, and counts it.
+        cache.apply(&creating_round(&cache, 1, 11, "ahead"));
+        assert!(cache.kept(&request("acme", Some("c0"))).is_none());
+        assert_eq!(cache.len(), 1);
+        assert!(cache.kept(&other).is_some());
+    }
+
     #[test]
     fn a_round_that_takes_an_org_past_the_containers_kept_with_its_facts_drops_them() {
         let cache = listening_cache(10);
@@ -912,30 +958,7 @@ mod tests {
         assert!(cache.keep(ticket, &acme, whole_facts(&names)));
         assert_eq!(cache.len(), 1 + ORG_CONTAINERS_KEPT_MAX);
 
-        // A round with one event: `container` created just after the facts were read.
-        let round = |tag: u64, position: i64, container: &str| {
-            let created = ContainerEntry {
-                occurred_at: read_at() + chrono::Duration::seconds(1),
-                position,
-                event_id: EventId::from_uuid(uuid::Uuid::new_v4()).unwrap(),
-                kind: EntryKind::Created,
-            };
-            let event = ProjectedEvent {
-                position,
-                recorded_at: read_at(),
-                org_id: "acme".to_owned(),
-                container: Some((container.to_owned(), created)),
-                account: None,
-                voids: None,
-            };
-            let changes = Changes::apply(&[event], &[], HashMap::new()).finish();
-            let reread = HashSet::new();
-            cache.rounds().record(tag, RoundChanges { changes, reread });
-            Notice {
-                round: Some(tag),
-                ..notice(Some(position), &["acme"], false)
-            }
-        };
+        let round = |tag, position, container| creating_round(&cache, tag, position, container);
         // A round touching a container the facts hold keeps them whole (the container now
         // has an event after their read, and counts once more for it).
         cache.apply(&round(1, 11, "c0"));

@@ -319,9 +319,6 @@ async fn load_facts(
                                    array_agg({recent} ORDER BY container_id) \
                                    AS future_intervals \
                             FROM {live}.container WHERE {future}) AS f ON true \
-         LEFT JOIN LATERAL (SELECT jsonb_array_length(intervals) AS total, {recent} AS recent \
-                            FROM {live}.container \
-                            WHERE org_id = r.org AND container_id = r.container) AS t ON true \
          LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id COLLATE \"C\") \
                                    AS org_containers, \
                                    array_agg(jsonb_array_length(intervals) \
@@ -334,6 +331,11 @@ async fn load_facts(
                                   FROM (SELECT container_id, intervals FROM {live}.container \
                                         WHERE org_id = r.org ORDER BY container_id COLLATE \"C\" \
                                         LIMIT {whole}) AS c) AS c) AS w ON true \
+         LEFT JOIN LATERAL (SELECT jsonb_array_length(intervals) AS total, {recent} AS recent \
+                            FROM {live}.container \
+                            WHERE org_id = r.org AND container_id = r.container \
+                              AND cardinality(w.org_containers) > {ORG_CONTAINERS_KEPT_MAX}) \
+                   AS t ON true \
          ORDER BY r.i"
     ))
     .bind(&orgs)
@@ -483,6 +485,21 @@ impl Prepared {
             })
             .transpose()?;
         let whole = containers.is_some();
+        let count = row.future_containers.len();
+        if (row.future_totals.len(), row.future_intervals.len()) != (count, count) {
+            return Err(AdmissionError::Corrupt(format!(
+                "the intervals of {} of the org's {count} containers ahead",
+                row.future_intervals.len()
+            )));
+        }
+        let future = row
+            .future_containers
+            .into_iter()
+            .zip(row.future_totals.iter().zip(&row.future_intervals))
+            .map(|(container, (total, intervals))| {
+                Ok((container, ContainerFacts::read(*total, intervals, read_at)?))
+            })
+            .collect::<Result<_, AdmissionError>>()?;
         Ok(Prepared {
             projected: row.projected,
             read_at,
@@ -497,14 +514,7 @@ impl Prepared {
                     .map_err(|e| AdmissionError::corrupt("ports_published", e))?,
             },
             open: query::open_runs(&row.open_periods, &row.open_running, &row.open_offsets)?,
-            future: row
-                .future_containers
-                .into_iter()
-                .zip(row.future_totals.iter().zip(&row.future_intervals))
-                .map(|(container, (total, intervals))| {
-                    Ok((container, ContainerFacts::read(*total, intervals, read_at)?))
-                })
-                .collect::<Result<_, AdmissionError>>()?,
+            future,
             containers,
             target_id: request.container_id.clone().filter(|_| !whole),
             target: match (whole, row.target_total, row.target_intervals.as_deref()) {
@@ -613,18 +623,19 @@ impl Prepared {
         }
     }
 
-    /// Whether these facts may be kept to answer later checks: no container of theirs has
-    /// more than [`RECENT_INTERVALS_MAX`] intervals ending after `read_at`, so each kept
-    /// fact costs memory, copies and answers in proportion to its containers, not to their
-    /// histories.
+    /// Whether these facts may be kept to answer later checks: no more than
+    /// [`FUTURE_CONTAINERS_MAX`] containers with events after `read_at` (past it, each answer
+    /// reads the ledger anyway) and no container with more than [`RECENT_INTERVALS_MAX`]
+    /// intervals ending after `read_at`, so each kept fact costs memory, copies and answers
+    /// in proportion to its containers, not to their histories.
     pub(crate) fn keepable(&self) -> bool {
-        let held = self.future.values().chain(self.target.iter()).chain(
+        let mut held = self.future.values().chain(self.target.iter()).chain(
             self.containers
                 .iter()
                 .flat_map(|containers| containers.values()),
         );
-        held.into_iter()
-            .all(|container| container.recent.intervals().len() <= RECENT_INTERVALS_MAX)
+        self.future.len() <= FUTURE_CONTAINERS_MAX
+            && held.all(|container| container.recent.intervals().len() <= RECENT_INTERVALS_MAX)
     }
 
     /// Whether these facts hold every container of the org, and so answer a check naming
@@ -858,18 +869,19 @@ impl ContainerFacts {
 }
 
 /// The facts statement's expression for what a check needs of a container's `column` of
-/// intervals, as text: all of them when there are at most [`RECENT_INTERVALS_MAX`] + 1;
-/// else the last that many when the first of those ended by the check's instant (`$3`), as
-/// then every earlier one did; else all of them (more than [`RECENT_INTERVALS_MAX`] end
-/// after it, and facts holding them are not kept). Postgres reads a long array to count it
+/// intervals, as text: all of them when there are at most [`RECENT_INTERVALS_MAX`]; else
+/// the last that many when the one before them ended by the check's instant (`$3`), as then
+/// every earlier one did; else all of them (more than [`RECENT_INTERVALS_MAX`] end after
+/// it, and facts holding them are not kept). Postgres reads a long array to count it
 /// and to cut it, but sends and tally parses a handful of intervals, not the history.
 fn recent_intervals(column: &str) -> String {
-    let last = RECENT_INTERVALS_MAX + 1;
+    let (kept, before) = (RECENT_INTERVALS_MAX, RECENT_INTERVALS_MAX + 1);
     format!(
-        "CASE WHEN jsonb_array_length({column}) > {last} \
-                   AND ({column} -> -{last} ->> 1)::BIGINT <= extract(epoch FROM $3) * 1000 \
-              THEN jsonb_path_query_array({column}, '$[last - {RECENT_INTERVALS_MAX} to last]')::TEXT \
-              ELSE {column}::TEXT END"
+        "CASE WHEN jsonb_array_length({column}) > {kept} \
+                   AND ({column} -> -{before} ->> 1)::BIGINT <= extract(epoch FROM $3) * 1000 \
+              THEN jsonb_path_query_array({column}, '$[last - {} to last]')::TEXT \
+              ELSE {column}::TEXT END",
+        kept - 1
     )
 }
 

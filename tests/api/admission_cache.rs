@@ -804,6 +804,17 @@ async fn facts_name_the_containers_whose_last_event_is_after_the_instant_in_its_
     app.stop().await;
 }
 
+/// The answer to `body`, and instants before and after it was asked (the first cut to the
+/// millisecond, as the check's instant is).
+async fn timed_check(app: &TestApp, body: &Value) -> (Value, DateTime<Utc>, DateTime<Utc>) {
+    let from = app
+        .now()
+        .duration_trunc(TimeDelta::milliseconds(1))
+        .unwrap();
+    let answer = check_at(app, body).await;
+    (answer, from, app.now())
+}
+
 /// An event of `kind` of `org`'s `container` at `at`.
 fn lifecycle_event(org: &str, kind: &str, container: &str, at: DateTime<Utc>) -> Value {
     json!({"id": Uuid::new_v4(), "type": format!("container.{kind}"), "org_id": org,
@@ -947,8 +958,9 @@ async fn an_org_whose_container_stops_and_resumes_over_and_over_ahead_is_answere
     let app = TestApp::spawn_mid_period().await;
     let start = app.now().duration_trunc(TimeDelta::seconds(1)).unwrap();
     let seconds = TimeDelta::seconds;
-    // steady's container stopped and resumed 40 times before now; restless's runs from ten
-    // minutes ago and stops and resumes from a minute ahead, once more than facts keep.
+    // steady's container stopped and resumed 40 times before now and stops two minutes
+    // ahead; restless's runs from ten minutes ago and stops and resumes from a minute
+    // ahead, once more than facts keep.
     let mut events = vec![lifecycle_event(
         "steady",
         "created",
@@ -969,6 +981,12 @@ async fn an_org_whose_container_stops_and_resumes_over_and_over_ahead_is_answere
             start - seconds(2970 - 60 * k),
         ));
     }
+    events.push(lifecycle_event(
+        "steady",
+        "stopped",
+        "c",
+        start + TimeDelta::minutes(2),
+    ));
     let since = start - TimeDelta::minutes(10);
     events.push(lifecycle_event("restless", "created", "c", since));
     for k in 0..RECENT_INTERVALS_MAX as i64 {
@@ -988,17 +1006,26 @@ async fn an_org_whose_container_stops_and_resumes_over_and_over_ahead_is_answere
     answered(200, app.post_events(&json!({ "events": events })).await);
     projected_to_head(&app.pool, "the events are projected").await;
 
-    // A long history before now does not keep facts from being kept.
-    warm(&app, &json!({"org_id": "steady", "action": "create"})).await;
+    // A long history before now does not keep facts from being kept; they hold the one
+    // interval that ends after their read, and from it and the totals the runtime is 600 s,
+    // 39 runs of 30 s, and the last run from 630 s before the start up to the check.
+    let steady = json!({"org_id": "steady", "action": "create"});
+    warm(&app, &steady).await;
+    let before = stats(&app);
+    let (answer, checked_from, checked_to) = timed_check(&app, &steady).await;
+    assert_eq!(stats(&app).hits, before.hits + 1, "from memory");
+    let (done, last_run) = (600_000 + 39 * 30_000, start - seconds(630));
+    let used = answer["runtime_used_ms"].as_i64().unwrap() - done;
+    assert!(
+        ((checked_from - last_run).num_milliseconds()..=(checked_to - last_run).num_milliseconds())
+            .contains(&used),
+        "{used} ms of the last run up to the check"
+    );
+
     let body = json!({"org_id": "restless", "action": "create"});
     for _ in 0..3 {
         let before = stats(&app);
-        let checked_from = app
-            .now()
-            .duration_trunc(TimeDelta::milliseconds(1))
-            .unwrap();
-        let answer = check_at(&app, &body).await;
-        let checked_to = app.now();
+        let (answer, checked_from, checked_to) = timed_check(&app, &body).await;
         let after = stats(&app);
         assert_eq!(
             (after.hits, after.misses),
