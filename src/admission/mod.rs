@@ -242,16 +242,23 @@ async fn load_facts(
     let live = store::LIVE;
     // One more than are kept, to tell an org with more apart.
     let whole = ORG_CONTAINERS_KEPT_MAX + 1;
-    // The org's containers with an event after `now`: the index is keyed by the hour of
-    // `last_at` (so that most projector updates leave it alone, decision 0037), and the
-    // containers of that hour are then kept only if their last event is after `now`. That
-    // reads every container of the org touched this hour, so it is read only when the org's
-    // latest event (never earlier than any of its containers' last) is after `now`, not for
-    // every check of an org that touched many containers this hour.
-    let future = format!(
-        "org_id = r.org AND last_hour >= date_trunc('hour', $3 AT TIME ZONE 'UTC') \
-         AND last_at > $3 \
-         AND EXISTS (SELECT FROM {live}.org o WHERE o.org_id = r.org AND o.latest_at > $3)"
+    // The org's containers with an event after `now`. A container's last event is one of
+    // its events in the ledger, so the ledger's events of the org after `now` (its
+    // `(org_id, occurred_at)` index, a few rows: events are dated at most minutes ahead)
+    // name every such container, and some more (events voided or not projected yet),
+    // which their stored `last_at` then leaves out. No index of the container table can
+    // say it as cheaply: its org index is keyed by the hour of `last_at` (so that most
+    // projector updates leave it alone, decision 0037), and reads every container of the
+    // org touched in the hour. The ledger is read only when the org's latest event (never
+    // earlier than any of its containers' last) is after `now`: a probe of each month's
+    // index otherwise costs every check.
+    let containers_ahead = format!(
+        "(SELECT DISTINCT l.container_id FROM ledger l \
+          WHERE l.org_id = r.org AND l.occurred_at > $3 AND l.container_id IS NOT NULL \
+            AND EXISTS (SELECT FROM {live}.org o WHERE o.org_id = r.org AND o.latest_at > $3) \
+          OFFSET 0) AS a \
+         JOIN {live}.container c \
+           ON c.org_id = r.org AND c.container_id = a.container_id AND c.last_at > $3"
     );
     let recent = recent_intervals("intervals");
     let orgs: Vec<&str> = requests.iter().map(|r| r.org_id.as_str()).collect();
@@ -312,13 +319,13 @@ async fn load_facts(
                                    AS open_offsets \
                             FROM {live}.org_open WHERE org_id = r.org AND running > 0) AS o \
                    ON true \
-         LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id) \
+         LEFT JOIN LATERAL (SELECT array_agg(c.container_id ORDER BY c.container_id) \
                                    AS future_containers, \
-                                   array_agg(jsonb_array_length(intervals) ORDER BY container_id) \
-                                   AS future_totals, \
-                                   array_agg({recent} ORDER BY container_id) \
+                                   array_agg(jsonb_array_length(intervals) \
+                                             ORDER BY c.container_id) AS future_totals, \
+                                   array_agg({recent} ORDER BY c.container_id) \
                                    AS future_intervals \
-                            FROM {live}.container WHERE {future}) AS f ON true \
+                            FROM {containers_ahead}) AS f ON true \
          LEFT JOIN LATERAL (SELECT array_agg(container_id ORDER BY container_id COLLATE \"C\") \
                                    AS org_containers, \
                                    array_agg(jsonb_array_length(intervals) \
@@ -467,39 +474,17 @@ impl Prepared {
         };
         let containers = (row.org_containers.len() <= ORG_CONTAINERS_KEPT_MAX)
             .then(|| {
-                let count = row.org_containers.len();
-                if (row.org_totals.len(), row.org_intervals.len()) != (count, count) {
-                    return Err(AdmissionError::Corrupt(format!(
-                        "the intervals of {} of the org's {count} containers",
-                        row.org_intervals.len()
-                    )));
-                }
-                row.org_containers
-                    .iter()
-                    .zip(row.org_totals.iter().zip(&row.org_intervals))
-                    .map(|(container, (total, intervals))| {
-                        let held = ContainerFacts::read(*total, intervals, read_at)?;
-                        Ok((container.clone(), held))
-                    })
-                    .collect::<Result<BTreeMap<_, _>, AdmissionError>>()
+                let (ids, totals) = (row.org_containers, &row.org_totals);
+                ContainerFacts::read_all(ids, totals, &row.org_intervals, read_at)
             })
             .transpose()?;
         let whole = containers.is_some();
-        let count = row.future_containers.len();
-        if (row.future_totals.len(), row.future_intervals.len()) != (count, count) {
-            return Err(AdmissionError::Corrupt(format!(
-                "the intervals of {} of the org's {count} containers ahead",
-                row.future_intervals.len()
-            )));
-        }
-        let future = row
-            .future_containers
-            .into_iter()
-            .zip(row.future_totals.iter().zip(&row.future_intervals))
-            .map(|(container, (total, intervals))| {
-                Ok((container, ContainerFacts::read(*total, intervals, read_at)?))
-            })
-            .collect::<Result<_, AdmissionError>>()?;
+        let future = ContainerFacts::read_all(
+            row.future_containers,
+            &row.future_totals,
+            &row.future_intervals,
+            read_at,
+        )?;
         Ok(Prepared {
             projected: row.projected,
             read_at,
@@ -865,6 +850,31 @@ impl ContainerFacts {
             intervals_total: total,
             ..ContainerFacts::of(&sent, read_at)
         })
+    }
+
+    /// Each of the containers `ids` as [`ContainerFacts::read`] reads it, from the
+    /// statement's arrays of their numbers of intervals and of their intervals, in the same
+    /// order.
+    fn read_all(
+        ids: Vec<String>,
+        totals: &[i32],
+        intervals: &[String],
+        read_at: DateTime<Utc>,
+    ) -> Result<BTreeMap<String, ContainerFacts>, AdmissionError> {
+        if (totals.len(), intervals.len()) != (ids.len(), ids.len()) {
+            return Err(AdmissionError::Corrupt(format!(
+                "{} numbers and {} lists of intervals for {} containers",
+                totals.len(),
+                intervals.len(),
+                ids.len()
+            )));
+        }
+        ids.into_iter()
+            .zip(totals.iter().zip(intervals))
+            .map(|(id, (total, intervals))| {
+                Ok((id, ContainerFacts::read(*total, intervals, read_at)?))
+            })
+            .collect()
     }
 }
 
