@@ -763,13 +763,11 @@ async fn checks_naming_other_containers_of_a_small_org_are_answered_from_the_fac
 }
 
 #[tokio::test]
-async fn facts_name_the_containers_whose_last_event_is_after_the_instant_in_its_hour_or_a_later_one(
-) {
+async fn facts_name_the_containers_whose_last_event_is_after_the_instant_and_no_other() {
     let app = TestApp::spawn_mid_period().await;
     ready_org(&app, "acme").await;
-    // The facts are read at half past an hour two hours back; the org index is keyed by
-    // the hour of each container's last event, so containers on both sides of the instant
-    // and of the hours around it.
+    // The facts are read at half past an hour two hours back: containers whose last event
+    // is on both sides of the instant and of the hours around it.
     let hour = app.now().duration_trunc(TimeDelta::hours(1)).unwrap() - TimeDelta::hours(2);
     let read_at = hour + TimeDelta::minutes(30);
     let last_events = [
@@ -788,6 +786,27 @@ async fn facts_name_the_containers_whose_last_event_is_after_the_instant_in_its_
         })
         .collect();
     answered(200, app.post_events(&json!({ "events": events })).await);
+    // A container whose one event after the instant is voided: the ledger still holds it.
+    let voided_stop = lifecycle_event(
+        "acme",
+        "stopped",
+        "voided_after",
+        read_at + TimeDelta::minutes(5),
+    );
+    let created = lifecycle_event(
+        "acme",
+        "created",
+        "voided_after",
+        read_at - TimeDelta::minutes(5),
+    );
+    answered(
+        200,
+        app.post_events(&json!({ "events": [created, &voided_stop] }))
+            .await,
+    );
+    let void = json!({"event_id": voided_stop["id"], "reason": "sent twice"});
+    let (status, body) = app.post_void(&void).await;
+    assert!(status == 200 || status == 201, "{status} {body}");
     projected_to_head(&app.pool, "the containers are projected").await;
     let request = Request {
         org_id: OrgId::parse("acme").unwrap(),
