@@ -244,19 +244,29 @@ async fn load_facts(
     let whole = ORG_CONTAINERS_KEPT_MAX + 1;
     // The org's containers with an event after `now`. A container's last event is one of
     // its events in the ledger, so the ledger's events of the org after `now` (its
-    // `(org_id, occurred_at)` index, a few rows: events are dated at most minutes ahead)
-    // name every such container, and some more (events voided or not projected yet),
-    // which their stored `last_at` then leaves out. No index of the container table can
-    // say it as cheaply: its org index is keyed by the hour of `last_at` (so that most
-    // projector updates leave it alone, decision 0037), and reads every container of the
-    // org touched in the hour. The ledger is read only when the org's latest event (never
-    // earlier than any of its containers' last) is after `now`: a probe of each month's
-    // index otherwise costs every check.
+    // `(org_id, occurred_at)` index; events are dated at most minutes ahead) name every
+    // such container, and some more (events voided or not projected yet), which their
+    // stored `last_at` then leaves out. The container table's org index is keyed by the
+    // hour of `last_at` (so that most projector updates leave it alone, decision 0037) and
+    // reads every container of the org touched in the hour: the statement reads whichever
+    // is smaller, the ledger up to `EVENTS_AHEAD_READ_MAX` events ahead (a producer whose
+    // clock runs ahead sends that many in seconds) or else the hour. Either is read only
+    // when the org's latest event (never earlier than any of its containers' last) is
+    // after `now`: a probe of each month's ledger index would otherwise cost every check.
+    let events_max = EVENTS_AHEAD_READ_MAX;
     let containers_ahead = format!(
-        "(SELECT DISTINCT l.container_id FROM ledger l \
-          WHERE l.org_id = r.org AND l.occurred_at > $3 AND l.container_id IS NOT NULL \
-            AND EXISTS (SELECT FROM {live}.org o WHERE o.org_id = r.org AND o.latest_at > $3) \
-          OFFSET 0) AS a \
+        "(WITH events AS MATERIALIZED ( \
+              SELECT l.container_id FROM ledger l \
+              WHERE l.org_id = r.org AND l.occurred_at > $3 AND l.container_id IS NOT NULL \
+                AND EXISTS (SELECT FROM {live}.org o \
+                            WHERE o.org_id = r.org AND o.latest_at > $3) \
+              LIMIT {events_max} + 1) \
+          SELECT container_id FROM events \
+          WHERE (SELECT count(*) FROM events) <= {events_max} \
+          UNION \
+          SELECT container_id FROM {live}.container \
+          WHERE org_id = r.org AND last_hour >= date_trunc('hour', $3 AT TIME ZONE 'UTC') \
+            AND last_at > $3 AND (SELECT count(*) FROM events) > {events_max}) AS a \
          JOIN {live}.container c \
            ON c.org_id = r.org AND c.container_id = a.container_id AND c.last_at > $3"
     );
@@ -410,6 +420,11 @@ async fn answer_from(
     };
     prepared.answer(request, now, runtime_used_ms)
 }
+
+/// Events of an org dated after a check's instant that the facts statement reads to find
+/// the org's containers with events after it; past it, it reads the org's containers
+/// touched in the instant's hour instead (see `load_facts`).
+pub const EVENTS_AHEAD_READ_MAX: usize = 1_000;
 
 /// Containers with events after the instant kept facts were read at, at most: past it, the
 /// facts are read again rather than advanced (see [`Prepared::advanced`]), which would make

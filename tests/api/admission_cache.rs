@@ -16,7 +16,9 @@ use crate::plans::pro_plan;
 use tally::admission::cache::{
     self, CacheStats, FactsCache, Heartbeat, HEARTBEAT_APPLICATION_NAME, LISTENER_APPLICATION_NAME,
 };
-use tally::admission::{self, Checker, Request, ORG_CONTAINERS_KEPT_MAX, RECENT_INTERVALS_MAX};
+use tally::admission::{
+    self, Checker, Request, EVENTS_AHEAD_READ_MAX, ORG_CONTAINERS_KEPT_MAX, RECENT_INTERVALS_MAX,
+};
 use tally::billing::Action;
 use tally::event::canonical::timestamp;
 use tally::event::OrgId;
@@ -805,21 +807,43 @@ async fn facts_name_the_containers_whose_last_event_is_after_the_instant_and_no_
             .await,
     );
     let void = json!({"event_id": voided_stop["id"], "reason": "sent twice"});
-    let (status, body) = app.post_void(&void).await;
-    assert!(status == 200 || status == 201, "{status} {body}");
-    projected_to_head(&app.pool, "the containers are projected").await;
-    let request = Request {
-        org_id: OrgId::parse("acme").unwrap(),
-        action: Action::Create,
-        container_id: None,
+    answered(201, app.post_void(&void).await);
+    // skewed sends more commands dated after the instant than the statement reads of the
+    // ledger, all of one container, and has another whose last event is before it.
+    let command = |n: usize| {
+        json!({"id": Uuid::new_v4(), "type": "container.command_ran", "org_id": "skewed",
+               "container_id": "busy",
+               "occurred_at": timestamp(read_at + TimeDelta::milliseconds(1 + n as i64)),
+               "data": {"command_id": format!("c{n}"), "exit_code": 0, "duration_ms": 1}})
     };
-    let facts = admission::read_facts(&app.pool, &request, read_at)
-        .await
-        .unwrap();
-    assert_eq!(
-        facts.future_containers().collect::<Vec<_>>(),
-        ["next_hour", "same_hour_after"]
-    );
+    let mut skewed = vec![
+        lifecycle_event("skewed", "created", "busy", read_at - TimeDelta::minutes(1)),
+        lifecycle_event("skewed", "created", "idle", read_at - TimeDelta::minutes(1)),
+    ];
+    skewed.extend((0..=EVENTS_AHEAD_READ_MAX).map(command));
+    for batch in skewed.chunks(1_000) {
+        answered(200, app.post_events(&json!({ "events": batch })).await);
+    }
+    projected_to_head(&app.pool, "the containers are projected").await;
+    let named_ahead = |org: &str| {
+        let request = Request {
+            org_id: OrgId::parse(org).unwrap(),
+            action: Action::Create,
+            container_id: None,
+        };
+        let pool = app.pool.clone();
+        async move {
+            let facts = admission::read_facts(&pool, &request, read_at)
+                .await
+                .unwrap();
+            facts
+                .future_containers()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(named_ahead("acme").await, ["next_hour", "same_hour_after"]);
+    assert_eq!(named_ahead("skewed").await, ["busy"]);
     app.stop().await;
 }
 
