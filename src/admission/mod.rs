@@ -248,11 +248,12 @@ async fn load_facts(
     // such container, and some more (events voided or not projected yet), which their
     // stored `last_at` then leaves out. The container table's org index is keyed by the
     // hour of `last_at` (so that most projector updates leave it alone, decision 0037) and
-    // reads every container of the org touched in the hour: the statement reads whichever
-    // is smaller, the ledger up to `EVENTS_AHEAD_READ_MAX` events ahead (a producer whose
-    // clock runs ahead sends that many in seconds) or else the hour. Either is read only
-    // when the org's latest event (never earlier than any of its containers' last) is
-    // after `now`: a probe of each month's ledger index would otherwise cost every check.
+    // reads every container of the org touched in the hour. So the statement reads the
+    // ledger's events ahead, and reads the hour instead only when there are more than
+    // `EVENTS_AHEAD_READ_MAX` of them (a producer whose clock runs ahead sends that many
+    // in seconds). Either is read only when the org's latest event (never earlier than any
+    // of its containers' last) is after `now`: a probe of each month's ledger index would
+    // otherwise cost every check.
     let events_max = EVENTS_AHEAD_READ_MAX;
     let containers_ahead = format!(
         "(WITH events AS MATERIALIZED ( \
