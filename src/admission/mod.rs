@@ -536,8 +536,9 @@ impl Prepared {
     /// projection on from the position they reflect: its deltas added to the period's
     /// totals and to the open intervals, its containers put in place. `None` when they are
     /// to be read again instead: reservations are consumed past the checkpoint (only after
-    /// a replay's swap), a count would go below zero, or more than
-    /// [`FUTURE_CONTAINERS_MAX`] containers would have events after `read_at`. The round
+    /// a replay's swap), a count would go below zero, an org's facts held whole would hold
+    /// more than [`ORG_CONTAINERS_KEPT_MAX`] containers, or the facts would no longer be
+    /// kept ([`Prepared::keepable`]). The round
     /// must hold no account event, void or consumed reservation of the org (those are
     /// read again by the caller).
     pub(crate) fn advanced(&self, round: &OrgRound<'_>) -> Option<Prepared> {
@@ -602,8 +603,7 @@ impl Prepared {
             .containers
             .as_ref()
             .is_none_or(|containers| containers.len() <= ORG_CONTAINERS_KEPT_MAX);
-        (next.future.len() <= FUTURE_CONTAINERS_MAX && whole_fits && next.keepable())
-            .then_some(next)
+        (whole_fits && next.keepable()).then_some(next)
     }
 
     /// Puts `container`, as a round left it, where the facts hold it: among every container

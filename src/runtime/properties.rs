@@ -309,11 +309,9 @@ proptest! {
         nudge_ms in -1i64..=1,
         later_ms in prop_oneof![Just(0i64), 0i64..3, 0i64..2 * 86_400_000],
     ) {
-        if history.containers.is_empty() {
+        let Some(read_at) = near_an_event(&history, pick, nudge_ms) else {
             return Ok(());
-        }
-        let read_at = history.containers[pick.index(history.containers.len())].1.occurred_at
-            + Duration::milliseconds(nudge_ms);
+        };
         let as_of = read_at + Duration::milliseconds(later_ms);
         for timeline in timelines(&history) {
             let all = timeline.lifecycle();
@@ -335,13 +333,10 @@ proptest! {
         read_before_ms in prop_oneof![Just(0i64), 0i64..3, 0i64..2 * 86_400_000],
     ) {
         let timelines = timelines(&history);
-        if history.containers.is_empty() {
+        // Some containers have events after it, others not.
+        let Some(as_of) = near_an_event(&history, pick, nudge_ms) else {
             return Ok(());
-        }
-        // An instant at, just before or just after one of the events: some containers have
-        // events after it, others not.
-        let as_of = history.containers[pick.index(history.containers.len())].1.occurred_at
-            + Duration::milliseconds(nudge_ms);
+        };
         let (totals, open) = totals_and_open(&timelines);
         // Facts read earlier hold every container with an event after their read: those
         // ahead of `as_of`, and some whose events are all before it, which change nothing.
@@ -363,6 +358,15 @@ proptest! {
             );
         }
     }
+}
+
+/// An instant at (`nudge_ms` 0), just before or just after one of the container events of
+/// `history`, the one `pick` picks; `None` when it has none.
+fn near_an_event(history: &History, pick: Index, nudge_ms: i64) -> Option<DateTime<Utc>> {
+    let containers = &history.containers;
+    (!containers.is_empty()).then(|| {
+        containers[pick.index(containers.len())].1.occurred_at + Duration::milliseconds(nudge_ms)
+    })
 }
 
 /// Each period's totals and the open runs of `timelines`, as the projection keeps them.
