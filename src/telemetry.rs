@@ -168,7 +168,8 @@ families! {
     PROJECTION_REFOLDS = "tally_projection_refolds_total", Counter, Count, ONE, NONE,
         "Containers whose history was folded again because an event arrived late.";
     PROJECTION_REFOLD_EVENTS = "tally_projection_refold_events_total", Counter, Count, ONE, NONE,
-        "Events of container histories read again to fold them for late events.";
+        "Events read again to fold containers for late events: their lifecycle events and \
+         the commands outside their intervals, or their whole history when a void reached them.";
     PROJECTION_ERRORS = "tally_projection_errors_total", Counter, Count, ONE, NONE,
         "Projection rounds that failed; the projector retries after a pause.";
     READ_LAGGING = "tally_read_lagging_total", Counter, Count, ONE, NONE,

@@ -4,7 +4,9 @@
 //! their containers, to [`Changes::apply`]: an event later than everything its container
 //! has seen advances the lifecycle in place, and so does an earlier command or port
 //! publication ([`Lifecycle::advance`]); an earlier lifecycle event marks the container
-//! for a refold of its whole history ([`Changes::refold`]). Commands, ports and each org's latest
+//! for a refold ([`Changes::refold_lifecycle`]): of its lifecycle events, with the commands
+//! that fall outside its new intervals, or of its whole history when a void reached it
+//! ([`Changes::refold`]). Commands, ports and each org's latest
 //! instant are counted per event, whatever the order, since none of them depends on
 //! another event. [`Changes::finish`] then turns each container's old and new intervals
 //! into runtime deltas per period, so that a late event corrects every period it touches
@@ -92,6 +94,10 @@ struct ContainerChange {
     anomalies_change: AnomalyChange,
     /// Added or replacing, as `anomalies_change` says.
     anomalies: Vec<Anomaly>,
+    /// The latest `occurred_at` of this run's entries of the container.
+    run_last_at: Option<DateTime<Utc>>,
+    /// A void in this run took back one of its events.
+    voided: bool,
 }
 
 impl ContainerChange {
@@ -101,8 +107,20 @@ impl ContainerChange {
             old,
             anomalies_change: AnomalyChange::Added,
             anomalies: Vec::new(),
+            run_last_at: None,
+            voided: false,
         }
     }
+}
+
+/// The commands a late container ran while it was not running, by its refolded intervals,
+/// as read from the ledger ([`Lifecycle::idle_spans`]): how many, and the first of them in
+/// (`occurred_at`, position) order, as `command_while_not_running` anomalies; at least as
+/// many as a container keeps, or all of them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct IdleCommands {
+    pub total: u64,
+    pub first: Vec<Anomaly>,
 }
 
 /// The statements' worth of one container's kept anomalies: what the store (and the
@@ -170,6 +188,7 @@ impl Changes {
                 .containers
                 .entry(key.clone())
                 .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
+            change.run_last_at = change.run_last_at.max(Some(entry.occurred_at));
             if changes.late.contains(&key) {
                 continue;
             }
@@ -203,7 +222,8 @@ impl Changes {
             changes
                 .containers
                 .entry(key.clone())
-                .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
+                .or_insert_with(|| ContainerChange::of(stored.remove(&key)))
+                .voided = true;
             changes.late.insert(key);
         }
         // An account event voided in the run that stores it is not stored: the store takes
@@ -237,6 +257,8 @@ impl Changes {
                     new,
                     anomalies_change: AnomalyChange::Replaced,
                     anomalies,
+                    run_last_at: None,
+                    voided: false,
                 },
             );
         }
@@ -327,18 +349,63 @@ impl Changes {
         self.late.iter()
     }
 
+    /// Whether a void in this run reached the late container `key`: it is refolded from
+    /// its whole history ([`Self::refold`]), since the void may have taken back its latest
+    /// instant; any other late container from its lifecycle events
+    /// ([`Self::refold_lifecycle`]).
+    pub fn voided(&self, key: &ContainerKey) -> bool {
+        self.containers.get(key).is_some_and(|change| change.voided)
+    }
+
     /// Replaces a late container's lifecycle with the fold of its whole history, up to and
     /// including the last event of this run.
     pub fn refold(&mut self, key: &ContainerKey, history: &[ContainerEntry]) {
-        assert!(self.late.contains(key), "{key:?} was not late");
-        let change = self
-            .containers
-            .get_mut(key)
-            .expect("a late container has a change");
+        let change = self.late_change(key);
         let (new, anomalies) = ContainerTimeline::fold(history).into_parts();
         change.new = new;
         change.anomalies_change = AnomalyChange::Replaced;
         change.anomalies = anomalies;
+    }
+
+    /// Replaces a late container's lifecycle, as [`Self::refold`] would, from the fold of
+    /// its lifecycle events alone (`lifecycle`, every created, resumed and stopped up to
+    /// and including the last event of this run) and the commands that ran outside the
+    /// intervals of that fold (`idle`): commands and ports never move an interval, and a
+    /// command is an anomaly exactly when no interval holds its instant. The latest
+    /// instant is the stored one or this run's, since no void reached the container. So
+    /// a late stop costs the container's lifecycle and its idle commands, however many
+    /// commands it ran while running.
+    pub fn refold_lifecycle(
+        &mut self,
+        key: &ContainerKey,
+        lifecycle: ContainerTimeline,
+        idle: IdleCommands,
+    ) {
+        assert!(
+            lifecycle.commands().is_empty() && lifecycle.ports().is_empty(),
+            "{key:?}: a lifecycle refold is given lifecycle events only"
+        );
+        let change = self.late_change(key);
+        assert!(!change.voided, "{key:?}: a void needs the whole history");
+        let last_at = change
+            .old
+            .as_ref()
+            .and_then(Lifecycle::last_at)
+            .max(change.run_last_at);
+        let (folded, mut anomalies) = lifecycle.into_parts();
+        let total = anomalies.len() as u64 + idle.total;
+        anomalies.extend(idle.first);
+        anomalies.sort_by_key(Anomaly::order);
+        change.new = Lifecycle::restore(folded.intervals().to_vec(), total, last_at);
+        change.anomalies_change = AnomalyChange::Replaced;
+        change.anomalies = anomalies;
+    }
+
+    fn late_change(&mut self, key: &ContainerKey) -> &mut ContainerChange {
+        assert!(self.late.contains(key), "{key:?} was not late");
+        self.containers
+            .get_mut(key)
+            .expect("a late container has a change")
     }
 
     /// Adds each container's runtime delta: closed runtime per period and open intervals,

@@ -2,8 +2,9 @@
 //!
 //! Each round is one transaction: lock the checkpoint row (`FOR UPDATE SKIP LOCKED`, so
 //! that of several instances one projects and the others skip the round), take the events
-//! after it, apply them (a late lifecycle event refolds only its container), write the changes and
-//! move the checkpoint. The projection therefore always equals the ledger up to its
+//! after it, apply them (a late lifecycle event refolds only its container, from its
+//! lifecycle events and the commands that fall outside its intervals), write the changes
+//! and move the checkpoint. The projection therefore always equals the ledger up to its
 //! checkpoint, and a crash anywhere loses or repeats nothing. It wakes on this instance's
 //! commits (the appender's head) and polls for other instances'.
 //!
@@ -37,13 +38,13 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::model::{Changes, ContainerKey, ProjectedEvent};
+use super::model::{Changes, ContainerKey, ProjectedEvent, ANOMALIES_KEPT_MAX};
 use super::notice::Rounds;
 use super::{notice, store};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::ledger::{Acknowledged, Committed};
-use crate::runtime::EntryKind;
+use crate::runtime::{ContainerTimeline, EntryKind, IdleSpan};
 
 /// Pause after an error before trying the round again.
 const RETRY_DELAY_MS: u64 = 500;
@@ -210,11 +211,13 @@ enum CheckpointReader<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Round {
     /// Projected events up to this position; `handed` when they were this instance's
-    /// commits taken from memory rather than read from the ledger.
+    /// commits taken from memory rather than read from the ledger; `reread`, the events of
+    /// container histories read again to refold late containers.
     Projected {
         events: usize,
         position: i64,
         handed: bool,
+        reread: usize,
     },
     /// Nothing after the checkpoint.
     CaughtUp { position: i64 },
@@ -274,6 +277,7 @@ pub async fn run(
                 events,
                 position,
                 handed,
+                ..
             }) => {
                 freshness.reached(position);
                 let head_position = *head.borrow();
@@ -437,16 +441,7 @@ pub async fn project_once(
     let keys = containers_of(events.iter().chain(&voided));
     let stored = store::load_lifecycles(&mut transaction, store::LIVE, &keys).await?;
     let mut changes = Changes::apply(&events, &voided, stored);
-    let late: Vec<ContainerKey> = changes.late().cloned().collect();
-    if !late.is_empty() {
-        let histories = store::read_histories(&mut transaction, &late, position).await?;
-        for (key, history) in &histories {
-            changes.refold(key, history);
-        }
-        metrics::counter!(crate::telemetry::PROJECTION_REFOLDS).increment(late.len() as u64);
-        let read: usize = histories.values().map(Vec::len).sum();
-        metrics::counter!(crate::telemetry::PROJECTION_REFOLD_EVENTS).increment(read as u64);
-    }
+    let reread = refold(&mut transaction, &mut changes, position).await?;
     let mut changes = changes.finish();
     store::write(&mut transaction, store::LIVE, &mut changes, position).await?;
     // A reservation is consumed in the transaction that makes its container count as
@@ -463,7 +458,54 @@ pub async fn project_once(
         events: events.len(),
         position,
         handed,
+        reread,
     })
+}
+
+/// Refolds the containers a late lifecycle event or a void reached, from the ledger up to
+/// `position`: from their lifecycle events and the commands in their idle spans, or from
+/// their whole history when a void reached them. Returns how many events it read.
+async fn refold(
+    connection: &mut PgConnection,
+    changes: &mut Changes,
+    position: i64,
+) -> Result<usize, super::Error> {
+    let (whole, lifecycle): (Vec<ContainerKey>, Vec<ContainerKey>) =
+        changes.late().cloned().partition(|key| changes.voided(key));
+    let mut read = 0;
+    if !whole.is_empty() {
+        let histories = store::read_histories(connection, &whole, position).await?;
+        for (key, history) in &histories {
+            changes.refold(key, history);
+            read += history.len();
+        }
+    }
+    if !lifecycle.is_empty() {
+        let folded: Vec<(ContainerKey, ContainerTimeline)> =
+            store::read_lifecycles(connection, &lifecycle, position)
+                .await?
+                .into_iter()
+                .map(|(key, history)| {
+                    read += history.len();
+                    (key, ContainerTimeline::fold(&history))
+                })
+                .collect();
+        let spans: Vec<(&ContainerKey, Vec<IdleSpan>)> = folded
+            .iter()
+            .map(|(key, timeline)| (key, timeline.lifecycle().idle_spans()))
+            .collect();
+        let mut idle =
+            store::read_idle_commands(connection, &spans, position, ANOMALIES_KEPT_MAX).await?;
+        for (key, timeline) in folded {
+            let idle = idle.remove(&key).expect("read for every container");
+            read += idle.first.len();
+            changes.refold_lifecycle(&key, timeline, idle);
+        }
+    }
+    let refolded = whole.len() + lifecycle.len();
+    metrics::counter!(crate::telemetry::PROJECTION_REFOLDS).increment(refolded as u64);
+    metrics::counter!(crate::telemetry::PROJECTION_REFOLD_EVENTS).increment(read as u64);
+    Ok(read)
 }
 
 /// The notice of a round that projected `events` and `voided` up to `position`, with

@@ -9,12 +9,13 @@ use chrono::{DateTime, Duration, TimeZone, Utc};
 use proptest::prelude::*;
 
 use super::model::{
-    Changes, ContainerKey, OpenDelta, PeriodDelta, PortKey, ProjectedEvent, ANOMALIES_KEPT_MAX,
+    Changes, ContainerKey, IdleCommands, OpenDelta, PeriodDelta, PortKey, ProjectedEvent,
+    ANOMALIES_KEPT_MAX,
 };
 use crate::event::EventId;
 use crate::runtime::{
-    self, Anomaly, ContainerEntry, ContainerTimeline, EntryKind, Lifecycle, OpenRuns, Period,
-    PeriodTotals,
+    self, Anomaly, AnomalyKind, ContainerEntry, ContainerTimeline, EntryKind, Lifecycle, OpenRuns,
+    Period, PeriodTotals,
 };
 
 const ORGS: usize = 2;
@@ -49,7 +50,10 @@ struct Tables {
 
 impl Tables {
     /// One projector round over `round`, with `ledger` holding every event up to its end.
-    fn project(&mut self, round: &[ProjectedEvent], ledger: &[ProjectedEvent]) {
+    /// Late containers are refolded from their whole history when `whole` says so, else
+    /// as the store does: from their lifecycle events and the commands it reads in their
+    /// idle spans.
+    fn project(&mut self, round: &[ProjectedEvent], ledger: &[ProjectedEvent], whole: bool) {
         let stored = round
             .iter()
             .filter_map(key_of)
@@ -63,9 +67,50 @@ impl Tables {
                 .filter(|event| key_of(event).as_ref() == Some(&key))
                 .map(|event| event.container.as_ref().unwrap().1)
                 .collect();
-            changes.refold(&key, &history);
+            if whole {
+                changes.refold(&key, &history);
+            } else {
+                let (lifecycle, idle) = self.lifecycle_and_idle_commands(&history);
+                changes.refold_lifecycle(&key, lifecycle, idle);
+            }
         }
         self.write(changes.finish());
+    }
+
+    /// What the store reads for a lifecycle refold: the fold of the lifecycle events, and
+    /// the commands whose instant one of its idle spans holds, the first `kept_max` of
+    /// them in order.
+    fn lifecycle_and_idle_commands(
+        &self,
+        history: &[ContainerEntry],
+    ) -> (ContainerTimeline, IdleCommands) {
+        let lifecycle: Vec<ContainerEntry> = history
+            .iter()
+            .filter(|entry| {
+                matches!(
+                    entry.kind,
+                    EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped
+                )
+            })
+            .copied()
+            .collect();
+        let lifecycle = ContainerTimeline::fold(&lifecycle);
+        let spans = lifecycle.lifecycle().idle_spans();
+        let mut idle: Vec<Anomaly> = history
+            .iter()
+            .filter(|entry| matches!(entry.kind, EntryKind::CommandRan { .. }))
+            .filter(|entry| spans.iter().any(|span| span.contains(entry.occurred_at)))
+            .map(|entry| Anomaly {
+                kind: AnomalyKind::CommandWhileNotRunning,
+                event_id: entry.event_id,
+                occurred_at: entry.occurred_at,
+                position: entry.position,
+            })
+            .collect();
+        idle.sort_by_key(Anomaly::order);
+        let total = idle.len() as u64;
+        idle.truncate(self.kept_max as usize);
+        (lifecycle, IdleCommands { total, first: idle })
     }
 
     fn write(&mut self, mut changes: Changes) {
@@ -221,6 +266,7 @@ proptest! {
         after_ms in prop_oneof![Just(0i64), 0i64..40 * 86_400_000],
         kept_max in prop_oneof![1u64..4, Just(ANOMALIES_KEPT_MAX)],
         parts in 1usize..5,
+        whole_refolds in any::<bool>(),
     ) {
         // The ledger stores each event once, at the position of its first arrival.
         let mut ledger: Vec<ProjectedEvent> = Vec::new();
@@ -258,7 +304,7 @@ proptest! {
                 break;
             }
             let end = (start + size).min(ledger.len());
-            projected.project(&ledger[start..end], &ledger[..end]);
+            projected.project(&ledger[start..end], &ledger[..end], whole_refolds);
             start = end;
         }
 

@@ -12,14 +12,15 @@ use sqlx::{Connection, FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use super::model::{
-    AnomalyRows, Changes, ContainerKey, PeriodDelta, PortKey, ProjectedEvent, ANOMALIES_KEPT_MAX,
+    AnomalyRows, Changes, ContainerKey, IdleCommands, PeriodDelta, PortKey, ProjectedEvent,
+    ANOMALIES_KEPT_MAX,
 };
 use super::Error;
 use crate::event::{EventId, EventType, PlanId};
 use crate::ledger::{Handed, Rows};
 use crate::runtime::{
-    AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, Interval,
-    Lifecycle, Period,
+    AccountChange, AccountEntry, Anomaly, AnomalyKind, ContainerEntry, EntryKind, IdleSpan,
+    Interval, Lifecycle, Period,
 };
 
 /// The schema readers use.
@@ -319,6 +320,107 @@ pub async fn read_histories(
     .bind(&orgs)
     .fetch_all(connection)
     .await?;
+    histories_of(keys, rows)
+}
+
+/// The lifecycle events (`created`, `resumed`, `stopped`) of each container, up to and
+/// including `until`, voided ones left out: what [`Changes::refold_lifecycle`] folds. Read
+/// by instant from the index of lifecycle events, so neither the container's commands nor
+/// another org's events under its id are read.
+pub async fn read_lifecycles(
+    connection: &mut PgConnection,
+    keys: &[ContainerKey],
+    until: i64,
+) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
+    let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
+    let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
+    let rows: Vec<EventRow> = sqlx::query_as(&format!(
+        "SELECT {EVENT_COLUMNS} FROM (SELECT l.* \
+           FROM UNNEST($1::TEXT[], $2::TEXT[]) k (org_id, container_id) \
+           CROSS JOIN LATERAL (SELECT * FROM ledger \
+             WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
+               AND type IN ('container.created', 'container.resumed', 'container.stopped') \
+               AND position <= $3 \
+               AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)) l \
+         ) ledger"
+    ))
+    .bind(&orgs)
+    .bind(&ids)
+    .bind(until)
+    .fetch_all(connection)
+    .await?;
+    histories_of(keys, rows)
+}
+
+/// Each container's commands up to and including `until` that one of its idle spans
+/// holds, voided ones left out: how many, and the first `first_max` (at least one) of them
+/// in (`occurred_at`, position) order. One pass over each container's commands by the
+/// container index, in Postgres: only the first ones come back, each with the count.
+pub async fn read_idle_commands(
+    connection: &mut PgConnection,
+    spans: &[(&ContainerKey, Vec<IdleSpan>)],
+    until: i64,
+    first_max: u64,
+) -> Result<HashMap<ContainerKey, IdleCommands>, Error> {
+    assert!(first_max > 0, "the count comes with the first ones");
+    let ids: Vec<&str> = spans
+        .iter()
+        .map(|(key, _)| key.container_id.as_str())
+        .collect();
+    let orgs: Vec<&str> = spans.iter().map(|(key, _)| key.org_id.as_str()).collect();
+    let each: Vec<(i32, IdleSpan)> = (1i32..)
+        .zip(spans)
+        .flat_map(|(owner, (_, idle))| idle.iter().map(move |span| (owner, *span)))
+        .collect();
+    // Each container's spans as one multirange; a span names its container by its place
+    // (from 1) in `$4` and `$5`. A range's missing bound is unbounded.
+    let first: Vec<(i32, Uuid, DateTime<Utc>, i64, i64)> = sqlx::query_as(&format!(
+        "WITH idle AS ( \
+           SELECT owner, range_agg(tstzrange(from_at, until_at, '[)')) AS spans \
+           FROM UNNEST($1::INT[], $2::TIMESTAMPTZ[], $3::TIMESTAMPTZ[]) s (owner, from_at, until_at) \
+           GROUP BY owner) \
+         SELECT idle.owner, c.id, c.occurred_at, c.position, c.total FROM idle \
+         CROSS JOIN LATERAL ( \
+           SELECT id, occurred_at, position, count(*) OVER () AS total FROM ledger \
+           WHERE container_id = ($4::TEXT[])[idle.owner] AND org_id = ($5::TEXT[])[idle.owner] \
+             AND type = 'container.command_ran' AND position <= $6 \
+             AND idle.spans @> occurred_at \
+             AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id) \
+           ORDER BY occurred_at, position LIMIT $7) c"
+    ))
+    .bind(each.iter().map(|(owner, _)| *owner).collect::<Vec<_>>())
+    .bind(each.iter().map(|(_, span)| span.from).collect::<Vec<_>>())
+    .bind(each.iter().map(|(_, span)| span.until).collect::<Vec<_>>())
+    .bind(&ids)
+    .bind(&orgs)
+    .bind(until)
+    .bind(i64::try_from(first_max).unwrap_or(i64::MAX))
+    .fetch_all(connection)
+    .await?;
+    let mut idle: Vec<IdleCommands> = vec![IdleCommands::default(); spans.len()];
+    for (owner, id, occurred_at, position, total) in first {
+        let of = &mut idle[usize::try_from(owner - 1).expect("places start at 1")];
+        of.total = u64::try_from(total).map_err(|e| Error::corrupt("a count of commands", e))?;
+        of.first.push(Anomaly {
+            kind: AnomalyKind::CommandWhileNotRunning,
+            event_id: EventId::from_uuid(id)
+                .map_err(|e| Error::corrupt(format!("position {position}"), e))?,
+            occurred_at,
+            position,
+        });
+    }
+    Ok(spans
+        .iter()
+        .map(|(key, _)| (*key).clone())
+        .zip(idle)
+        .collect())
+}
+
+/// `rows`, as the histories of `keys` (empty for a key without any), in the order read.
+fn histories_of(
+    keys: &[ContainerKey],
+    rows: Vec<EventRow>,
+) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
     let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> =
         keys.iter().map(|key| (key.clone(), Vec::new())).collect();
     for row in rows {

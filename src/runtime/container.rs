@@ -108,6 +108,20 @@ impl Interval {
     }
 }
 
+/// A span in which a container was not running: `[from, until)`, unbounded where `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdleSpan {
+    pub from: Option<DateTime<Utc>>,
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl IdleSpan {
+    pub fn contains(&self, instant: DateTime<Utc>) -> bool {
+        self.from.is_none_or(|from| from <= instant)
+            && self.until.is_none_or(|until| instant < until)
+    }
+}
+
 /// Where a container stands after its last lifecycle event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ContainerState {
@@ -531,6 +545,30 @@ impl Lifecycle {
             .intervals
             .partition_point(|interval| interval.end.is_some_and(|end| end <= instant));
         &self.intervals[ended..]
+    }
+
+    /// The spans in which the container was not running, in order: before its first
+    /// interval, between two, and after the last one when it is closed; the whole timeline
+    /// when it never ran. A command whose instant falls in one of them ran while the
+    /// container was not running, so with these a projection can ask the ledger for those
+    /// commands alone rather than read every command of the container.
+    pub fn idle_spans(&self) -> Vec<IdleSpan> {
+        let mut spans = Vec::with_capacity(self.intervals.len() + 1);
+        let mut from = None;
+        for interval in &self.intervals {
+            if from.is_none_or(|from| from < interval.start) {
+                spans.push(IdleSpan {
+                    from,
+                    until: Some(interval.start),
+                });
+            }
+            match interval.end {
+                Some(end) => from = Some(end),
+                None => return spans,
+            }
+        }
+        spans.push(IdleSpan { from, until: None });
+        spans
     }
 
     /// The first instant after `instant` at which an interval starts: a start dated ahead of

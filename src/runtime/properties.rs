@@ -326,6 +326,29 @@ proptest! {
     }
 
     #[test]
+    fn an_instant_is_in_an_idle_span_exactly_when_the_container_is_not_running_at_it(
+        history in any_history(),
+        pick in any::<Index>(),
+        nudge_ms in -1i64..=1,
+    ) {
+        let Some(instant) = near_an_event(&history, pick, nudge_ms) else {
+            return Ok(());
+        };
+        for timeline in timelines(&history) {
+            let spans = timeline.lifecycle().idle_spans();
+            let idle = spans.iter().filter(|span| span.contains(instant)).count();
+            prop_assert_eq!(idle, usize::from(!timeline.running_at(instant)), "{:?}", spans);
+            // In order, not overlapping, none empty.
+            for pair in spans.windows(2) {
+                prop_assert!(pair[0].until.is_some_and(|until| pair[1].from.is_some_and(|from| until <= from)));
+            }
+            for span in &spans {
+                prop_assert!(span.from.is_none_or(|from| span.until.is_none_or(|until| from < until)));
+            }
+        }
+    }
+
+    #[test]
     fn runtime_from_totals_and_the_containers_ahead_equals_runtime_from_timelines_at_any_instant(
         history in any_history(),
         pick in any::<Index>(),

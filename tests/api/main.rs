@@ -38,6 +38,7 @@ mod projection_handoff;
 mod reconciliation;
 mod reconciliation_focus;
 mod reconciliation_jobs;
+mod refold;
 mod relay;
 mod replica;
 mod reports;

@@ -853,10 +853,11 @@ async fn every_refused_event_post_is_counted_by_its_code_whichever_check_refused
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_lifecycle_event_counts_the_history_its_refold_read_again() {
+async fn a_late_lifecycle_event_counts_the_events_its_refold_read_again() {
     let app = TestApp::spawn().await;
     // The recorder is the test process's: other tests count too, so the count is read
-    // before and after, and must have grown by at least this container's history.
+    // before and after, and must have grown by at least what this refold read (the exact
+    // count is in tests/api/refold.rs).
     let read_again = || async {
         let text = app.without_token().get("/metrics").await.text;
         text.lines()
@@ -878,11 +879,13 @@ async fn a_late_lifecycle_event_counts_the_history_its_refold_read_again() {
     answered(200, app.post_events(&json!({ "events": history })).await);
     crate::helpers::projected_to_head(&app.pool, "the history is projected").await;
     let before = read_again().await;
-    // Dated among the commands: a late lifecycle event, which refolds the container.
+    // Dated among the commands: a late lifecycle event, which refolds the container from
+    // its two lifecycle events and the 300 or so commands after the stop (its instant is
+    // taken from the clock a moment after theirs).
     let late = json!({"id": uuid::Uuid::new_v4(), "type": "container.stopped",
         "org_id": "acme", "container_id": "long", "occurred_at": app.ago(2_800)});
     answered(200, app.post_events(&late).await);
     crate::helpers::projected_to_head(&app.pool, "the late stop is projected").await;
     let after = read_again().await;
-    assert!(after - before >= 502.0, "{before} then {after}");
+    assert!(after - before >= 252.0, "{before} then {after}");
 }

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{eventually, TestDb};
 
-const LIMITS: AppendLimits = AppendLimits {
+pub(crate) const LIMITS: AppendLimits = AppendLimits {
     queue_max: 64,
     group_events_max: 1000,
 };
@@ -30,12 +30,12 @@ const LIMITS: AppendLimits = AppendLimits {
 const ROUND_EVENTS_MAX: usize = 4;
 
 /// Builds the events of the script, each with an id of its own.
-struct Script {
-    start: DateTime<Utc>,
+pub(crate) struct Script {
+    pub(crate) start: DateTime<Utc>,
 }
 
 impl Script {
-    fn new() -> Script {
+    pub(crate) fn new() -> Script {
         let start = Utc::now().duration_trunc(Duration::seconds(1)).unwrap() - Duration::hours(3);
         Script { start }
     }
@@ -59,7 +59,7 @@ impl Script {
         }
     }
 
-    fn created(&self, org: &str, container: &str, minutes: i64) -> Event {
+    pub(crate) fn created(&self, org: &str, container: &str, minutes: i64) -> Event {
         let data = EventData::ContainerCreated(ContainerCreated {
             name: Some("job".to_owned()),
             image: None,
@@ -73,7 +73,7 @@ impl Script {
         )
     }
 
-    fn resumed(&self, org: &str, container: &str, minutes: i64) -> Event {
+    pub(crate) fn resumed(&self, org: &str, container: &str, minutes: i64) -> Event {
         let data = EventData::ContainerResumed(ContainerResumed {});
         self.event(
             EventType::ContainerResumed,
@@ -84,7 +84,7 @@ impl Script {
         )
     }
 
-    fn stopped(&self, org: &str, container: &str, minutes: i64) -> Event {
+    pub(crate) fn stopped(&self, org: &str, container: &str, minutes: i64) -> Event {
         let data = EventData::ContainerStopped(ContainerStopped {
             reason: Some(StopReason::User),
         });
@@ -97,7 +97,13 @@ impl Script {
         )
     }
 
-    fn command(&self, org: &str, container: &str, minutes: i64, duration_ms: u64) -> Event {
+    pub(crate) fn command(
+        &self,
+        org: &str,
+        container: &str,
+        minutes: i64,
+        duration_ms: u64,
+    ) -> Event {
         let data = EventData::ContainerCommandRan(ContainerCommandRan {
             command_id: format!("cmd{minutes}"),
             exit_code: -1,
@@ -158,7 +164,7 @@ impl Script {
         self.event(EventType::PlanDefined, "_plans", None, minutes, data)
     }
 
-    fn void(&self, voided: &Event, minutes: i64) -> Event {
+    pub(crate) fn void(&self, voided: &Event, minutes: i64) -> Event {
         let data = EventData::Correction(json!({
             "event_id": voided.id.to_string(), "reason": "entered twice", "by": "admin"
         }));
@@ -279,7 +285,7 @@ fn script() -> Vec<Step> {
     ]
 }
 
-async fn append_all(appender: &Appender, appends: &[Vec<Event>]) {
+pub(crate) async fn append_all(appender: &Appender, appends: &[Vec<Event>]) {
     for events in appends {
         appender.append(events.clone()).await.unwrap();
     }
@@ -287,7 +293,7 @@ async fn append_all(appender: &Appender, appends: &[Vec<Event>]) {
 
 /// Every row of every table of the projection, as text, table by table; the checkpoint
 /// without the instant it was written.
-async fn projection_rows(pool: &PgPool) -> Vec<(String, Vec<String>)> {
+pub(crate) async fn projection_rows(pool: &PgPool) -> Vec<(String, Vec<String>)> {
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::TEXT FROM information_schema.tables \
          WHERE table_schema = 'proj' ORDER BY 1",
@@ -332,6 +338,7 @@ async fn project_both(
             events,
             position,
             handed,
+            reread,
         } = round
         else {
             assert!(matches!(round, Round::CaughtUp { .. }), "{round:?}");
@@ -345,7 +352,8 @@ async fn project_both(
             Round::Projected {
                 events,
                 position,
-                handed: false
+                handed: false,
+                reread,
             }
         );
         handed_rounds.push(handed);
@@ -623,6 +631,7 @@ async fn a_round_following_this_instances_commits_leaves_another_instances_appen
         events: 1,
         position,
         handed,
+        reread: 0,
     };
     append_all(&appender, &[vec![s.created("org_a", "c1", 0)]]).await;
     assert_eq!(round(&pool, &mut handoff, following()).await, one(1, true));

@@ -1,0 +1,168 @@
+//! A late lifecycle event refolds its container from the ledger: from its lifecycle events
+//! and the commands that fall where it was not running, never its commands while running
+//! nor another org's events under its id; and the projection it leaves is the one a replay
+//! of the whole ledger builds.
+
+use chrono::Duration;
+use sqlx::{Connection, PgConnection, PgPool};
+
+use tally::clock::Clock;
+use tally::ledger::Appender;
+use tally::projection::model::ContainerKey;
+use tally::projection::{project_once, store, Round};
+use tally::runtime::IdleSpan;
+
+use crate::helpers::TestDb;
+use crate::projection_handoff::{append_all, projection_rows, Script, LIMITS};
+
+/// Projects until caught up; returns the events read again to refold late containers.
+async fn project(pool: &PgPool) -> usize {
+    let mut reread = 0;
+    loop {
+        match project_once(pool, (1_000, Clock::system()), None, None, None)
+            .await
+            .unwrap()
+        {
+            Round::Projected { reread: read, .. } => reread += read,
+            Round::CaughtUp { .. } => return reread,
+            Round::Busy => panic!("no other projector runs"),
+        }
+    }
+}
+
+async fn replay(url: &str) {
+    let mut connection = PgConnection::connect(url).await.unwrap();
+    let mut helper = PgConnection::connect(url).await.unwrap();
+    tally::projection::replay(&mut connection, &mut helper)
+        .await
+        .unwrap();
+    connection.close().await.unwrap();
+    helper.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_late_stop_or_resume_brings_back_the_lifecycle_and_the_idle_commands_alone_and_leaves_what_a_replay_builds(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _relay, _task) = Appender::start(pool.clone(), LIMITS);
+    let s = Script::new();
+    // acme's c1 runs from minute 10 and runs a command each minute from 11 to 110; one
+    // more, at minute 5, arrives last: a late command, placed without a refold. globex's
+    // c1 is another container under the same id, with 50 commands of its own.
+    let mut events = vec![s.created("acme", "c1", 10), s.created("globex", "c1", 10)];
+    events.extend((11..=110).map(|minute| s.command("acme", "c1", minute, 1)));
+    events.extend((11..=60).map(|minute| s.command("globex", "c1", minute, 1)));
+    events.push(s.command("acme", "c1", 5, 1));
+    let voided = events[2 + 89].clone();
+    append_all(&appender, &[events]).await;
+    assert_eq!(
+        project(&pool).await,
+        0,
+        "events in order and late commands refold nothing"
+    );
+    // The void of the command of minute 100 refolds c1 from its whole history, which
+    // leaves it out: the created and 100 commands.
+    append_all(&appender, &[vec![s.void(&voided, 120)]]).await;
+    assert_eq!(project(&pool).await, 1 + 100);
+
+    // Stopped at minute 60, late: the created and the stop, the command of minute 5 and
+    // the 50 of minutes 60 to 110 left, now run while stopped; not the 49 while running.
+    append_all(&appender, &[vec![s.stopped("acme", "c1", 60)]]).await;
+    assert_eq!(project(&pool).await, 2 + 1 + 50);
+    // Resumed at minute 80, late: three lifecycle events, and the commands of minutes 5
+    // and 60 to 79.
+    append_all(&appender, &[vec![s.resumed("acme", "c1", 80)]]).await;
+    assert_eq!(project(&pool).await, 3 + 1 + 20);
+
+    let (container, anomalies): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT anomalies_total FROM proj.container \
+                 WHERE org_id = 'acme' AND container_id = 'c1'), \
+                (SELECT count(*) FROM proj.container_anomaly \
+                 WHERE org_id = 'acme' AND container_id = 'c1')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (container, anomalies),
+        (21, 21),
+        "commands while not running"
+    );
+    let projected = projection_rows(&pool).await;
+    replay(&db.url).await;
+    assert_eq!(projection_rows(&pool).await, projected);
+}
+
+#[tokio::test]
+async fn idle_commands_are_counted_in_every_span_and_the_first_ones_read_in_order_across_the_spans()
+{
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _relay, _task) = Appender::start(pool.clone(), LIMITS);
+    let s = Script::new();
+    let minutes = [1, 2, 4, 5, 6, 7, 9];
+    let mut events: Vec<_> = minutes
+        .iter()
+        .map(|minute| s.command("acme", "c1", *minute, 1))
+        .collect();
+    events.extend([
+        s.command("globex", "c1", 1, 1),
+        s.command("globex", "c1", 5, 1),
+    ]);
+    // Last, so that a bound one position short leaves it out.
+    events.push(s.command("acme", "c1", 8, 1));
+    append_all(&appender, &[events]).await;
+    let head: i64 = sqlx::query_scalar("SELECT max(position) FROM ledger")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let at = |minute: i64| Some(s.start + Duration::minutes(minute));
+    // Idle before minute 3, from 5 to 8 and from 9 on: the commands of minutes 4 and 8
+    // ran while running, and globex's c1 is another container.
+    let spans = vec![
+        IdleSpan {
+            from: None,
+            until: at(3),
+        },
+        IdleSpan {
+            from: at(5),
+            until: at(8),
+        },
+        IdleSpan {
+            from: at(9),
+            until: None,
+        },
+    ];
+    let key = ContainerKey {
+        org_id: "acme".to_owned(),
+        container_id: "c1".to_owned(),
+    };
+    let mut connection = pool.acquire().await.unwrap();
+    for (first_max, first) in [
+        (1, vec![1]),
+        (2, vec![1, 2]),
+        (3, vec![1, 2, 5]),
+        (100, vec![1, 2, 5, 6, 7, 9]),
+    ] {
+        let idle =
+            store::read_idle_commands(&mut connection, &[(&key, spans.clone())], head, first_max)
+                .await
+                .unwrap();
+        let read: Vec<i64> = idle[&key]
+            .first
+            .iter()
+            .map(|anomaly| (anomaly.occurred_at - s.start).num_minutes())
+            .collect();
+        assert_eq!(
+            (idle[&key].total, read),
+            (6, first),
+            "the first {first_max}"
+        );
+    }
+    // Up to the position of the command of minute 7: the one of minute 9 is left out.
+    let idle = store::read_idle_commands(&mut connection, &[(&key, spans)], head - 4, 100)
+        .await
+        .unwrap();
+    assert_eq!(idle[&key].total, 5);
+}
