@@ -171,10 +171,18 @@ impl Tables {
                 self.periods.remove(key);
             }
         }
+        // As the store: a run's row is written for a delta, and goes when a stop leaves
+        // none running.
         for (key, delta) in &changes.open {
+            if *delta == OpenDelta::default() {
+                continue;
+            }
             let open = self.open.entry(key.clone()).or_default();
             open.running += delta.running;
             open.since_offset_ms += delta.since_offset_ms;
+            if delta.running < 0 && *open == OpenDelta::default() {
+                self.open.remove(key);
+            }
         }
         for (org, at) in &changes.latest {
             let latest = self.latest.entry(org.clone()).or_insert(*at);
@@ -339,6 +347,8 @@ proptest! {
         // The same org periods have rows, which the usage export and a close list orgs by.
         let rows = |tables: &Tables| tables.periods.keys().cloned().collect::<BTreeSet<_>>();
         prop_assert_eq!(rows(&projected), rows(&replayed));
+        // And the same open runs, row for row.
+        prop_assert_eq!(&projected.open, &replayed.open);
         for org in 0..ORGS {
             let org = format!("org{org}");
             let Some(latest) = projected.latest.get(&org).copied() else { continue };

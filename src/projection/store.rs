@@ -12,8 +12,8 @@ use sqlx::{Connection, FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use super::model::{
-    AnomalyRows, Changes, ContainerKey, IdleCommands, PeriodDelta, PortKey, ProjectedEvent,
-    ANOMALIES_KEPT_MAX,
+    AnomalyRows, Changes, ContainerKey, IdleCommands, OpenDelta, PeriodDelta, PortKey,
+    ProjectedEvent, ANOMALIES_KEPT_MAX,
 };
 use super::Error;
 use crate::event::{EventId, EventType, PlanId};
@@ -1473,7 +1473,39 @@ async fn write_open(
         .bind(&offsets)
         .execute(&mut *connection)
         .await?;
+        if matches!(load, Load::Merge) {
+            forget_emptied_open(connection, schema, chunk).await?;
+        }
     }
+    Ok(())
+}
+
+/// Deletes the open runs of `chunk` that its deltas left with none running: every
+/// container that started in the period has stopped, and replay, which writes only the
+/// runs still open, would leave no row. Only a delta that stops something can empty a row.
+async fn forget_emptied_open(
+    connection: &mut PgConnection,
+    schema: &str,
+    chunk: &[(&(String, Period), &OpenDelta)],
+) -> Result<(), Error> {
+    let (orgs, names): (Vec<&str>, Vec<String>) = chunk
+        .iter()
+        .filter(|(_, delta)| delta.running < 0)
+        .map(|((org, period), _)| (org.as_str(), period.to_string()))
+        .unzip();
+    if orgs.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(&format!(
+        "DELETE FROM {schema}.org_open t \
+         USING UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, since_period) \
+         WHERE t.org_id = k.org_id AND t.since_period = k.since_period \
+           AND t.running = 0 AND t.since_offset_ms = 0"
+    ))
+    .bind(&orgs)
+    .bind(&names)
+    .execute(connection)
+    .await?;
     Ok(())
 }
 
