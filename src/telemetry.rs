@@ -169,7 +169,8 @@ families! {
         "Containers whose history was folded again because an event arrived late.";
     PROJECTION_REFOLD_EVENTS = "tally_projection_refold_events_total", Counter, Count, ONE, NONE,
         "Events read again to fold containers for late events: their lifecycle events and \
-         the commands outside their intervals, or their whole history when a void reached them.";
+         up to 10 000 commands outside their intervals, or their whole history when a void \
+         reached them.";
     PROJECTION_ERRORS = "tally_projection_errors_total", Counter, Count, ONE, NONE,
         "Projection rounds that failed; the projector retries after a pause.";
     READ_LAGGING = "tally_read_lagging_total", Counter, Count, ONE, NONE,

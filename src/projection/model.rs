@@ -162,8 +162,10 @@ pub struct Changes {
 
 impl Changes {
     /// Applies `events` (in position order) to the `stored` lifecycles of their containers.
-    /// Containers that a late lifecycle event reached are listed by [`Changes::late`] and must be
-    /// given their whole history with [`Changes::refold`] before [`Changes::finish`].
+    /// Containers that a late lifecycle event or a void reached are listed by
+    /// [`Changes::late`] and must be refolded before [`Changes::finish`]: with
+    /// [`Changes::refold_lifecycle`], or with their whole history by [`Changes::refold`]
+    /// where [`Changes::voided`] says so (either where no void reached them).
     /// `voided` are the events that voids among `events` take back (as stored, earlier or
     /// in this run): their containers are refolded without them.
     pub fn apply(
