@@ -425,6 +425,10 @@ pub async fn project_once(
     let (events, handed) =
         next_events(&mut transaction, handoff, (checkpoint, own_head), batch_max).await?;
     let Some(last) = events.last() else {
+        // Ended here rather than dropped: a dropped transaction is rolled back only when
+        // its connection is next used or back in the pool, and until then it holds the
+        // checkpoint, so that the round a commit starts at once would find it Busy.
+        transaction.rollback().await?;
         return Ok(Round::CaughtUp {
             position: checkpoint,
         });

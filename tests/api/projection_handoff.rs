@@ -651,3 +651,17 @@ async fn a_round_following_this_instances_commits_leaves_another_instances_appen
     append_all(&appender, &[vec![s.command("org_a", "c1", 2, 10)]]).await;
     assert_eq!(round(&pool, &mut handoff, following()).await, one(3, true));
 }
+
+#[tokio::test]
+async fn a_round_right_after_one_that_found_nothing_finds_the_checkpoint_free() {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    // Each round that finds nothing must have let go of the checkpoint when it returns;
+    // one still holding it, until its connection is next used, makes the next round Busy.
+    for _ in 0..200 {
+        let round = project_once(&pool, (ROUND_EVENTS_MAX, Clock::system()), None, None, None)
+            .await
+            .unwrap();
+        assert!(matches!(round, Round::CaughtUp { .. }), "{round:?}");
+    }
+}
