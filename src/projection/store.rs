@@ -1419,15 +1419,26 @@ async fn forget_emptied_periods(
         })
         .map(|((org, period), _)| (org.as_str(), period.to_string()))
         .unzip();
+    let empty = "t.closed_runtime_ms = 0 AND t.commands = 0 AND t.command_ms = 0 \
+                 AND t.ports_published = 0";
+    let table = format!("{schema}.org_period");
+    forget_emptied(connection, (&table, "period"), empty, (orgs, names)).await
+}
+
+/// Deletes the rows of `table` (keyed by org and by the period in `period_column`) at
+/// `keys` that hold nothing, as `empty` says of a row `t`.
+async fn forget_emptied(
+    connection: &mut PgConnection,
+    (table, period_column): (&str, &str),
+    empty: &str,
+    (orgs, names): (Vec<&str>, Vec<String>),
+) -> Result<(), Error> {
     if orgs.is_empty() {
         return Ok(());
     }
     sqlx::query(&format!(
-        "DELETE FROM {schema}.org_period t \
-         USING UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, period) \
-         WHERE t.org_id = k.org_id AND t.period = k.period \
-           AND t.closed_runtime_ms = 0 AND t.commands = 0 AND t.command_ms = 0 \
-           AND t.ports_published = 0"
+        "DELETE FROM {table} t USING UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, period) \
+         WHERE t.org_id = k.org_id AND t.{period_column} = k.period AND {empty}"
     ))
     .bind(&orgs)
     .bind(&names)
@@ -1493,20 +1504,9 @@ async fn forget_emptied_open(
         .filter(|(_, delta)| delta.running < 0)
         .map(|((org, period), _)| (org.as_str(), period.to_string()))
         .unzip();
-    if orgs.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(&format!(
-        "DELETE FROM {schema}.org_open t \
-         USING UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, since_period) \
-         WHERE t.org_id = k.org_id AND t.since_period = k.since_period \
-           AND t.running = 0 AND t.since_offset_ms = 0"
-    ))
-    .bind(&orgs)
-    .bind(&names)
-    .execute(connection)
-    .await?;
-    Ok(())
+    let empty = "t.running = 0 AND t.since_offset_ms = 0";
+    let table = format!("{schema}.org_open");
+    forget_emptied(connection, (&table, "since_period"), empty, (orgs, names)).await
 }
 
 async fn write_latest(
