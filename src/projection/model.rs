@@ -165,7 +165,7 @@ impl Changes {
     /// Containers that a late lifecycle event or a void reached are listed by
     /// [`Changes::late`] and must be refolded before [`Changes::finish`]: with
     /// [`Changes::refold_lifecycle`], or with their whole history by [`Changes::refold`]
-    /// where [`Changes::voided`] says so (either where no void reached them).
+    /// where [`Changes::reached_by_void`] says so (either where no void reached them).
     /// `voided` are the events that voids among `events` take back (as stored, earlier or
     /// in this run): their containers are refolded without them.
     pub fn apply(
@@ -355,7 +355,7 @@ impl Changes {
     /// its whole history ([`Self::refold`]), since the void may have taken back its latest
     /// instant; any other late container from its lifecycle events
     /// ([`Self::refold_lifecycle`]).
-    pub fn voided(&self, key: &ContainerKey) -> bool {
+    pub fn reached_by_void(&self, key: &ContainerKey) -> bool {
         self.containers.get(key).is_some_and(|change| change.voided)
     }
 

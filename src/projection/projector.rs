@@ -40,6 +40,7 @@ use uuid::Uuid;
 
 use super::model::{Changes, ContainerKey, ProjectedEvent, ANOMALIES_KEPT_MAX};
 use super::notice::Rounds;
+use super::store::History;
 use super::{notice, store};
 use crate::clock::Clock;
 use crate::config::Config;
@@ -474,11 +475,13 @@ async fn refold(
     changes: &mut Changes,
     position: i64,
 ) -> Result<usize, super::Error> {
-    let (whole, lifecycle): (Vec<ContainerKey>, Vec<ContainerKey>) =
-        changes.late().cloned().partition(|key| changes.voided(key));
+    let (whole, lifecycle): (Vec<ContainerKey>, Vec<ContainerKey>) = changes
+        .late()
+        .cloned()
+        .partition(|key| changes.reached_by_void(key));
     let mut read = 0;
     if !whole.is_empty() {
-        let histories = store::read_histories(connection, &whole, position).await?;
+        let histories = store::read_histories(connection, &whole, position, History::Whole).await?;
         for (key, history) in &histories {
             changes.refold(key, history);
             read += history.len();
@@ -486,7 +489,7 @@ async fn refold(
     }
     if !lifecycle.is_empty() {
         let folded: Vec<(ContainerKey, ContainerTimeline)> =
-            store::read_lifecycles(connection, &lifecycle, position)
+            store::read_histories(connection, &lifecycle, position, History::Lifecycle)
                 .await?
                 .into_iter()
                 .map(|(key, history)| {

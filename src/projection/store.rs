@@ -300,47 +300,41 @@ pub async fn read_events(
     rows.into_iter().map(EventRow::into_event).collect()
 }
 
-/// The whole history of each container, up to and including `until`.
+/// Which events of a container [`read_histories`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum History {
+    /// Every event: the whole history, for a container a void reached.
+    Whole,
+    /// `created`, `resumed` and `stopped`: what [`Changes::refold_lifecycle`] folds, read
+    /// by instant from the ledger's partial index of them (the same types as its
+    /// predicate), so that the container's commands are not read.
+    Lifecycle,
+}
+
+/// The events of each container that `history` names, up to and including `until`,
+/// voided ones left out. Another org's events under the same container id are left in the
+/// table, not read and decoded: a container's refold costs its own history, whatever other
+/// orgs send.
 pub async fn read_histories(
     connection: &mut PgConnection,
     keys: &[ContainerKey],
     until: i64,
+    history: History,
 ) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
-    // Another org's events under the same container id are left in the table, not read and
-    // decoded: a container's refold costs its own history, whatever other orgs send.
-    let rows: Vec<EventRow> = sqlx::query_as(&format!(
-        "SELECT {EVENT_COLUMNS} FROM ledger WHERE container_id = ANY($1) AND position <= $2 \
-           AND (org_id, container_id) IN (SELECT * FROM UNNEST($3::TEXT[], $1::TEXT[])) \
-           AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)"
-    ))
-    .bind(&ids)
-    .bind(until)
-    .bind(&orgs)
-    .fetch_all(connection)
-    .await?;
-    histories_of(keys, rows)
-}
-
-/// The lifecycle events (`created`, `resumed`, `stopped`) of each container, up to and
-/// including `until`, voided ones left out: what [`Changes::refold_lifecycle`] folds. Read
-/// by instant from the index of lifecycle events, so neither the container's commands nor
-/// another org's events under its id are read.
-pub async fn read_lifecycles(
-    connection: &mut PgConnection,
-    keys: &[ContainerKey],
-    until: i64,
-) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
-    let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
-    let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
+    let types = match history {
+        History::Whole => "",
+        History::Lifecycle => {
+            "AND type IN ('container.created', 'container.resumed', 'container.stopped')"
+        }
+    };
     let rows: Vec<EventRow> = sqlx::query_as(&format!(
         "SELECT {EVENT_COLUMNS} FROM (SELECT l.* \
            FROM UNNEST($1::TEXT[], $2::TEXT[]) k (org_id, container_id) \
            CROSS JOIN LATERAL (SELECT * FROM ledger \
              WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
-               AND type IN ('container.created', 'container.resumed', 'container.stopped') \
-               AND position <= $3 \
+               {types} AND position <= $3 \
                AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)) l \
          ) ledger"
     ))
@@ -349,7 +343,21 @@ pub async fn read_lifecycles(
     .bind(until)
     .fetch_all(connection)
     .await?;
-    histories_of(keys, rows)
+    let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> =
+        keys.iter().map(|key| (key.clone(), Vec::new())).collect();
+    for row in rows {
+        let event = row.into_event()?;
+        if let Some((container_id, entry)) = event.container {
+            let key = ContainerKey {
+                org_id: event.org_id,
+                container_id,
+            };
+            if let Some(history) = histories.get_mut(&key) {
+                history.push(entry);
+            }
+        }
+    }
+    Ok(histories)
 }
 
 /// Each container's commands up to and including `until` that one of its idle spans
@@ -414,28 +422,6 @@ pub async fn read_idle_commands(
         .map(|(key, _)| (*key).clone())
         .zip(idle)
         .collect())
-}
-
-/// `rows`, as the histories of `keys` (empty for a key without any), in the order read.
-fn histories_of(
-    keys: &[ContainerKey],
-    rows: Vec<EventRow>,
-) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
-    let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> =
-        keys.iter().map(|key| (key.clone(), Vec::new())).collect();
-    for row in rows {
-        let event = row.into_event()?;
-        if let Some((container_id, entry)) = event.container {
-            let key = ContainerKey {
-                org_id: event.org_id,
-                container_id,
-            };
-            if let Some(history) = histories.get_mut(&key) {
-                history.push(entry);
-            }
-        }
-    }
-    Ok(histories)
 }
 
 /// Records `voids` (voided event, position of the void) and returns the events voided for
