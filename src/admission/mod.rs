@@ -1083,10 +1083,11 @@ async fn locked_answer(
     loop {
         let mut transaction = crate::ledger::db::begin(pool).await?;
         // The plan versions' lock first, so that a grant waiting for a plan version to be
-        // projected holds no lock the projector needs (a round takes the consuming lock).
+        // projected holds no lock the projector needs (a round takes the consuming lock);
+        // in that order by a function, whose statements run one after another (migration
+        // 20261207000005).
         sqlx::query(&format!(
-            "SELECT pg_advisory_xact_lock_shared($3), pg_advisory_xact_lock({}), \
-                    pg_advisory_xact_lock_shared($2), {}",
+            "SELECT admission_grant_locks($3, {}, $2), {}",
             store::admission_lock("$1"),
             crate::ledger::db::BOUND_LOCK_IDLE
         ))

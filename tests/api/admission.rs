@@ -544,6 +544,94 @@ async fn a_release_waits_for_the_orgs_grant_in_progress_and_is_stamped_after_it(
     app.stop().await;
 }
 
+#[tokio::test]
+async fn a_grant_takes_the_plan_versions_lock_then_the_orgs_then_the_consuming_lock() {
+    use tally::admission::PLAN_VERSION_LOCK_KEY as PLANS;
+    use tally::projection::store::CONSUME_LOCK_KEY as CONSUMING;
+
+    let app = TestApp::spawn().await;
+    ready_org(&app, "acme").await;
+    let org: i64 = sqlx::query_scalar("SELECT hashtextextended('tally.admission.' || 'acme', 0)")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let org_held = crate::helpers::hold_advisory_lock(&app.db.url, org).await;
+    let body = json!({"org_id": "acme", "action": "create"});
+    let grant = tokio::spawn({
+        let api = app.api.clone();
+        async move { api.reserve(&body).await }
+    });
+    // Stopped at the org's lock: holding the plan versions' lock, not yet the consuming one.
+    let (grant_pid, locks) = waiting_for_advisory_lock(&app, org).await;
+    let expected = [(PLANS, "ShareLock", true), (org, "ExclusiveLock", false)];
+    assert_eq!(locks, advisory_locks(&expected));
+
+    // Stopped at the consuming lock (as a projector round that starts containers holds it),
+    // holding the two before it.
+    let consuming_held = crate::helpers::hold_advisory_lock(&app.db.url, CONSUMING).await;
+    crate::helpers::release_advisory_lock(org_held, org).await;
+    let (pid, locks) = waiting_for_advisory_lock(&app, CONSUMING).await;
+    assert_eq!(pid, grant_pid, "the grant waits for the consuming lock");
+    let expected = [
+        (PLANS, "ShareLock", true),
+        (org, "ExclusiveLock", true),
+        (CONSUMING, "ShareLock", false),
+    ];
+    assert_eq!(locks, advisory_locks(&expected));
+
+    crate::helpers::release_advisory_lock(consuming_held, CONSUMING).await;
+    let (status, granted) = grant.await.unwrap();
+    assert_eq!(status, 201, "{granted}");
+    app.stop().await;
+}
+
+/// An advisory lock as [`waiting_for_advisory_lock`] lists it: key, mode, granted.
+type AdvisoryLock = (i64, String, bool);
+
+/// `locks` in the order [`waiting_for_advisory_lock`] lists them (by key).
+fn advisory_locks(locks: &[(i64, &str, bool)]) -> Vec<AdvisoryLock> {
+    let mut locks: Vec<AdvisoryLock> = locks
+        .iter()
+        .map(|&(key, mode, granted)| (key, mode.to_owned(), granted))
+        .collect();
+    locks.sort();
+    locks
+}
+
+/// Once a backend of `app`'s database waits for advisory lock `key` in share mode or
+/// alone (the projector's rounds wait for the consuming lock alone; grants in share mode),
+/// that backend and every advisory lock it holds or waits for, by key.
+async fn waiting_for_advisory_lock(app: &TestApp, key: i64) -> (i32, Vec<AdvisoryLock>) {
+    const LOCKS: &str = "WITH advisory AS ( \
+           SELECT pid, (classid::BIGINT << 32) | objid::BIGINT AS key, mode, granted \
+           FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())) \
+         SELECT pid, key, mode, granted FROM advisory WHERE pid = ( \
+           SELECT min(pid) FROM advisory WHERE key = $1 AND NOT granted \
+             AND (key <> $2 OR mode = 'ShareLock')) \
+         ORDER BY key, mode, granted";
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows: Vec<(i32, i64, String, bool)> = sqlx::query_as(LOCKS)
+            .bind(key)
+            .bind(tally::projection::store::CONSUME_LOCK_KEY)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+        if let Some(&(pid, ..)) = rows.first() {
+            let locks = rows
+                .into_iter()
+                .map(|(_, key, mode, granted)| (key, mode, granted));
+            return (pid, locks.collect());
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no backend waits for lock {key}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits until one statement of `app`'s database sleeps in a trigger the test installed
 /// (`pg_sleep`): `what` is then held open.
 async fn one_sleeping(app: &TestApp, what: &str) {
