@@ -148,7 +148,8 @@ impl EventRow {
 }
 
 /// The columns of a ledger row that decide its entries, borrowed from wherever the row was
-/// decoded: an [`EventRow`], or replay's binary read, which allocates nothing per row.
+/// decoded: an [`EventRow`], a row of [`read_histories`], or replay's binary read, which
+/// allocates nothing per row.
 pub(super) struct EventFields<'a> {
     pub position: i64,
     pub id: Uuid,
@@ -314,50 +315,64 @@ pub enum History {
 /// The events of each container that `history` names, up to and including `until`,
 /// voided ones left out. Another org's events under the same container id are left in the
 /// table, not read and decoded: a container's refold costs its own history, whatever other
-/// orgs send.
+/// orgs send. Each row is read as it arrives, five columns of it (the key by its index in
+/// `keys`, and the payload's two figures only when commands and ports are read), and kept
+/// only as its entry: a container with a million lifecycle events costs their entries in
+/// memory, not their rows as well.
 pub async fn read_histories(
     connection: &mut PgConnection,
     keys: &[ContainerKey],
     until: i64,
     history: History,
 ) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
+    use futures::TryStreamExt;
+
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
-    let types = match history {
-        History::Whole => "",
-        History::Lifecycle => {
-            "AND type IN ('container.created', 'container.resumed', 'container.stopped')"
-        }
+    let (figures, types) = match history {
+        History::Whole => (
+            "(data->>'duration_ms')::BIGINT, (data->>'port')::INTEGER",
+            "",
+        ),
+        History::Lifecycle => (
+            "NULL::BIGINT, NULL::INTEGER",
+            "AND type IN ('container.created', 'container.resumed', 'container.stopped')",
+        ),
     };
-    let rows: Vec<EventRow> = sqlx::query_as(&format!(
-        "SELECT {EVENT_COLUMNS} FROM (SELECT l.* \
-           FROM UNNEST($1::TEXT[], $2::TEXT[]) k (org_id, container_id) \
-           CROSS JOIN LATERAL (SELECT * FROM ledger \
-             WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
-               {types} AND position <= $3 \
-               AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)) l \
-         ) ledger"
-    ))
-    .bind(&orgs)
-    .bind(&ids)
-    .bind(until)
-    .fetch_all(connection)
-    .await?;
-    let mut histories: HashMap<ContainerKey, Vec<ContainerEntry>> =
-        keys.iter().map(|key| (key.clone(), Vec::new())).collect();
-    for row in rows {
-        let event = row.into_event()?;
-        if let Some((container_id, entry)) = event.container {
-            let key = ContainerKey {
-                org_id: event.org_id,
-                container_id,
-            };
-            if let Some(history) = histories.get_mut(&key) {
-                history.push(entry);
-            }
-        }
+    let mut histories: Vec<Vec<ContainerEntry>> = vec![Vec::new(); keys.len()];
+    let query = format!(
+        "SELECT k.i, l.* \
+         FROM UNNEST($1::TEXT[], $2::TEXT[]) WITH ORDINALITY k (org_id, container_id, i) \
+         CROSS JOIN LATERAL (SELECT position, id, type, occurred_at, {figures} FROM ledger \
+           WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
+             {types} AND position <= $3 \
+             AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)) l"
+    );
+    let mut rows = sqlx::query(&query)
+        .bind(&orgs)
+        .bind(&ids)
+        .bind(until)
+        .fetch(connection);
+    while let Some(row) = rows.try_next().await? {
+        let index: i64 = row.try_get(0)?;
+        let fields = EventFields {
+            position: row.try_get(1)?,
+            id: row.try_get(2)?,
+            event_type: row.try_get(3)?,
+            occurred_at: row.try_get(4)?,
+            duration_ms: row.try_get(5)?,
+            port: row.try_get(6)?,
+            plan: None,
+            verified: None,
+            eligible: None,
+        };
+        let history = usize::try_from(index - 1)
+            .ok()
+            .and_then(|index| histories.get_mut(index))
+            .ok_or_else(|| Error::Corrupt(format!("no container at index {index}")))?;
+        history.extend(fields.entries()?.1);
     }
-    Ok(histories)
+    Ok(keys.iter().cloned().zip(histories).collect())
 }
 
 /// Each container's commands up to and including `until` that one of its idle spans
