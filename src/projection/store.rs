@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
 use sqlx::postgres::PgRow;
 use sqlx::{Connection, FromRow, PgConnection, Row};
 use uuid::Uuid;
@@ -167,8 +168,7 @@ impl EventFields<'_> {
     /// (container events of a type the runtime reads), when it has a container.
     pub fn entries(&self) -> Result<(Option<AccountEntry>, Option<ContainerEntry>), Error> {
         let position = self.position;
-        let event_id = EventId::from_uuid(self.id)
-            .map_err(|e| Error::corrupt(format!("position {position}"), e))?;
+        let event_id = self.event_id()?;
         let change = match EventType::parse(self.event_type) {
             Some(EventType::OrgPlanChanged) => Some(AccountChange::Plan(
                 PlanId::parse(self.plan.unwrap_or_default())
@@ -191,14 +191,28 @@ impl EventFields<'_> {
             event_id,
             change,
         });
-        let container =
-            entry_kind(self.event_type, self.duration_ms, self.port)?.map(|kind| ContainerEntry {
-                occurred_at: self.occurred_at,
-                position,
-                event_id,
-                kind,
-            });
-        Ok((account, container))
+        Ok((account, self.container_entry_of(event_id)?))
+    }
+
+    /// The container entry alone (`None` for an event of no container), for readers of
+    /// container histories: an org event's fields are not needed, nor read.
+    pub fn container_entry(&self) -> Result<Option<ContainerEntry>, Error> {
+        self.container_entry_of(self.event_id()?)
+    }
+
+    fn container_entry_of(&self, event_id: EventId) -> Result<Option<ContainerEntry>, Error> {
+        let kind = entry_kind(self.event_type, self.duration_ms, self.port)?;
+        Ok(kind.map(|kind| ContainerEntry {
+            occurred_at: self.occurred_at,
+            position: self.position,
+            event_id,
+            kind,
+        }))
+    }
+
+    fn event_id(&self) -> Result<EventId, Error> {
+        EventId::from_uuid(self.id)
+            .map_err(|e| Error::corrupt(format!("position {}", self.position), e))
     }
 }
 
@@ -315,18 +329,16 @@ pub enum History {
 /// The events of each container that `history` names, up to and including `until`,
 /// voided ones left out. Another org's events under the same container id are left in the
 /// table, not read and decoded: a container's refold costs its own history, whatever other
-/// orgs send. Each row is read as it arrives, five columns of it (the key by its index in
-/// `keys`, and the payload's two figures only when commands and ports are read), and kept
-/// only as its entry: a container with a million lifecycle events costs their entries in
-/// memory, not their rows as well.
+/// orgs send. Each row is read as it arrives (its container as its index in `keys`, its
+/// position, id, type and instant, and the payload's two figures only when commands and
+/// ports are read) and kept only as its entry: a container with a million lifecycle events
+/// costs their entries in memory, not their rows as well.
 pub async fn read_histories(
     connection: &mut PgConnection,
     keys: &[ContainerKey],
     until: i64,
     history: History,
 ) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
-    use futures::TryStreamExt;
-
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
     let (figures, types) = match history {
@@ -370,7 +382,7 @@ pub async fn read_histories(
             .ok()
             .and_then(|index| histories.get_mut(index))
             .ok_or_else(|| Error::Corrupt(format!("no container at index {index}")))?;
-        history.extend(fields.entries()?.1);
+        history.extend(fields.container_entry()?);
     }
     Ok(keys.iter().cloned().zip(histories).collect())
 }

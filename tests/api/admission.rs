@@ -598,9 +598,9 @@ fn advisory_locks(locks: &[(i64, &str, bool)]) -> Vec<AdvisoryLock> {
     locks
 }
 
-/// Once a backend of `app`'s database waits for advisory lock `key` in share mode or
-/// alone (the projector's rounds wait for the consuming lock alone; grants in share mode),
-/// that backend and every advisory lock it holds or waits for, by key.
+/// Once a backend of `app`'s database waits for advisory lock `key` (for the consuming lock,
+/// only in share mode, as grants take it: the projector's rounds wait for it alone), that
+/// backend and every advisory lock it holds or waits for, by key.
 async fn waiting_for_advisory_lock(app: &TestApp, key: i64) -> (i32, Vec<AdvisoryLock>) {
     const LOCKS: &str = "WITH advisory AS ( \
            SELECT pid, (classid::BIGINT << 32) | objid::BIGINT AS key, mode, granted \
