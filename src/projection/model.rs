@@ -111,6 +111,13 @@ impl ContainerChange {
             voided: false,
         }
     }
+
+    /// Takes `new` and `anomalies`, the container's whole fold, in place of what it had.
+    fn replace(&mut self, new: Lifecycle, anomalies: Vec<Anomaly>) {
+        self.new = new;
+        self.anomalies_change = AnomalyChange::Replaced;
+        self.anomalies = anomalies;
+    }
 }
 
 /// The commands a late container ran while it was not running, by its refolded intervals,
@@ -252,17 +259,9 @@ impl Changes {
         for (key, entries) in histories {
             changes.count_history(&key, &entries);
             let (new, anomalies) = ContainerTimeline::fold(&entries).into_parts();
-            changes.containers.insert(
-                key,
-                ContainerChange {
-                    old: None,
-                    new,
-                    anomalies_change: AnomalyChange::Replaced,
-                    anomalies,
-                    run_last_at: None,
-                    voided: false,
-                },
-            );
+            let mut change = ContainerChange::of(None);
+            change.replace(new, anomalies);
+            changes.containers.insert(key, change);
         }
         changes.finish()
     }
@@ -362,11 +361,8 @@ impl Changes {
     /// Replaces a late container's lifecycle with the fold of its whole history, up to and
     /// including the last event of this run.
     pub fn refold(&mut self, key: &ContainerKey, history: &[ContainerEntry]) {
-        let change = self.late_change(key);
         let (new, anomalies) = ContainerTimeline::fold(history).into_parts();
-        change.new = new;
-        change.anomalies_change = AnomalyChange::Replaced;
-        change.anomalies = anomalies;
+        self.late_change(key).replace(new, anomalies);
     }
 
     /// Replaces a late container's lifecycle, as [`Self::refold`] would, from the fold of
@@ -398,9 +394,10 @@ impl Changes {
         let total = anomalies.len() as u64 + idle.total;
         anomalies.extend(idle.first);
         anomalies.sort_by_key(Anomaly::order);
-        change.new = Lifecycle::restore(folded.intervals().to_vec(), total, last_at);
-        change.anomalies_change = AnomalyChange::Replaced;
-        change.anomalies = anomalies;
+        change.replace(
+            Lifecycle::restore(folded.intervals().to_vec(), total, last_at),
+            anomalies,
+        );
     }
 
     fn late_change(&mut self, key: &ContainerKey) -> &mut ContainerChange {
