@@ -855,7 +855,7 @@ mod tests {
     fn whole_facts(containers: &[&str]) -> Arc<Prepared> {
         let since = read_at() - chrono::Duration::hours(1);
         let running = || {
-            let lifecycle = Lifecycle::restore(vec![Interval::new(since, None)], 0, None);
+            let lifecycle = Lifecycle::restore(vec![Interval::new(since, None)], 0, 0, None);
             ContainerFacts::of(&lifecycle, read_at())
         };
         let mut facts = (*facts()).clone();
@@ -983,7 +983,7 @@ mod tests {
             let end = (cycle < cycles).then(|| minute(2 * cycle + 1));
             intervals.push(Interval::new(minute(2 * cycle), end));
         }
-        Lifecycle::restore(intervals, 0, None)
+        Lifecycle::restore(intervals, 0, 0, None)
     }
 
     /// Facts of acme that hold its one container `c0`, [`churning`] `cycles` times.

@@ -34,6 +34,7 @@ pub use checker::Checker;
 
 use crate::runtime::{
     self, AccountEntry, AccountTimeline, Lifecycle, Period, PeriodTotals, INTERVALS_MAX,
+    LIFECYCLE_EVENTS_MAX,
 };
 
 /// How long a check waits for the projection to include this instance's own appends
@@ -185,14 +186,17 @@ struct FactsRow {
     /// ([`recent_intervals`]).
     future_containers: Vec<String>,
     future_totals: Vec<i32>,
+    future_lifecycles: Vec<i64>,
     future_intervals: Vec<String>,
     target_total: Option<i32>,
+    target_lifecycle: Option<i64>,
     target_intervals: Option<String>,
     /// Every container of the org, up to one more than [`ORG_CONTAINERS_KEPT_MAX`] (all of
     /// them when there are no more than that), and then their intervals in the same order
     /// (none when there are more: the facts will not hold them).
     org_containers: Vec<String>,
     org_totals: Vec<i32>,
+    org_lifecycles: Vec<i64>,
     org_intervals: Vec<String>,
     /// When each slot held by reservations stops being held: a live reservation's expiry,
     /// or the instant of a start dated after `now` that consumed some (once a start, however
@@ -293,10 +297,13 @@ async fn load_facts(
                 COALESCE(o.open_offsets, '{{}}') AS open_offsets, \
                 COALESCE(f.future_containers, '{{}}') AS future_containers, \
                 COALESCE(f.future_totals, '{{}}') AS future_totals, \
+                COALESCE(f.future_lifecycles, '{{}}') AS future_lifecycles, \
                 COALESCE(f.future_intervals, '{{}}') AS future_intervals, \
-                t.total AS target_total, t.recent AS target_intervals, \
+                t.total AS target_total, t.lifecycle_total AS target_lifecycle, \
+                t.recent AS target_intervals, \
                 COALESCE(w.org_containers, '{{}}') AS org_containers, \
                 COALESCE(w.org_totals, '{{}}') AS org_totals, \
+                COALESCE(w.org_lifecycles, '{{}}') AS org_lifecycles, \
                 COALESCE(w.org_intervals, '{{}}') AS org_intervals, \
                 ARRAY(SELECT expires_at FROM admission_reservation \
                       WHERE org_id = r.org AND released_at IS NULL AND consumed_at IS NULL \
@@ -334,6 +341,8 @@ async fn load_facts(
                                    AS future_containers, \
                                    array_agg(jsonb_array_length(intervals) \
                                              ORDER BY c.container_id) AS future_totals, \
+                                   array_agg(c.lifecycle_total ORDER BY c.container_id) \
+                                   AS future_lifecycles, \
                                    array_agg({recent} ORDER BY c.container_id) \
                                    AS future_intervals \
                             FROM {containers_ahead}) AS f ON true \
@@ -342,14 +351,18 @@ async fn load_facts(
                                    array_agg(jsonb_array_length(intervals) \
                                              ORDER BY container_id COLLATE \"C\") \
                                    FILTER (WHERE kept) AS org_totals, \
+                                   array_agg(lifecycle_total ORDER BY container_id COLLATE \"C\") \
+                                   FILTER (WHERE kept) AS org_lifecycles, \
                                    array_agg({recent} ORDER BY container_id COLLATE \"C\") \
                                    FILTER (WHERE kept) AS org_intervals \
-                            FROM (SELECT container_id, intervals, \
+                            FROM (SELECT container_id, intervals, lifecycle_total, \
                                          count(*) OVER () <= {ORG_CONTAINERS_KEPT_MAX} AS kept \
-                                  FROM (SELECT container_id, intervals FROM {live}.container \
+                                  FROM (SELECT container_id, intervals, lifecycle_total \
+                                        FROM {live}.container \
                                         WHERE org_id = r.org ORDER BY container_id COLLATE \"C\" \
                                         LIMIT {whole}) AS c) AS c) AS w ON true \
-         LEFT JOIN LATERAL (SELECT jsonb_array_length(intervals) AS total, {recent} AS recent \
+         LEFT JOIN LATERAL (SELECT jsonb_array_length(intervals) AS total, lifecycle_total, \
+                                   {recent} AS recent \
                             FROM {live}.container \
                             WHERE org_id = r.org AND container_id = r.container \
                               AND cardinality(w.org_containers) > {ORG_CONTAINERS_KEPT_MAX}) \
@@ -490,14 +503,14 @@ impl Prepared {
         };
         let containers = (row.org_containers.len() <= ORG_CONTAINERS_KEPT_MAX)
             .then(|| {
-                let (ids, totals) = (row.org_containers, &row.org_totals);
-                ContainerFacts::read_all(ids, totals, &row.org_intervals, read_at)
+                let totals = (&row.org_totals[..], &row.org_lifecycles[..]);
+                ContainerFacts::read_all(row.org_containers, totals, &row.org_intervals, read_at)
             })
             .transpose()?;
         let whole = containers.is_some();
         let future = ContainerFacts::read_all(
             row.future_containers,
-            &row.future_totals,
+            (&row.future_totals, &row.future_lifecycles),
             &row.future_intervals,
             read_at,
         )?;
@@ -518,9 +531,13 @@ impl Prepared {
             future,
             containers,
             target_id: request.container_id.clone().filter(|_| !whole),
-            target: match (whole, row.target_total, row.target_intervals.as_deref()) {
-                (false, Some(total), Some(intervals)) => {
-                    Some(ContainerFacts::read(total, intervals, read_at)?)
+            target: match (
+                whole,
+                row.target_total.zip(row.target_lifecycle),
+                row.target_intervals.as_deref(),
+            ) {
+                (false, Some(totals), Some(intervals)) => {
+                    Some(ContainerFacts::read(totals, intervals, read_at)?)
                 }
                 _ => None,
             },
@@ -722,6 +739,8 @@ impl Prepared {
             container_running || target.is_some_and(|held| held.recent.starts_after(now).is_some());
         let container_at_interval_limit =
             !container_started && target.is_some_and(|held| held.intervals_total >= INTERVALS_MAX);
+        let container_at_lifecycle_limit = !container_started
+            && target.is_some_and(|held| held.lifecycle_total >= LIFECYCLE_EVENTS_MAX);
         let account = self.account.state_at(now);
         let versions = self
             .plans
@@ -752,6 +771,7 @@ impl Prepared {
             reservations,
             container_running,
             container_at_interval_limit,
+            container_at_lifecycle_limit,
             ports_published: self.totals.ports_published,
         };
         let decision = billing::decide(request.action, &facts);
@@ -837,6 +857,8 @@ pub const RECENT_INTERVALS_MAX: usize = 16;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ContainerFacts {
     intervals_total: usize,
+    /// How many lifecycle events it has ([`LIFECYCLE_EVENTS_MAX`]).
+    lifecycle_total: u64,
     recent: Lifecycle,
 }
 
@@ -846,49 +868,58 @@ impl ContainerFacts {
         let recent = lifecycle.intervals_ending_after(read_at).to_vec();
         ContainerFacts {
             intervals_total: lifecycle.intervals().len(),
-            recent: Lifecycle::restore(recent, 0, None),
+            lifecycle_total: lifecycle.lifecycle_total(),
+            recent: Lifecycle::restore(recent, 0, 0, None),
         }
     }
 
-    /// As the facts statement gives it: its number of intervals, and the text of as many of
-    /// the last of them as [`recent_intervals`] sends.
+    /// As the facts statement gives it: its numbers of intervals and of lifecycle events,
+    /// and the text of as many of the last of its intervals as [`recent_intervals`] sends.
     fn read(
-        total: i32,
+        (total, lifecycle_total): (i32, i64),
         intervals: &str,
         read_at: DateTime<Utc>,
     ) -> Result<ContainerFacts, AdmissionError> {
-        let sent = Lifecycle::restore(store::decode_intervals(intervals)?, 0, None);
+        let sent = Lifecycle::restore(store::decode_intervals(intervals)?, 0, 0, None);
         let total = usize::try_from(total)
             .ok()
             .filter(|total| *total >= sent.intervals().len())
             .ok_or_else(|| AdmissionError::corrupt("intervals", format!("{total} in all")))?;
+        let lifecycle_total = u64::try_from(lifecycle_total)
+            .map_err(|e| AdmissionError::corrupt("lifecycle_total", e))?;
         Ok(ContainerFacts {
             intervals_total: total,
+            lifecycle_total,
             ..ContainerFacts::of(&sent, read_at)
         })
     }
 
     /// Each of the containers `ids` as [`ContainerFacts::read`] reads it, from the
-    /// statement's arrays of their numbers of intervals and of their intervals, in the same
-    /// order.
+    /// statement's arrays of their numbers of intervals, of their numbers of lifecycle
+    /// events and of their intervals, in the same order.
     fn read_all(
         ids: Vec<String>,
-        totals: &[i32],
+        (totals, lifecycles): (&[i32], &[i64]),
         intervals: &[String],
         read_at: DateTime<Utc>,
     ) -> Result<BTreeMap<String, ContainerFacts>, AdmissionError> {
-        if (totals.len(), intervals.len()) != (ids.len(), ids.len()) {
+        let lengths = (totals.len(), lifecycles.len(), intervals.len());
+        if lengths != (ids.len(), ids.len(), ids.len()) {
             return Err(AdmissionError::Corrupt(format!(
-                "{} numbers and {} lists of intervals for {} containers",
+                "{} and {} numbers and {} lists of intervals for {} containers",
                 totals.len(),
+                lifecycles.len(),
                 intervals.len(),
                 ids.len()
             )));
         }
         ids.into_iter()
-            .zip(totals.iter().zip(intervals))
-            .map(|(id, (total, intervals))| {
-                Ok((id, ContainerFacts::read(*total, intervals, read_at)?))
+            .zip(totals.iter().zip(lifecycles).zip(intervals))
+            .map(|(id, ((total, lifecycle), intervals))| {
+                Ok((
+                    id,
+                    ContainerFacts::read((*total, *lifecycle), intervals, read_at)?,
+                ))
             })
             .collect()
     }

@@ -52,6 +52,9 @@ pub enum Reason {
     /// `resume` of a stopped container that has as many running intervals as a container
     /// may have: its resume would start nothing (decision 0053).
     IntervalLimit,
+    /// `resume` of a stopped container that has as many lifecycle events as the fold
+    /// walks: its resume would start nothing (decision 0056).
+    LifecycleLimit,
     ContainerNotRunning,
     PortLimit,
 }
@@ -68,6 +71,7 @@ impl Reason {
             Reason::RuntimeAllowanceExhausted => ErrorCode::RuntimeAllowanceExhausted,
             Reason::ContainerRunning => ErrorCode::ContainerRunning,
             Reason::IntervalLimit => ErrorCode::IntervalLimit,
+            Reason::LifecycleLimit => ErrorCode::LifecycleLimit,
             Reason::ContainerNotRunning => ErrorCode::ContainerNotRunning,
             Reason::PortLimit => ErrorCode::PortLimit,
         }
@@ -96,6 +100,9 @@ pub struct Facts<'a> {
     /// Whether the named container is stopped with [`crate::runtime::INTERVALS_MAX`]
     /// intervals (`resume`).
     pub container_at_interval_limit: bool,
+    /// Whether the named container is stopped with
+    /// [`crate::runtime::LIFECYCLE_EVENTS_MAX`] lifecycle events (`resume`).
+    pub container_at_lifecycle_limit: bool,
     /// Distinct (container, port) pairs published in `period`.
     pub ports_published: u64,
 }
@@ -146,6 +153,9 @@ pub fn decide(action: Action, facts: &Facts) -> Decision {
     }
     if action == Action::Resume && facts.container_at_interval_limit {
         reasons.push(Reason::IntervalLimit);
+    }
+    if action == Action::Resume && facts.container_at_lifecycle_limit {
+        reasons.push(Reason::LifecycleLimit);
     }
     if action.needs_running_container() && !facts.container_running {
         reasons.push(Reason::ContainerNotRunning);
@@ -202,6 +212,7 @@ mod tests {
             reservations: 0,
             container_running: true,
             container_at_interval_limit: false,
+            container_at_lifecycle_limit: false,
             ports_published: 0,
         }
     }
@@ -320,6 +331,17 @@ mod tests {
             Vec::<&str>::new(),
             "a create names a container that has no intervals yet"
         );
+
+        let past_lifecycle = Facts {
+            container_running: false,
+            container_at_lifecycle_limit: true,
+            ..base.clone()
+        };
+        assert_eq!(
+            reasons(Action::Resume, &past_lifecycle),
+            ["lifecycle_limit"]
+        );
+        assert_eq!(reasons(Action::Create, &past_lifecycle), Vec::<&str>::new());
     }
 
     #[test]
@@ -331,6 +353,7 @@ mod tests {
             running_containers: 5,
             container_running: false,
             container_at_interval_limit: true,
+            container_at_lifecycle_limit: true,
             ports_published: 9,
             ..facts(&deny, &account)
         };
@@ -360,7 +383,8 @@ mod tests {
                 "not_billing_eligible",
                 "concurrency_limit",
                 "runtime_allowance_exhausted",
-                "interval_limit"
+                "interval_limit",
+                "lifecycle_limit"
             ]
         );
         let no_sandbox = Plan {

@@ -18,6 +18,7 @@ use chrono::{DateTime, Utc};
 
 use crate::runtime::{
     AccountEntry, Anomaly, ContainerEntry, ContainerTimeline, Lifecycle, OpenRuns, Period,
+    LIFECYCLE_EVENTS_MAX,
 };
 
 /// A container is known by its org and its id: an id reused by another org is another
@@ -76,6 +77,13 @@ pub struct PortKey {
 /// than an operator reads, and the first of them show when the trouble began.
 pub const ANOMALIES_KEPT_MAX: u64 = 10_000;
 
+/// How many of a late container's lifecycle events a lifecycle refold reads, the first in
+/// (`occurred_at`, position) order: the [`LIFECYCLE_EVENTS_MAX`] the fold walks and as many
+/// past them as a container keeps anomalies. Every later one is an anomaly that no kept
+/// row can hold, since the ones read are earlier anomalies; it is counted, not read
+/// ([`Changes::refold_lifecycle`]).
+pub const LIFECYCLE_READ_MAX: u64 = LIFECYCLE_EVENTS_MAX + ANOMALIES_KEPT_MAX;
+
 /// What a run does to one container's kept anomalies.
 #[derive(Debug, Clone, PartialEq, Default)]
 enum AnomalyChange {
@@ -96,6 +104,8 @@ struct ContainerChange {
     anomalies: Vec<Anomaly>,
     /// The latest `occurred_at` of this run's entries of the container.
     run_last_at: Option<DateTime<Utc>>,
+    /// How many of this run's entries of the container are lifecycle entries.
+    run_lifecycle: u64,
     /// A void in this run took back one of its events.
     voided: bool,
 }
@@ -108,6 +118,7 @@ impl ContainerChange {
             anomalies_change: AnomalyChange::Added,
             anomalies: Vec::new(),
             run_last_at: None,
+            run_lifecycle: 0,
             voided: false,
         }
     }
@@ -198,6 +209,7 @@ impl Changes {
                 .entry(key.clone())
                 .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
             change.run_last_at = change.run_last_at.max(Some(entry.occurred_at));
+            change.run_lifecycle += u64::from(entry.kind.is_lifecycle());
             if changes.late.contains(&key) {
                 continue;
             }
@@ -235,15 +247,18 @@ impl Changes {
                 .voided = true;
             changes.late.insert(key);
         }
-        // An account event voided in the run that stores it is not stored: the store takes
-        // the voided ones back before it writes the run's.
-        if !changes.voided_accounts.is_empty() {
-            let voided: HashSet<uuid::Uuid> = changes.voided_accounts.iter().copied().collect();
-            changes
-                .accounts
+        changes.drop_voided_accounts();
+        changes
+    }
+
+    /// An account event voided in the run that stores it is not stored: the store takes
+    /// the voided ones back before it writes the run's.
+    fn drop_voided_accounts(&mut self) {
+        if !self.voided_accounts.is_empty() {
+            let voided: HashSet<uuid::Uuid> = self.voided_accounts.iter().copied().collect();
+            self.accounts
                 .retain(|(_, entry)| !voided.contains(&entry.event_id.as_uuid()));
         }
-        changes
     }
 
     /// The changes of a replay: every container's whole history and every org event,
@@ -373,6 +388,10 @@ impl Changes {
     /// instant is the stored one or this run's, since no void reached the container. So
     /// a late stop costs the container's lifecycle and its idle commands, however many
     /// commands it ran while running.
+    ///
+    /// `lifecycle` may be the fold of the first [`LIFECYCLE_READ_MAX`] lifecycle events
+    /// only: the later ones, past [`LIFECYCLE_EVENTS_MAX`], change no interval and are
+    /// anomalies, counted from the stored number of lifecycle events and this run's.
     pub fn refold_lifecycle(
         &mut self,
         key: &ContainerKey,
@@ -391,11 +410,22 @@ impl Changes {
             .and_then(Lifecycle::last_at)
             .max(change.run_last_at);
         let (folded, mut anomalies) = lifecycle.into_parts();
-        let total = anomalies.len() as u64 + idle.total;
+        let read = folded.lifecycle_total();
+        assert!(
+            read <= LIFECYCLE_READ_MAX,
+            "{key:?}: {read} lifecycle events read"
+        );
+        let lifecycle_total = if read < LIFECYCLE_READ_MAX {
+            read
+        } else {
+            let known = change.old.as_ref().map_or(0, Lifecycle::lifecycle_total);
+            (known + change.run_lifecycle).max(read)
+        };
+        let total = anomalies.len() as u64 + (lifecycle_total - read) + idle.total;
         anomalies.extend(idle.first);
         anomalies.sort_by_key(Anomaly::order);
         change.replace(
-            Lifecycle::restore(folded.intervals().to_vec(), total, last_at),
+            Lifecycle::restore(folded.intervals().to_vec(), total, lifecycle_total, last_at),
             anomalies,
         );
     }

@@ -10,7 +10,7 @@ use proptest::prelude::*;
 
 use super::model::{
     Changes, ContainerKey, IdleCommands, OpenDelta, PeriodDelta, PortKey, ProjectedEvent,
-    ANOMALIES_KEPT_MAX,
+    ANOMALIES_KEPT_MAX, LIFECYCLE_READ_MAX,
 };
 use crate::event::EventId;
 use crate::runtime::{
@@ -77,23 +77,20 @@ impl Tables {
         self.write(changes.finish());
     }
 
-    /// What the store reads for a lifecycle refold: the fold of the lifecycle events, and
-    /// the commands whose instant one of its idle spans holds, the first `kept_max` of
-    /// them in order.
+    /// What the store reads for a lifecycle refold: the fold of the first
+    /// [`LIFECYCLE_READ_MAX`] lifecycle events in order, and the commands whose instant one
+    /// of its idle spans holds, the first `kept_max` of them in order.
     fn lifecycle_and_idle_commands(
         &self,
         history: &[ContainerEntry],
     ) -> (ContainerTimeline, IdleCommands) {
-        let lifecycle: Vec<ContainerEntry> = history
+        let mut lifecycle: Vec<ContainerEntry> = history
             .iter()
-            .filter(|entry| {
-                matches!(
-                    entry.kind,
-                    EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped
-                )
-            })
+            .filter(|entry| entry.kind.is_lifecycle())
             .copied()
             .collect();
+        lifecycle.sort_by_key(|entry| (entry.occurred_at, entry.position));
+        lifecycle.truncate(usize::try_from(LIFECYCLE_READ_MAX).unwrap());
         let lifecycle = ContainerTimeline::fold(&lifecycle);
         let spans = lifecycle.lifecycle().idle_spans();
         let mut idle: Vec<Anomaly> = history

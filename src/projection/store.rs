@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use super::model::{
     AnomalyRows, Changes, ContainerKey, IdleCommands, OpenDelta, PeriodDelta, PortKey,
-    ProjectedEvent, ANOMALIES_KEPT_MAX,
+    ProjectedEvent, ANOMALIES_KEPT_MAX, LIFECYCLE_READ_MAX,
 };
 use super::Error;
 use crate::event::{EventId, EventType, PlanId};
@@ -322,7 +322,8 @@ pub enum History {
     Whole,
     /// `created`, `resumed` and `stopped`: what [`Changes::refold_lifecycle`] folds, read
     /// by instant from the ledger's partial index of them (the same types as its
-    /// predicate), so that the container's commands are not read.
+    /// predicate), so that the container's commands are not read; only the first
+    /// [`LIFECYCLE_READ_MAX`] in (`occurred_at`, position) order.
     Lifecycle,
 }
 
@@ -341,14 +342,16 @@ pub async fn read_histories(
 ) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
-    let (figures, types) = match history {
+    let (figures, types, first) = match history {
         History::Whole => (
             "(data->>'duration_ms')::BIGINT, (data->>'port')::INTEGER",
             "",
+            String::new(),
         ),
         History::Lifecycle => (
             "NULL::BIGINT, NULL::INTEGER",
             "AND type IN ('container.created', 'container.resumed', 'container.stopped')",
+            format!("ORDER BY occurred_at, position LIMIT {LIFECYCLE_READ_MAX}"),
         ),
     };
     let mut histories: Vec<Vec<ContainerEntry>> = vec![Vec::new(); keys.len()];
@@ -358,7 +361,8 @@ pub async fn read_histories(
          CROSS JOIN LATERAL (SELECT position, id, type, occurred_at, {figures} FROM ledger \
            WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
              {types} AND position <= $3 \
-             AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)) l"
+             AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id) \
+           {first}) l"
     );
     let mut rows = sqlx::query(&query)
         .bind(&orgs)
@@ -536,23 +540,33 @@ struct LifecycleRow {
     container_id: String,
     intervals: String,
     anomalies_total: i64,
+    lifecycle_total: i64,
     last_at: DateTime<Utc>,
 }
 
 /// The columns of [`LifecycleRow`]: never the anomalies themselves, which are rows of
 /// `container_anomaly`, read a page at a time ([`container_anomalies`]).
 const CONTAINER_COLUMNS: &str = "org_id, container_id, intervals::TEXT AS intervals, \
-     anomalies_total, last_at";
+     anomalies_total, lifecycle_total, last_at";
 
 impl LifecycleRow {
+    fn lifecycle(&self) -> Result<Lifecycle, Error> {
+        decode_lifecycle(
+            &self.intervals,
+            self.anomalies_total,
+            self.lifecycle_total,
+            self.last_at,
+        )
+        .map_err(|e| {
+            Error::corrupt(
+                format!("stored container {} of {}", self.container_id, self.org_id),
+                e,
+            )
+        })
+    }
+
     fn decode(self) -> Result<StoredContainer, Error> {
-        let lifecycle = decode_lifecycle(&self.intervals, self.anomalies_total, self.last_at)
-            .map_err(|e| {
-                Error::corrupt(
-                    format!("stored container {} of {}", self.container_id, self.org_id),
-                    e,
-                )
-            })?;
+        let lifecycle = self.lifecycle()?;
         Ok(StoredContainer {
             org_id: self.org_id,
             container_id: self.container_id,
@@ -571,7 +585,7 @@ pub async fn load_lifecycles(
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
         "SELECT c.org_id, c.container_id, c.intervals::TEXT AS intervals, \
-                c.anomalies_total, c.last_at \
+                c.anomalies_total, c.lifecycle_total, c.last_at \
          FROM UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, container_id) \
          JOIN {schema}.container c USING (container_id, org_id)"
     ))
@@ -581,13 +595,7 @@ pub async fn load_lifecycles(
     .await?;
     rows.into_iter()
         .map(|row| {
-            let lifecycle = decode_lifecycle(&row.intervals, row.anomalies_total, row.last_at)
-                .map_err(|e| {
-                    Error::corrupt(
-                        format!("stored container {} of {}", row.container_id, row.org_id),
-                        e,
-                    )
-                })?;
+            let lifecycle = row.lifecycle()?;
             let key = ContainerKey {
                 org_id: row.org_id,
                 container_id: row.container_id,
@@ -696,14 +704,18 @@ pub fn account_change(
 fn decode_lifecycle(
     intervals: &str,
     anomalies_total: i64,
+    lifecycle_total: i64,
     last_at: DateTime<Utc>,
 ) -> Result<Lifecycle, Error> {
     let intervals = decode_intervals(intervals)?;
     let anomalies_total =
         u64::try_from(anomalies_total).map_err(|e| Error::corrupt("anomalies_total", e))?;
+    let lifecycle_total =
+        u64::try_from(lifecycle_total).map_err(|e| Error::corrupt("lifecycle_total", e))?;
     Ok(Lifecycle::restore(
         intervals,
         anomalies_total,
+        lifecycle_total,
         Some(last_at),
     ))
 }
@@ -1171,19 +1183,22 @@ async fn write_containers(
             .collect();
         sqlx::query(&format!(
             "INSERT INTO {schema}.container \
-                 (org_id, container_id, intervals, anomalies_total, last_at) \
-             SELECT o, c, i::JSONB, a, l \
-             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::TIMESTAMPTZ[]) \
-                 AS r(o, c, i, a, l) {}",
+                 (org_id, container_id, intervals, anomalies_total, lifecycle_total, last_at) \
+             SELECT o, c, i::JSONB, a, n, l \
+             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::BIGINT[], \
+                         $6::TIMESTAMPTZ[]) \
+                 AS r(o, c, i, a, n, l) {}",
             load.merging(
                 "ON CONFLICT (container_id, org_id) DO UPDATE SET intervals = EXCLUDED.intervals, \
-                 anomalies_total = EXCLUDED.anomalies_total, last_at = EXCLUDED.last_at"
+                 anomalies_total = EXCLUDED.anomalies_total, \
+                 lifecycle_total = EXCLUDED.lifecycle_total, last_at = EXCLUDED.last_at"
             )
         ))
         .bind(&columns.orgs)
         .bind(&columns.ids)
         .bind(&intervals)
         .bind(&columns.totals)
+        .bind(&columns.lifecycle_totals)
         .bind(&columns.last_at)
         .execute(&mut *connection)
         .await?;
@@ -1196,6 +1211,7 @@ struct ContainerColumns<'a> {
     orgs: Vec<&'a str>,
     ids: Vec<&'a str>,
     totals: Vec<i64>,
+    lifecycle_totals: Vec<i64>,
     last_at: Vec<DateTime<Utc>>,
 }
 
@@ -1211,6 +1227,12 @@ impl<'a> ContainerColumns<'a> {
                 .iter()
                 .map(|(_, lifecycle)| {
                     i64::try_from(lifecycle.anomalies_total()).expect("fewer anomalies than events")
+                })
+                .collect(),
+            lifecycle_totals: chunk
+                .iter()
+                .map(|(_, lifecycle)| {
+                    i64::try_from(lifecycle.lifecycle_total()).expect("fewer than 2^63 events")
                 })
                 .collect(),
             last_at: chunk
@@ -1241,14 +1263,16 @@ async fn move_containers(
     for chunk in lifecycles.chunks(WRITE_CHUNK_ROWS) {
         let columns = ContainerColumns::of(chunk);
         let updated = sqlx::query(&format!(
-            "UPDATE {schema}.container c SET anomalies_total = r.a, last_at = r.l \
-             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::TIMESTAMPTZ[]) \
-                 AS r(o, c, a, l) \
+            "UPDATE {schema}.container c \
+             SET anomalies_total = r.a, lifecycle_total = r.n, last_at = r.l \
+             FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[], $4::BIGINT[], $5::TIMESTAMPTZ[]) \
+                 AS r(o, c, a, n, l) \
              WHERE c.container_id = r.c AND c.org_id = r.o"
         ))
         .bind(&columns.orgs)
         .bind(&columns.ids)
         .bind(&columns.totals)
+        .bind(&columns.lifecycle_totals)
         .bind(&columns.last_at)
         .execute(&mut *connection)
         .await?

@@ -34,6 +34,16 @@ pub enum EntryKind {
     PortPublished { port: u16 },
 }
 
+impl EntryKind {
+    /// `created`, `resumed` or `stopped`: an entry that walks the state machine.
+    pub fn is_lifecycle(self) -> bool {
+        matches!(
+            self,
+            EntryKind::Created | EntryKind::Resumed | EntryKind::Stopped
+        )
+    }
+}
+
 impl ContainerEntry {
     /// The entry for a container event stored at `position`; `None` for org events.
     pub fn from_event(event: &Event, position: i64) -> Option<ContainerEntry> {
@@ -150,6 +160,17 @@ impl ContainerState {
 /// setting: it is part of the fold, which every projection and replay must agree on.
 pub const INTERVALS_MAX: usize = 100_000;
 
+/// The most lifecycle events (`created`, `resumed`, `stopped`) of a container the fold
+/// walks, in (`occurred_at`, position) order. A container running after the last of them
+/// counts as stopped at its instant, and every later one starts and stops nothing and is a
+/// [`AnomalyKind::LifecyclePastLimit`]. A late lifecycle event makes a projection read the
+/// container's lifecycle events again, so without a limit one container's stray stops
+/// would make each such event cost more than the last; with it, the read stops at this
+/// many and the anomalies a container keeps (decision 0056). Room for the 2 ×
+/// [`INTERVALS_MAX`] events of a container stopped and resumed up to its interval limit,
+/// and 50 000 more. A constant, part of the fold, as [`INTERVALS_MAX`] is.
+pub const LIFECYCLE_EVENTS_MAX: u64 = 250_000;
+
 /// An event the state machine could not take at face value. Anomalies are recorded, not
 /// rejected: the ledger keeps every fact, and billing follows the table of contract §3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +181,7 @@ pub enum AnomalyKind {
     ResumePastIntervalLimit,
     StopWhileNotRunning,
     CommandWhileNotRunning,
+    LifecyclePastLimit,
 }
 
 impl AnomalyKind {
@@ -171,6 +193,7 @@ impl AnomalyKind {
             AnomalyKind::ResumePastIntervalLimit => "resume_past_interval_limit",
             AnomalyKind::StopWhileNotRunning => "stop_while_not_running",
             AnomalyKind::CommandWhileNotRunning => "command_while_not_running",
+            AnomalyKind::LifecyclePastLimit => "lifecycle_past_limit",
         }
     }
 
@@ -182,6 +205,7 @@ impl AnomalyKind {
             AnomalyKind::ResumePastIntervalLimit,
             AnomalyKind::StopWhileNotRunning,
             AnomalyKind::CommandWhileNotRunning,
+            AnomalyKind::LifecyclePastLimit,
         ]
         .into_iter()
         .find(|kind| kind.as_str() == value)
@@ -245,6 +269,8 @@ pub struct Lifecycle {
     intervals: Vec<Interval>,
     /// Every anomaly the entries folded so far caused.
     anomalies_total: u64,
+    /// How many lifecycle entries were folded, walked or past [`LIFECYCLE_EVENTS_MAX`].
+    lifecycle_total: u64,
     /// The latest `occurred_at` of any entry folded, lifecycle or not.
     last_at: Option<DateTime<Utc>>,
 }
@@ -383,11 +409,13 @@ impl Lifecycle {
     pub fn restore(
         intervals: Vec<Interval>,
         anomalies_total: u64,
+        lifecycle_total: u64,
         last_at: Option<DateTime<Utc>>,
     ) -> Lifecycle {
         let lifecycle = Lifecycle {
             intervals,
             anomalies_total,
+            lifecycle_total,
             last_at,
         };
         lifecycle.assert_intervals_are_ordered();
@@ -455,8 +483,24 @@ impl Lifecycle {
     /// before, which is exactly "has an interval": so a `created` after a
     /// `resume_before_create` is a `duplicate_create`, while a `created` after a stray
     /// `stop_while_not_running` is the container's real start. A stopped container that
-    /// has [`INTERVALS_MAX`] intervals is not resumed.
+    /// has [`INTERVALS_MAX`] intervals is not resumed. A container still running after its
+    /// [`LIFECYCLE_EVENTS_MAX`]th lifecycle entry stops at it, and every later one is
+    /// [`AnomalyKind::LifecyclePastLimit`].
     fn walk(&mut self, kind: EntryKind, at: DateTime<Utc>) -> Option<AnomalyKind> {
+        self.lifecycle_total += 1;
+        if self.lifecycle_total > LIFECYCLE_EVENTS_MAX {
+            return Some(AnomalyKind::LifecyclePastLimit);
+        }
+        let anomaly = self.step(kind, at);
+        if self.lifecycle_total == LIFECYCLE_EVENTS_MAX {
+            if let Some(open) = self.intervals.last_mut().filter(|last| last.end.is_none()) {
+                open.end = Some(at);
+            }
+        }
+        anomaly
+    }
+
+    fn step(&mut self, kind: EntryKind, at: DateTime<Utc>) -> Option<AnomalyKind> {
         let seen = !self.intervals.is_empty();
         let running = self.state() == ContainerState::Running;
         match kind {
@@ -513,6 +557,11 @@ impl Lifecycle {
     /// How many anomalies the entries folded so far caused.
     pub fn anomalies_total(&self) -> u64 {
         self.anomalies_total
+    }
+
+    /// How many lifecycle entries were folded so far, past [`LIFECYCLE_EVENTS_MAX`] too.
+    pub fn lifecycle_total(&self) -> u64 {
+        self.lifecycle_total
     }
 
     /// The latest `occurred_at` folded; `None` before the first entry.
@@ -721,7 +770,8 @@ pub(super) mod tests {
 
     #[test]
     fn the_next_start_after_an_instant_is_the_first_interval_beginning_later() {
-        let lifecycle = Lifecycle::restore(vec![closed(0, 10), closed(20, 30), open(40)], 0, None);
+        let lifecycle =
+            Lifecycle::restore(vec![closed(0, 10), closed(20, 30), open(40)], 0, 0, None);
         assert_eq!(lifecycle.starts_after(minute(-1)), Some(minute(0)));
         assert_eq!(
             lifecycle.starts_after(minute(0)),
@@ -1154,6 +1204,103 @@ pub(super) mod tests {
                 ("stop_while_not_running", next + 1)
             ],
             "the stop at 1 s ends the interval the resume at 0.9 s began"
+        );
+    }
+
+    /// A container created at the base time and then, one millisecond apart, `events` more
+    /// lifecycle entries of `kind`: positions 1, 2, … in that order.
+    fn created_then(kind: EntryKind, events: u64) -> Vec<ContainerEntry> {
+        (0..=events)
+            .map(|n| {
+                let n = i64::try_from(n).unwrap();
+                let kind = if n == 0 { Created } else { kind };
+                entry(n + 1, base() + Duration::milliseconds(n), kind)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_container_running_at_its_last_lifecycle_event_stops_there_and_later_ones_are_past_the_limit(
+    ) {
+        // Created, then resumed while running until it has walked LIFECYCLE_EVENTS_MAX
+        // lifecycle events; then a stop, a command, and a resume.
+        let mut entries = created_then(Resumed, LIFECYCLE_EVENTS_MAX - 1);
+        let last = entries.last().unwrap().occurred_at;
+        let next = entries.len() as i64 + 1;
+        entries.extend([
+            entry(next, last + Duration::seconds(1), Stopped),
+            entry(
+                next + 1,
+                last + Duration::seconds(2),
+                EntryKind::CommandRan { duration_ms: 5 },
+            ),
+            entry(next + 2, last + Duration::seconds(3), Resumed),
+        ]);
+        let timeline = ContainerTimeline::fold(&entries);
+        assert_eq!(timeline.intervals(), [Interval::new(base(), Some(last))]);
+        assert_eq!(timeline.state(), ContainerState::Stopped);
+        assert_eq!(
+            timeline.lifecycle().lifecycle_total(),
+            LIFECYCLE_EVENTS_MAX + 2
+        );
+        let kinds = anomalies(&timeline);
+        assert_eq!(kinds.len() as u64, LIFECYCLE_EVENTS_MAX - 1 + 3);
+        assert!(kinds[..kinds.len() - 3]
+            .iter()
+            .all(|(kind, _)| *kind == "resume_while_running"));
+        assert_eq!(
+            kinds[kinds.len() - 3..],
+            [
+                ("lifecycle_past_limit", next),
+                ("command_while_not_running", next + 1),
+                ("lifecycle_past_limit", next + 2)
+            ]
+        );
+
+        let mut lifecycle = Lifecycle::default();
+        let mut advanced = Vec::new();
+        for entry in &entries {
+            advanced.extend(lifecycle.advance(entry).unwrap());
+        }
+        assert_eq!(&lifecycle, timeline.lifecycle());
+        assert_eq!(advanced, timeline.anomalies());
+    }
+
+    #[test]
+    fn a_late_lifecycle_event_moves_which_lifecycle_events_are_past_the_limit() {
+        // Created at 0 and stopped at 1 ms, then stray stops one millisecond apart, as many
+        // lifecycle events as the limit; a resume at 1 ms arrives last, so that by
+        // (occurred_at, position) the stray stop at 2 ms ends a second interval and the
+        // last stop is one past the limit.
+        let mut entries = created_then(Stopped, LIFECYCLE_EVENTS_MAX - 1);
+        let strays = ContainerTimeline::fold(&entries);
+        assert_eq!(
+            strays.intervals(),
+            [Interval::new(
+                base(),
+                Some(base() + Duration::milliseconds(1))
+            )]
+        );
+        assert!(anomalies(&strays)
+            .iter()
+            .all(|(kind, _)| *kind == "stop_while_not_running"));
+        let last = entries.last().unwrap().position;
+        let millisecond = |n| base() + Duration::milliseconds(n);
+        entries.push(entry(last + 1, millisecond(1), Resumed));
+        let timeline = ContainerTimeline::fold(&entries);
+        assert_eq!(
+            timeline.intervals(),
+            [
+                Interval::new(base(), Some(millisecond(1))),
+                Interval::new(millisecond(1), Some(millisecond(2)))
+            ]
+        );
+        let kinds = anomalies(&timeline);
+        assert_eq!(kinds.last(), Some(&("lifecycle_past_limit", last)));
+        assert_eq!(
+            kinds.len() as u64,
+            anomalies(&strays).len() as u64 - 1,
+            "one stray is a real stop now, and one stop is past the limit"
         );
     }
 

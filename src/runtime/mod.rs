@@ -29,7 +29,7 @@ pub use account::{
 };
 pub use container::{
     Anomaly, AnomalyKind, CommandRun, ContainerEntry, ContainerState, ContainerTimeline, EntryKind,
-    IdleSpan, Interval, Late, Lifecycle, PortPublication, INTERVALS_MAX,
+    IdleSpan, Interval, Late, Lifecycle, PortPublication, INTERVALS_MAX, LIFECYCLE_EVENTS_MAX,
 };
 pub use day::{days, runtime_by_day, Day, DAYS_MAX};
 pub use period::{Period, PeriodError, Window};

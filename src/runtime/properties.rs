@@ -315,7 +315,7 @@ proptest! {
         let as_of = read_at + Duration::milliseconds(later_ms);
         for timeline in timelines(&history) {
             let all = timeline.lifecycle();
-            let tail = Lifecycle::restore(all.intervals_ending_after(read_at).to_vec(), 0, None);
+            let tail = Lifecycle::restore(all.intervals_ending_after(read_at).to_vec(), 0, 0, None);
             prop_assert_eq!(tail.running_at(as_of), all.running_at(as_of));
             prop_assert_eq!(tail.starts_after(as_of), all.starts_after(as_of));
             prop_assert_eq!(tail.running_since(), all.running_since());
@@ -370,7 +370,7 @@ proptest! {
             .map(ContainerTimeline::lifecycle)
             .filter(|lifecycle| lifecycle.last_at().is_some_and(|at| at > read_at))
             .map(|lifecycle| {
-                Lifecycle::restore(lifecycle.intervals_ending_after(read_at).to_vec(), 0, None)
+                Lifecycle::restore(lifecycle.intervals_ending_after(read_at).to_vec(), 0, 0, None)
             })
             .collect();
         for period in periods() {

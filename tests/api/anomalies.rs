@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use tally::event::canonical::timestamp;
 use tally::projection::model::ANOMALIES_KEPT_MAX;
-use tally::runtime::INTERVALS_MAX;
+use tally::runtime::{INTERVALS_MAX, LIFECYCLE_EVENTS_MAX};
 
 use crate::helpers::{mid_period, projected_to_head, projected_to_head_within, TestApp, TestDb};
 
@@ -307,6 +307,76 @@ async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_
         ("create", "ctr_new", json!("not_billing_eligible")),
         ("resume", "ctr_busy", json!("interval_limit")),
         ("resume", "ctr_1", json!("not_billing_eligible")),
+    ] {
+        let (status, answer) = app
+            .check_admission(
+                &json!({"org_id": "org_a", "action": action, "container_id": container}),
+            )
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(
+            answer["reasons"].as_array().unwrap().last(),
+            Some(&last_reason),
+            "{action} {container}"
+        );
+    }
+
+    replay(&app).await;
+    let (_, replayed) = app.get_container("ctr_busy", "").await;
+    assert_eq!(replayed, container, "replay folds the same limit");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_container_stops_at_its_last_lifecycle_event_within_the_limit_admission_says_so_and_replay_agrees(
+) {
+    let app = TestApp::spawn().await;
+    let start = mid_period();
+    let at = |millisecond: u64| start + Duration::milliseconds(millisecond as i64);
+    // Created, then resumed while running once a millisecond, up to LIFECYCLE_EVENTS_MAX
+    // lifecycle events; then stopped and resumed, both past the limit.
+    let mut events = vec![lifecycle_event("ctr_busy", "created", start)];
+    // And 40 more containers, created and stopped at once, so that admission keeps the org's
+    // facts per container asked about rather than holding them all.
+    for n in 0..40 {
+        let container = format!("ctr_{n}");
+        events.push(lifecycle_event(&container, "created", start));
+        events.push(lifecycle_event(&container, "stopped", start));
+    }
+    events.extend(
+        (1..LIFECYCLE_EVENTS_MAX)
+            .map(|millisecond| lifecycle_event("ctr_busy", "resumed", at(millisecond))),
+    );
+    events.push(lifecycle_event("ctr_busy", "stopped", at(600_000)));
+    events.push(lifecycle_event("ctr_busy", "resumed", at(700_000)));
+    for chunk in events.chunks(1000) {
+        let (status, body) = app.post_events(&json!({ "events": chunk })).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    projected_to_head_within(&app.pool, 120, "the lifecycle events are projected").await;
+
+    let (status, container) = app.get_container("ctr_busy", "").await;
+    assert_eq!(status, 200, "{container}");
+    assert_eq!(container["state"], "stopped");
+    let last = LIFECYCLE_EVENTS_MAX - 1;
+    assert_eq!(
+        container["intervals"],
+        json!([{"start": timestamp(start), "end": timestamp(at(last))}]),
+        "stopped at its last lifecycle event within the limit"
+    );
+    assert_eq!(container["runtime_ms"], last);
+    assert_eq!(
+        container["anomalies_total"],
+        (LIFECYCLE_EVENTS_MAX - 1) + 2,
+        "every resume while running, and both events past the limit"
+    );
+    // Admission says so before a resume is tried; another container may still be resumed
+    // and a new one created, whichever was asked about first.
+    for (action, container, last_reason) in [
+        ("resume", "ctr_busy", json!("lifecycle_limit")),
+        ("resume", "ctr_0", json!("not_billing_eligible")),
+        ("create", "ctr_new", json!("not_billing_eligible")),
+        ("resume", "ctr_busy", json!("lifecycle_limit")),
     ] {
         let (status, answer) = app
             .check_admission(

@@ -8,9 +8,11 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use tally::clock::Clock;
 use tally::ledger::Appender;
-use tally::projection::model::{ContainerKey, IdleCommands};
+use tally::projection::model::{
+    ContainerKey, IdleCommands, ANOMALIES_KEPT_MAX, LIFECYCLE_READ_MAX,
+};
 use tally::projection::{project_once, store, Round};
-use tally::runtime::IdleSpan;
+use tally::runtime::{IdleSpan, Interval, LIFECYCLE_EVENTS_MAX};
 
 use crate::helpers::TestDb;
 use crate::projection_handoff::{append_all, projection_rows, Script, LIMITS};
@@ -171,4 +173,94 @@ async fn idle_commands_are_counted_in_every_span_and_the_first_ones_read_in_orde
         .await
         .unwrap();
     assert_eq!(minutes(&idle[&c1]), (6, vec![1, 2, 5, 6, 7, 9]));
+}
+
+#[tokio::test]
+async fn a_late_lifecycle_event_of_a_container_past_its_lifecycle_limit_reads_no_more_than_the_limit_and_leaves_what_a_replay_builds(
+) {
+    let db = TestDb::new().await;
+    let pool = db.pool().await;
+    let (appender, _relay, _task) = Appender::start(pool.clone(), LIMITS);
+    let s = Script::new();
+    let at = |millisecond: i64| s.start + Duration::milliseconds(millisecond);
+    // acme's c1 created at 0 and stopped at 1 ms, then stray stops a millisecond apart,
+    // ten lifecycle events more than a refold reads.
+    let total = LIFECYCLE_READ_MAX as i64 + 10;
+    let mut created = s.created("acme", "c1", 0);
+    created.occurred_at = at(0);
+    let mut events = vec![created];
+    events.extend((1..total).map(|millisecond| {
+        let mut stop = s.stopped("acme", "c1", 0);
+        stop.occurred_at = at(millisecond);
+        stop
+    }));
+    let appends: Vec<Vec<_>> = events.chunks(1_000).map(<[_]>::to_vec).collect();
+    append_all(&appender, &appends).await;
+    assert_eq!(project(&pool).await, 0, "events in order refold nothing");
+    let stored = |pool: PgPool| async move {
+        let (intervals, anomalies, lifecycle): (String, i64, i64) = sqlx::query_as(
+            "SELECT intervals::TEXT, anomalies_total, lifecycle_total FROM proj.container \
+             WHERE org_id = 'acme' AND container_id = 'c1'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let intervals = store::decode_intervals(&intervals).unwrap();
+        (intervals, anomalies, lifecycle)
+    };
+    let past = total - LIFECYCLE_EVENTS_MAX as i64;
+    assert_eq!(
+        stored(pool.clone()).await,
+        (vec![Interval::new(at(0), Some(at(1)))], total - 2, total),
+        "the stop ends the interval, every other stop is stray or past the limit ({past})"
+    );
+    let projected = projection_rows(&pool).await;
+    replay(&db.url).await;
+    assert_eq!(
+        projection_rows(&pool).await,
+        projected,
+        "as replay folds it"
+    );
+
+    // Resumed at 1 ms, after the stop there: the stray stop at 2 ms ends a second interval.
+    let mut resumed = s.resumed("acme", "c1", 0);
+    resumed.occurred_at = at(1);
+    append_all(&appender, &[vec![resumed]]).await;
+    assert_eq!(
+        project(&pool).await,
+        LIFECYCLE_READ_MAX as usize,
+        "the first lifecycle events only, and no command"
+    );
+    assert_eq!(
+        stored(pool.clone()).await,
+        (
+            vec![
+                Interval::new(at(0), Some(at(1))),
+                Interval::new(at(1), Some(at(2)))
+            ],
+            total - 3,
+            total + 1
+        ),
+        "one stray stop is a real one, one more stop is past the limit"
+    );
+    let (last_kind, kept): (String, i64) = sqlx::query_as(
+        "SELECT (SELECT kind FROM proj.container_anomaly \
+                 ORDER BY occurred_at DESC, position DESC LIMIT 1), \
+                (SELECT count(*) FROM proj.container_anomaly)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (last_kind.as_str(), kept),
+        ("stop_while_not_running", ANOMALIES_KEPT_MAX as i64),
+        "the first anomalies are kept, all stray stops"
+    );
+    let projected = projection_rows(&pool).await;
+    replay(&db.url).await;
+    assert_eq!(
+        projection_rows(&pool).await,
+        projected,
+        "as replay folds it"
+    );
 }
