@@ -56,3 +56,29 @@ FROM (
     GROUP BY l.org_id, l.container_id
 ) n
 WHERE c.org_id = n.org_id AND c.container_id = n.container_id;
+
+-- The first `first_max` lifecycle events of each container (`org_ids[i]`, `container_ids[i]`)
+-- by (occurred_at, position), up to and including `until`, voided ones left out; each row
+-- names its container by `i`. A lifecycle refold reads them (store::read_histories). The
+-- read has to walk the lifecycle index in its order and stop at `first_max`: planned for a
+-- container the statistics do not know yet (the usual case: its events are new), Postgres
+-- read every one of a million lifecycle events and sorted them to keep the first 260 000
+-- (1.19 s, against 0.29 s in the index's order), so sorting is off for this function alone.
+CREATE FUNCTION tally_first_lifecycle_events(
+    org_ids TEXT[], container_ids TEXT[], until BIGINT, first_max BIGINT
+) RETURNS TABLE (owner BIGINT, event_position BIGINT, event_id UUID, event_type TEXT,
+                 event_occurred_at TIMESTAMPTZ)
+LANGUAGE sql STABLE
+SET enable_sort = off
+AS $function$
+    SELECT k.i, l.position, l.id, l.type, l.occurred_at
+    FROM UNNEST(org_ids, container_ids) WITH ORDINALITY k (org_id, container_id, i)
+    CROSS JOIN LATERAL (
+        SELECT position, id, type, occurred_at FROM ledger
+        WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id
+          AND type IN ('container.created', 'container.resumed', 'container.stopped')
+          AND position <= until
+          AND NOT EXISTS (SELECT 1 FROM proj.voided v WHERE v.event_id = ledger.id)
+        ORDER BY occurred_at, position
+        LIMIT first_max) l
+$function$;

@@ -323,7 +323,8 @@ pub enum History {
     /// `created`, `resumed` and `stopped`: what [`Changes::refold_lifecycle`] folds, read
     /// by instant from the ledger's partial index of them (the same types as its
     /// predicate), so that the container's commands are not read; only the first
-    /// [`LIFECYCLE_READ_MAX`] in (`occurred_at`, position) order.
+    /// [`LIFECYCLE_READ_MAX`] in (`occurred_at`, position) order, through the function
+    /// `tally_first_lifecycle_events`, which walks the index in its order and stops there.
     Lifecycle,
 }
 
@@ -342,33 +343,28 @@ pub async fn read_histories(
 ) -> Result<HashMap<ContainerKey, Vec<ContainerEntry>>, Error> {
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
-    let (figures, types, first) = match history {
-        History::Whole => (
-            "(data->>'duration_ms')::BIGINT, (data->>'port')::INTEGER",
-            "",
-            String::new(),
+    // The lifecycle events through a function that walks the lifecycle index in its order
+    // and stops at the first LIFECYCLE_READ_MAX (its migration says why it is a function).
+    let query = match history {
+        History::Whole => format!(
+            "SELECT k.i, l.* \
+             FROM UNNEST($1::TEXT[], $2::TEXT[]) WITH ORDINALITY k (org_id, container_id, i) \
+             CROSS JOIN LATERAL (SELECT position, id, type, occurred_at, \
+                 (data->>'duration_ms')::BIGINT, (data->>'port')::INTEGER FROM ledger \
+               WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
+                 AND position <= $3 \
+                 AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id)) l"
         ),
-        History::Lifecycle => (
-            "NULL::BIGINT, NULL::INTEGER",
-            "AND type IN ('container.created', 'container.resumed', 'container.stopped')",
-            format!("ORDER BY occurred_at, position LIMIT {LIFECYCLE_READ_MAX}"),
-        ),
+        History::Lifecycle => "SELECT h.*, NULL::BIGINT, NULL::INTEGER \
+             FROM tally_first_lifecycle_events($1::TEXT[], $2::TEXT[], $3, $4) h"
+            .to_owned(),
     };
     let mut histories: Vec<Vec<ContainerEntry>> = vec![Vec::new(); keys.len()];
-    let query = format!(
-        "SELECT k.i, l.* \
-         FROM UNNEST($1::TEXT[], $2::TEXT[]) WITH ORDINALITY k (org_id, container_id, i) \
-         CROSS JOIN LATERAL (SELECT position, id, type, occurred_at, {figures} FROM ledger \
-           WHERE ledger.container_id = k.container_id AND ledger.org_id = k.org_id \
-             {types} AND position <= $3 \
-             AND NOT EXISTS (SELECT 1 FROM {LIVE}.voided v WHERE v.event_id = ledger.id) \
-           {first}) l"
-    );
-    let mut rows = sqlx::query(&query)
-        .bind(&orgs)
-        .bind(&ids)
-        .bind(until)
-        .fetch(connection);
+    let mut query = sqlx::query(&query).bind(&orgs).bind(&ids).bind(until);
+    if history == History::Lifecycle {
+        query = query.bind(i64::try_from(LIFECYCLE_READ_MAX).expect("a small constant"));
+    }
+    let mut rows = query.fetch(connection);
     while let Some(row) = rows.try_next().await? {
         let index: i64 = row.try_get(0)?;
         let fields = EventFields {
