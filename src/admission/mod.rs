@@ -34,7 +34,6 @@ pub use checker::Checker;
 
 use crate::runtime::{
     self, AccountEntry, AccountTimeline, Lifecycle, Period, PeriodTotals, INTERVALS_MAX,
-    LIFECYCLE_EVENTS_MAX,
 };
 
 /// How long a check waits for the projection to include this instance's own appends
@@ -740,7 +739,8 @@ impl Prepared {
         let container_at_interval_limit =
             !container_started && target.is_some_and(|held| held.intervals_total >= INTERVALS_MAX);
         let container_at_lifecycle_limit = !container_started
-            && target.is_some_and(|held| held.lifecycle_total >= LIFECYCLE_EVENTS_MAX);
+            && target
+                .is_some_and(|held| runtime::resume_past_lifecycle_limit(held.lifecycle_total));
         let account = self.account.state_at(now);
         let versions = self
             .plans
@@ -857,7 +857,7 @@ pub const RECENT_INTERVALS_MAX: usize = 16;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ContainerFacts {
     intervals_total: usize,
-    /// How many lifecycle events it has ([`LIFECYCLE_EVENTS_MAX`]).
+    /// How many lifecycle events it has ([`runtime::LIFECYCLE_EVENTS_MAX`]).
     lifecycle_total: u64,
     recent: Lifecycle,
 }

@@ -210,6 +210,9 @@ impl Changes {
                 .or_insert_with(|| ContainerChange::of(stored.remove(&key)));
             change.run_last_at = change.run_last_at.max(Some(entry.occurred_at));
             change.run_lifecycle += u64::from(entry.kind.is_lifecycle());
+            if change.new.runs_past_the_lifecycle_limit() {
+                changes.late.insert(key.clone());
+            }
             if changes.late.contains(&key) {
                 continue;
             }
@@ -719,6 +722,32 @@ mod tests {
         ContainerKey {
             org_id: "org".into(),
             container_id: container.into(),
+        }
+    }
+
+    #[test]
+    fn a_stored_container_running_past_the_lifecycle_limit_is_refolded_at_its_next_event() {
+        // As a projection made before the limit may hold it: running, with more lifecycle
+        // events than the fold walks. Its stop would be past the limit and leave it
+        // running; it is refolded instead, and one within the limit is not.
+        for (lifecycle_total, late) in [(LIFECYCLE_EVENTS_MAX + 5, true), (10, false)] {
+            let stored = Lifecycle::restore(
+                vec![crate::runtime::Interval::new(at(1, 0), None)],
+                0,
+                lifecycle_total,
+                Some(at(1, 0)),
+            );
+            let changes = Changes::apply(
+                &[event(7, "c1", at(2, 0), Stopped)],
+                &[],
+                HashMap::from([(key("c1"), stored)]),
+            );
+            let refolded: Vec<&ContainerKey> = changes.late().collect();
+            assert_eq!(
+                refolded.len(),
+                usize::from(late),
+                "{lifecycle_total} events"
+            );
         }
     }
 

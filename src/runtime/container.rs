@@ -171,6 +171,13 @@ pub const INTERVALS_MAX: usize = 100_000;
 /// and 50 000 more. A constant, part of the fold, as [`INTERVALS_MAX`] is.
 pub const LIFECYCLE_EVENTS_MAX: u64 = 250_000;
 
+/// Whether a `resumed` after `lifecycle_total` lifecycle events of a container starts
+/// nothing because of [`LIFECYCLE_EVENTS_MAX`]: it is past the limit, or the last event
+/// within it, which stops the container at its own instant (a zero-length interval).
+pub fn resume_past_lifecycle_limit(lifecycle_total: u64) -> bool {
+    lifecycle_total + 1 >= LIFECYCLE_EVENTS_MAX
+}
+
 /// An event the state machine could not take at face value. Anomalies are recorded, not
 /// rejected: the ledger keeps every fact, and billing follows the table of contract §3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -562,6 +569,14 @@ impl Lifecycle {
     /// How many lifecycle entries were folded so far, past [`LIFECYCLE_EVENTS_MAX`] too.
     pub fn lifecycle_total(&self) -> u64 {
         self.lifecycle_total
+    }
+
+    /// Whether this lifecycle is one no fold gives: running with [`LIFECYCLE_EVENTS_MAX`]
+    /// lifecycle entries or more. Only a projection made before the limit holds one (its
+    /// migration counted the entries of a fold that had none), and every later stop of it
+    /// would be past the limit, so a projector folds such a container again.
+    pub fn runs_past_the_lifecycle_limit(&self) -> bool {
+        self.lifecycle_total >= LIFECYCLE_EVENTS_MAX && self.state() == ContainerState::Running
     }
 
     /// The latest `occurred_at` folded; `None` before the first entry.
@@ -1264,6 +1279,29 @@ pub(super) mod tests {
         }
         assert_eq!(&lifecycle, timeline.lifecycle());
         assert_eq!(advanced, timeline.anomalies());
+    }
+
+    #[test]
+    fn a_resume_starts_nothing_exactly_when_it_would_be_the_last_lifecycle_event_within_the_limit_or_later(
+    ) {
+        // Created at 0 and stopped at 1 ms, then stray stops, `before` lifecycle events in
+        // all; then resumed an hour later.
+        for before in [
+            LIFECYCLE_EVENTS_MAX - 2,
+            LIFECYCLE_EVENTS_MAX - 1,
+            LIFECYCLE_EVENTS_MAX,
+        ] {
+            let mut entries = created_then(Stopped, before - 1);
+            let resumed_at = base() + Duration::hours(1);
+            entries.push(entry(before as i64 + 1, resumed_at, Resumed));
+            let timeline = ContainerTimeline::fold(&entries);
+            let window = Window::new(resumed_at, resumed_at + Duration::hours(1));
+            assert_eq!(
+                timeline.runtime_ms(window) == 0,
+                resume_past_lifecycle_limit(before),
+                "a resume after {before} lifecycle events"
+            );
+        }
     }
 
     #[test]

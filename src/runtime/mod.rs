@@ -28,8 +28,9 @@ pub use account::{
     AccountChange, AccountEntry, AccountState, AccountStateChange, AccountTimeline, FREE_PLAN,
 };
 pub use container::{
-    Anomaly, AnomalyKind, CommandRun, ContainerEntry, ContainerState, ContainerTimeline, EntryKind,
-    IdleSpan, Interval, Late, Lifecycle, PortPublication, INTERVALS_MAX, LIFECYCLE_EVENTS_MAX,
+    resume_past_lifecycle_limit, Anomaly, AnomalyKind, CommandRun, ContainerEntry, ContainerState,
+    ContainerTimeline, EntryKind, IdleSpan, Interval, Late, Lifecycle, PortPublication,
+    INTERVALS_MAX, LIFECYCLE_EVENTS_MAX,
 };
 pub use day::{days, runtime_by_day, Day, DAYS_MAX};
 pub use period::{Period, PeriodError, Window};
