@@ -46,8 +46,8 @@ SELECT tally_container_lifecycle_limit('proj');
 -- The live projection's containers count what it has folded: their lifecycle events up to
 -- its checkpoint, voided ones left out. A projection that already holds a container past
 -- the limit keeps its fold until `tally replay` folds the ledger again under the limit, or
--- the container's next event refolds it (the projector refolds one that runs with that
--- many, which no fold gives). Older instances must be stopped before this runs: they would
+-- a late lifecycle event or a void refolds the container; one still running, which no
+-- fold gives, the projector refolds at its next event. Older instances must be stopped before this runs: they would
 -- go on projecting without the count.
 UPDATE proj.container c SET lifecycle_total = n.total
 FROM (

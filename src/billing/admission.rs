@@ -100,8 +100,8 @@ pub struct Facts<'a> {
     /// Whether the named container is stopped with [`crate::runtime::INTERVALS_MAX`]
     /// intervals (`resume`).
     pub container_at_interval_limit: bool,
-    /// Whether the named container is stopped with
-    /// [`crate::runtime::LIFECYCLE_EVENTS_MAX`] lifecycle events (`resume`).
+    /// Whether the named container is stopped with so many lifecycle events that its
+    /// resume would start nothing ([`crate::runtime::resume_past_lifecycle_limit`]).
     pub container_at_lifecycle_limit: bool,
     /// Distinct (container, port) pairs published in `period`.
     pub ports_published: u64,

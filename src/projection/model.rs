@@ -180,7 +180,8 @@ pub struct Changes {
 
 impl Changes {
     /// Applies `events` (in position order) to the `stored` lifecycles of their containers.
-    /// Containers that a late lifecycle event or a void reached are listed by
+    /// Containers that a late lifecycle event or a void reached, or stored as no fold gives
+    /// ([`Lifecycle::runs_past_the_lifecycle_limit`]), are listed by
     /// [`Changes::late`] and must be refolded before [`Changes::finish`]: with
     /// [`Changes::refold_lifecycle`], or with their whole history by [`Changes::refold`]
     /// where [`Changes::reached_by_void`] says so (either where no void reached them).
@@ -363,7 +364,7 @@ impl Changes {
     }
 
     /// Containers whose history must be read again: a late lifecycle event or a void
-    /// reached them.
+    /// reached them, or they were stored running past the lifecycle limit.
     pub fn late(&self) -> impl Iterator<Item = &ContainerKey> {
         self.late.iter()
     }

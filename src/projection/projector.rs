@@ -467,7 +467,7 @@ pub async fn project_once(
     })
 }
 
-/// Refolds the containers a late lifecycle event or a void reached, from the ledger up to
+/// Refolds the late containers ([`Changes::late`]), from the ledger up to
 /// `position`: from their lifecycle events and the commands in their idle spans, or from
 /// their whole history when a void reached them. Returns how many events it read.
 async fn refold(

@@ -265,7 +265,8 @@ pub struct ContainerTimeline {
 /// many anomalies there were, and the latest `occurred_at` seen. A projection stores this
 /// per container and counts commands and ports as they come, so that an event later than
 /// everything before it, or a late command or port ([`Lifecycle::advance`]), needs no
-/// history; only a late lifecycle event needs a refold.
+/// history; only a late lifecycle event needs a refold (or a lifecycle stored before
+/// [`LIFECYCLE_EVENTS_MAX`], see [`Lifecycle::runs_past_the_lifecycle_limit`]).
 ///
 /// The anomalies themselves are not carried: [`Lifecycle::advance`] hands each new one to
 /// its caller, which appends it to wherever it keeps them. Carrying the list made every
