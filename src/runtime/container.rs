@@ -1135,6 +1135,18 @@ pub(super) mod tests {
         assert_eq!(lifecycle, before);
     }
 
+    /// Advances a lifecycle over `entries`, in order, and checks that it ends as their
+    /// fold `timeline` does, with the same anomalies.
+    fn assert_advancing_gives_the_fold(entries: &[ContainerEntry], timeline: &ContainerTimeline) {
+        let mut lifecycle = Lifecycle::default();
+        let mut advanced = Vec::new();
+        for entry in entries {
+            advanced.extend(lifecycle.advance(entry).unwrap());
+        }
+        assert_eq!(&lifecycle, timeline.lifecycle());
+        assert_eq!(advanced, timeline.anomalies());
+    }
+
     /// A container created at the base time, then stopped one second after each start and
     /// resumed one second after each stop until it has `intervals` intervals, and stopped:
     /// positions 1, 2, … in that order.
@@ -1181,13 +1193,7 @@ pub(super) mod tests {
             "a second per interval, none after the limit"
         );
 
-        let mut lifecycle = Lifecycle::default();
-        let mut advanced = Vec::new();
-        for entry in &entries {
-            advanced.extend(lifecycle.advance(entry).unwrap());
-        }
-        assert_eq!(&lifecycle, timeline.lifecycle());
-        assert_eq!(advanced, timeline.anomalies());
+        assert_advancing_gives_the_fold(&entries, &timeline);
     }
 
     #[test]
@@ -1273,13 +1279,7 @@ pub(super) mod tests {
             ]
         );
 
-        let mut lifecycle = Lifecycle::default();
-        let mut advanced = Vec::new();
-        for entry in &entries {
-            advanced.extend(lifecycle.advance(entry).unwrap());
-        }
-        assert_eq!(&lifecycle, timeline.lifecycle());
-        assert_eq!(advanced, timeline.anomalies());
+        assert_advancing_gives_the_fold(&entries, &timeline);
     }
 
     #[test]

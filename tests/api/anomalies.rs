@@ -245,6 +245,38 @@ fn lifecycle_event(container: &str, kind: &str, at: DateTime<Utc>) -> Value {
     })
 }
 
+/// 40 containers of org_a, created and stopped at `at`: with them, admission keeps the org's
+/// facts per container asked about rather than holding them all.
+fn forty_stopped_containers(at: DateTime<Utc>) -> Vec<Value> {
+    (0..40)
+        .flat_map(|n| {
+            let container = format!("ctr_{n}");
+            [
+                lifecycle_event(&container, "created", at),
+                lifecycle_event(&container, "stopped", at),
+            ]
+        })
+        .collect()
+}
+
+/// Asks admission each (action, container of org_a) in turn and checks the last reason of
+/// each answer.
+async fn assert_last_reasons(app: &TestApp, cases: &[(&str, &str, &str)]) {
+    for (action, container, last_reason) in cases {
+        let (status, answer) = app
+            .check_admission(
+                &json!({"org_id": "org_a", "action": action, "container_id": container}),
+            )
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(
+            answer["reasons"].as_array().unwrap().last(),
+            Some(&json!(last_reason)),
+            "{action} {container}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_replay_agrees() {
     let app = TestApp::spawn().await;
@@ -254,13 +286,7 @@ async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_
     // stop until the container has INTERVALS_MAX intervals of 1 ms, and stopped; then
     // resumed once more, ten minutes after the start.
     let mut events = vec![lifecycle_event("ctr_busy", "created", start)];
-    // And 40 more containers, created and stopped at once, so that admission keeps the org's
-    // facts per container asked about rather than holding them all.
-    for n in 0..40 {
-        let container = format!("ctr_{n}");
-        events.push(lifecycle_event(&container, "created", start));
-        events.push(lifecycle_event(&container, "stopped", start));
-    }
+    events.extend(forty_stopped_containers(start));
     events.extend((1..INTERVALS_MAX * 2).map(|millisecond| {
         let kind = if millisecond % 2 == 1 {
             "stopped"
@@ -301,25 +327,17 @@ async fn a_container_at_its_interval_limit_is_not_resumed_admission_says_so_and_
     assert_eq!(usage["running_containers"], 0);
     // Admission says so before a resume is tried; another container may still be resumed
     // and a new one created, whichever was asked about first.
-    for (action, container, last_reason) in [
-        ("resume", "ctr_busy", json!("interval_limit")),
-        ("resume", "ctr_0", json!("not_billing_eligible")),
-        ("create", "ctr_new", json!("not_billing_eligible")),
-        ("resume", "ctr_busy", json!("interval_limit")),
-        ("resume", "ctr_1", json!("not_billing_eligible")),
-    ] {
-        let (status, answer) = app
-            .check_admission(
-                &json!({"org_id": "org_a", "action": action, "container_id": container}),
-            )
-            .await;
-        assert_eq!(status, 200, "{answer}");
-        assert_eq!(
-            answer["reasons"].as_array().unwrap().last(),
-            Some(&last_reason),
-            "{action} {container}"
-        );
-    }
+    assert_last_reasons(
+        &app,
+        &[
+            ("resume", "ctr_busy", "interval_limit"),
+            ("resume", "ctr_0", "not_billing_eligible"),
+            ("create", "ctr_new", "not_billing_eligible"),
+            ("resume", "ctr_busy", "interval_limit"),
+            ("resume", "ctr_1", "not_billing_eligible"),
+        ],
+    )
+    .await;
 
     replay(&app).await;
     let (_, replayed) = app.get_container("ctr_busy", "").await;
@@ -336,13 +354,7 @@ async fn a_container_stops_at_its_last_lifecycle_event_within_the_limit_admissio
     // Created, then resumed while running once a millisecond, up to LIFECYCLE_EVENTS_MAX
     // lifecycle events; then stopped and resumed, both past the limit.
     let mut events = vec![lifecycle_event("ctr_busy", "created", start)];
-    // And 40 more containers, created and stopped at once, so that admission keeps the org's
-    // facts per container asked about rather than holding them all.
-    for n in 0..40 {
-        let container = format!("ctr_{n}");
-        events.push(lifecycle_event(&container, "created", start));
-        events.push(lifecycle_event(&container, "stopped", start));
-    }
+    events.extend(forty_stopped_containers(start));
     events.extend(
         (1..LIFECYCLE_EVENTS_MAX)
             .map(|millisecond| lifecycle_event("ctr_busy", "resumed", at(millisecond))),
@@ -372,24 +384,16 @@ async fn a_container_stops_at_its_last_lifecycle_event_within_the_limit_admissio
     );
     // Admission says so before a resume is tried; another container may still be resumed
     // and a new one created, whichever was asked about first.
-    for (action, container, last_reason) in [
-        ("resume", "ctr_busy", json!("lifecycle_limit")),
-        ("resume", "ctr_0", json!("not_billing_eligible")),
-        ("create", "ctr_new", json!("not_billing_eligible")),
-        ("resume", "ctr_busy", json!("lifecycle_limit")),
-    ] {
-        let (status, answer) = app
-            .check_admission(
-                &json!({"org_id": "org_a", "action": action, "container_id": container}),
-            )
-            .await;
-        assert_eq!(status, 200, "{answer}");
-        assert_eq!(
-            answer["reasons"].as_array().unwrap().last(),
-            Some(&last_reason),
-            "{action} {container}"
-        );
-    }
+    assert_last_reasons(
+        &app,
+        &[
+            ("resume", "ctr_busy", "lifecycle_limit"),
+            ("resume", "ctr_0", "not_billing_eligible"),
+            ("create", "ctr_new", "not_billing_eligible"),
+            ("resume", "ctr_busy", "lifecycle_limit"),
+        ],
+    )
+    .await;
 
     replay(&app).await;
     let (_, replayed) = app.get_container("ctr_busy", "").await;

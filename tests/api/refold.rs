@@ -44,6 +44,14 @@ async fn replay(url: &str) {
     helper.close().await.unwrap();
 }
 
+/// Replays the ledger at `url` and checks that the projection is the one it held, row for
+/// row.
+async fn replay_builds_the_same(pool: &PgPool, url: &str) {
+    let projected = projection_rows(pool).await;
+    replay(url).await;
+    assert_eq!(projection_rows(pool).await, projected, "as replay folds it");
+}
+
 #[tokio::test]
 async fn a_late_stop_or_resume_brings_back_the_lifecycle_and_the_idle_commands_alone_and_leaves_what_a_replay_builds(
 ) {
@@ -95,9 +103,7 @@ async fn a_late_stop_or_resume_brings_back_the_lifecycle_and_the_idle_commands_a
         (21, 21),
         "commands while not running"
     );
-    let projected = projection_rows(&pool).await;
-    replay(&db.url).await;
-    assert_eq!(projection_rows(&pool).await, projected);
+    replay_builds_the_same(&pool, &db.url).await;
 }
 
 #[tokio::test]
@@ -214,13 +220,7 @@ async fn a_late_lifecycle_event_of_a_container_past_its_lifecycle_limit_reads_no
         (vec![Interval::new(at(0), Some(at(1)))], total - 2, total),
         "the stop ends the interval, every other stop is stray or past the limit ({past})"
     );
-    let projected = projection_rows(&pool).await;
-    replay(&db.url).await;
-    assert_eq!(
-        projection_rows(&pool).await,
-        projected,
-        "as replay folds it"
-    );
+    replay_builds_the_same(&pool, &db.url).await;
 
     // Resumed at 1 ms, after the stop there: the stray stop at 2 ms ends a second interval.
     let mut resumed = s.resumed("acme", "c1", 0);
@@ -256,11 +256,5 @@ async fn a_late_lifecycle_event_of_a_container_past_its_lifecycle_limit_reads_no
         ("stop_while_not_running", ANOMALIES_KEPT_MAX as i64),
         "the first anomalies are kept, all stray stops"
     );
-    let projected = projection_rows(&pool).await;
-    replay(&db.url).await;
-    assert_eq!(
-        projection_rows(&pool).await,
-        projected,
-        "as replay folds it"
-    );
+    replay_builds_the_same(&pool, &db.url).await;
 }
