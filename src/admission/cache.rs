@@ -484,8 +484,8 @@ pub(crate) fn record_wait(waited_for: &'static str, since: std::time::Instant) {
 /// Which of an org's kept facts answer a request: the container counts for the actions
 /// that need it running, and for a `resume`, which asks how many intervals and lifecycle
 /// events it has (`interval_limit`, `lifecycle_limit`); a `create` names a container that
-/// does not exist yet. `None`: nothing kept answers it (a `run` or `publish_port` naming no container, which HTTP
-/// refuses anyway).
+/// does not exist yet. `None`: nothing kept answers it (a `run` or `publish_port` naming
+/// no container, which HTTP refuses anyway).
 fn key(request: &Request) -> Option<Option<ContainerId>> {
     match request.action {
         Action::Run | Action::PublishPort => request.container_id.clone().map(Some),

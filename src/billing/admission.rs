@@ -52,8 +52,9 @@ pub enum Reason {
     /// `resume` of a stopped container that has as many running intervals as a container
     /// may have: its resume would start nothing (decision 0053).
     IntervalLimit,
-    /// `resume` of a stopped container that has as many lifecycle events as the fold
-    /// walks: its resume would start nothing (decision 0056).
+    /// `resume` of a stopped container with so many lifecycle events that its resume would
+    /// be the last the fold walks, which stops it at once, or past it: it would start
+    /// nothing (decision 0056).
     LifecycleLimit,
     ContainerNotRunning,
     PortLimit,

@@ -580,8 +580,7 @@ pub async fn load_lifecycles(
     let orgs: Vec<&str> = keys.iter().map(|key| key.org_id.as_str()).collect();
     let ids: Vec<&str> = keys.iter().map(|key| key.container_id.as_str()).collect();
     let rows: Vec<LifecycleRow> = sqlx::query_as(&format!(
-        "SELECT c.org_id, c.container_id, c.intervals::TEXT AS intervals, \
-                c.anomalies_total, c.lifecycle_total, c.last_at \
+        "SELECT {CONTAINER_COLUMNS} \
          FROM UNNEST($1::TEXT[], $2::TEXT[]) AS k(org_id, container_id) \
          JOIN {schema}.container c USING (container_id, org_id)"
     ))
